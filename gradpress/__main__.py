@@ -1,0 +1,5 @@
+import sys
+
+from gradpress.cli import main
+
+sys.exit(main())

@@ -1,0 +1,47 @@
+"""The ``gradpress`` command line.
+
+Each subcommand lives in its own module under ``gradpress/commands/`` and
+exposes ``register(subparsers)``, which adds its parser and sets
+``func=callable(args) -> int``. Adding a command means adding a file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import sys
+
+import gradpress.commands as commands_pkg
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gradpress",
+        description="Communication-efficient data-parallel training: compress what workers exchange.",
+    )
+    from gradpress import __version__
+
+    parser.add_argument("--version", action="version", version=f"gradpress {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for mod in sorted(pkgutil.iter_modules(commands_pkg.__path__), key=lambda m: m.name):
+        module = importlib.import_module(f"gradpress.commands.{mod.name}")
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except ValueError as exc:
+        print(f"gradpress {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

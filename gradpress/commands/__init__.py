@@ -1,0 +1,1 @@
+"""Subcommands of the ``gradpress`` CLI; one module each, exposing ``register(subparsers)``."""

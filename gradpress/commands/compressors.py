@@ -1,0 +1,34 @@
+"""``gradpress compressors``: list every registered compressor with its
+parameters, defaults and traits."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from gradpress.compress import describe
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("compressors", help="list compressors, their parameters, defaults and traits")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=run)
+
+
+def _flag(v: bool) -> str:
+    return "yes" if v else "-"
+
+
+def run(args: argparse.Namespace) -> int:
+    rows = describe()
+    if args.json:
+        print(json.dumps(rows, indent=2, default=str))
+        return 0
+    print(f"{'name':<14} {'summable':<9} {'unbiased':<9} {'EF':<4} {'parameters (default; allowed)'}")
+    for r in rows:
+        params = "; ".join(f"{p['name']}={p['default']} ({p['allowed']})" for p in r["params"]) or "-"
+        print(f"{r['name']:<14} {_flag(r['summable']):<9} {_flag(r['unbiased']):<9} "
+              f"{'on' if r['error_feedback_default'] else 'off':<4} {params}")
+        if r["summary"]:
+            print(f"{'':<14} {r['summary']}")
+    return 0

@@ -1,0 +1,292 @@
+"""The compressor contract shared by every method.
+
+A compressor turns a tensor into a :class:`Packet` (the payload tensors that
+travel on the wire, plus the metadata every rank already knows: shape, dtype)
+and back. It declares the traits the strategies rely on:
+
+* ``summable``: packets of different ranks can be added payload-by-payload
+  before decoding (and ``decode(sum) == sum(decode)``), so allreduce works.
+* ``unbiased``: E[decode(encode(x))] == x.
+* ``variable_size``: the payload size depends on the data (threshold methods);
+  the wire then carries a small header of element counts.
+* ``stateful``: keeps per-tensor state (momentum, factors, counters) that goes
+  into ``state_dict``.
+
+Invariant: ``decode(encode(x))`` has the shape and dtype of ``x`` and
+``packet.nbytes`` is exactly the number of bytes the payload occupies on the
+wire (bit-packed where the method packs bits).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Mapping
+
+import torch
+
+__all__ = [
+    "Compressor",
+    "Context",
+    "Packet",
+    "Param",
+    "derive_seed",
+    "generator_for",
+]
+
+
+def derive_seed(*parts: Any) -> int:
+    """A 63-bit seed from ``parts`` (run seed, step, tensor key, ...).
+
+    Uses BLAKE2b over a canonical text form, never Python's ``hash()`` (which
+    is salted per process), so every rank derives the same value.
+    """
+    text = "\x1f".join(str(p) for p in parts).encode()
+    digest = hashlib.blake2b(text, digest_size=8).digest()
+    return struct.unpack("<Q", digest)[0] & ((1 << 63) - 1)
+
+
+def generator_for(device: torch.device, seed: int) -> torch.Generator:
+    """A torch generator on ``device`` seeded with ``seed``."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    return gen
+
+
+@dataclass(frozen=True)
+class Context:
+    """What a compressor may know about the call besides the tensor.
+
+    ``key`` names the tensor (stable across steps: parameter name), ``step``
+    is the synchronous step all ranks agree on, ``rank``/``world_size`` the
+    caller's place. ``shared_seed`` is equal on every rank (shared randomness:
+    random-k indices, PowerSGD init); ``private_seed`` differs per rank
+    (independent stochastic rounding, so averaging reduces variance).
+    """
+
+    key: str = ""
+    step: int = 0
+    rank: int = 0
+    world_size: int = 1
+    seed: int = 0
+
+    @property
+    def shared_seed(self) -> int:
+        return derive_seed("shared", self.seed, self.step, self.key)
+
+    @property
+    def private_seed(self) -> int:
+        return derive_seed("private", self.seed, self.step, self.key, self.rank)
+
+
+@dataclass
+class Packet:
+    """Encoded form of one tensor.
+
+    ``tensors`` are the payload, in a fixed order, each 1-D and contiguous;
+    they are what goes on the wire. ``shape``/``dtype`` are known to every
+    rank and are not sent. ``meta`` holds extra per-call facts that every rank
+    can recompute (for example PowerSGD's matrix view) and is never sent.
+    """
+
+    tensors: list[torch.Tensor]
+    shape: torch.Size
+    dtype: torch.dtype
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        """Exact number of payload bytes on the wire."""
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class Param:
+    """A typed, validated compressor parameter.
+
+    ``check`` returns True for allowed values; ``allowed`` says in words what
+    is allowed (used in error messages and in ``gradpress compressors``).
+    """
+
+    name: str
+    type: type
+    default: Any
+    allowed: str = "any"
+    check: Callable[[Any], bool] | None = None
+    doc: str = ""
+
+    def coerce(self, value: Any, owner: str) -> Any:
+        """Convert ``value`` (possibly a spec-string token) and validate it."""
+        try:
+            if self.type is bool and isinstance(value, str):
+                low = value.strip().lower()
+                if low in ("1", "true", "yes", "on"):
+                    value = True
+                elif low in ("0", "false", "no", "off"):
+                    value = False
+                else:
+                    raise ValueError(value)
+            elif self.type is int and isinstance(value, str):
+                as_float = float(value)
+                if not as_float.is_integer():
+                    raise ValueError(value)
+                value = int(as_float)
+            elif self.type is int and isinstance(value, float):
+                if not value.is_integer():
+                    raise ValueError(value)
+                value = int(value)
+            elif self.type is int and isinstance(value, bool):
+                raise ValueError(value)
+            elif value is not None and not isinstance(value, self.type):
+                value = self.type(value)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"compressor {owner!r}: parameter {self.name!r} got {value!r}; "
+                f"expected {self.type.__name__} ({self.allowed})"
+            ) from None
+        if self.type is float and isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(
+                f"compressor {owner!r}: parameter {self.name!r} got {value!r}; allowed: {self.allowed}"
+            )
+        if self.check is not None and not self.check(value):
+            raise ValueError(
+                f"compressor {owner!r}: parameter {self.name!r} got {value!r}; allowed: {self.allowed}"
+            )
+        return value
+
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+class Compressor:
+    """Base class. Subclasses set ``name``, ``PARAMS`` and the traits, and
+    implement ``encode``/``decode``.
+
+    Parameters are passed as keywords, validated against ``PARAMS`` and stored
+    as attributes. ``seed`` (the run seed) is set by the integration layer.
+    """
+
+    name: ClassVar[str] = ""
+    PARAMS: ClassVar[tuple[Param, ...]] = ()
+    summable: ClassVar[bool] = False
+    unbiased: ClassVar[bool] = False
+    variable_size: ClassVar[bool] = False
+    stateful: ClassVar[bool] = False
+    #: aggregation of decoded tensors across ranks: "mean" or "majority"
+    aggregation: ClassVar[str] = "mean"
+    #: index of the floating "values" payload a second-stage quantizer may
+    #: compress in a composition ("topk>natural"); None when there is none.
+    values_index: ClassVar[int | None] = None
+    #: one-line description with the paper.
+    summary: ClassVar[str] = ""
+    #: number of exchange rounds; > 1 means the strategy drives the
+    #: ``begin``/``advance``/``finish`` protocol below (PowerSGD: P then Q).
+    rounds: ClassVar[int] = 1
+
+    def __init__(self, **params: Any) -> None:
+        known = {p.name: p for p in self.PARAMS}
+        unknown = sorted(set(params) - set(known))
+        if unknown:
+            allowed = ", ".join(known) or "none"
+            raise ValueError(
+                f"compressor {self.name!r}: unknown parameter {unknown[0]!r}; allowed parameters: {allowed}"
+            )
+        for p in self.PARAMS:
+            value = params.get(p.name, p.default)
+            setattr(self, p.name, p.coerce(value, self.name) if value is not None else None)
+        self.seed = 0
+        self._calls = 0
+        self._validate()
+
+    # ----- hooks for subclasses -------------------------------------------------
+    def _validate(self) -> None:
+        """Cross-parameter checks; raise ValueError naming the field."""
+
+    @property
+    def default_error_feedback(self) -> bool:
+        """Error feedback is on by default for biased compressors."""
+        return not self.is_unbiased
+
+    @property
+    def is_unbiased(self) -> bool:
+        """Unbiasedness for this instance (may depend on parameters)."""
+        return type(self).unbiased
+
+    @property
+    def is_summable(self) -> bool:
+        return type(self).summable
+
+    def encode(self, x: torch.Tensor, ctx: Context | None = None) -> Packet:
+        raise NotImplementedError
+
+    def decode(self, packet: Packet) -> torch.Tensor:
+        raise NotImplementedError
+
+    def wire_bytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
+        """Payload bytes for an input of ``numel`` elements (fixed-size
+        methods; variable-size methods return their expected size)."""
+        x = torch.zeros(numel, dtype=dtype)
+        if numel:
+            x[0] = 1.0
+        return self.encode(x, Context()).nbytes
+
+    # ----- multi-round protocol (rounds > 1) -----------------------------------
+    def begin(self, x: torch.Tensor, ctx: Context) -> tuple[Any, torch.Tensor | None]:
+        """Start the protocol for ``x``: ``(state, first tensor to allreduce-sum)``;
+        ``(None, None)`` when ``x`` should travel dense instead."""
+        raise NotImplementedError
+
+    def advance(self, state: Any, reduced: torch.Tensor, ctx: Context) -> torch.Tensor | None:
+        """Given the sum over ranks of the last outgoing tensor, the next one
+        to allreduce-sum, or None when done."""
+        raise NotImplementedError
+
+    def finish(self, state: Any) -> torch.Tensor:
+        """The averaged approximation, with the shape and dtype of ``x``."""
+        raise NotImplementedError
+
+    # ----- state ---------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if state:
+            raise ValueError(f"compressor {self.name!r} keeps no state but was given {sorted(state)}")
+
+    # ----- helpers ---------------------------------------------------------------
+    def config(self) -> dict[str, Any]:
+        """Canonical parameter mapping (used in digests and specs)."""
+        return {p.name: getattr(self, p.name) for p in self.PARAMS}
+
+    def spec(self) -> str:
+        """A spec string that rebuilds this compressor."""
+        cfg = self.config()
+        if not cfg:
+            return self.name
+        return self.name + ":" + ",".join(f"{k}={v}" for k, v in cfg.items())
+
+    def __repr__(self) -> str:
+        return f"<compressor {self.spec()}>"
+
+    def _context(self, ctx: Context | None) -> Context:
+        """Default context for standalone use: a fresh step per call so that
+        repeated calls draw fresh randomness."""
+        if ctx is not None:
+            return ctx
+        self._calls += 1
+        return Context(step=self._calls, seed=self.seed)
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"compressor {self.name!r}: expected a torch.Tensor, got {type(x).__name__}")
+        if x.dtype not in SUPPORTED_DTYPES:
+            allowed = ", ".join(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES)
+            raise ValueError(
+                f"compressor {self.name!r}: dtype {str(x.dtype).replace('torch.', '')} is not supported; allowed: {allowed}"
+            )

@@ -1,0 +1,87 @@
+"""Composition ``first>second``: the second (a stateless, fixed-size
+quantizer) compresses the floating values the first one keeps.
+
+Used for top-k followed by an unbiased quantizer (Beznosikov et al., "On
+Biased Compression for Distributed Learning", 2020): ``topk:ratio=0.01>natural``.
+
+Invariant: the first stage's packet is ``[values, indices, ...]`` with one
+index per value (``values_index == 0``), so a remote packet's value count is
+read off its index tensor; the second stage's payload replaces ``values``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from gradpress.compress.base import Compressor, Context, Packet
+
+
+class Composed(Compressor):
+    name = "compose"
+
+    def __init__(self, first: Compressor, second: Compressor) -> None:
+        if first.values_index != 0:
+            raise ValueError(
+                f"compressor {first.name!r} keeps no separate values that a second stage could "
+                "quantize; the first stage of 'a>b' must be a sparsifier (topk, randomk, threshold, ...)"
+            )
+        if second.stateful or second.variable_size or second.is_summable and second.name == "none":
+            raise ValueError(
+                f"compressor {second.name!r} cannot be a second stage: it must be a stateless, "
+                "fixed-size quantizer (natural, qsgd, fp16, terngrad, ...)"
+            )
+        super().__init__()
+        self.first = first
+        self.second = second
+        probe = second.encode(torch.ones(4), Context(key="__probe__"))
+        self._second_tensors = len(probe.tensors)
+
+    @property
+    def is_unbiased(self) -> bool:
+        return self.first.is_unbiased and self.second.is_unbiased
+
+    @property
+    def is_summable(self) -> bool:
+        return False
+
+    @property
+    def default_error_feedback(self) -> bool:
+        return self.first.default_error_feedback or self.second.default_error_feedback
+
+    @property
+    def variable_size(self) -> bool:  # type: ignore[override]
+        return self.first.variable_size
+
+    @property
+    def stateful(self) -> bool:  # type: ignore[override]
+        return self.first.stateful
+
+    def config(self) -> dict[str, Any]:
+        return {"first": self.first.spec(), "second": self.second.spec()}
+
+    def spec(self) -> str:
+        return f"{self.first.spec()}>{self.second.spec()}"
+
+    def encode(self, x: torch.Tensor, ctx: Context | None = None) -> Packet:
+        ctx = self._context(ctx)
+        outer = self.first.encode(x, ctx)
+        values, rest = outer.tensors[0], outer.tensors[1:]
+        inner_ctx = Context(ctx.key + "/values", ctx.step, ctx.rank, ctx.world_size, ctx.seed)
+        inner = self.second.encode(values, inner_ctx)
+        return Packet(inner.tensors + rest, outer.shape, outer.dtype)
+
+    def decode(self, packet: Packet) -> torch.Tensor:
+        inner_tensors = packet.tensors[: self._second_tensors]
+        rest = packet.tensors[self._second_tensors :]
+        count = rest[0].numel()
+        values_dtype = packet.dtype
+        values = self.second.decode(Packet(inner_tensors, torch.Size([count]), values_dtype))
+        return self.first.decode(Packet([values] + rest, packet.shape, packet.dtype))
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.first.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.first.load_state_dict(state)

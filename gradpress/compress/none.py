@@ -1,0 +1,24 @@
+"""``none``: the identity. Summable and unbiased; the baseline every method is
+compared with. Packet: the tensor itself, flattened."""
+
+from __future__ import annotations
+
+import torch
+
+from gradpress.compress.base import Compressor, Context, Packet
+from gradpress.compress.registry import register
+
+
+@register
+class NoCompression(Compressor):
+    name = "none"
+    summable = True
+    unbiased = True
+    summary = "no compression (dense baseline)"
+
+    def encode(self, x: torch.Tensor, ctx: Context | None = None) -> Packet:
+        self._check_input(x)
+        return Packet([x.reshape(-1)], x.shape, x.dtype)
+
+    def decode(self, packet: Packet) -> torch.Tensor:
+        return packet.tensors[0].reshape(packet.shape).to(packet.dtype)

@@ -1,0 +1,144 @@
+"""Name -> compressor class registry and spec-string parsing.
+
+Spec grammar (like timm's ``create_model("name", **kw)``)::
+
+    spec   := stage (">" stage)*
+    stage  := name [":" key "=" value ("," key "=" value)*]
+
+``"topk:ratio=0.01>natural"`` builds top-k whose kept values are then
+quantized by natural compression.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gradpress.compress.base import Compressor
+
+_REGISTRY: dict[str, type[Compressor]] = {}
+
+
+def register(cls: type[Compressor]) -> type[Compressor]:
+    """Class decorator: add ``cls`` to the registry under ``cls.name``."""
+    if not cls.name:
+        raise ValueError(f"{cls.__name__} has no registry name")
+    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
+        raise ValueError(f"compressor name {cls.name!r} is already registered by {_REGISTRY[cls.name].__name__}")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def names() -> list[str]:
+    """All registered compressor names, sorted."""
+    _load_builtin()
+    return sorted(_REGISTRY)
+
+
+def get_class(name: str) -> type[Compressor]:
+    _load_builtin()
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown compressor {name!r}; allowed: {', '.join(sorted(_REGISTRY))}")
+    return _REGISTRY[name]
+
+
+def _parse_stage(text: str) -> tuple[str, dict[str, str]]:
+    text = text.strip()
+    if not text:
+        raise ValueError("empty compressor spec stage; expected 'name' or 'name:key=value,...'")
+    name, _, rest = text.partition(":")
+    params: dict[str, str] = {}
+    if rest.strip():
+        for item in rest.split(","):
+            key, sep, value = item.partition("=")
+            if not sep or not key.strip():
+                raise ValueError(
+                    f"compressor {name.strip()!r}: malformed parameter {item!r}; expected key=value"
+                )
+            if key.strip() in params:
+                raise ValueError(f"compressor {name.strip()!r}: parameter {key.strip()!r} given twice")
+            params[key.strip()] = value.strip()
+    return name.strip(), params
+
+
+def create(spec: str | Compressor, **params: Any) -> Compressor:
+    """Build a compressor from a name, a spec string or keywords.
+
+    ``create("qsgd:levels=16,bucket=512")``, ``create("qsgd", levels=16)``,
+    ``create("topk:ratio=0.01>natural")``. Keywords apply to the first stage.
+    Raises ``ValueError`` naming the unknown name, parameter or bad value and
+    listing what is allowed.
+    """
+    if isinstance(spec, Compressor):
+        if params:
+            raise ValueError("keywords cannot be combined with an already built compressor")
+        return spec
+    if not isinstance(spec, str):
+        raise ValueError(f"compressor spec must be a string, got {type(spec).__name__}")
+    stages = spec.split(">")
+    built = []
+    for i, stage in enumerate(stages):
+        name, stage_params = _parse_stage(stage)
+        kwargs: dict[str, Any] = dict(stage_params)
+        if i == 0:
+            overlap = set(kwargs) & set(params)
+            if overlap:
+                raise ValueError(f"compressor {name!r}: parameter {sorted(overlap)[0]!r} given in the spec and as a keyword")
+            kwargs.update(params)
+        built.append(get_class(name)(**kwargs))
+    if len(built) == 1:
+        return built[0]
+    from gradpress.compress.compose import Composed
+
+    result = built[0]
+    for nxt in built[1:]:
+        result = Composed(result, nxt)
+    return result
+
+
+def describe() -> list[dict[str, Any]]:
+    """One row per registered compressor: name, params (name, type, default,
+    allowed, doc), traits and summary."""
+    rows = []
+    for name in names():
+        cls = _REGISTRY[name]
+        inst = cls()
+        rows.append(
+            {
+                "name": name,
+                "summary": cls.summary,
+                "params": [
+                    {
+                        "name": p.name,
+                        "type": p.type.__name__,
+                        "default": p.default,
+                        "allowed": p.allowed,
+                        "doc": p.doc,
+                    }
+                    for p in cls.PARAMS
+                ],
+                "summable": inst.is_summable,
+                "unbiased": inst.is_unbiased,
+                "variable_size": cls.variable_size,
+                "stateful": cls.stateful,
+                "error_feedback_default": inst.default_error_feedback,
+            }
+        )
+    return rows
+
+
+_LOADED = False
+
+
+def _load_builtin() -> None:
+    global _LOADED
+    if _LOADED:
+        return
+    _LOADED = True
+    import importlib
+    import pkgutil
+
+    import gradpress.compress as pkg
+
+    for mod in pkgutil.iter_modules(pkg.__path__):
+        if mod.name not in ("base", "registry", "compose"):
+            importlib.import_module(f"gradpress.compress.{mod.name}")

@@ -1,0 +1,50 @@
+"""``topk``: keep the k = ceil(ratio * d) entries of largest magnitude.
+
+Aji & Heafield 2017; Stich et al. 2018 ("Sparsified SGD with memory").
+Biased and contractive (class B3(d/k)), so error feedback is on by default.
+Packet: ``[values (input dtype), indices (int32)]``, 4 + element-size bytes per
+kept entry. Invariant: exactly the k largest |x| are kept (ties broken by
+``torch.topk``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from gradpress.compress.base import Compressor, Context, Packet, Param
+from gradpress.compress.registry import register
+
+
+def kept_count(numel: int, ratio: float) -> int:
+    """k = ceil(ratio * d), at least 1 for a non-empty tensor."""
+    if numel == 0:
+        return 0
+    return min(numel, max(1, math.ceil(ratio * numel)))
+
+
+def scatter_sparse(values: torch.Tensor, indices: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """Dense tensor of ``shape`` with ``values`` at flat ``indices``."""
+    out = torch.zeros(math.prod(shape), dtype=dtype, device=values.device)
+    out.index_put_((indices.long(),), values.to(dtype), accumulate=False)
+    return out.reshape(shape)
+
+
+@register
+class TopK(Compressor):
+    name = "topk"
+    PARAMS = (Param("ratio", float, 0.01, "0 < ratio <= 1", lambda v: 0 < v <= 1, "kept fraction (density)"),)
+    values_index = 0
+    summary = "top-k sparsification (Aji & Heafield 2017), values + int32 indices"
+
+    def encode(self, x: torch.Tensor, ctx: Context | None = None) -> Packet:
+        self._check_input(x)
+        flat = x.reshape(-1)
+        k = kept_count(flat.numel(), self.ratio)
+        _, idx = torch.topk(flat.abs(), k, sorted=False)
+        return Packet([flat[idx], idx.to(torch.int32)], x.shape, x.dtype)
+
+    def decode(self, packet: Packet) -> torch.Tensor:
+        values, indices = packet.tensors[0], packet.tensors[1]
+        return scatter_sparse(values, indices, packet.shape, packet.dtype)

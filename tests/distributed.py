@@ -1,0 +1,56 @@
+"""Run a function on N gloo workers on 127.0.0.1 and collect what each returns.
+
+Workers are spawned processes (``torch.multiprocessing``); the function must be
+importable (module level). Exceptions in a worker are re-raised in the test
+with the worker's traceback text.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, outdir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    result: dict[str, Any]
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=__import__("datetime").timedelta(seconds=60))
+        result = {"ok": fn(rank, world, *args)}
+    except BaseException as exc:  # noqa: BLE001
+        result = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001
+                pass
+    torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
+
+
+def run_workers(fn: Callable[..., Any], world: int, *args: Any, allow_errors: bool = False) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` on ``world`` workers; return the list of
+    results (or of ``{"error": ...}`` dicts when ``allow_errors``)."""
+    with tempfile.TemporaryDirectory() as outdir:
+        mp.start_processes(_entry, args=(world, free_port(), fn, args, outdir), nprocs=world, join=True, start_method="spawn")
+        results = [torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+    if allow_errors:
+        return [r.get("ok", r) if "ok" in r else r for r in results]
+    for r, res in enumerate(results):
+        if "error" in res:
+            raise AssertionError(f"worker {r} failed: {res['error']}\n{res['traceback']}")
+    return [r["ok"] for r in results]
