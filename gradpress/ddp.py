@@ -251,25 +251,21 @@ class GradpressHook:
 
     def _run_single(self, job: _Job, comp_idx: list[int], tensor_bytes: dict[str, int]) -> tuple[float, float, int]:
         assert self.strategy is not None
-        n = self.world_size
-        scale = 1.0 / n if self.strategy.prescaled else 1.0
         t0 = time.perf_counter()
-        packets = []
-        for i in comp_idx:
-            key = job.keys[i]
-            p, finite = self._compensate(key, job.grads[i])
-            packet = self.compressor.encode(p * scale if scale != 1.0 else p, self._ctx(key, job.step))
-            packets.append(packet)
-            tensor_bytes[key] = packet.nbytes
-            if finite is not None:
-                local = self.compressor.decode(packet)
-                self.memory.update(key, p, local / scale if scale != 1.0 else local, finite)
+        compensated = [self._compensate(job.keys[i], job.grads[i]) for i in comp_idx]
+        ctxs = [self._ctx(job.keys[i], job.step) for i in comp_idx]
         t1 = time.perf_counter()
-        result = self.strategy.exchange(self.compressor, packets)
+        result = self.strategy.exchange(self.compressor, [p for p, _ in compensated], ctxs, self.error_feedback)
         t2 = time.perf_counter()
-        for i, avg in zip(comp_idx, result.tensors):
-            job.grads[i].copy_(avg.reshape(job.grads[i].shape))
-        return t1 - t0, t2 - t1, result.bytes_sent
+        for pos, i in enumerate(comp_idx):
+            p, finite = compensated[pos]
+            if finite is not None and result.estimates is not None:
+                self.memory.update(job.keys[i], p, result.estimates[pos], finite)
+            job.grads[i].copy_(result.tensors[pos].reshape(job.grads[i].shape))
+            tensor_bytes[job.keys[i]] = result.tensor_bytes[pos]
+        t3 = time.perf_counter()
+        own = (t1 - t0) + (t3 - t2)
+        return own + result.compress_s, max(0.0, (t2 - t1) - result.compress_s), result.bytes_sent
 
     def _run_rounds(self, job: _Job, comp_idx: list[int], tensor_bytes: dict[str, int]) -> tuple[float, float, int]:
         n = self.world_size

@@ -150,4 +150,5 @@ def unpack_packets(buffer: torch.Tensor, templates: list[Packet], variable: bool
             tensor = tensor.bool()
         out[pi][ti] = tensor
         offset += nbytes
-    return [Packet(list(ts), p.shape, p.dtype) for ts, p in zip(out, templates)]  # type: ignore[arg-type]
+    # metadata is never sent: every rank derives it the same way (shape, shared seeds)
+    return [Packet(list(ts), p.shape, p.dtype, dict(p.meta)) for ts, p in zip(out, templates)]  # type: ignore[arg-type]

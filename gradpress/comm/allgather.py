@@ -10,12 +10,14 @@ results are bit-identical across ranks.
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
 from gradpress import wire
-from gradpress.comm.base import ExchangeResult, Strategy, aggregate, register_strategy
-from gradpress.compress.base import Compressor, Packet
+from gradpress.comm.base import ExchangeResult, Strategy, aggregate, encode_local, register_strategy
+from gradpress.compress.base import Compressor, Context
 
 
 def allgather_bytes(buffer: torch.Tensor, group: dist.ProcessGroup | None, world_size: int, variable: bool) -> tuple[list[torch.Tensor], int]:
@@ -44,10 +46,16 @@ def allgather_bytes(buffer: torch.Tensor, group: dist.ProcessGroup | None, world
 
 @register_strategy("allgather")
 class Allgather(Strategy):
-    def exchange(self, compressor: Compressor, packets: list[Packet]) -> ExchangeResult:
+    def exchange(
+        self, compressor: Compressor, tensors: list[torch.Tensor], ctxs: list[Context], want_estimates: bool
+    ) -> ExchangeResult:
+        t0 = time.perf_counter()
+        packets, estimates = encode_local(compressor, tensors, ctxs, 1.0, want_estimates)
         variable = bool(compressor.variable_size)
         buffer = wire.pack_packets(packets, variable)
+        t1 = time.perf_counter()
         buffers, sent = allgather_bytes(buffer, self.group, self.world_size, variable)
+        t2 = time.perf_counter()
         decoded_by_rank = []
         for r, buf in enumerate(buffers):
             theirs = packets if r == self.rank else wire.unpack_packets(buf, packets, variable)
@@ -56,4 +64,5 @@ class Allgather(Strategy):
             aggregate(compressor, [decoded_by_rank[r][i] for r in range(len(buffers))], self.world_size)
             for i in range(len(packets))
         ]
-        return ExchangeResult(results, sent)
+        compress_s = (t1 - t0) + (time.perf_counter() - t2)
+        return ExchangeResult(results, sent, estimates, [p.nbytes for p in packets], compress_s)

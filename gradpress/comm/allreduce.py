@@ -1,14 +1,18 @@
 """``allreduce``: sum summable packets elementwise, one fused collective per
 payload dtype, then decode once. Packets are encoded from x / N, so the
-decoded sum is the average (and fp16 sums do not overflow)."""
+decoded sum is the average (and fp16 sums do not overflow). The summed
+packet is decoded with the local packet's metadata, which every rank shares
+(shape, dtype, shared-seed facts such as random-k's seed)."""
 
 from __future__ import annotations
+
+import time
 
 import torch
 import torch.distributed as dist
 
-from gradpress.comm.base import ExchangeResult, Strategy, register_strategy
-from gradpress.compress.base import Compressor, Packet
+from gradpress.comm.base import ExchangeResult, Strategy, encode_local, register_strategy
+from gradpress.compress.base import Compressor, Context, Packet
 
 
 def fused_allreduce(tensors: list[torch.Tensor], group: dist.ProcessGroup | None) -> tuple[list[torch.Tensor], int]:
@@ -37,20 +41,27 @@ def fused_allreduce(tensors: list[torch.Tensor], group: dist.ProcessGroup | None
 
 @register_strategy("allreduce")
 class Allreduce(Strategy):
-    prescaled = True
 
     def supports(self, compressor: Compressor) -> str | None:
         if not compressor.is_summable:
             return f"compressor {compressor.name!r} is not summable; use strategy 'allgather' (or 'auto')"
         return None
 
-    def exchange(self, compressor: Compressor, packets: list[Packet]) -> ExchangeResult:
+    def exchange(
+        self, compressor: Compressor, tensors: list[torch.Tensor], ctxs: list[Context], want_estimates: bool
+    ) -> ExchangeResult:
+        t0 = time.perf_counter()
+        packets, estimates = encode_local(compressor, tensors, ctxs, 1.0 / self.world_size, want_estimates)
         payloads = [t for p in packets for t in p.tensors]
+        t1 = time.perf_counter()
         summed, sent = fused_allreduce(payloads, self.group)
+        t2 = time.perf_counter()
         results = []
         pos = 0
         for p in packets:
             n = len(p.tensors)
-            results.append(compressor.decode(Packet(summed[pos : pos + n], p.shape, p.dtype)))
+            # the summed payload keeps the local packet's metadata (shared by all ranks)
+            results.append(compressor.decode(Packet(summed[pos : pos + n], p.shape, p.dtype, dict(p.meta))))
             pos += n
-        return ExchangeResult(results, sent)
+        compress_s = (t1 - t0) + (time.perf_counter() - t2)
+        return ExchangeResult(results, sent, estimates, [p.nbytes for p in packets], compress_s)

@@ -7,31 +7,61 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from gradpress.compress.base import Compressor, Packet
+from gradpress.compress.base import Compressor, Context, Packet
 
-__all__ = ["Strategy", "ExchangeResult", "register_strategy", "get_strategy", "available", "aggregate"]
+__all__ = ["Strategy", "ExchangeResult", "encode_local", "register_strategy", "get_strategy", "available", "aggregate"]
 
 
 class ExchangeResult:
-    """Averaged tensors (in input order) and the bytes this rank handed to
-    collectives for them."""
+    """What one exchange produced.
 
-    def __init__(self, tensors: list[torch.Tensor], bytes_sent: int) -> None:
+    ``tensors``: the average over ranks, in input order, bit-identical on
+    every rank. ``bytes_sent``: bytes this rank handed to collectives.
+    ``estimates``: per input, what this rank's contribution was taken to be
+    (``decode(encode(p))``), from which error feedback keeps ``p - estimate``;
+    None when not asked for. ``tensor_bytes``: payload bytes per input.
+    ``compress_s``: seconds the strategy spent encoding and decoding.
+    """
+
+    def __init__(
+        self,
+        tensors: list[torch.Tensor],
+        bytes_sent: int,
+        estimates: list[torch.Tensor] | None = None,
+        tensor_bytes: list[int] | None = None,
+        compress_s: float = 0.0,
+    ) -> None:
+        self.compress_s = compress_s
         self.tensors = tensors
         self.bytes_sent = bytes_sent
+        self.estimates = estimates
+        self.tensor_bytes = tensor_bytes or [0] * len(tensors)
+
+
+def encode_local(
+    compressor: Compressor, tensors: list[torch.Tensor], ctxs: list[Context], scale: float, want_estimates: bool
+) -> tuple[list[Packet], list[torch.Tensor] | None]:
+    """Encode ``scale * t`` for each tensor; with ``want_estimates`` also
+    return ``decode(packet) / scale`` (this rank's contribution as sent)."""
+    packets = [compressor.encode(t * scale if scale != 1.0 else t, c) for t, c in zip(tensors, ctxs)]
+    if not want_estimates:
+        return packets, None
+    estimates = []
+    for p in packets:
+        d = compressor.decode(p)
+        estimates.append(d / scale if scale != 1.0 else d)
+    return packets, estimates
 
 
 class Strategy:
-    """Moves the packets of one bucket between ranks.
+    """Moves one bucket's tensors between ranks, compressed.
 
-    ``exchange`` is called with this rank's packets (already encoded; for
-    ``prescaled`` strategies from ``x / world_size``) and returns the average
-    over ranks, decoded, identical on every rank.
+    ``exchange`` receives this rank's error-compensated tensors and their
+    contexts, encodes them (a strategy may re-compress on the way: ring, ps),
+    and returns the decoded average, identical on every rank.
     """
 
     name: str = ""
-    #: encode x / world_size instead of x (summable allreduce of sums)
-    prescaled: bool = False
 
     def __init__(self, group: dist.ProcessGroup | None) -> None:
         self.group = group
@@ -42,7 +72,9 @@ class Strategy:
         """None if usable with ``compressor``, else the reason it is not."""
         return None
 
-    def exchange(self, compressor: Compressor, packets: list[Packet]) -> ExchangeResult:
+    def exchange(
+        self, compressor: Compressor, tensors: list[torch.Tensor], ctxs: list[Context], want_estimates: bool
+    ) -> ExchangeResult:
         raise NotImplementedError
 
 
