@@ -317,7 +317,8 @@ class GradpressHook:
             approx = state[1].view_as(job.grads[i]) if isinstance(state, tuple) and state[0] == "dense" else self.compressor.finish(state)
             p, finite = comps[j]
             if finite is not None:
-                self.memory.update(job.keys[i], p, approx, finite)
+                # a tensor that travelled dense dropped nothing: its residual is zero
+                self.memory.update(job.keys[i], p, p if j in dense else approx, finite)
             job.grads[i].copy_(approx.reshape(job.grads[i].shape))
         comp_time += time.perf_counter() - t
         return comp_time, comm_time, sent
