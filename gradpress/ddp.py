@@ -211,8 +211,9 @@ class GradpressHook:
         sent = 0
         t0 = time.perf_counter()
         if not comp_idx:
-            # nothing to compress: exactly what DDP's default hook does
-            job.buffer.div_(n)
+            # nothing to compress: exactly what DDP's built-in reduction does
+            # (the reducer multiplies by 1/N while filling the bucket, then sums)
+            job.buffer.mul_(1.0 / n)
             t_comm = time.perf_counter()
             if n > 1:
                 dist.all_reduce(job.buffer, group=self.group)
