@@ -12,6 +12,7 @@ from gradpress.compress import describe
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("compressors", help="list compressors, their parameters, defaults and traits")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--markdown", action="store_true", help="print the README's Markdown table")
     p.set_defaults(func=run)
 
 
@@ -24,6 +25,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=2, default=str))
         return 0
+    if args.markdown:
+        print(markdown_table(rows))
+        return 0
     print(f"{'name':<14} {'summable':<9} {'unbiased':<9} {'EF':<4} {'parameters (default; allowed)'}")
     for r in rows:
         params = "; ".join(f"{p['name']}={p['default']} ({p['allowed']})" for p in r["params"]) or "-"
@@ -32,3 +36,18 @@ def run(args: argparse.Namespace) -> int:
         if r["summary"]:
             print(f"{'':<14} {r['summary']}")
     return 0
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """The compressor table of the README, generated from the registry."""
+    lines = [
+        "| name | method | parameters (default) | summable | unbiased | error feedback by default |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        params = ", ".join(f"`{p['name']}={p['default']}`" for p in r["params"]) or "-"
+        lines.append(
+            f"| `{r['name']}` | {r['summary']} | {params} | {_flag(r['summable'])} | {_flag(r['unbiased'])} | "
+            f"{'on' if r['error_feedback_default'] else 'off'} |"
+        )
+    return "\n".join(lines)

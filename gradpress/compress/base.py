@@ -236,6 +236,12 @@ class Compressor:
             x[0] = 1.0
         return self.encode(x, Context()).nbytes
 
+    def values_count(self, rest: list[torch.Tensor], shape: torch.Size, meta: dict[str, Any]) -> int:
+        """Number of values in a packet whose values tensor was replaced by a
+        second stage (composition); ``rest`` are the other payload tensors.
+        Default: one index per value, in ``rest[0]``."""
+        return rest[0].numel()
+
     # ----- multi-round protocol (rounds > 1) -----------------------------------
     def begin(self, x: torch.Tensor, ctx: Context) -> tuple[Any, torch.Tensor | None]:
         """Start the protocol for ``x``: ``(state, first tensor to allreduce-sum)``;

@@ -4,9 +4,11 @@ quantizer) compresses the floating values the first one keeps.
 Used for top-k followed by an unbiased quantizer (Beznosikov et al., "On
 Biased Compression for Distributed Learning", 2020): ``topk:ratio=0.01>natural``.
 
-Invariant: the first stage's packet is ``[values, indices, ...]`` with one
-index per value (``values_index == 0``), so a remote packet's value count is
-read off its index tensor; the second stage's payload replaces ``values``.
+Invariant: the first stage's packet starts with its values
+(``values_index == 0``) and the first stage can tell how many values a packet
+holds from its other payload tensors, shape and metadata
+(``values_count``: by default one index per value); the second stage's
+payload replaces ``values``. Metadata (never sent) is carried through.
 """
 
 from __future__ import annotations
@@ -70,15 +72,14 @@ class Composed(Compressor):
         values, rest = outer.tensors[0], outer.tensors[1:]
         inner_ctx = Context(ctx.key + "/values", ctx.step, ctx.rank, ctx.world_size, ctx.seed)
         inner = self.second.encode(values, inner_ctx)
-        return Packet(inner.tensors + rest, outer.shape, outer.dtype)
+        return Packet(inner.tensors + rest, outer.shape, outer.dtype, dict(outer.meta))
 
     def decode(self, packet: Packet) -> torch.Tensor:
         inner_tensors = packet.tensors[: self._second_tensors]
         rest = packet.tensors[self._second_tensors :]
-        count = rest[0].numel()
-        values_dtype = packet.dtype
-        values = self.second.decode(Packet(inner_tensors, torch.Size([count]), values_dtype))
-        return self.first.decode(Packet([values] + rest, packet.shape, packet.dtype))
+        count = self.first.values_count(rest, packet.shape, packet.meta)
+        values = self.second.decode(Packet(inner_tensors, torch.Size([count]), packet.dtype))
+        return self.first.decode(Packet([values] + rest, packet.shape, packet.dtype, dict(packet.meta)))
 
     def state_dict(self) -> dict[str, Any]:
         return self.first.state_dict()

@@ -26,7 +26,7 @@ class _Cast(Compressor):
 
     def encode(self, x: torch.Tensor, ctx: Context | None = None) -> Packet:
         self._check_input(x)
-        return Packet([x.reshape(-1).to(self.target)], x.shape, x.dtype)
+        return Packet([x.reshape(-1).to(self.target).contiguous()], x.shape, x.dtype)
 
     def decode(self, packet: Packet) -> torch.Tensor:
         return packet.tensors[0].to(packet.dtype).reshape(packet.shape)

@@ -18,7 +18,8 @@ class NoCompression(Compressor):
 
     def encode(self, x: torch.Tensor, ctx: Context | None = None) -> Packet:
         self._check_input(x)
-        return Packet([x.reshape(-1)], x.shape, x.dtype)
+        # reshape(-1) of a strided 1-D view is still strided: payloads must be contiguous
+        return Packet([x.reshape(-1).contiguous()], x.shape, x.dtype)
 
     def decode(self, packet: Packet) -> torch.Tensor:
         return packet.tensors[0].reshape(packet.shape).to(packet.dtype)

@@ -122,7 +122,7 @@ class PowerSGD(Compressor):
         ctx = self._context(ctx)
         state, out = self.begin(x, Context(ctx.key, ctx.step, 0, 1, ctx.seed))
         if out is None:
-            return Packet([x.reshape(-1)], x.shape, x.dtype)
+            return Packet([x.reshape(-1).contiguous()], x.shape, x.dtype)
         q = self.advance(state, out, ctx)
         self.advance(state, q, Context(ctx.key, ctx.step, 0, 1, ctx.seed))
         return Packet([state.p.reshape(-1), self.q[ctx.key].reshape(-1)], x.shape, x.dtype)

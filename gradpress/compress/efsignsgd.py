@@ -1,0 +1,42 @@
+"""``efsignsgd``: scaled sign, (||p||_1 / d) * sign(p), with error feedback.
+
+Karimireddy et al. 2019, "Error Feedback Fixes SignSGD and other Gradient
+Compression Schemes". The compressor is the scaled sign of one whole tensor;
+the residual e <- p - delta is kept by the generic residual memory
+(``gradpress.feedback``), on by default since the compressor is biased.
+sign(0) is taken as +1 (one bit per entry has no zero).
+
+Packet: ``[scale (fp32, 1 entry), bits (uint8)]``, bit i = (p_i >= 0) packed
+8 per byte. Wire size: 4 + ceil(d/8) bytes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from gradpress.compress.base import Compressor, Context, Packet
+from gradpress.compress.qsgd import compute_dtype
+from gradpress.compress.registry import register
+from gradpress.compress.signsgd import pack_signs, unpack_signs
+
+
+@register
+class EFSignSGD(Compressor):
+    name = "efsignsgd"
+    summary = "scaled sign (||p||_1/d) sign(p) with error feedback (Karimireddy et al. 2019)"
+
+    def encode(self, x: torch.Tensor, ctx: Context | None = None) -> Packet:
+        self._check_input(x)
+        p = x.reshape(-1).to(compute_dtype(x.dtype))
+        d = p.numel()
+        scale = p.abs().sum() / max(d, 1)
+        return Packet([scale.reshape(1).float(), pack_signs(p)], x.shape, x.dtype)
+
+    def decode(self, packet: Packet) -> torch.Tensor:
+        scale, data = packet.tensors[0], packet.tensors[1]
+        d = math.prod(packet.shape)
+        cdt = compute_dtype(packet.dtype)
+        out = unpack_signs(data, d, cdt) * scale.to(cdt)
+        return out.to(packet.dtype).reshape(packet.shape)

@@ -1,0 +1,50 @@
+"""``onebit``: 1-bit SGD with two reconstruction values.
+
+Seide et al. 2014, "1-Bit Stochastic Gradient Descent and its Application to
+Data-Parallel Distributed Training of Speech DNNs". Each entry sends one bit,
+(x_i >= 0); the decoder puts back the mean of the non-negative entries or
+the mean of the negative entries (0 where a group is empty). Biased: the
+quantization error goes to the residual (error feedback on by default), as
+in the paper.
+
+Packet: ``[means (fp32: non-negative mean, negative mean), bits (uint8)]``,
+bits packed 8 per byte. Wire size: 8 + ceil(d/8) bytes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from gradpress.compress.base import Compressor, Context, Packet
+from gradpress.compress.qsgd import compute_dtype
+from gradpress.compress.registry import register
+from gradpress.wire import pack_bits, unpack_bits
+
+
+@register
+class OneBit(Compressor):
+    name = "onebit"
+    summary = "1-bit SGD: sign mask + mean of each side, with error feedback (Seide et al. 2014)"
+
+    def encode(self, x: torch.Tensor, ctx: Context | None = None) -> Packet:
+        self._check_input(x)
+        v = x.reshape(-1).to(compute_dtype(x.dtype))
+        mask = v >= 0
+        pos = mask.to(v.dtype)
+        n_pos = pos.sum()
+        n_neg = v.numel() - n_pos
+        mean_pos = (v * pos).sum() / n_pos.clamp(min=1)
+        mean_neg = (v * (1 - pos)).sum() / n_neg.clamp(min=1)
+        means = torch.stack([mean_pos, mean_neg]).float()
+        return Packet([means, pack_bits(mask, 1)], x.shape, x.dtype)
+
+    def decode(self, packet: Packet) -> torch.Tensor:
+        means, data = packet.tensors[0], packet.tensors[1]
+        d = math.prod(packet.shape)
+        cdt = compute_dtype(packet.dtype)
+        mask = unpack_bits(data, 1, d).bool()
+        means = means.to(cdt)
+        out = torch.where(mask, means[0], means[1])
+        return out.to(packet.dtype).reshape(packet.shape)

@@ -1,0 +1,55 @@
+"""``signsgd``: send the sign of each entry, 1 bit; aggregate by majority vote.
+
+Bernstein et al. 2018, "signSGD: Compressed Optimisation for Non-Convex
+Problems" (and "signSGD with Majority Vote is Communication Efficient and
+Fault Tolerant", 2019). ``aggregation = "majority"``: the strategy returns
+sign(sum of the ranks' decoded signs) instead of their mean.
+
+Decode gives +1 or -1 (in the input dtype); sign(0) is taken as +1 (a zero
+has no sign bit to send; NaN decodes as -1). Biased, but error feedback is off
+by default: majority vote is the method as published (use ``efsignsgd`` for
+the error-compensated, scaled variant).
+
+Packet: ``[bits (uint8)]``, bit i = (x_i >= 0), packed 8 per byte
+(:func:`gradpress.wire.pack_bits`). Wire size: ceil(d/8) bytes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from gradpress.compress.base import Compressor, Context, Packet
+from gradpress.compress.registry import register
+from gradpress.wire import pack_bits, unpack_bits
+
+
+def pack_signs(x: torch.Tensor) -> torch.Tensor:
+    """1 bit per entry of flat ``x``: 1 where x >= 0, packed 8 per byte."""
+    return pack_bits(x.reshape(-1) >= 0, 1)
+
+
+def unpack_signs(data: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """Flat +1/-1 tensor of ``dtype`` from :func:`pack_signs` output."""
+    bits = unpack_bits(data, 1, numel)
+    return bits.to(dtype) * 2 - 1
+
+
+@register
+class SignSGD(Compressor):
+    name = "signsgd"
+    aggregation = "majority"
+    summary = "signSGD: 1-bit signs with majority-vote aggregation (Bernstein et al. 2018)"
+
+    @property
+    def default_error_feedback(self) -> bool:
+        return False
+
+    def encode(self, x: torch.Tensor, ctx: Context | None = None) -> Packet:
+        self._check_input(x)
+        return Packet([pack_signs(x)], x.shape, x.dtype)
+
+    def decode(self, packet: Packet) -> torch.Tensor:
+        d = math.prod(packet.shape)
+        return unpack_signs(packet.tensors[0], d, packet.dtype).reshape(packet.shape)

@@ -1,0 +1,77 @@
+"""``signum``: the sign of a local momentum buffer, majority vote.
+
+Bernstein et al. 2018, "signSGD: Compressed Optimisation for Non-Convex
+Problems" (Signum). Per tensor key, m <- beta * m + (1 - beta) * g (m starts
+at zero; beta = ``momentum``), then the sign of m is sent as in ``signsgd``
+(1 bit, sign(0) = +1) and aggregated by majority vote. Error feedback is off
+by default. A non-finite gradient leaves the momentum buffer unchanged (it is
+still sent, as +1/-1 bits, like ``signsgd`` would send it).
+
+State: one buffer per ``ctx.key`` (fp32, fp64 for fp64 inputs), in
+``state_dict()["momentum"]``. The same key with a different number of entries
+raises ``ValueError``. Packet and wire size as ``signsgd``: ceil(d/8) bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from gradpress.compress.base import Compressor, Context, Packet, Param
+from gradpress.compress.qsgd import compute_dtype
+from gradpress.compress.registry import register
+from gradpress.compress.signsgd import pack_signs, unpack_signs
+
+
+@register
+class Signum(Compressor):
+    name = "signum"
+    PARAMS = (Param("momentum", float, 0.9, "0 <= momentum < 1", lambda v: 0 <= v < 1, "momentum coefficient beta"),)
+    stateful = True
+    aggregation = "majority"
+    summary = "Signum: sign of local momentum, 1 bit, majority vote (Bernstein et al. 2018)"
+
+    def __init__(self, **params: Any) -> None:
+        super().__init__(**params)
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    @property
+    def default_error_feedback(self) -> bool:
+        return False
+
+    def encode(self, x: torch.Tensor, ctx: Context | None = None) -> Packet:
+        self._check_input(x)
+        ctx = self._context(ctx)
+        g = x.reshape(-1).to(compute_dtype(x.dtype))
+        old = self.buffers.get(ctx.key)
+        if old is None:
+            old = torch.zeros_like(g)
+        elif old.numel() != g.numel():
+            raise ValueError(
+                f"compressor 'signum': key {ctx.key!r} has a momentum buffer of {old.numel()} entries "
+                f"but got a tensor of {g.numel()}; give each tensor its own ctx.key"
+            )
+        old = old.to(device=g.device, dtype=g.dtype)
+        new = old * self.momentum + g * (1.0 - self.momentum)
+        self.buffers[ctx.key] = torch.where(torch.isfinite(g).all(), new, old)
+        return Packet([pack_signs(new)], x.shape, x.dtype)
+
+    def wire_bytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
+        """ceil(d/8), computed without touching the momentum buffers."""
+        return (numel + 7) // 8
+
+    def decode(self, packet: Packet) -> torch.Tensor:
+        d = math.prod(packet.shape)
+        return unpack_signs(packet.tensors[0], d, packet.dtype).reshape(packet.shape)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"momentum": {k: v.clone() for k, v in self.buffers.items()}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        extra = sorted(set(state) - {"momentum"})
+        if extra:
+            raise ValueError(f"compressor 'signum': unknown state entries {extra}; allowed: momentum")
+        self.buffers = {k: v.clone() for k, v in state.get("momentum", {}).items()}

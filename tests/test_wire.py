@@ -1,0 +1,103 @@
+"""Bit packing and flat-buffer packing (gradpress.wire)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gradpress import wire
+from gradpress.compress import Packet
+
+
+@settings(max_examples=120, deadline=None)
+@given(bits=st.integers(1, 24), n=st.integers(0, 70), seed=st.integers(0, 2**31 - 1))
+def test_pack_bits_round_trip(bits: int, n: int, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 1 << bits, (n,), generator=gen, dtype=torch.int64)
+    if n:
+        codes[0] = (1 << bits) - 1  # the widest code must survive
+    packed = wire.pack_bits(codes, bits)
+    assert packed.dtype == torch.uint8
+    assert packed.numel() == wire.packed_nbytes(n, bits) == (n * bits + 7) // 8
+    out = wire.unpack_bits(packed, bits, n)
+    assert out.numel() == n
+    assert torch.equal(out.to(torch.int64), codes)
+
+
+@pytest.mark.parametrize("bits", range(1, 25))
+def test_pack_bits_odd_lengths_every_width(bits: int) -> None:
+    for n in (1, 3, 7, 9, 13):
+        codes = torch.arange(n, dtype=torch.int64) * 2654435761 % (1 << bits)
+        out = wire.unpack_bits(wire.pack_bits(codes, bits), bits, n)
+        assert torch.equal(out.to(torch.int64), codes), (bits, n)
+
+
+def test_pack_bits_is_dense_lsb_first() -> None:
+    # 1-bit: bit i of byte 0 is code i
+    packed = wire.pack_bits(torch.tensor([1, 0, 1, 1, 0, 0, 0, 1, 1]), 1)
+    assert packed.tolist() == [0b10001101, 0b1]
+    # 3-bit codes straddle byte boundaries
+    packed = wire.pack_bits(torch.tensor([7, 0, 5]), 3)
+    assert packed.tolist() == [0b01000111, 0b1]
+
+
+def test_bad_widths_and_sizes() -> None:
+    for bits in (0, 25):
+        with pytest.raises(ValueError, match="bits"):
+            wire.pack_bits(torch.zeros(3, dtype=torch.int64), bits)
+    with pytest.raises(ValueError, match="expected"):
+        wire.unpack_bits(torch.zeros(3, dtype=torch.uint8), 4, 9)
+
+
+def _packets(gen: torch.Generator, sizes: list[int]) -> list[Packet]:
+    out = []
+    for i, n in enumerate(sizes):
+        tensors = [
+            torch.randn(n, generator=gen, dtype=torch.float64),
+            torch.randint(0, 1000, (n // 2 + 1,), generator=gen, dtype=torch.int32),
+            torch.randn(n, generator=gen).half(),
+            torch.randint(0, 255, (n + i,), generator=gen, dtype=torch.uint8),
+            torch.randn(3, generator=gen).bfloat16(),
+        ]
+        out.append(Packet(tensors, torch.Size([n]), torch.float32))
+    return out
+
+
+@settings(max_examples=30, deadline=None)
+@given(sizes=st.lists(st.integers(0, 20), min_size=1, max_size=4), seed=st.integers(0, 1000))
+def test_pack_packets_round_trip_fixed(sizes: list[int], seed: int) -> None:
+    packets = _packets(torch.Generator().manual_seed(seed), sizes)
+    buf = wire.pack_packets(packets, variable=False)
+    assert buf.dtype == torch.uint8
+    assert buf.numel() == sum(p.nbytes for p in packets)
+    back = wire.unpack_packets(buf, packets, variable=False)
+    for a, b in zip(packets, back):
+        assert len(a.tensors) == len(b.tensors)
+        for ta, tb in zip(a.tensors, b.tensors):
+            assert ta.dtype == tb.dtype and torch.equal(ta, tb)
+
+
+@settings(max_examples=30, deadline=None)
+@given(sizes=st.lists(st.integers(0, 20), min_size=1, max_size=4), other=st.lists(st.integers(0, 20), min_size=4, max_size=4),
+       seed=st.integers(0, 1000))
+def test_pack_packets_round_trip_variable(sizes: list[int], other: list[int], seed: int) -> None:
+    """A receiver parses a variable-size buffer whose sizes differ from its own packets."""
+    gen = torch.Generator().manual_seed(seed)
+    sent = _packets(gen, sizes)
+    mine = _packets(gen, other[: len(sizes)])  # this rank's templates: same layout, other sizes
+    buf = wire.pack_packets(sent, variable=True)
+    n_tensors = sum(len(p.tensors) for p in sent)
+    assert buf.numel() == sum(p.nbytes for p in sent) + 4 * n_tensors
+    back = wire.unpack_packets(buf, mine, variable=True)
+    for a, b in zip(sent, back):
+        for ta, tb in zip(a.tensors, b.tensors):
+            assert ta.dtype == tb.dtype and torch.equal(ta, tb)
+
+
+def test_pack_packets_empty() -> None:
+    buf = wire.pack_packets([Packet([torch.zeros(0)], torch.Size([0]), torch.float32)], variable=False)
+    assert buf.numel() == 0
+    back = wire.unpack_packets(buf, [Packet([torch.zeros(0)], torch.Size([0]), torch.float32)], variable=False)
+    assert back[0].tensors[0].numel() == 0
