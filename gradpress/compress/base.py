@@ -19,6 +19,7 @@ wire (bit-packed where the method packs bits).
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import math
 import struct
@@ -234,7 +235,8 @@ class Compressor:
         x = torch.zeros(numel, dtype=dtype)
         if numel:
             x[0] = 1.0
-        return self.encode(x, Context()).nbytes
+        probe = copy.deepcopy(self) if self.stateful else self  # never touch real state
+        return probe.encode(x, Context(key="__wire_bytes__")).nbytes
 
     def values_count(self, rest: list[torch.Tensor], shape: torch.Size, meta: dict[str, Any]) -> int:
         """Number of values in a packet whose values tensor was replaced by a

@@ -2,7 +2,8 @@
 
 Summable (the half-precision payloads add elementwise). The strategies scale
 summable packets by 1/N before encoding, which keeps the fp16 sum from
-overflowing (as PyTorch's ``fp16_compress_hook`` does). Deterministic
+overflowing (as PyTorch's ``fp16_compress_hook`` does). The cast saturates at
+the target's largest finite value instead of overflowing to inf. Deterministic
 round-to-nearest, so not exactly unbiased; error feedback is off by default
 because the error is at the rounding level.
 """
@@ -26,7 +27,11 @@ class _Cast(Compressor):
 
     def encode(self, x: torch.Tensor, ctx: Context | None = None) -> Packet:
         self._check_input(x)
-        return Packet([x.reshape(-1).to(self.target).contiguous()], x.shape, x.dtype)
+        flat = x.reshape(-1)
+        limit = torch.finfo(self.target).max
+        if x.dtype != self.target and torch.finfo(x.dtype).max > limit:
+            flat = flat.float().clamp(-limit, limit)  # saturate instead of overflowing to inf
+        return Packet([flat.to(self.target).contiguous()], x.shape, x.dtype)
 
     def decode(self, packet: Packet) -> torch.Tensor:
         return packet.tensors[0].to(packet.dtype).reshape(packet.shape)
