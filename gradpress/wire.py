@@ -14,6 +14,9 @@ All of it is vectorized tensor code: no Python loop over elements.
 
 from __future__ import annotations
 
+import math
+import sys
+
 import torch
 
 from gradpress.compress.base import Packet
@@ -48,16 +51,7 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
         for j in range(1, per_byte):  # at most 8 vectorized passes
             out |= grid[:, j] << (j * bits)
         return out
-    # general width: expand to a bit matrix, then fold 8 bits per byte
-    shifts = torch.arange(bits, device=codes.device, dtype=torch.int32)
-    bitmat = ((codes.to(torch.int32).unsqueeze(1) >> shifts) & 1).to(torch.uint8).reshape(-1)
-    padded = torch.zeros(nbytes * 8, dtype=torch.uint8, device=codes.device)
-    padded[: bitmat.numel()] = bitmat
-    grid = padded.view(nbytes, 8)
-    out = grid[:, 0].clone()
-    for j in range(1, 8):
-        out |= grid[:, j] << j
-    return out
+    return _pack_groups(codes, bits, nbytes)
 
 
 def unpack_bits(data: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
@@ -74,11 +68,89 @@ def unpack_bits(data: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
         shifts = torch.arange(0, 8, bits, device=data.device, dtype=torch.uint8)
         codes = (data.unsqueeze(1) >> shifts) & mask
         return codes.reshape(-1)[:numel]
-    shifts8 = torch.arange(8, device=data.device, dtype=torch.uint8)
-    bitmat = ((data.unsqueeze(1) >> shifts8) & 1).reshape(-1)[: numel * bits].view(numel, bits)
-    weights = (1 << torch.arange(bits, device=data.device, dtype=torch.int32))
-    codes = (bitmat.to(torch.int32) * weights).sum(dim=1, dtype=torch.int32)
+    codes = _unpack_groups(data, bits, numel)
     return codes.to(torch.uint8) if bits <= 8 else codes
+
+
+# ----- general widths ------------------------------------------------------------
+# Codes are handled in groups of L = 8 / gcd(bits, 8) codes, the shortest run
+# that ends on a byte boundary (B = bits * L / 8 bytes). When a group fits a
+# machine word (L * bits <= 64, little-endian host) it is assembled with L
+# shift-or passes over strided columns and its low B bytes are kept; otherwise
+# each of the B bytes is built from the (at most 4) codes overlapping it. Both
+# give the same LSB-first bit stream as expanding every code into bits, with
+# O(L + B) vectorized passes instead of O(bits) passes over a bit matrix.
+
+
+def _group(bits: int) -> tuple[int, int]:
+    per = 8 // math.gcd(bits, 8)
+    return per, bits * per // 8
+
+
+def _word(width: int) -> tuple[torch.dtype, int] | None:
+    if sys.byteorder != "little":
+        return None
+    if width <= 32:
+        return torch.int32, 4
+    if width <= 64:
+        return torch.int64, 8
+    return None
+
+
+def _pack_groups(codes: torch.Tensor, bits: int, nbytes: int) -> torch.Tensor:
+    n = codes.numel()
+    per, nb = _group(bits)
+    m = -(-n // per)
+    word = _word(per * bits)
+    padded = torch.zeros(m * per, dtype=word[0] if word else torch.int32, device=codes.device)
+    padded[:n] = codes
+    grid = padded.view(m, per)
+    if word is not None:
+        acc = grid[:, 0].clone(memory_format=torch.contiguous_format)
+        for j in range(1, per):
+            acc |= grid[:, j] << (j * bits)
+        return acc.view(torch.uint8).view(m, word[1])[:, :nb].reshape(-1)[:nbytes]
+    out = torch.empty(m, nb, dtype=torch.uint8, device=codes.device)
+    for k in range(nb):
+        acc = None
+        for j in range(per):
+            start = j * bits
+            if start + bits <= 8 * k or start >= 8 * k + 8:
+                continue
+            shift = start - 8 * k
+            term = grid[:, j] << shift if shift >= 0 else grid[:, j] >> -shift
+            acc = term if acc is None else acc | term
+        out[:, k] = acc  # the uint8 store keeps the low 8 bits
+    return out.reshape(-1)[:nbytes]
+
+
+def _unpack_groups(data: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
+    per, nb = _group(bits)
+    m = -(-numel // per)
+    mask = (1 << bits) - 1
+    word = _word(per * bits)
+    out = torch.empty(m, per, dtype=torch.int32, device=data.device)
+    if word is not None:
+        flat = torch.zeros(m * nb, dtype=torch.uint8, device=data.device)
+        flat[: data.numel()] = data
+        buf = torch.zeros(m, word[1], dtype=torch.uint8, device=data.device)
+        buf[:, :nb] = flat.view(m, nb)
+        w = buf.view(word[0]).view(-1)
+        for j in range(per):
+            out[:, j] = (w >> (j * bits)) & mask
+    else:
+        flat = torch.zeros(m * nb, dtype=torch.int32, device=data.device)
+        flat[: data.numel()] = data
+        grid = flat.view(m, nb)
+        for j in range(per):
+            start = j * bits
+            acc = None
+            for k in range(start // 8, (start + bits - 1) // 8 + 1):
+                shift = 8 * k - start
+                term = grid[:, k] << shift if shift >= 0 else grid[:, k] >> -shift
+                acc = term if acc is None else acc | term
+            out[:, j] = acc & mask
+    return out.reshape(-1)[:numel]
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,201 @@
+"""``gradpress bench compressors``: the command runs on small sizes, writes
+JSON with every field, its wire sizes and ratios equal what the compressors
+declare, memory is really measured, and bad arguments fail clearly."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from gradpress.bench import bench_modules
+from gradpress.bench.compressors import ROW_FIELDS
+from gradpress.bench.data import make_input, matrix_shape
+from gradpress.bench.measure import peak_extra_bytes
+from gradpress.bench.specs import BENCH_SPECS, parse_compressors, parse_sizes
+from gradpress.cli import main
+from gradpress.compress import create, names
+
+NUMERIC = ("encode_s", "decode_s", "encode_gbps", "decode_gbps", "ratio", "rel_error", "roofline_gbps",
+           "encode_roofline_fraction", "peak_temp_ratio")
+
+
+@pytest.fixture(autouse=True)
+def _keep_threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def _run(tmp_path, *extra: str) -> dict:
+    path = tmp_path / "bench.json"
+    rc = main(["bench", "compressors", "--repeats", "2", "--threads", "1", "--json", str(path),
+               "--out", str(tmp_path / "out"), *extra])
+    assert rc == 0
+    return json.loads(path.read_text())
+
+
+def _input_of(row: dict) -> torch.Tensor:
+    return make_input(row["data"], row["numel"], "cpu", 0).view(row["shape"])
+
+
+def test_small_run_writes_every_field_and_declared_wire_sizes(tmp_path, capsys):
+    specs = "none,fp16,topk:ratio=0.01,qsgd:levels=4,bucket=64"
+    result = _run(tmp_path, "--compressors", specs, "--sizes", "4K,3000", "--data", "laplace")
+    out = capsys.readouterr().out
+    assert "enc GB/s" in out and "copy roofline" in out
+    rows = result["rows"]
+    methods = [r for r in rows if r["kind"] == "method"]
+    assert [(r["compressor"], r["numel"]) for r in methods] == [
+        (s, n) for n in (4000, 3000) for s in ("none", "fp16", "topk:ratio=0.01", "qsgd:levels=4,bucket=64")
+    ]
+    for r in rows:
+        assert set(ROW_FIELDS) <= set(r)
+        for f in NUMERIC:
+            if r[f] is not None:
+                assert isinstance(r[f], (int, float)) and math.isfinite(r[f]) and r[f] >= 0, (r["compressor"], f)
+        assert r["encode_gbps"] > 0 and r["roofline_gbps"] > 0 and r["wire_bytes"] > 0
+        assert r["ratio"] == pytest.approx(4 * r["numel"] / r["wire_bytes"])
+        assert r["encode_roofline_fraction"] == pytest.approx(r["encode_gbps"] / r["roofline_gbps"])
+        assert r["roofline_gbps"] == pytest.approx(result["roofline"][str(r["numel"])])
+    for r in methods:
+        x = _input_of(r)
+        assert r["wire_bytes"] == create(r["compressor"]).encode(x).nbytes
+        assert r["decode_gbps"] > 0 and r["peak_temp_bytes"] >= 0
+        assert r["peak_temp_ratio"] == pytest.approx(r["peak_temp_bytes"] / (4 * r["numel"]))
+    by = {(r["compressor"], r["numel"]): r for r in rows}
+    # identity: exact, and it allocates nothing (the packet is a view)
+    assert by[("none", 4000)]["rel_error"] == 0.0 and by[("none", 4000)]["peak_temp_bytes"] == 0
+    # fp16: allocates at least its packet (2 B/elem) and the decoded fp32 output (4 B/elem)
+    fp16 = by[("fp16", 4000)]
+    assert 6 * 4000 <= fp16["peak_temp_bytes"] <= 4 * 4 * 4000
+    assert 0 < fp16["rel_error"] < 1e-3
+    # top-k keeps exactly k = ceil(0.01 d) entries; reference rows at its density
+    topk = by[("topk:ratio=0.01", 4000)]
+    assert topk["density_quality"] == pytest.approx(1.0) and topk["speedup_vs_topk"] > 0
+    for ref in ("ref:topk@0.01", "ref:kthvalue@0.01"):
+        assert by[(ref, 4000)]["kind"] == "reference" and by[(ref, 4000)]["wire_bytes"] == 8 * 40
+    assert by[("ref:topk@0.01", 4000)]["rel_error"] == pytest.approx(topk["rel_error"])
+    assert by[("fp16", 4000)]["density_quality"] is None
+    png = tmp_path / "out" / "bench.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert {t["target"] for t in result["targets"]} >= {"peak temporaries <= 3x input",
+                                                         "quantizer encode >= 25% of copy roofline"}
+
+
+def test_all_covers_every_registered_name(tmp_path, capsys):
+    result = _run(tmp_path, "--compressors", "all", "--sizes", "2048", "--repeats", "1")
+    seen = {r["name"] for r in result["rows"] if r["kind"] == "method"}
+    skipped = {s["compressor"].split(":")[0] for s in result["skipped"]}
+    assert set(names()) <= seen | skipped
+    for s in result["skipped"]:
+        assert s["reason"]
+    for r in result["rows"]:
+        if r["kind"] != "method":
+            continue
+        assert r["compressor"] == BENCH_SPECS.get(r["name"], r["name"])
+        assert r["wire_bytes"] == create(r["compressor"]).encode(_input_of(r)).nbytes, r["compressor"]
+        if r["wire_bytes"]:
+            assert r["ratio"] == pytest.approx(4 * r["numel"] / r["wire_bytes"])
+        else:  # a threshold method that selected nothing
+            assert r["ratio"] == "inf"
+
+
+def test_matrix_methods_run_on_a_matrix_view(tmp_path):
+    if "powersgd" not in names():
+        pytest.fail("powersgd is not registered")  # the matrix path needs a low-rank method
+    result = _run(tmp_path, "--compressors", "powersgd:rank=1,start_iter=0", "--sizes", "64K")
+    (row,) = [r for r in result["rows"] if r["kind"] == "method"]
+    assert row["shape"] == list(matrix_shape(64000)) == [64, 1000]
+    assert row["wire_bytes"] == 4 * (64 + 1000)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--sizes", "0"], "--sizes"),
+        (["--sizes", "12Q"], "--sizes"),
+        (["--sizes", ","], "--sizes"),
+        (["--compressors", "nosuch"], "unknown compressor 'nosuch'"),
+        (["--compressors", "topk:ratio=2"], "'ratio' got 2.0"),
+        (["--compressors", ""], "--compressors"),
+    ],
+)
+def test_bad_values_give_clear_errors(tmp_path, capsys, argv, message):
+    rc = main(["bench", "compressors", "--out", str(tmp_path), *argv])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "error" in err and message in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--repeats", "0"], "--repeats got 0"),
+        (["--data", "images"], "invalid choice: 'images'"),
+        (["--device", "tpu"], "invalid choice: 'tpu'"),
+    ],
+)
+def test_bad_flags_are_rejected_by_the_parser(capsys, argv, message):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "compressors", *argv])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cuda_request_without_cuda(tmp_path, capsys):
+    rc = main(["bench", "compressors", "--device", "cuda", "--sizes", "1K", "--compressors", "none",
+               "--out", str(tmp_path)])
+    if torch.cuda.is_available():
+        assert rc == 0
+    else:
+        assert rc == 2 and "CUDA is not available" in capsys.readouterr().err
+
+
+def test_bench_command_discovers_registrars(capsys):
+    found = {name: mod for name, mod, _ in bench_modules()}
+    assert found["compressors"] is not None
+    assert "data" not in found and "measure" not in found  # helpers register nothing
+    assert main(["bench"]) == 2
+    assert "compressors" in capsys.readouterr().out
+
+
+def test_argument_parsing():
+    assert parse_sizes("4K, 1M,25M,1000,2.5e3") == [4000, 1_000_000, 25_000_000, 1000, 2500]
+    assert parse_compressors("qsgd:levels=4,bucket=512,topk:ratio=0.01>qsgd:levels=2;fp16") == [
+        "qsgd:levels=4,bucket=512", "topk:ratio=0.01>qsgd:levels=2", "fp16"]
+    assert parse_compressors("all") == [BENCH_SPECS.get(n, n) for n in names()]
+    with pytest.raises(ValueError, match="--sizes"):
+        parse_sizes("1.5")
+
+
+def test_captured_gradients_are_real_and_reproducible():
+    from gradpress.bench.data import captured_gradients
+
+    base = captured_gradients()
+    n = base.numel() + 1000
+    a = make_input("captured", n)
+    assert torch.equal(a, make_input("captured", n)) and a.dtype == torch.float32 and torch.isfinite(a).all()
+    assert torch.equal(a[: base.numel()], base) and torch.equal(a[base.numel():], base[:1000])  # tiled
+    # real gradients are heavy-tailed: excess kurtosis far above a Gaussian's 0
+    z = (base - base.mean()) / base.std()
+    assert float((z**4).mean()) - 3 > 3 and float(base.std()) > 0
+    # and they change from step to step (not one step repeated)
+    per_step = base.numel() // 8
+    assert not torch.equal(base[:per_step], base[per_step : 2 * per_step])
+
+
+def test_peak_memory_is_measured_on_cpu():
+    n = 1 << 20
+    peak = peak_extra_bytes(lambda: torch.ones(n), torch.device("cpu"))
+    assert 4 * n <= peak < 4 * n + 65536
+
+    def two_temporaries():
+        a = torch.ones(n)
+        b = a * 2  # a and b live together: 8 MiB
+        del a
+        return b.sum()
+
+    assert 8 * n <= peak_extra_bytes(two_temporaries, torch.device("cpu")) < 8 * n + 65536
