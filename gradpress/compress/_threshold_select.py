@@ -1,0 +1,153 @@
+"""Shared code of the threshold sparsifiers (``sidco``, ``dgc_threshold``,
+``redsync``, ``gaussiank``, and the selection step of ``dgc``).
+
+Every threshold method only differs in how it *estimates* the threshold; the
+selection, the packet and the quality bookkeeping are the same, so that the
+methods can be compared on equal terms (as in Abdelmoniem et al. 2021, SIDCo,
+section 5, which compares estimators by the achieved/target density ratio).
+
+* :func:`select_above`: keep ``|x| >= thr`` (and never exact zeros; NaN is
+  always kept so a bad gradient stays visible to the caller); returns
+  ``values`` (input dtype) and ``int32`` flat indices.
+* :class:`QualityMeter`: per-call achieved/target density and its running mean.
+* :class:`ThresholdSparsifier`: base class; a subclass implements
+  ``_threshold(a, k, ctx)`` returning a 0-d tensor threshold on ``a = |x|``.
+
+Packet: ``[values (input dtype), indices (int32)]``, variable size
+(``variable_size=True``), ``values_index=0`` so a quantizer can follow
+(``sidco:ratio=0.001>natural``). Biased, so error feedback is on by default.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from gradpress.compress.base import Compressor, Context, Packet
+from gradpress.compress.topk import kept_count, scatter_sparse
+
+__all__ = ["QualityMeter", "ThresholdSparsifier", "select_above", "empty_sparse_packet", "work_dtype"]
+
+
+def work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Arithmetic dtype: fp32, or fp64 for fp64 inputs."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def select_mask(a: torch.Tensor, thr: torch.Tensor | float) -> torch.Tensor:
+    """Boolean mask of the selected entries of ``a = |x|``: ``a >= thr`` and
+    ``a > 0``, plus every NaN."""
+    return ((a >= thr) & (a > 0)) | torch.isnan(a)
+
+
+def select_above(flat: torch.Tensor, a: torch.Tensor, thr: torch.Tensor | float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(values, int32 indices)`` of the entries of ``flat`` with ``a >= thr``
+    (``a`` is ``|flat|`` in the work dtype)."""
+    idx = torch.nonzero(select_mask(a, thr), as_tuple=False).reshape(-1)
+    return flat[idx], idx.to(torch.int32)
+
+
+def empty_sparse_packet(x: torch.Tensor) -> Packet:
+    """Packet of an empty input: no values, no indices."""
+    return Packet(
+        [torch.empty(0, dtype=x.dtype, device=x.device), torch.empty(0, dtype=torch.int32, device=x.device)],
+        x.shape,
+        x.dtype,
+    )
+
+
+class QualityMeter:
+    """Achieved density / target density per call and its running mean
+    (SIDCo's estimation-quality metric; 1.0 is perfect)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.mean = 1.0
+        self.last = 1.0
+
+    def update(self, achieved: int, target: int) -> float:
+        q = achieved / target if target > 0 else 1.0
+        self.count += 1
+        self.mean += (q - self.mean) / self.count
+        self.last = q
+        return q
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"count": self.count, "mean": self.mean, "last": self.last}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.count = int(state.get("count", 0))
+        self.mean = float(state.get("mean", 1.0))
+        self.last = float(state.get("last", 1.0))
+
+
+class QualityMixin:
+    """``quality`` (running mean), ``last_quality`` and the meter in state."""
+
+    _meter: QualityMeter
+
+    @property
+    def quality(self) -> float:
+        """Running mean of achieved/target density over all calls."""
+        return self._meter.mean
+
+    @property
+    def last_quality(self) -> float:
+        """Achieved/target density of the last call."""
+        return self._meter.last
+
+    @property
+    def quality_calls(self) -> int:
+        return self._meter.count
+
+
+class ThresholdSparsifier(QualityMixin, Compressor):
+    """Keep ``|x| >= threshold``; subclasses estimate the threshold."""
+
+    variable_size = True
+    values_index = 0
+    unbiased = False
+
+    def __init__(self, **params: Any) -> None:
+        super().__init__(**params)
+        self._meter = QualityMeter()
+
+    def _threshold(self, xw: torch.Tensor, a: torch.Tensor, k: int, ctx: Context) -> torch.Tensor:
+        """Threshold (0-d tensor) on ``a = |xw|``; ``xw`` is the flat input in
+        the work dtype, ``k`` the target count."""
+        raise NotImplementedError
+
+    def encode(self, x: torch.Tensor, ctx: Context | None = None) -> Packet:
+        self._check_input(x)
+        ctx = self._context(ctx)
+        flat = x.reshape(-1)
+        d = flat.numel()
+        if d == 0:
+            return empty_sparse_packet(x)
+        xw = flat.to(work_dtype(x.dtype))
+        a = xw.abs()
+        k = kept_count(d, self.ratio)
+        if k >= d:  # keep everything (tiny tensors)
+            thr = torch.zeros((), dtype=a.dtype, device=a.device)
+        else:
+            thr = self._threshold(xw, a, k, ctx)
+        values, idx = select_above(flat, a, thr)
+        self._meter.update(idx.numel(), k)
+        return Packet([values, idx], x.shape, x.dtype)
+
+    def decode(self, packet: Packet) -> torch.Tensor:
+        values, indices = packet.tensors[0], packet.tensors[1]
+        return scatter_sparse(values, indices, packet.shape, packet.dtype)
+
+    def wire_bytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
+        """Expected payload: k values and k int32 indices."""
+        k = kept_count(numel, self.ratio)
+        return k * (torch.empty(0, dtype=dtype).element_size() + 4)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"quality": self._meter.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._meter.load_state_dict(state.get("quality", {}))
