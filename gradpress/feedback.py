@@ -12,7 +12,8 @@ raise or skip) and ``e`` is left as it was. The check is a tensor op
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 

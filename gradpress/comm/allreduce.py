@@ -26,7 +26,7 @@ def fused_allreduce(tensors: list[torch.Tensor], group: dist.ProcessGroup | None
         else:
             out[i] = t
     sent = 0
-    for dtype, idxs in by_dtype.items():
+    for idxs in by_dtype.values():
         flat = torch.cat([tensors[i].reshape(-1) for i in idxs])
         if dist.is_initialized():
             dist.all_reduce(flat, group=group)

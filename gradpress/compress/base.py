@@ -23,8 +23,9 @@ import copy
 import hashlib
 import math
 import struct
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Mapping
+from typing import Any, ClassVar
 
 import torch
 

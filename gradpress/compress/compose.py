@@ -13,7 +13,8 @@ payload replaces ``values``. Metadata (never sent) is carried through.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 

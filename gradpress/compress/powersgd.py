@@ -20,7 +20,8 @@ summed Q, so P Q^T is bit-identical on every rank.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
