@@ -10,10 +10,17 @@ protocols (PyTorch's own PowerSGD hook mixes them up on gloo). gradpress
 talks on its own process group, so DDP's own collectives never interleave
 with ours.
 
-Per bucket: tensors below ``min_numel`` and 1-D tensors go through one fused
-plain allreduce; the others are error-compensated, encoded, exchanged by the
-strategy, decoded and averaged; the residual is updated; the result is
-written back into the bucket.
+Per bucket: tensors below ``min_numel`` and 1-D tensors, and tensors the
+plan leaves uncompressed, go through one fused plain allreduce; the others
+are error-compensated (on the whole tensor), cut into the plan's K
+partitions (keys ``name#k``), grouped by planned strategy and exchanged,
+strategy by strategy in a fixed order (allreduce, allgather, ring, ps); the
+residual is updated; the result is written back into the bucket.
+
+``strategy="auto"`` plans per tensor with :mod:`gradpress.plan` (cost model
+fitted on the live group at registration, ``handle.replan()`` on request);
+a named strategy forces it for every eligible tensor (with ``none`` too, so
+the transports can be compared on exact data).
 
 State is keyed by parameter name (stable across DDP's bucket rebuild after
 the first iteration), never by ``bucket.index()``.
@@ -26,7 +33,8 @@ import json
 import queue
 import threading
 import time
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,6 +44,10 @@ from gradpress.comm.allreduce import fused_allreduce
 from gradpress.comm.base import Strategy
 from gradpress.compress import Compressor, Context, create
 from gradpress.feedback import ResidualMemory
+from gradpress.plan import CostModel, Decision, Plan, Planner, log_plan, measure
+
+#: order in which a bucket's strategy groups are exchanged (same on every rank)
+STRATEGY_ORDER = ("allreduce", "allgather", "ring", "ps")
 
 __all__ = ["register", "GradpressHook", "STATS_KEYS"]
 
@@ -89,6 +101,7 @@ class GradpressHook:
         min_numel: int,
         seed: int,
         process_group: dist.ProcessGroup | None,
+        plan_costs: CostModel | Mapping[str, Any] | None = None,
     ) -> None:
         if not isinstance(min_numel, int) or isinstance(min_numel, bool) or min_numel < 0:
             raise ValueError(f"min_numel must be an integer >= 0, got {min_numel!r}")
@@ -104,14 +117,21 @@ class GradpressHook:
         self.group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
+        self.requested_strategy = strategy
         self.strategy_name = self._resolve_strategy(strategy)
-        self.strategy: Strategy | None = (
-            None if compressor.rounds > 1 else get_strategy(self.strategy_name, process_group)
-        )
-        if self.strategy is not None:
-            reason = self.strategy.supports(compressor)
-            if reason:
-                raise ValueError(f"strategy {strategy!r}: {reason}")
+        self.strategies: dict[str, Strategy] = {}
+        if compressor.rounds == 1:
+            for name in self._candidates():
+                strat = get_strategy(name, process_group)
+                reason = strat.supports(compressor)
+                if reason and self.strategy_name != "auto":
+                    raise ValueError(f"strategy {strategy!r}: {reason}")
+                if not reason:
+                    self.strategies[name] = strat
+        #: the forced strategy (None with "auto" or multi-round compressors)
+        self.strategy: Strategy | None = self.strategies.get(self.strategy_name)
+        if plan_costs is not None and strategy != "auto":
+            raise ValueError(f"plan_costs is only used with strategy 'auto', got strategy {strategy!r}")
         self.memory = ResidualMemory()
         self._names = {id(p): _strip_module(n) for n, p in model.named_parameters()}
         self._param_info = [
@@ -126,6 +146,9 @@ class GradpressHook:
         self._cur = {"bytes": 0, "dense": 0, "compressed": 0, "plain": 0, "tensor_bytes": {}}
         self._lock = threading.Lock()
         self._queue: queue.Queue[_Job | None] = queue.Queue()
+        #: the cost model the plan came from (None until one is measured or injected)
+        self.cost_model: CostModel | None = CostModel.from_mapping(plan_costs) if plan_costs is not None else None
+        self.plan: Plan = self._initial_plan(plan_costs)
         self._thread = threading.Thread(target=self._worker, name="gradpress-comm", daemon=True)
         self._thread.start()
 
@@ -134,19 +157,90 @@ class GradpressHook:
         if not isinstance(strategy, str):
             raise ValueError(f"strategy must be a string, got {strategy!r}")
         if self.compressor.rounds > 1:
-            if strategy not in ("auto", "allreduce"):
+            if strategy not in ("auto", "allreduce", "collective"):
                 raise ValueError(
                     f"strategy {strategy!r}: compressor {self.compressor.name!r} runs its own "
-                    f"{self.compressor.rounds}-round allreduce protocol; allowed: auto, allreduce"
+                    f"{self.compressor.rounds}-round allreduce protocol; allowed: auto, allreduce, collective"
                 )
             return "allreduce"
-        if strategy == "auto":
+        if strategy == "collective":
+            # the pre-planner default: every eligible tensor compressed, by one collective
             return "allreduce" if self.compressor.is_summable else "allgather"
         from gradpress.comm import available
 
         if strategy not in available():
-            raise ValueError(f"unknown strategy {strategy!r}; allowed: {', '.join(available())}")
+            raise ValueError(f"unknown strategy {strategy!r}; allowed: {', '.join(available())}, collective")
         return strategy
+
+    def _candidates(self) -> list[str]:
+        """Strategies this hook may use: the forced one, or for "auto" the
+        general one (allreduce if summable, else allgather) plus ring and ps."""
+        if self.strategy_name != "auto":
+            return [self.strategy_name]
+        if self.compressor.name == "none":
+            return []
+        return ["allreduce" if self.compressor.is_summable else "allgather", "ring", "ps"]
+
+    def _eligible(self, shape: list[int] | torch.Size) -> bool:
+        numel = 1
+        for s in shape:
+            numel *= int(s)
+        return len(shape) > 1 and numel >= self.min_numel
+
+    def _plan_params(self) -> list[tuple[str, int, int, bool]]:
+        out = []
+        for name, shape, dtype in self._param_info:
+            numel = 1
+            for s in shape:
+                numel *= int(s)
+            elem = torch.empty(0, dtype=getattr(torch, dtype.replace("torch.", ""))).element_size()
+            out.append((name, numel, elem, self._eligible(shape)))
+        return out
+
+    def _default_decision(self, key: str, numel: int, eligible: bool) -> Decision:
+        if not eligible:
+            return Decision(key, numel, "uncompressed", 1, reason="1-D or below min_numel")
+        if self.compressor.rounds > 1:
+            return Decision(key, numel, "allreduce", 1, reason=f"{self.compressor.rounds}-round protocol")
+        if self.requested_strategy == "collective" and self.compressor.name == "none":
+            return Decision(key, numel, "uncompressed", 1, reason="nothing to compress")
+        if self.strategy_name != "auto":
+            return Decision(key, numel, self.strategy_name, 1, reason="forced")
+        if self.compressor.name == "none":
+            return Decision(key, numel, "uncompressed", 1, reason="nothing to compress")
+        general = "allreduce" if self.compressor.is_summable else "allgather"
+        return Decision(key, numel, general, 1, reason="not planned yet")
+
+    def _planner(self, costs: CostModel) -> Planner:
+        return Planner(costs, self.world_size, self.compressor.is_summable, [s for s in self.strategies])
+
+    def _initial_plan(self, plan_costs: CostModel | Mapping[str, Any] | None) -> Plan:
+        params = self._plan_params()
+        if self.strategy_name == "auto" and self.strategies and plan_costs is not None:
+            return self._planner(CostModel.from_mapping(plan_costs)).plan(params, "injected costs")
+        source = "forced" if self.strategy_name != "auto" else "default"
+        return Plan({k: self._default_decision(k, n, ok) for k, n, _, ok in params}, source)
+
+    def replan(self, costs: CostModel | Mapping[str, Any] | None = None) -> Plan:
+        """Measure the group (or use ``costs``) and rebuild the plan.
+
+        Collective: call on every rank, between steps (no bucket in flight).
+        Only "auto" plans; a forced strategy keeps its plan. Residuals the
+        strategies keep for partitions of the old plan stay unused.
+        """
+        if self.strategy_name != "auto" or not self.strategies:
+            return self.plan
+        if costs is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
+            model = measure(self.group, self.compressor, device=device)
+            source = "measured"
+        else:
+            model = CostModel.from_mapping(costs)
+            source = "injected costs"
+        self.plan = self._planner(model).plan(self._plan_params(), source)
+        self.cost_model = model
+        log_plan(self.plan, self.rank)
+        return self.plan
 
     def config(self) -> dict[str, Any]:
         """Everything that must agree across ranks and across a resume."""
@@ -200,13 +294,17 @@ class GradpressHook:
             except BaseException as exc:  # noqa: BLE001 - forwarded to the training thread
                 job.future.set_exception(exc)
 
-    def _is_compressed(self, grad: torch.Tensor) -> bool:
-        return grad.dim() > 1 and grad.numel() >= self.min_numel and self.compressor.name != "none"
+    def _decision(self, key: str, grad: torch.Tensor) -> Decision:
+        d = self.plan.decisions.get(key)
+        if d is None or d.numel != grad.numel():
+            d = self._default_decision(key, grad.numel(), self._eligible(grad.shape))
+        return d
 
     def _process(self, job: _Job) -> None:
         n = self.world_size
-        dense_idx = [i for i, g in enumerate(job.grads) if not self._is_compressed(g)]
-        comp_idx = [i for i, g in enumerate(job.grads) if self._is_compressed(g)]
+        decisions = [self._decision(k, g) for k, g in zip(job.keys, job.grads)]
+        dense_idx = [i for i, d in enumerate(decisions) if not d.compressed]
+        comp_idx = [i for i, d in enumerate(decisions) if d.compressed]
         tensor_bytes: dict[str, int] = {}
         sent = 0
         t0 = time.perf_counter()
@@ -236,7 +334,7 @@ class GradpressHook:
         if self.compressor.rounds > 1:
             c_time, m_time, nbytes = self._run_rounds(job, comp_idx, tensor_bytes)
         else:
-            c_time, m_time, nbytes = self._run_single(job, comp_idx, tensor_bytes)
+            c_time, m_time, nbytes = self._run_planned(job, comp_idx, [decisions[i] for i in comp_idx], tensor_bytes)
         sent += nbytes
         comm += m_time
         total = time.perf_counter() - t0
@@ -250,23 +348,57 @@ class GradpressHook:
             return grad, None
         return self.memory.compensate(key, grad)
 
-    def _run_single(self, job: _Job, comp_idx: list[int], tensor_bytes: dict[str, int]) -> tuple[float, float, int]:
-        assert self.strategy is not None
+    def _run_planned(
+        self, job: _Job, comp_idx: list[int], decisions: list[Decision], tensor_bytes: dict[str, int]
+    ) -> tuple[float, float, int]:
+        """Compensate each tensor whole, cut it into its planned partitions,
+        exchange each strategy's group (fixed order), reassemble."""
         t0 = time.perf_counter()
         compensated = [self._compensate(job.keys[i], job.grads[i]) for i in comp_idx]
-        ctxs = [self._ctx(job.keys[i], job.step) for i in comp_idx]
-        t1 = time.perf_counter()
-        result = self.strategy.exchange(self.compressor, [p for p, _ in compensated], ctxs, self.error_feedback)
+        groups: dict[str, list[tuple[int, torch.Tensor, Context]]] = {}
+        for pos, (i, d) in enumerate(zip(comp_idx, decisions)):
+            p, key = compensated[pos][0], job.keys[i]
+            if d.parts <= 1:
+                groups.setdefault(d.strategy, []).append((pos, p, self._ctx(key, job.step)))
+            else:
+                for k, part in enumerate(torch.tensor_split(p.reshape(-1), d.parts)):
+                    groups.setdefault(d.strategy, []).append((pos, part, self._ctx(f"{key}#{k}", job.step)))
+        outs: list[list[torch.Tensor]] = [[] for _ in comp_idx]
+        ests: list[list[torch.Tensor]] = [[] for _ in comp_idx]
+        nbytes = [0] * len(comp_idx)
+        sent = 0
+        comp_s = time.perf_counter() - t0
+        comm_s = 0.0
+        for name in STRATEGY_ORDER:
+            items = groups.get(name)
+            if not items:
+                continue
+            strat = self.strategies.get(name)
+            if strat is None:
+                raise RuntimeError(f"plan uses strategy {name!r}, which this hook cannot use with {self.compressor.name!r}")
+            t1 = time.perf_counter()
+            result = strat.exchange(self.compressor, [t for _, t, _ in items], [c for _, _, c in items], self.error_feedback)
+            dt = time.perf_counter() - t1
+            comp_s += result.compress_s
+            comm_s += max(0.0, dt - result.compress_s)
+            sent += result.bytes_sent
+            for j, (pos, _, _) in enumerate(items):
+                outs[pos].append(result.tensors[j])
+                if result.estimates is not None:
+                    ests[pos].append(result.estimates[j])
+                nbytes[pos] += result.tensor_bytes[j]
         t2 = time.perf_counter()
         for pos, i in enumerate(comp_idx):
+            grad, key = job.grads[i], job.keys[i]
+            avg = outs[pos][0] if len(outs[pos]) == 1 else torch.cat([o.reshape(-1) for o in outs[pos]])
             p, finite = compensated[pos]
-            if finite is not None and result.estimates is not None:
-                self.memory.update(job.keys[i], p, result.estimates[pos], finite)
-            job.grads[i].copy_(result.tensors[pos].reshape(job.grads[i].shape))
-            tensor_bytes[job.keys[i]] = result.tensor_bytes[pos]
-        t3 = time.perf_counter()
-        own = (t1 - t0) + (t3 - t2)
-        return own + result.compress_s, max(0.0, (t2 - t1) - result.compress_s), result.bytes_sent
+            if finite is not None and len(ests[pos]) == len(outs[pos]):
+                est = ests[pos][0] if len(ests[pos]) == 1 else torch.cat([e.reshape(-1) for e in ests[pos]])
+                self.memory.update(key, p, est.reshape(p.shape), finite)
+            grad.copy_(avg.reshape(grad.shape))
+            tensor_bytes[key] = nbytes[pos]
+        comp_s += time.perf_counter() - t2
+        return comp_s, comm_s, sent
 
     def _run_rounds(self, job: _Job, comp_idx: list[int], tensor_bytes: dict[str, int]) -> tuple[float, float, int]:
         n = self.world_size
@@ -371,6 +503,8 @@ class GradpressHook:
             "step": self._step,
             "memory": self.memory.state_dict(),
             "compressor": self.compressor.state_dict(),
+            "strategies": {n: st.state_dict() for n, st in self.strategies.items() if hasattr(st, "state_dict")},
+            "plan": self.plan.to_dict(),
             "stats": stats,
         }
 
@@ -390,6 +524,16 @@ class GradpressHook:
         self._step = int(state["step"])
         self.memory.load_state_dict(state["memory"])
         self.compressor.load_state_dict(state["compressor"])
+        for name, st in state.get("strategies", {}).items():
+            if name in self.strategies and hasattr(self.strategies[name], "load_state_dict"):
+                self.strategies[name].load_state_dict(st)
+        saved = state.get("plan")
+        if saved and self.strategy_name == "auto":
+            # keep the partitions the strategies' residuals are keyed by
+            self.plan = Plan({
+                k: Decision(k, self.plan[k].numel if k in self.plan.decisions else 0, v["strategy"], int(v["parts"]), reason="checkpoint")
+                for k, v in saved.items()
+            }, "checkpoint")
         with self._lock:
             self._stats.update(state.get("stats", {}))
 
@@ -433,6 +577,7 @@ def register(
     min_numel: int = 1024,
     seed: int = 0,
     process_group: dist.ProcessGroup | None = None,
+    plan_costs: CostModel | Mapping[str, Any] | None = None,
     **params: Any,
 ) -> GradpressHook:
     """Register the gradpress comm hook on ``ddp_model`` and return its handle.
@@ -440,8 +585,14 @@ def register(
     ``spec``: a compressor spec (``"topk:ratio=0.01"``) or instance; extra
     keywords are compressor parameters. ``error_feedback``: None uses the
     compressor's default (on for biased methods). ``strategy``: ``auto``
-    (allreduce for summable compressors, allgather otherwise) or a name from
-    ``gradpress.comm.available()``. Tensors with fewer than ``min_numel``
+    (per-tensor plan from a cost model measured on the live group, see
+    :mod:`gradpress.plan`; ``handle.plan.table()`` shows it) or a name from
+    ``gradpress.comm.available()`` forced for every eligible tensor, or
+    ``collective`` (allreduce for summable compressors, allgather otherwise:
+    every eligible tensor compressed whatever the link, as before the planner).
+    ``plan_costs``: inject the cost model for ``auto`` instead of measuring
+    (a :class:`~gradpress.plan.CostModel` or a mapping of its fields to
+    ``(overhead, a, b)``). Tensors with fewer than ``min_numel``
     elements and 1-D tensors go through one fused plain allreduce. ``seed``
     derives shared randomness. Every rank must call this with the same
     arguments: a mismatch raises ``ValueError`` on every rank.
@@ -458,12 +609,16 @@ def register(
     try:
         hook = GradpressHook(
             ddp_model.module, create(spec, **params), error_feedback=error_feedback, strategy=strategy,
-            min_numel=min_numel, seed=seed, process_group=own_group,
+            min_numel=min_numel, seed=seed, process_group=own_group, plan_costs=plan_costs,
         )
     except ValueError as exc:
         error = str(exc)
     _agree(hook.config() if hook is not None else None, error, own_group)
     assert hook is not None
+    if hook.strategy_name == "auto" and plan_costs is None:
+        hook.replan()  # collective: every rank measures together, rank 0 fits
+    else:
+        log_plan(hook.plan, hook.rank)
     ddp_model.register_comm_hook(hook, gradpress_hook)
     return hook
 

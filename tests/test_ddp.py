@@ -62,6 +62,7 @@ def flat_params(model: nn.Module) -> torch.Tensor:
 def train(spec: str | None, rank: int, steps: int = 20, lr: float = 0.05, **kw) -> dict:
     model = make_model()
     ddp = DDP(model, bucket_cap_mb=0.004)  # several buckets
+    kw.setdefault("strategy", "collective")  # the compressor as configured, not the planner's choice
     hook = gradpress.ddp.register(ddp, spec, min_numel=MIN_NUMEL, **kw) if spec is not None else None
     opt = torch.optim.SGD(ddp.parameters(), lr=lr)
     x, y = make_data(rank)
@@ -123,7 +124,7 @@ def _resume(rank: int, world: int) -> dict:
     spec = "topk:ratio=0.05"
     model = make_model()
     ddp = DDP(model, bucket_cap_mb=0.004)
-    hook = gradpress.ddp.register(ddp, spec, min_numel=MIN_NUMEL)
+    hook = gradpress.ddp.register(ddp, spec, min_numel=MIN_NUMEL, strategy="collective")
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     x, y = make_data(rank)
 
@@ -143,13 +144,13 @@ def _resume(rank: int, world: int) -> dict:
     model2 = make_model()
     model2.load_state_dict(ckpt["model"])
     ddp2 = DDP(model2, bucket_cap_mb=0.004)
-    hook2 = gradpress.ddp.register(ddp2, spec, min_numel=MIN_NUMEL)
+    hook2 = gradpress.ddp.register(ddp2, spec, min_numel=MIN_NUMEL, strategy="collective")
     hook2.load_state_dict(ckpt["hook"])
     opt2 = torch.optim.SGD(ddp2.parameters(), lr=0.05, momentum=0.9)
     opt2.load_state_dict(ckpt["opt"])
     resumed = [step(ddp2, opt2) for _ in range(6)]
     # a state dict of another configuration is refused
-    hook3 = gradpress.ddp.register(DDP(make_model()), "topk:ratio=0.5", min_numel=MIN_NUMEL)
+    hook3 = gradpress.ddp.register(DDP(make_model()), "topk:ratio=0.5", min_numel=MIN_NUMEL, strategy="collective")
     try:
         hook3.load_state_dict(ckpt["hook"])
         refused = "accepted"

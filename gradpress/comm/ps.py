@@ -1,0 +1,170 @@
+"""``ps``: sharded parameter server co-located on the workers.
+
+HiPress CaSync-PS (Bai et al., SOSP 2021) and BytePS (Jiang et al., OSDI
+2020). Every tensor (the hook passes each of the K partitions of a large
+tensor as its own tensor, keyed ``name#k``) has a root rank, assigned round
+robin in order of first appearance (every rank sees tensors in the same
+order, so the assignment agrees and stays fixed for a key; consecutive
+partitions land on different ranks). Per call:
+
+1. every rank encodes its tensors and sends each root, in one message, the
+   packets of the tensors that root owns (point-to-point, all posted at once;
+   variable-size packets are preceded by their size);
+2. a root sums, in rank order, the N packets of each tensor it owns:
+   summable compressors add payloads (packets were encoded from x / N, so the
+   sum is the average and fp16 does not overflow); the others decode, average
+   and re-encode with a residual of the root's own (kept only with error
+   feedback) using :func:`~gradpress.comm.recompress.densified`: for sparse
+   methods density ``ratio * N`` capped at 1, since the sum of N top-k packets
+   has up to N k non-zeros; other compressors re-encode as they are;
+3. each root broadcasts its re-encoded bytes (one broadcast per root that owns
+   something, roots in increasing order; sizes of variable-size packets go
+   first in one small allgather) and every rank, root included, decodes those
+   bytes, so replicas are bit-identical.
+
+Estimates: ``decode(encode(x))`` of this rank's own packets (what the root
+received from it). Not for majority-vote compressors or multi-round protocols.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gradpress import wire
+from gradpress.comm.base import ExchangeResult, Strategy, aggregate, encode_local, register_strategy
+from gradpress.comm.p2p import exchange_bytes, global_rank
+from gradpress.comm.recompress import Recompressor, densified, template
+from gradpress.comm.ring import unsupported_reason
+from gradpress.compress.base import Compressor, Context, Packet
+
+__all__ = ["ParameterServer"]
+
+
+@register_strategy("ps")
+class ParameterServer(Strategy):
+    """Sharded parameter server; see the module docstring."""
+
+    def __init__(self, group: Any) -> None:
+        super().__init__(group)
+        self.recompressor = Recompressor()
+        self.roots: dict[str, int] = {}
+        self._next_root = 0
+        self._dense: tuple[Compressor, Compressor] | None = None
+
+    def supports(self, compressor: Compressor) -> str | None:
+        return unsupported_reason(compressor, "ps")
+
+    def state_dict(self) -> dict[str, Any]:
+        res = self.recompressor.memory.residuals
+        return {"residuals": {k: v.clone() for k, v in res.items()}, "roots": dict(self.roots), "next_root": self._next_root}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.recompressor.memory.residuals = {k: v.clone() for k, v in state.get("residuals", {}).items()}
+        self.roots = dict(state.get("roots", {}))
+        self._next_root = int(state.get("next_root", 0))
+
+    def root_of(self, key: str) -> int:
+        """The root rank of ``key`` (assigned round robin on first sight)."""
+        root = self.roots.get(key)
+        if root is None:
+            root = self._next_root % self.world_size
+            self._next_root += 1
+            self.roots[key] = root
+        return root
+
+    def root_compressor(self, compressor: Compressor) -> Compressor:
+        """The compressor a root re-encodes with (cached densified copy)."""
+        if self._dense is None or self._dense[0] is not compressor:
+            self._dense = (compressor, densified(compressor, self.world_size))
+        return self._dense[1]
+
+    def exchange(
+        self, compressor: Compressor, tensors: list[torch.Tensor], ctxs: list[Context], want_estimates: bool
+    ) -> ExchangeResult:
+        t0 = time.perf_counter()
+        comm = 0.0
+        n, me = self.world_size, self.rank
+        summable = compressor.is_summable
+        packets, estimates = encode_local(compressor, tensors, ctxs, 1.0 / n if summable else 1.0, want_estimates)
+        tensor_bytes = [p.nbytes for p in packets]
+        if n == 1:
+            results = [compressor.decode(p) for p in packets]
+            return ExchangeResult(results, 0, estimates, tensor_bytes, time.perf_counter() - t0)
+        roots = [self.root_of(c.key) for c in ctxs]
+        owned: dict[int, list[int]] = {}
+        for i, root in enumerate(roots):
+            owned.setdefault(root, []).append(i)
+        mine = owned.get(me, [])
+        variable = bool(compressor.variable_size) and not summable
+        device = tensors[0].device
+        # 1. gather: each rank sends every root the packets it owns, in one message
+        sends = {root: wire.pack_packets([packets[i] for i in idxs], variable) for root, idxs in owned.items() if root != me}
+        expect: dict[int, int | None] = {}
+        if mine:
+            size = sum(packets[i].nbytes for i in mine)
+            expect = {q: (None if variable else size) for q in range(n) if q != me}
+        t = time.perf_counter()
+        got, sent = exchange_bytes(sends, expect, self.group, variable, device)
+        comm += time.perf_counter() - t
+        # 2. roots aggregate in rank order and re-encode
+        root_comp = compressor if summable else self.root_compressor(compressor)
+        mine_pk = [packets[i] for i in mine]
+        by_rank = [mine_pk if q == me else wire.unpack_packets(got[q], mine_pk, variable) for q in range(n)] if mine else []
+        out_packets: list[Packet] = []
+        for j, i in enumerate(mine):
+            if summable:
+                payloads = [t.clone() for t in by_rank[0][j].tensors]
+                for q in range(1, n):
+                    for a, b in zip(payloads, by_rank[q][j].tensors):
+                        a += b
+                own = packets[i]
+                out_packets.append(Packet(payloads, own.shape, own.dtype, dict(own.meta)))
+            else:
+                avg = aggregate(compressor, [compressor.decode(by_rank[q][j]) for q in range(n)], n)
+                rctx = Context(key=f"{ctxs[i].key}#ps", step=ctxs[i].step, rank=me, world_size=n, seed=ctxs[i].seed)
+                pk, _ = self.recompressor.encode(root_comp, avg, rctx, want_estimates)
+                out_packets.append(pk)
+        # 3. broadcast each root's bytes; everyone decodes them
+        def tmpl(i: int) -> Packet:
+            if summable:
+                return packets[i]
+            return template(root_comp, tensors[i].shape, tensors[i].dtype, device)
+
+        mine_buf = wire.pack_packets(out_packets, variable, device) if mine else None
+        sizes: list[int] | None = None
+        if variable:
+            t = time.perf_counter()
+            size = torch.tensor([0 if mine_buf is None else mine_buf.numel()], dtype=torch.int64, device=device)
+            all_sizes = [torch.empty_like(size) for _ in range(n)]
+            dist.all_gather(all_sizes, size, group=self.group)
+            comm += time.perf_counter() - t
+            sent += 8
+            sizes = [int(s) for s in torch.cat(all_sizes).tolist()]
+        results: list[torch.Tensor | None] = [None] * len(tensors)
+        for root in sorted(owned):
+            idxs = owned[root]
+            templates = [tmpl(i) for i in idxs]
+            if root == me:
+                buf = mine_buf
+                received = out_packets
+            else:
+                nbytes = sizes[root] if sizes is not None else sum(p.nbytes for p in templates)
+                buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            assert buf is not None
+            if buf.numel():
+                t = time.perf_counter()
+                dist.broadcast(buf, global_rank(self.group, root), group=self.group)
+                comm += time.perf_counter() - t
+            if root == me:
+                sent += buf.numel()
+            else:
+                received = wire.unpack_packets(buf, templates, variable)
+            for i, pk in zip(idxs, received):
+                results[i] = compressor.decode(pk) if summable else root_comp.decode(pk)
+        compress_s = max(0.0, time.perf_counter() - t0 - comm)
+        return ExchangeResult(results, sent, estimates, tensor_bytes, compress_s)  # type: ignore[arg-type]

@@ -1,0 +1,125 @@
+"""The planner: cost fits, per-tensor decisions from injected measurements,
+the plan table, bad input."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gradpress.plan import OPTIONS, CostModel, Fit, Planner
+
+PARAMS = [
+    ("fc1.bias", 512, 4, False),
+    ("tiny.weight", 64, 4, True),
+    ("small.weight", 2_000, 4, True),
+    ("mid.weight", 300_000, 4, True),
+    ("big.weight", 4_000_000, 4, True),
+]
+
+
+def link(byte_s: float, latency: float = 2e-4) -> dict:
+    """Costs of a link moving 1/byte_s bytes per second; a top-k-like
+    compressor (8 bytes per kept element at 1%; the PS root at density x N)."""
+    comm = (latency, latency, byte_s)
+    return {
+        "allreduce": comm, "allgather": (latency, latency, 2 * byte_s), "broadcast": comm, "p2p": comm,
+        "encode": (2e-5, 2e-5, 5e-9), "decode": (1e-5, 1e-5, 2e-9),
+        "wire": (0.0, 8.0, 0.08), "root_wire": (0.0, 8.0, 0.32),
+    }
+
+
+SLOW = link(1e-7)   # 10 MB/s
+FAST = link(1e-11)  # 100 GB/s
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_slow_link_compresses_large_keeps_tiny(world):
+    plan = Planner.from_costs(SLOW, world).plan(PARAMS)
+    d = plan.decisions
+    assert d["fc1.bias"].strategy == "uncompressed" and d["fc1.bias"].reason
+    assert d["tiny.weight"].strategy == "uncompressed"
+    assert d["big.weight"].compressed and d["mid.weight"].compressed
+    for key in ("mid.weight", "big.weight"):
+        costs = d[key].costs
+        assert d[key].predicted_s == min(costs.values())
+        assert d[key].predicted_s < costs["uncompressed"]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ps_partitions_grow_with_size(world):
+    # HiPress's example: PS only; tiny stays dense, large ones split across ranks
+    plan = Planner.from_costs(SLOW, world, candidates=("ps",)).plan(PARAMS)
+    d = plan.decisions
+    assert d["tiny.weight"].strategy == "uncompressed"
+    assert d["big.weight"].strategy == "ps" and d["big.weight"].parts > 1
+    assert d["big.weight"].parts <= world
+    assert d["mid.weight"].parts <= d["big.weight"].parts
+
+
+def test_fast_link_compresses_nothing():
+    plan = Planner.from_costs(FAST, 4).plan(PARAMS)
+    assert all(d.strategy == "uncompressed" for d in plan.decisions.values()), plan.table()
+
+
+def test_summable_prefers_allreduce_when_it_is_cheapest():
+    costs = dict(SLOW, wire=(0.0, 0.0, 2.0), root_wire=(0.0, 0.0, 2.0))  # fp16-like
+    plan = Planner.from_costs(costs, 4, summable=True).plan(PARAMS)
+    big = plan.decisions["big.weight"]
+    assert big.compressed and "allgather" not in big.costs
+    assert big.costs["allreduce"] < big.costs["uncompressed"]
+
+
+def test_table_lists_every_tensor():
+    plan = Planner.from_costs(SLOW, 4).plan(PARAMS)
+    table = plan.table()
+    for key, *_ in PARAMS:
+        assert key in table
+    assert "decision" in table.splitlines()[1]
+    assert plan.summary()["uncompressed"] >= 2
+    assert set(plan.to_dict()) == {k for k, *_ in PARAMS}
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    a=st.floats(1e-6, 1e-2), b=st.floats(1e-12, 1e-6),
+    sizes=st.lists(st.integers(1, 10**8), min_size=2, max_size=6, unique=True),
+)
+def test_fit_recovers_a_line(a, b, sizes):
+    fit = Fit.least_squares(sizes, [a + b * x for x in sizes])
+    for x in sizes:
+        assert fit(x) == pytest.approx(a + b * x, rel=1e-6)
+    assert fit.overhead == pytest.approx(min(a + b * x for x in sizes))
+
+
+@settings(max_examples=30, deadline=None)
+@given(world=st.integers(1, 16), numel=st.integers(1, 10**8), byte_s=st.floats(1e-12, 1e-5))
+def test_decision_is_deterministic_and_valid(world, numel, byte_s):
+    planner = Planner.from_costs(link(byte_s), world)
+    d1, d2 = planner.decide("w", numel), planner.decide("w", numel)
+    assert d1 == d2
+    assert d1.strategy in OPTIONS and 1 <= d1.parts <= max(1, world)
+    assert d1.predicted_s == min(d1.costs.values())
+
+
+def test_cost_model_round_trips_through_a_tensor():
+    model = CostModel.from_mapping(SLOW)
+    assert CostModel.from_tensor(model.to_tensor()) == model
+
+
+@pytest.mark.parametrize("bad, field", [
+    ({**SLOW, "bogus": (0, 0, 0)}, "bogus"),
+    ({k: v for k, v in SLOW.items() if k != "p2p"}, "p2p"),
+    ({**SLOW, "encode": (0, 0, -1)}, "encode"),
+    ({**SLOW, "decode": "fast"}, "decode"),
+])
+def test_bad_costs_name_the_field(bad, field):
+    with pytest.raises(ValueError, match=field):
+        CostModel.from_mapping(bad)
+
+
+def test_bad_candidates():
+    with pytest.raises(ValueError, match="gossip"):
+        Planner.from_costs(SLOW, 4, candidates=("gossip",))
+    with pytest.raises(ValueError, match="summable"):
+        Planner.from_costs(SLOW, 4, summable=False, candidates=("allreduce",))
