@@ -28,11 +28,14 @@ the first iteration), never by ``bucket.index()``.
 
 from __future__ import annotations
 
+import atexit
+import datetime
 import hashlib
 import json
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -49,7 +52,15 @@ from gradpress.plan import CostModel, Decision, Plan, Planner, log_plan, measure
 #: order in which a bucket's strategy groups are exchanged (same on every rank)
 STRATEGY_ORDER = ("allreduce", "allgather", "ring", "ps")
 
-__all__ = ["register", "GradpressHook", "STATS_KEYS"]
+__all__ = ["register", "GradpressHook", "STATS_KEYS", "NONFINITE_MODES"]
+
+#: What the hook does when a rank's gradient has a NaN/Inf (in a bucket that is compressed):
+#: ``propagate`` marks the affected tensors NaN on every rank (so every rank's GradScaler skips
+#: the same step) and leaves residuals as they were; ``skip`` zeroes the bucket on every rank,
+#: leaves residuals as they were and counts the step in ``stats["skipped_steps"]`` (check
+#: ``handle.last_step_skipped`` before ``optimizer.step()``); ``raise`` fails on every rank
+#: naming the tensor.
+NONFINITE_MODES = ("propagate", "skip", "raise")
 
 #: Every key of ``handle.stats`` and what it means.
 STATS_KEYS: dict[str, str] = {
@@ -64,6 +75,8 @@ STATS_KEYS: dict[str, str] = {
     "compressed_tensors": "number of tensors per step that go through the compressor",
     "dense_tensors": "number of tensors per step that go through the fused plain allreduce",
     "tensor_bytes": "payload bytes per tensor (parameter name) in the last step",
+    "nonfinite_steps": "steps in which some rank had a NaN/Inf gradient in a compressed bucket",
+    "skipped_steps": "steps skipped on every rank because of a NaN/Inf gradient (nonfinite='skip')",
 }
 
 
@@ -102,7 +115,11 @@ class GradpressHook:
         seed: int,
         process_group: dist.ProcessGroup | None,
         plan_costs: CostModel | Mapping[str, Any] | None = None,
+        nonfinite: str = "propagate",
     ) -> None:
+        if nonfinite not in NONFINITE_MODES:
+            raise ValueError(f"nonfinite must be one of {', '.join(NONFINITE_MODES)}, got {nonfinite!r}")
+        self.nonfinite = nonfinite
         if not isinstance(min_numel, int) or isinstance(min_numel, bool) or min_numel < 0:
             raise ValueError(f"min_numel must be an integer >= 0, got {min_numel!r}")
         if not isinstance(seed, int) or isinstance(seed, bool):
@@ -142,7 +159,12 @@ class GradpressHook:
             "steps": 0, "bytes_sent": 0, "dense_bytes": 0, "last_step_bytes": 0,
             "last_step_dense_bytes": 0, "compress_s": 0.0, "comm_s": 0.0,
             "compressed_tensors": 0, "dense_tensors": 0, "tensor_bytes": {},
+            "nonfinite_steps": 0, "skipped_steps": 0,
         }
+        # OR over the buckets of the step in flight: did any rank see a NaN/Inf? (tensor: no host sync)
+        self._step_bad: torch.Tensor | None = None
+        self._bad_steps: list[torch.Tensor] = []
+        self._last_skipped: torch.Tensor | None = None
         self._cur = {"bytes": 0, "dense": 0, "compressed": 0, "plain": 0, "tensor_bytes": {}}
         self._lock = threading.Lock()
         self._queue: queue.Queue[_Job | None] = queue.Queue()
@@ -249,6 +271,7 @@ class GradpressHook:
             "error_feedback": self.error_feedback,
             "strategy": self.strategy_name,
             "min_numel": self.min_numel,
+            "nonfinite": self.nonfinite,
             "seed": self.seed,
             "world_size": self.world_size,
             "parameters": self._param_info,
@@ -301,6 +324,37 @@ class GradpressHook:
         return d
 
     def _process(self, job: _Job) -> None:
+        try:
+            self._process_bucket(job)
+        finally:
+            if job.is_last:
+                self._finish_step()
+
+    def _finish_step(self) -> None:
+        """Commit the step's staged residuals unless some rank saw a NaN/Inf."""
+        bad = self._step_bad
+        self._step_bad = None
+        if bad is None:
+            self.memory.commit(True)
+            self._last_skipped = None
+            return
+        self.memory.commit(~bad)
+        self._bad_steps.append(bad)
+        self._last_skipped = bad if self.nonfinite == "skip" else None
+
+    def _exchange_flags(self, job: _Job, plain: list[torch.Tensor]) -> tuple[list[torch.Tensor], int, torch.Tensor]:
+        """Fused plain allreduce of ``plain`` plus one flag per bucket tensor
+        (1 where this rank's gradient is not finite): every rank learns the
+        same set of bad tensors through the exchange itself."""
+        ref = job.buffer
+        flags = torch.stack([~torch.isfinite(g).all() for g in job.grads]).to(ref.dtype if ref.is_floating_point() else torch.float32)
+        summed, nbytes = fused_allreduce([*plain, flags], self.group)
+        bad = summed[-1] > 0
+        any_bad = bad.any()
+        self._step_bad = any_bad if self._step_bad is None else (self._step_bad | any_bad)
+        return summed[:-1], nbytes, bad
+
+    def _process_bucket(self, job: _Job) -> None:
         n = self.world_size
         decisions = [self._decision(k, g) for k, g in zip(job.keys, job.grads)]
         dense_idx = [i for i, d in enumerate(decisions) if not d.compressed]
@@ -310,7 +364,8 @@ class GradpressHook:
         t0 = time.perf_counter()
         if not comp_idx:
             # nothing to compress: exactly what DDP's built-in reduction does
-            # (the reducer multiplies by 1/N while filling the bucket, then sums)
+            # (the reducer multiplies by 1/N while filling the bucket, then sums);
+            # a NaN/Inf travels as it does in plain DDP
             job.buffer.mul_(1.0 / n)
             t_comm = time.perf_counter()
             if n > 1:
@@ -321,20 +376,32 @@ class GradpressHook:
                 tensor_bytes[job.keys[i]] = job.grads[i].numel() * job.grads[i].element_size()
             self._account(job, sent, tensor_bytes, 0.0, comm, 0, len(dense_idx))
             return
-        comm = 0.0
-        if dense_idx:
-            plain = [job.grads[i].div(n) for i in dense_idx]
-            t_comm = time.perf_counter()
-            summed, nbytes = fused_allreduce(plain, self.group)
-            comm += time.perf_counter() - t_comm
-            sent += nbytes
-            for i, s in zip(dense_idx, summed):
-                job.grads[i].copy_(s)
-                tensor_bytes[job.keys[i]] = job.grads[i].numel() * job.grads[i].element_size()
+        plain = [job.grads[i].div(n) for i in dense_idx]
+        t_comm = time.perf_counter()
+        summed, nbytes, bad = self._exchange_flags(job, plain)
+        comm = time.perf_counter() - t_comm
+        sent += nbytes
+        for i, s in zip(dense_idx, summed):
+            job.grads[i].copy_(s)
+            tensor_bytes[job.keys[i]] = job.grads[i].numel() * job.grads[i].element_size()
+        if self.nonfinite != "propagate" and bool(bad.any()):  # one host sync per bucket, in these modes only
+            names = [job.keys[i] for i in range(len(job.grads)) if bool(bad[i])]
+            if self.nonfinite == "raise":
+                raise FloatingPointError(
+                    f"gradpress: non-finite gradient (NaN/Inf) in {', '.join(repr(k) for k in names)} at step "
+                    f"{job.step} on at least one rank (nonfinite='raise'; use 'skip' to drop such steps)"
+                )
+            for g in job.grads:  # skip: every rank drops this bucket the same way; residuals stay
+                g.zero_()
+            self._account(job, sent, tensor_bytes, 0.0, comm, 0, len(dense_idx))
+            return
         if self.compressor.rounds > 1:
             c_time, m_time, nbytes = self._run_rounds(job, comp_idx, tensor_bytes)
         else:
             c_time, m_time, nbytes = self._run_planned(job, comp_idx, [decisions[i] for i in comp_idx], tensor_bytes)
+        if self.nonfinite == "propagate":
+            for i in comp_idx:  # every rank sees the NaN, so every rank's GradScaler skips alike
+                job.grads[i].masked_fill_(bad[i], float("nan"))
         sent += nbytes
         comm += m_time
         total = time.perf_counter() - t0
@@ -394,7 +461,7 @@ class GradpressHook:
             p, finite = compensated[pos]
             if finite is not None and len(ests[pos]) == len(outs[pos]):
                 est = ests[pos][0] if len(ests[pos]) == 1 else torch.cat([e.reshape(-1) for e in ests[pos]])
-                self.memory.update(key, p, est.reshape(p.shape), finite)
+                self.memory.stage(key, p, est.reshape(p.shape), finite)
             grad.copy_(avg.reshape(grad.shape))
             tensor_bytes[key] = nbytes[pos]
         comp_s += time.perf_counter() - t2
@@ -451,7 +518,7 @@ class GradpressHook:
             p, finite = comps[j]
             if finite is not None:
                 # a tensor that travelled dense dropped nothing: its residual is zero
-                self.memory.update(job.keys[i], p, p if j in dense else approx, finite)
+                self.memory.stage(job.keys[i], p, p if j in dense else approx, finite)
             job.grads[i].copy_(approx.reshape(job.grads[i].shape))
         comp_time += time.perf_counter() - t
         return comp_time, comm_time, sent
@@ -484,18 +551,59 @@ class GradpressHook:
     def stats(self) -> dict[str, Any]:
         """A plain mapping; see ``STATS_KEYS`` for every key."""
         with self._lock:
+            self._fold_bad_steps()
             out = dict(self._stats)
             out["tensor_bytes"] = dict(self._stats["tensor_bytes"])
         out["ratio"] = out["dense_bytes"] / out["bytes_sent"] if out["bytes_sent"] else 1.0
         return out
 
+    def _fold_bad_steps(self) -> None:
+        """Turn the per-step NaN/Inf flags (tensors, kept to avoid host syncs
+        on the hot path) into counts. Called with the lock held."""
+        bad = [bool(b) for b in self._bad_steps]
+        self._bad_steps = []
+        self._stats["nonfinite_steps"] += sum(bad)
+        if self.nonfinite == "skip":
+            self._stats["skipped_steps"] += sum(bad)
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """True when the last completed step was dropped on every rank
+        (``nonfinite='skip'``): do not call ``optimizer.step()`` then."""
+        flag = self._last_skipped
+        return bool(flag) if flag is not None else False
+
     @property
     def step(self) -> int:
         return self._step
 
+    def memory_bytes(self) -> dict[str, int]:
+        """Extra memory this hook keeps, in bytes: ``residuals`` (error
+        feedback: one copy of each compressed gradient), ``compressor``
+        (its own state: momentum, factors...), ``strategies`` (ring/ps
+        residuals) and their ``total``."""
+
+        def size(obj: Any) -> int:
+            if isinstance(obj, torch.Tensor):
+                return obj.numel() * obj.element_size()
+            if isinstance(obj, Mapping):
+                return sum(size(v) for v in obj.values())
+            if isinstance(obj, (list, tuple)):
+                return sum(size(v) for v in obj)
+            return 0
+
+        out = {
+            "residuals": self.memory.nbytes(),
+            "compressor": size(self.compressor.state_dict()),
+            "strategies": size([st.state_dict() for st in self.strategies.values() if hasattr(st, "state_dict")]),
+        }
+        out["total"] = sum(out.values())
+        return out
+
     def state_dict(self) -> dict[str, Any]:
         """All compression state: config, step, residuals, compressor state."""
         with self._lock:
+            self._fold_bad_steps()
             stats = dict(self._stats)
         return {
             "format": "gradpress-hook/1",
@@ -538,9 +646,22 @@ class GradpressHook:
             self._stats.update(state.get("stats", {}))
 
     def close(self) -> None:
-        """Stop the communication thread (the hook must not be used after)."""
-        self._queue.put(None)
-        self._thread.join(timeout=5)
+        """Stop the communication thread (the hook must not be used after).
+        Called at interpreter exit for every hook still open."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join(timeout=5)
+        _OPEN_HOOKS.discard(self)
+
+
+_OPEN_HOOKS: weakref.WeakSet[GradpressHook] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_hooks() -> None:
+    for hook in list(_OPEN_HOOKS):
+        hook.close()
+
 
 def _agree(mine: dict[str, Any] | None, error: str | None, group: dist.ProcessGroup) -> None:
     """All ranks exchange their configuration (or the error that stopped them
@@ -578,6 +699,8 @@ def register(
     seed: int = 0,
     process_group: dist.ProcessGroup | None = None,
     plan_costs: CostModel | Mapping[str, Any] | None = None,
+    nonfinite: str = "propagate",
+    timeout: float | datetime.timedelta | None = None,
     **params: Any,
 ) -> GradpressHook:
     """Register the gradpress comm hook on ``ddp_model`` and return its handle.
@@ -596,6 +719,11 @@ def register(
     elements and 1-D tensors go through one fused plain allreduce. ``seed``
     derives shared randomness. Every rank must call this with the same
     arguments: a mismatch raises ``ValueError`` on every rank.
+    ``nonfinite``: what to do when a rank's gradient has a NaN/Inf, one of
+    ``NONFINITE_MODES`` (see there). ``timeout``: seconds (or a timedelta)
+    after which a collective that a dead or stuck peer never joins fails
+    with an error instead of hanging; default: the timeout of the DDP
+    model's process group.
     """
     if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
         raise ValueError(f"ddp_model must be torch.nn.parallel.DistributedDataParallel, got {type(ddp_model).__name__}")
@@ -603,13 +731,14 @@ def register(
         raise RuntimeError("torch.distributed is not initialized; call dist.init_process_group first (torchrun does)")
     base_group = process_group if process_group is not None else ddp_model.process_group
     ranks = dist.get_process_group_ranks(base_group)
-    own_group = dist.new_group(ranks=ranks, backend=dist.get_backend(base_group))
+    own_group = dist.new_group(ranks=ranks, backend=dist.get_backend(base_group), timeout=_timeout_of(base_group, timeout))
     hook: GradpressHook | None = None
     error = None
     try:
         hook = GradpressHook(
             ddp_model.module, create(spec, **params), error_feedback=error_feedback, strategy=strategy,
             min_numel=min_numel, seed=seed, process_group=own_group, plan_costs=plan_costs,
+            nonfinite=nonfinite,
         )
     except ValueError as exc:
         error = str(exc)
@@ -620,7 +749,24 @@ def register(
     else:
         log_plan(hook.plan, hook.rank)
     ddp_model.register_comm_hook(hook, gradpress_hook)
+    _OPEN_HOOKS.add(hook)
     return hook
+
+
+def _timeout_of(group: dist.ProcessGroup, timeout: float | datetime.timedelta | None) -> datetime.timedelta | None:
+    """The timeout for gradpress's own group: the caller's, else the base
+    group's (``new_group`` would otherwise fall back to 30 minutes)."""
+    if timeout is not None:
+        if isinstance(timeout, datetime.timedelta):
+            return timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"timeout must be a positive number of seconds or a timedelta, got {timeout!r}")
+        return datetime.timedelta(seconds=float(timeout))
+    try:
+        device = torch.device("cuda") if dist.get_backend(group) == "nccl" else torch.device("cpu")
+        return group._get_backend(device).options._timeout
+    except Exception:  # noqa: BLE001 - private API; fall back to torch's default
+        return None
 
 
 def gradpress_hook(state, bucket):  # noqa: ANN001,ANN201 - DDP inspects these annotations; leave them off

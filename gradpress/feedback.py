@@ -27,6 +27,7 @@ class ResidualMemory:
         self.beta = float(beta)
         self.gamma = float(gamma)
         self.residuals: dict[str, torch.Tensor] = {}
+        self._pending: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def compensate(self, key: str, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Return ``(p, finite)``: the error-compensated tensor and a 0-d bool
@@ -49,6 +50,24 @@ class ResidualMemory:
         # a finite gradient can still give a non-finite residual (overflow): keep the old one
         ok = finite & torch.isfinite(new).all()
         self.residuals[key] = torch.where(ok, new, old)
+
+    def stage(self, key: str, p: torch.Tensor, sent: torch.Tensor, finite: torch.Tensor) -> None:
+        """Like :meth:`update`, but held until :meth:`commit`: a step whose
+        outcome is only known after all its buckets leaves every residual as
+        it was when it is dropped."""
+        self._pending[key] = (p - sent.to(p.dtype), finite)
+
+    def commit(self, step_ok: torch.Tensor | bool = True) -> None:
+        """Apply the staged residuals where ``step_ok`` (a 0-d bool tensor,
+        no host sync) and their own gradient was finite."""
+        ok_step = step_ok if isinstance(step_ok, torch.Tensor) else torch.tensor(bool(step_ok))
+        for key, (new, finite) in self._pending.items():
+            old = self.residuals.get(key)
+            if old is None:
+                old = torch.zeros_like(new)
+            ok = finite & ok_step.to(new.device) & torch.isfinite(new).all()
+            self.residuals[key] = torch.where(ok, new, old)
+        self._pending.clear()
 
     def state_dict(self) -> dict[str, Any]:
         return {"beta": self.beta, "gamma": self.gamma, "residuals": {k: v.clone() for k, v in self.residuals.items()}}

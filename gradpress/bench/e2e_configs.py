@@ -1,0 +1,175 @@
+"""What ``gradpress bench e2e`` runs: the PyTorch baselines and the gradpress
+configurations, parsed from ``--baselines`` and ``--configs``.
+
+Syntax (``docs/e2e.md``):
+
+* ``--configs``: comma-separated gradpress configurations
+  ``COMPRESSOR_SPEC[@STRATEGY][+ef|+noef]``, e.g. ``topk:ratio=0.01@allgather``,
+  ``qsgd:levels=4,bucket=512@ring``, ``powersgd:rank=4,start_iter=2``,
+  ``topk:ratio=0.001@allgather+noef``.
+  Commas inside a spec's parameter list stay with it (a token whose head has
+  ``=`` but no ``:`` continues the previous spec); ``;`` also separates.
+  ``@STRATEGY`` is one of :func:`gradpress.comm.available` (default ``auto``);
+  ``+ef`` / ``+noef`` force error feedback on / off (default: the
+  compressor's own default, on for biased methods).
+* ``--baselines``: comma-separated PyTorch baselines: ``ddp`` (plain DDP, no
+  hook), ``fp16`` (``default_hooks.fp16_compress_hook``),
+  ``powersgd:rank=R`` (``powerSGD_hook``; optional ``start=I``, the
+  ``start_powerSGD_iter``, default 2). Plain ``ddp`` is the reference of every
+  speed-up and always runs (first), listed or not.
+
+Invariant: every configuration is validated here, in the parent, before any
+cluster is built; a bad one raises ``ValueError`` naming the option, the
+value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass
+from typing import Any
+
+__all__ = ["RunConfig", "parse_configs", "parse_baselines", "DEFAULT_BASELINES", "TORCH_POWERSGD_START"]
+
+DEFAULT_BASELINES = "ddp,fp16,powersgd:rank=1,powersgd:rank=4"
+#: PyTorch's powerSGD_hook needs start_powerSGD_iter > 1 with error feedback / warm start
+TORCH_POWERSGD_START = 2
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One configuration of the benchmark.
+
+    ``kind``: ``ddp`` | ``torch-fp16`` | ``torch-powersgd`` | ``gradpress``.
+    ``spec``/``strategy``: gradpress compressor spec and strategy.
+    ``rank``/``start``: PyTorch PowerSGD rank and ``start_powerSGD_iter``.
+    ``start``: for every kind, the first step at which compression is active
+    (the worker warms up at least that many steps).
+    ``single_bucket``: run DDP with one bucket (PyTorch PowerSGD on gloo).
+    """
+
+    kind: str
+    label: str
+    spec: str = ""
+    strategy: str = "auto"
+    rank: int = 0
+    start: int = 0
+    single_bucket: bool = False
+    error_feedback: bool | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> RunConfig:
+        return RunConfig(**d)
+
+
+def _split_specs(text: str, option: str) -> list[str]:
+    tokens: list[str] = []
+    for part in text.split(";"):
+        for token in part.split(","):
+            token = token.strip()
+            if not token:
+                continue
+            head = token.split("@", 1)[0].split(">", 1)[0]
+            if tokens and "=" in head and ":" not in head:
+                tokens[-1] += "," + token  # continuation of the previous parameter list
+            else:
+                tokens.append(token)
+    if not tokens:
+        raise ValueError(f"{option} got {text!r}; allowed: a comma-separated list of configurations")
+    return tokens
+
+
+def _start_iter(compressor: Any) -> int:
+    """First step at which a compressor compresses (PowerSGD's ``start_iter``)."""
+    starts = [getattr(c, "start_iter", 0) for c in (compressor, getattr(compressor, "first", None)) if c is not None]
+    return max([int(s) for s in starts if isinstance(s, int)] + [0])
+
+
+def parse_configs(text: str, option: str = "--configs") -> list[RunConfig]:
+    """gradpress configurations ``SPEC[@STRATEGY][+ef|+noef]`` (see the module doc)."""
+    from gradpress.comm import available
+    from gradpress.compress import create
+
+    out: list[RunConfig] = []
+    for token in _split_specs(text, option):
+        error_feedback: bool | None = None
+        body, plus, flag = token.rpartition("+")
+        if plus:
+            if flag.strip() not in ("ef", "noef"):
+                raise ValueError(f"{option}: configuration {token!r}: unknown option '+{flag.strip()}'; "
+                                 "allowed: +ef, +noef (error feedback on / off)")
+            error_feedback = flag.strip() == "ef"
+            token_body = body
+        else:
+            token_body = token
+        spec, _, strategy = token_body.partition("@")
+        spec, strategy = spec.strip(), (strategy.strip() or "auto")
+        if not spec:
+            raise ValueError(f"{option}: configuration {token!r} has no compressor spec; allowed: SPEC[@STRATEGY]")
+        try:
+            compressor = create(spec)
+        except ValueError as exc:
+            raise ValueError(f"{option}: bad compressor spec {spec!r} in {token!r}: {exc}") from None
+        if strategy not in available():
+            raise ValueError(f"{option}: configuration {token!r}: unknown strategy {strategy!r}; "
+                             f"allowed: {', '.join(available())}")
+        if compressor.rounds > 1 and strategy not in ("auto", "allreduce"):
+            raise ValueError(f"{option}: configuration {token!r}: strategy {strategy!r} cannot carry "
+                             f"{compressor.name!r} (a {compressor.rounds}-round allreduce protocol); allowed: auto, allreduce")
+        label = (f"gradpress {spec}" + ("" if strategy == "auto" else f"@{strategy}")
+                 + ("" if error_feedback is None else ("+ef" if error_feedback else "+noef")))
+        out.append(RunConfig("gradpress", label, spec=spec, strategy=strategy, start=_start_iter(compressor),
+                             error_feedback=error_feedback))
+    _check_unique(out, option)
+    return out
+
+
+_POWERSGD_RE = re.compile(r"^powersgd(?::(.*))?$")
+
+
+def parse_baselines(text: str, option: str = "--baselines") -> list[RunConfig]:
+    """PyTorch baselines (see the module doc); plain DDP always comes first."""
+    out: list[RunConfig] = [RunConfig("ddp", "torch ddp")]
+    if text.strip().lower() in ("", "ddp", "none"):
+        return out
+    allowed = "ddp, fp16, powersgd:rank=R[,start=I]"
+    for token in _split_specs(text, option):
+        name = token.strip()
+        if name == "ddp":
+            continue
+        if name == "fp16":
+            out.append(RunConfig("torch-fp16", "torch fp16"))
+            continue
+        m = _POWERSGD_RE.match(name)
+        if not m:
+            raise ValueError(f"{option}: unknown baseline {name!r}; allowed: {allowed}")
+        params: dict[str, int] = {"rank": 1, "start": TORCH_POWERSGD_START}
+        for item in filter(None, (m.group(1) or "").split(",")):
+            key, eq, value = item.partition("=")
+            key = key.strip()
+            if not eq or key not in params:
+                raise ValueError(f"{option}: baseline {name!r}: unknown parameter {key!r}; allowed parameters: rank, start")
+            try:
+                params[key] = int(value)
+            except ValueError:
+                raise ValueError(f"{option}: baseline {name!r}: {key} got {value!r}; allowed: an integer") from None
+        if params["rank"] < 1:
+            raise ValueError(f"{option}: baseline {name!r}: rank got {params['rank']}; allowed: an integer >= 1")
+        if params["start"] < 2:
+            raise ValueError(f"{option}: baseline {name!r}: start got {params['start']}; allowed: an integer >= 2 "
+                             "(PyTorch's powerSGD_hook with error feedback and warm start needs start_powerSGD_iter > 1)")
+        out.append(RunConfig("torch-powersgd", f"torch powersgd r={params['rank']}", rank=params["rank"],
+                             start=params["start"], single_bucket=True))
+    _check_unique(out, option)
+    return out
+
+
+def _check_unique(configs: list[RunConfig], option: str) -> None:
+    seen: set[str] = set()
+    for c in configs:
+        if c.label in seen:
+            raise ValueError(f"{option}: configuration {c.label!r} is given twice; allowed: each configuration once")
+        seen.add(c.label)

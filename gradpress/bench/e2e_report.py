@@ -1,0 +1,156 @@
+"""Output of ``gradpress bench e2e``: the Markdown table (``e2e.md``) and the
+bar chart (``e2e.png``) from the result rows (``e2e.json``).
+
+Step mode: one bar per configuration, its median step time, with the ideal
+time (compute-only + link bytes / bandwidth) as a marker; train-to mode: one
+bar per configuration, its wall-clock time to the target ("not reached"
+bars are hatched and drawn at the time the run stopped).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+__all__ = ["STEP_FIELDS", "TRAIN_FIELDS", "human_bytes", "markdown", "plot"]
+
+#: fields every step-mode row carries (None where not applicable)
+STEP_FIELDS = (
+    "label", "kind", "spec", "strategy", "ok", "warmup", "steps", "bucket_cap_mb", "buckets",
+    "median_step_s", "step_s", "speedup", "payload_bytes_per_step", "payload_source", "link_bytes_per_step",
+    "link_tx_bytes_per_step", "link_rx_bytes_per_step", "compute_s", "ideal_s", "measured_over_ideal",
+    "wire_factor", "ideal_payload_s", "compress_s_per_step", "comm_s_per_step", "register_s",
+    "tbf_bytes", "seconds", "error",
+)
+#: fields every train-to row carries
+TRAIN_FIELDS = (
+    "label", "kind", "spec", "strategy", "ok", "reached", "time_to_target_s", "steps_to_target", "steps",
+    "train_s", "final_metric", "best_metric", "speedup", "payload_bytes_per_step", "bucket_cap_mb", "buckets",
+    "history", "seconds", "error",
+)
+
+
+def human_bytes(n: float | None) -> str:
+    if n is None or (isinstance(n, float) and not math.isfinite(n)):
+        return "n/a"
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return f"{n:.2f} GB"
+
+
+def _f(v: Any, fmt: str, suffix: str = "") -> str:
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return "n/a"
+    return f"{v:{fmt}}{suffix}"
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The whole ``e2e.md``: title, exact command, setup, table, notes."""
+    s = result["setup"]
+    lines = [f"# gradpress bench e2e ({result['mode']})", "", "Command:", "", "```", result["command"], "```", ""]
+    lines.append(f"{s['nodes']} nodes, {s['bandwidth']} per link direction ({s['bandwidth_bits']:,} bit/s), "
+                 f"workload {s['workload']} ({s['parameters']:,} parameters), batch {s['batch_size']} per worker, "
+                 f"{s['threads']} thread(s) per worker, torch {s['torch']}, {s['cpus']} CPU(s).")
+    lines.append("")
+    if result["mode"] == "step":
+        c = result["compute"]
+        lines.append(f"Compute-only step (no communication, world size 1, all {s['nodes']} nodes at once): "
+                     f"{_f(c['shared_s'], '.3f', ' s')}; alone on the machine: {_f(c['solo_s'], '.3f', ' s')}.")
+        lines.append("")
+        lines.append("| configuration | step (median) | speed-up vs DDP | payload B/step/worker | link B/step (busiest) "
+                     "| ideal | measured/ideal | compress s/step | comm s/step | buckets |")
+        lines.append("|---|---|---|---|---|---|---|---|---|---|")
+        for r in result["rows"]:
+            if not r["ok"]:
+                lines.append(f"| {r['label']} | failed: {r['error']} | | | | | | | | |")
+                continue
+            lines.append(
+                f"| {r['label']} | {_f(r['median_step_s'], '.3f', ' s')} | {_f(r['speedup'], '.2f', 'x')} "
+                f"| {human_bytes(r['payload_bytes_per_step'])} | {human_bytes(r['link_bytes_per_step'])} "
+                f"| {_f(r['ideal_s'], '.3f', ' s')} | {_f(r['measured_over_ideal'], '.2f')} "
+                f"| {_f(r['compress_s_per_step'], '.3f')} | {_f(r['comm_s_per_step'], '.3f')} "
+                f"| {r['buckets'] if r['buckets'] is not None else 'n/a'}"
+                f"{' (bucket_cap_mb=' + str(r['bucket_cap_mb']) + ')' if r['bucket_cap_mb'] else ''} |")
+        lines += ["", "- step: median wall time of one step on rank 0 over the measured steps (after warm-up; "
+                  "no barrier inside a step).",
+                  "- payload: bytes one worker hands to collectives per step (gradpress: the hook's stats; "
+                  "PyTorch baselines: computed from the parameter shapes).",
+                  "- link: bytes per step on the busiest direction of the busiest node link (Ethernet frames, "
+                  "from the node's interface counters over the measured steps).",
+                  "- ideal = compute-only (shared CPU) + link bytes x 8 / bandwidth.",
+                  "- PyTorch's powerSGD_hook runs with one DDP bucket (bucket_cap_mb shown): on gloo it needs one.",
+                  "- compress/comm s/step: the gradpress hook's compress_s and comm_s per step (rank 0)."]
+    else:
+        lines.append(f"Target: {s['metric']} >= {result['target']} (evaluated every {s['eval_every']} steps; "
+                     "the clock stops while evaluating).")
+        lines.append("")
+        lines.append("| configuration | time to target | steps to target | best metric | speed-up vs DDP "
+                     "| payload B/step/worker |")
+        lines.append("|---|---|---|---|---|---|")
+        for r in result["rows"]:
+            if not r["ok"]:
+                lines.append(f"| {r['label']} | failed: {r['error']} | | | | |")
+                continue
+            t = _f(r["time_to_target_s"], ".1f", " s") if r["reached"] else f"not reached ({_f(r['train_s'], '.1f', ' s')})"
+            lines.append(f"| {r['label']} | {t} | {r['steps_to_target'] if r['reached'] else r['steps']} "
+                         f"| {_f(r['best_metric'], '.4f')} | {_f(r['speedup'], '.2f', 'x')} "
+                         f"| {human_bytes(r['payload_bytes_per_step'])} |")
+    if result.get("notes"):
+        lines += ["", "Notes:", ""] + [f"- {n}" for n in result["notes"]]
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict[str, Any], path: str | Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["rows"] if r["ok"]]
+    s = result["setup"]
+    labels = [r["label"] for r in rows]
+    fig, ax = plt.subplots(figsize=(max(7.0, 1.1 * len(rows) + 3), 5.5), dpi=110)
+    xs = list(range(len(rows)))
+    colors = ["tab:gray" if r["kind"] != "gradpress" else "tab:blue" for r in rows]
+    if result["mode"] == "step":
+        ys = [r["median_step_s"] for r in rows]
+        ax.bar(xs, ys, color=colors, zorder=2)
+        ideal = [(x, r["ideal_s"]) for x, r in zip(xs, rows) if r["ideal_s"]]
+        if ideal:
+            ax.scatter([p[0] for p in ideal], [p[1] for p in ideal], marker="_", s=900, linewidths=2.5,
+                       color="tab:red", zorder=3, label="ideal: compute + link bytes / bandwidth")
+        for x, r in zip(xs, rows):
+            text = f"{r['median_step_s']:.3g}s" + (f"\n{r['speedup']:.1f}x" if r["speedup"] else "")
+            ax.annotate(text, (x, r["median_step_s"]), textcoords="offset points", xytext=(0, 3), ha="center",
+                        va="bottom", fontsize=8)
+        ax.set_yscale("log")
+        from matplotlib.ticker import FormatStrFormatter
+
+        ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+        ax.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
+        ax.set_ylabel("median step time (s, log scale)")
+        ax.set_title(f"{s['workload']} ({s['parameters'] / 1e6:.1f}M params), {s['nodes']} nodes, {s['bandwidth']}")
+        ax.legend(fontsize=8, loc="upper right")
+    else:
+        ys = [r["time_to_target_s"] if r["reached"] else r["train_s"] for r in rows]
+        bars = ax.bar(xs, ys, color=colors, zorder=2)
+        for b, x, r in zip(bars, xs, rows):
+            if not r["reached"]:
+                b.set_hatch("//")
+                b.set_alpha(0.5)
+            text = f"{r['time_to_target_s']:.1f}s" if r["reached"] else "not reached"
+            ax.annotate(text, (x, b.get_height()), textcoords="offset points", xytext=(0, 3), ha="center",
+                        va="bottom", fontsize=8)
+        ax.set_ylabel(f"wall-clock seconds to {s['metric']} >= {result['target']}")
+        ax.set_title(f"time to target, {s['workload']}, {s['nodes']} nodes, {s['bandwidth']}")
+    ax.set_xticks(xs)
+    ax.set_xticklabels(labels, rotation=25, ha="right", fontsize=8)
+    ax.grid(True, axis="y", which="both", alpha=0.3, zorder=0)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path)
+    plt.close(fig)
+    return path

@@ -1,0 +1,220 @@
+"""``gradpress bench e2e``: configuration syntax, argument errors, the byte
+formulas, and (as root) tiny real runs on the emulated cluster that must write
+e2e.json / e2e.md / e2e.png with every field and consistent figures."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+
+from gradpress.bench import bench_modules
+from gradpress.bench.e2e import command_line, wire_factor
+from gradpress.bench.e2e_configs import RunConfig, parse_baselines, parse_configs
+from gradpress.bench.e2e_report import STEP_FIELDS, TRAIN_FIELDS
+from gradpress.bench.e2e_worker import interface_bytes, payload_bytes_per_step
+from gradpress.cli import build_parser
+from gradpress.cli import main as cli_main
+
+IS_ROOT = os.geteuid() == 0
+needs_root = pytest.mark.skipif(not IS_ROOT, reason="gradpress bench e2e builds an emulated cluster (network "
+                                                    "namespaces, veth, tc), which needs root")
+
+
+# ------------------------------------------------------------------ syntax
+def test_e2e_is_a_bench_subcommand():
+    assert "e2e" in [name for name, module, _ in bench_modules() if module is not None]
+    args = build_parser().parse_args(["bench", "e2e", "--configs", "topk@ring"])
+    assert args.configs == "topk@ring" and args.nodes == 4 and args.bandwidth == "100mbit"
+
+
+def test_parse_configs_strategies_and_commas():
+    cfgs = parse_configs("topk:ratio=0.01@allgather, qsgd:levels=4,bucket=512@ring;fp16,powersgd:rank=2,start_iter=3")
+    assert [(c.spec, c.strategy) for c in cfgs] == [
+        ("topk:ratio=0.01", "allgather"), ("qsgd:levels=4,bucket=512", "ring"), ("fp16", "auto"),
+        ("powersgd:rank=2,start_iter=3", "auto")]
+    assert all(c.kind == "gradpress" for c in cfgs)
+    assert cfgs[3].start == 3 and cfgs[0].start == 0
+    assert cfgs[0].label == "gradpress topk:ratio=0.01@allgather" and cfgs[2].label == "gradpress fp16"
+    assert RunConfig.from_dict(cfgs[1].to_dict()) == cfgs[1]
+    assert all(c.error_feedback is None for c in cfgs)
+    ef = parse_configs("topk:ratio=0.001@allgather+noef,qsgd:levels=4,bucket=512+ef")
+    assert [(c.spec, c.strategy, c.error_feedback) for c in ef] == [
+        ("topk:ratio=0.001", "allgather", False), ("qsgd:levels=4,bucket=512", "auto", True)]
+    assert ef[0].label.endswith("@allgather+noef")
+
+
+def test_parse_baselines():
+    b = parse_baselines("fp16,powersgd:rank=4,start=3")
+    assert [c.kind for c in b] == ["ddp", "torch-fp16", "torch-powersgd"]  # plain DDP always first
+    assert b[2].rank == 4 and b[2].start == 3 and b[2].single_bucket
+    assert [c.kind for c in parse_baselines("ddp")] == ["ddp"]
+
+
+@pytest.mark.parametrize("text,words", [
+    ("topk:ratoi=0.01", ["--configs", "ratoi", "allowed parameters: ratio"]),
+    ("topkk:ratio=0.01", ["--configs", "topkk", "allowed"]),
+    ("topk:ratio=2", ["--configs", "ratio", "0 < ratio <= 1"]),
+    ("topk@warp", ["--configs", "warp", "allgather"]),
+    ("powersgd:rank=2@allgather", ["--configs", "allgather", "allowed: auto, allreduce"]),
+    ("topk,topk", ["--configs", "twice"]),
+    ("@ring", ["--configs", "no compressor spec"]),
+    ("topk@ring+fast", ["--configs", "+fast", "+ef, +noef"]),
+])
+def test_bad_config_spec_names_the_field(text, words):
+    with pytest.raises(ValueError) as exc:
+        parse_configs(text)
+    for w in words:
+        assert w in str(exc.value), str(exc.value)
+
+
+@pytest.mark.parametrize("text,words", [
+    ("bf16", ["--baselines", "bf16", "ddp, fp16, powersgd"]),
+    ("powersgd:rnk=2", ["--baselines", "rnk", "rank, start"]),
+    ("powersgd:rank=0", ["rank", ">= 1"]),
+    ("powersgd:rank=x", ["rank", "'x'", "integer"]),
+    ("powersgd:start=1", ["start", ">= 2"]),
+])
+def test_bad_baseline(text, words):
+    with pytest.raises(ValueError) as exc:
+        parse_baselines(text)
+    for w in words:
+        assert w in str(exc.value), str(exc.value)
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--configs", "topk:ratoi=0.01"], ["--configs", "ratoi"]),
+    (["--nodes", "1"], ["--nodes", ">= 2"]),
+    (["--bandwidth", "fast"], ["bandwidth", "fast"]),
+    (["--workload", "resnet"], ["--workload", "resnet", "wide-mlp"]),
+    (["--workload", "mnist1d-cnn", "--params", "1M"], ["--params", "mnist1d-cnn"]),
+    (["--params", "lots"], ["--params", "lots"]),
+    (["--lr", "-1"], ["--lr", "positive"]),
+])
+def test_cli_rejects_bad_arguments_before_building_a_cluster(argv, words, tmp_path, capsys):
+    out = tmp_path / "out"
+    code = cli_main(["bench", "e2e", *argv, "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2
+    for w in words:
+        assert w in err, err
+    assert not out.exists()  # nothing ran
+
+
+def test_wire_factor_and_command_line():
+    assert wire_factor("allreduce", 4) == 1.5 and wire_factor("allgather", 4) == 3 and wire_factor("ring", 4) == 1
+    assert wire_factor("ps", 4) is None and wire_factor(None, 4) is None
+    args = build_parser().parse_args(["bench", "e2e", "--params", "1M", "--configs", "topk:ratio=0.01@ring",
+                                      "--steps", "4", "--out", "x y"])
+    line = command_line(args)
+    assert "--configs topk:ratio=0.01@ring" in line and "--params 1M" in line and "'x y'" in line
+    assert build_parser().parse_args(__import__("shlex").split(line)[1:]).steps == 4  # it parses back
+
+
+def test_payload_formulas():
+    model = torch.nn.Sequential(torch.nn.Linear(300, 200), torch.nn.Linear(200, 2), torch.nn.Conv1d(3, 4, 5))
+    dense = sum(p.numel() * 4 for p in model.parameters())
+    assert payload_bytes_per_step(model, RunConfig("ddp", "d")) == dense
+    assert payload_bytes_per_step(model, RunConfig("torch-fp16", "f")) * 2 == dense
+    got = payload_bytes_per_step(model, RunConfig("torch-powersgd", "p", rank=2))
+    # 200x300: (200+300)*2 factors; 2x200: (2+200)*2*2 >= 400 -> dense; conv 4x15: (4+15)*2*2 >= 60 -> dense
+    expect = (500 * 2 + 200 + 2 * 200 + 2 + 4 * 15 + 4) * 4
+    assert got == expect
+
+
+def test_interface_bytes_reads_this_namespace():
+    rx, tx = interface_bytes("lo")
+    assert rx >= 0 and tx >= 0
+    with pytest.raises(ValueError, match="no-such-dev"):
+        interface_bytes("no-such-dev")
+
+
+# ------------------------------------------------------------------ real runs (root)
+def _png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    return struct.unpack(">II", data[16:24])
+
+
+@needs_root
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_tiny_e2e_step_run(tmp_path, capsys):
+    out = tmp_path / "e2e"
+    argv = ["bench", "e2e", "--nodes", "2", "--bandwidth", "50mbit", "--params", "200K",
+            "--configs", "topk:ratio=0.01@allgather,randomk:ratio=0.01@allreduce",
+            "--baselines", "ddp,fp16,powersgd:rank=1", "--warmup", "2", "--steps", "3", "--out", str(out)]
+    assert cli_main(argv) == 0, capsys.readouterr().err
+    result = json.loads((out / "e2e.json").read_text())
+    md = (out / "e2e.md").read_text()
+    w, h = _png_size(out / "e2e.png")
+    assert w > 300 and h > 300
+    assert result["mode"] == "step" and result["command"] in md
+    labels = ["torch ddp", "torch fp16", "torch powersgd r=1", "gradpress topk:ratio=0.01@allgather",
+              "gradpress randomk:ratio=0.01@allreduce"]
+    assert [r["label"] for r in result["rows"]] == labels
+    for label in labels:
+        assert f"| {label} |" in md
+    rate = 50_000_000
+    params = result["setup"]["parameters"]
+    assert 150_000 < params < 250_000
+    comp = result["compute"]
+    assert comp["shared_s"] > 0 and comp["solo_s"] > 0
+    rows = {r["label"]: r for r in result["rows"]}
+    for r in result["rows"]:
+        assert set(STEP_FIELDS) <= set(r), set(STEP_FIELDS) - set(r)
+        assert r["ok"] and r["error"] is None
+        assert len(r["step_s"]) == 3 and r["median_step_s"] == sorted(r["step_s"])[1]
+        assert r["ideal_s"] == pytest.approx(comp["shared_s"] + r["link_bytes_per_step"] * 8 / rate)
+        assert r["measured_over_ideal"] == pytest.approx(r["median_step_s"] / r["ideal_s"])
+        assert r["speedup"] == pytest.approx(rows["torch ddp"]["median_step_s"] / r["median_step_s"])
+        # the link carried at least the payload (2 nodes: ring factor 2(N-1)/N = 1, allgather N-1 = 1)
+        assert r["link_bytes_per_step"] >= 0.95 * r["payload_bytes_per_step"], r
+        assert sum(t["tx_bytes"] for t in r["tbf_bytes"]) > 0
+    ddp = rows["torch ddp"]
+    assert ddp["payload_bytes_per_step"] == 4 * params
+    # dense: the link carries the payload plus TCP/IP/Ethernet headers (~5%), not much more
+    assert ddp["link_bytes_per_step"] < 1.25 * ddp["payload_bytes_per_step"]
+    assert rows["torch fp16"]["payload_bytes_per_step"] == 2 * params
+    ps = rows["torch powersgd r=1"]
+    assert ps["buckets"] == 1 and ps["bucket_cap_mb"] >= 1 and ps["warmup"] >= 2
+    for label in labels[3:]:
+        r = rows[label]
+        assert r["payload_bytes_per_step"] < 0.1 * ddp["payload_bytes_per_step"]
+        assert r["link_bytes_per_step"] < 0.2 * ddp["link_bytes_per_step"]
+        assert r["compress_s_per_step"] >= 0 and r["comm_s_per_step"] >= 0
+        assert r["wire_factor"] == 1.0 and r["ideal_payload_s"] > comp["shared_s"]
+    assert "single DDP bucket" in md
+
+
+@needs_root
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_tiny_e2e_train_to(tmp_path, capsys):
+    out = tmp_path / "t"
+    argv = ["bench", "e2e", "--nodes", "2", "--bandwidth", "50mbit", "--workload", "digits-mlp",
+            "--configs", "topk:ratio=0.05@allgather", "--baselines", "ddp", "--train-to", "0.5",
+            "--eval-every", "5", "--max-steps", "60", "--out", str(out)]
+    assert cli_main(argv) == 0, capsys.readouterr().err
+    result = json.loads((out / "e2e.json").read_text())
+    assert result["mode"] == "train" and result["target"] == 0.5
+    _png_size(out / "e2e.png")
+    md = (out / "e2e.md").read_text()
+    assert result["command"] in md
+    for r in result["rows"]:
+        assert set(TRAIN_FIELDS) <= set(r)
+        assert r["ok"]
+        hist = r["history"]
+        assert hist and all(h["step"] % 5 == 0 or h["step"] == r["steps"] for h in hist)
+        assert [h["seconds"] for h in hist] == sorted(h["seconds"] for h in hist)
+        if r["reached"]:
+            assert r["time_to_target_s"] == hist[-1]["seconds"] and hist[-1]["metric"] >= 0.5
+            assert all(h["metric"] < 0.5 for h in hist[:-1])
+        else:
+            assert all(h["metric"] < 0.5 for h in hist) and r["steps"] == 60
+            assert "not reached" in md
+    assert result["rows"][0]["reached"]  # plain DDP learns digits past 50% within 60 steps
