@@ -46,7 +46,7 @@ from gradpress.comm import get_strategy
 from gradpress.comm.allreduce import fused_allreduce
 from gradpress.comm.base import Strategy
 from gradpress.compress import Compressor, Context, create
-from gradpress.feedback import ResidualMemory
+from gradpress.feedback import ResidualMemory, all_finite
 from gradpress.plan import CostModel, Decision, Plan, Planner, log_plan, measure
 
 #: order in which a bucket's strategy groups are exchanged (same on every rank)
@@ -347,7 +347,7 @@ class GradpressHook:
         (1 where this rank's gradient is not finite): every rank learns the
         same set of bad tensors through the exchange itself."""
         ref = job.buffer
-        flags = torch.stack([~torch.isfinite(g).all() for g in job.grads]).to(ref.dtype if ref.is_floating_point() else torch.float32)
+        flags = torch.stack([~all_finite(g) for g in job.grads]).to(ref.dtype if ref.is_floating_point() else torch.float32)
         summed, nbytes = fused_allreduce([*plain, flags], self.group)
         bad = summed[-1] > 0
         any_bad = bad.any()
@@ -410,10 +410,10 @@ class GradpressHook:
     def _ctx(self, key: str, step: int) -> Context:
         return Context(key=key, step=step, rank=self.rank, world_size=self.world_size, seed=self.seed)
 
-    def _compensate(self, key: str, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if not self.error_feedback:
-            return grad, None
-        return self.memory.compensate(key, grad)
+    def _compensate(self, key: str, grad: torch.Tensor) -> torch.Tensor:
+        """``grad`` + residual (a fresh tensor) with error feedback, else
+        ``grad`` itself."""
+        return self.memory.compensate(key, grad) if self.error_feedback else grad
 
     def _run_planned(
         self, job: _Job, comp_idx: list[int], decisions: list[Decision], tensor_bytes: dict[str, int]
@@ -424,14 +424,14 @@ class GradpressHook:
         compensated = [self._compensate(job.keys[i], job.grads[i]) for i in comp_idx]
         groups: dict[str, list[tuple[int, torch.Tensor, Context]]] = {}
         for pos, (i, d) in enumerate(zip(comp_idx, decisions)):
-            p, key = compensated[pos][0], job.keys[i]
+            p, key = compensated[pos], job.keys[i]
             if d.parts <= 1:
                 groups.setdefault(d.strategy, []).append((pos, p, self._ctx(key, job.step)))
             else:
                 for k, part in enumerate(torch.tensor_split(p.reshape(-1), d.parts)):
                     groups.setdefault(d.strategy, []).append((pos, part, self._ctx(f"{key}#{k}", job.step)))
         outs: list[list[torch.Tensor]] = [[] for _ in comp_idx]
-        ests: list[list[torch.Tensor]] = [[] for _ in comp_idx]
+        resids: list[list[torch.Tensor]] = [[] for _ in comp_idx]
         nbytes = [0] * len(comp_idx)
         sent = 0
         comp_s = time.perf_counter() - t0
@@ -444,24 +444,27 @@ class GradpressHook:
             if strat is None:
                 raise RuntimeError(f"plan uses strategy {name!r}, which this hook cannot use with {self.compressor.name!r}")
             t1 = time.perf_counter()
-            result = strat.exchange(self.compressor, [t for _, t, _ in items], [c for _, _, c in items], self.error_feedback)
+            # p is the hook's own (not a gradient view): strategies may turn it into the residual in place
+            t_items = [t for _, t, _ in items]
+            result = strat.exchange(self.compressor, t_items, [c for _, _, c in items], self.error_feedback)
             dt = time.perf_counter() - t1
             comp_s += result.compress_s
             comm_s += max(0.0, dt - result.compress_s)
             sent += result.bytes_sent
             for j, (pos, _, _) in enumerate(items):
                 outs[pos].append(result.tensors[j])
-                if result.estimates is not None:
-                    ests[pos].append(result.estimates[j])
+                if result.residuals is not None:
+                    resids[pos].append(result.residuals[j])
+                elif result.estimates is not None:
+                    resids[pos].append(t_items[j] - result.estimates[j].reshape(t_items[j].shape))
                 nbytes[pos] += result.tensor_bytes[j]
         t2 = time.perf_counter()
         for pos, i in enumerate(comp_idx):
             grad, key = job.grads[i], job.keys[i]
             avg = outs[pos][0] if len(outs[pos]) == 1 else torch.cat([o.reshape(-1) for o in outs[pos]])
-            p, finite = compensated[pos]
-            if finite is not None and len(ests[pos]) == len(outs[pos]):
-                est = ests[pos][0] if len(ests[pos]) == 1 else torch.cat([e.reshape(-1) for e in ests[pos]])
-                self.memory.stage(key, p, est.reshape(p.shape), finite)
+            if self.error_feedback and len(resids[pos]) == len(outs[pos]):
+                r = resids[pos][0] if len(resids[pos]) == 1 else torch.cat([e.reshape(-1) for e in resids[pos]])
+                self.memory.stage(key, r.reshape(grad.shape))
             grad.copy_(avg.reshape(grad.shape))
             tensor_bytes[key] = nbytes[pos]
         comp_s += time.perf_counter() - t2
@@ -473,13 +476,13 @@ class GradpressHook:
         sent = 0
         states: list[Any] = []
         outgoing: list[torch.Tensor | None] = []
-        comps: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        comps: list[torch.Tensor] = []
         dense: list[int] = []
         t = time.perf_counter()
         for pos, i in enumerate(comp_idx):
             key = job.keys[i]
-            p, finite = self._compensate(key, job.grads[i])
-            comps.append((p, finite))
+            p = self._compensate(key, job.grads[i])
+            comps.append(p)
             state, out = self.compressor.begin(p, self._ctx(key, job.step))
             states.append(state)
             outgoing.append(out)
@@ -515,10 +518,10 @@ class GradpressHook:
         for j, i in enumerate(comp_idx):
             state = states[j]
             approx = state[1].view_as(job.grads[i]) if isinstance(state, tuple) and state[0] == "dense" else self.compressor.finish(state)
-            p, finite = comps[j]
-            if finite is not None:
+            if self.error_feedback:
                 # a tensor that travelled dense dropped nothing: its residual is zero
-                self.memory.stage(job.keys[i], p, p if j in dense else approx, finite)
+                p = comps[j]
+                self.memory.stage(job.keys[i], torch.zeros_like(p) if j in dense else p - approx.to(p.dtype))
             job.grads[i].copy_(approx.reshape(job.grads[i].shape))
         comp_time += time.perf_counter() - t
         return comp_time, comm_time, sent

@@ -4,10 +4,18 @@ Residual memory (Seide et al. 2014, "1-bit SGD"; Karimireddy et al. 2019,
 "Error Feedback Fixes SignSGD"): ``p = beta * e + gamma * g``; send ``C(p)``;
 ``e <- p - D(C(p))``.
 
-Invariant: a non-finite gradient never enters the residual. When ``g`` has a
-NaN/Inf, ``p`` is ``g`` alone (so the caller still sees the bad value and can
-raise or skip) and ``e`` is left as it was. The check is a tensor op
-(``torch.where`` on an ``isfinite().all()`` flag), not a host sync.
+Invariant: a non-finite value never enters the residual. A new residual is
+kept only when it is finite (checked with one fused ``aminmax`` read, through
+which NaN and Inf propagate), so a NaN/Inf gradient, or a finite one whose
+sum with the residual overflows, leaves ``e`` as it was. In the DDP hook the
+new residuals of a step are *staged* and committed together once the step's
+outcome is known on every rank (:meth:`stage`, :meth:`commit`): a step that
+some rank drops leaves every residual untouched.
+
+Cost per tensor and step: one add (``g + e``), the residual itself (for
+sparsifiers only the kept entries change: see ``Compressor.residual``), one
+``aminmax`` read. On CPU the keep/drop choice is a branch; on CUDA a
+``torch.where`` (no host sync).
 """
 
 from __future__ import annotations
@@ -17,7 +25,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["ResidualMemory"]
+__all__ = ["ResidualMemory", "all_finite"]
+
+
+def all_finite(t: torch.Tensor) -> torch.Tensor:
+    """0-d bool tensor: every element of ``t`` is finite. One read pass
+    (``aminmax``; NaN and Inf reach the min or max), no host sync."""
+    if t.numel() == 0:
+        return torch.ones((), dtype=torch.bool, device=t.device)
+    lo, hi = torch.aminmax(t.detach().reshape(-1))
+    return torch.isfinite(lo) & torch.isfinite(hi)
 
 
 class ResidualMemory:
@@ -27,47 +44,51 @@ class ResidualMemory:
         self.beta = float(beta)
         self.gamma = float(gamma)
         self.residuals: dict[str, torch.Tensor] = {}
-        self._pending: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._pending: dict[str, torch.Tensor] = {}
 
-    def compensate(self, key: str, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return ``(p, finite)``: the error-compensated tensor and a 0-d bool
-        tensor saying whether ``grad`` was finite."""
-        finite = torch.isfinite(grad).all()
+    def compensate(self, key: str, grad: torch.Tensor) -> torch.Tensor:
+        """``p = beta * e + gamma * g``: a fresh tensor the caller owns (the
+        compressor may turn it into the residual in place)."""
+        g = grad * self.gamma if self.gamma != 1.0 else grad
         e = self.residuals.get(key)
-        g = grad if self.gamma == 1.0 else grad * self.gamma
-        if e is None:
-            return g.clone() if g is grad else g, finite
-        e = e if self.beta == 1.0 else e * self.beta
-        p = torch.where(finite, g + e.to(g.dtype), g)
-        return p, finite
+        if e is None or e.shape != grad.shape:
+            return g.clone() if g is grad else g
+        if self.beta != 1.0:
+            return torch.add(g, e.to(g.dtype), alpha=self.beta)
+        return g + e.to(g.dtype)
 
-    def update(self, key: str, p: torch.Tensor, sent: torch.Tensor, finite: torch.Tensor) -> None:
-        """``e <- p - sent`` where the gradient was finite; unchanged otherwise."""
-        new = p - sent.to(p.dtype)
-        old = self.residuals.get(key)
-        if old is None:
-            old = torch.zeros_like(new)
-        # a finite gradient can still give a non-finite residual (overflow): keep the old one
-        ok = finite & torch.isfinite(new).all()
-        self.residuals[key] = torch.where(ok, new, old)
+    def update(self, key: str, p: torch.Tensor, sent: torch.Tensor) -> None:
+        """``e <- p - sent`` now, if finite; unchanged otherwise."""
+        self._keep(key, p - sent.to(p.dtype), torch.ones((), dtype=torch.bool))
 
-    def stage(self, key: str, p: torch.Tensor, sent: torch.Tensor, finite: torch.Tensor) -> None:
-        """Like :meth:`update`, but held until :meth:`commit`: a step whose
-        outcome is only known after all its buckets leaves every residual as
-        it was when it is dropped."""
-        self._pending[key] = (p - sent.to(p.dtype), finite)
+    def stage(self, key: str, residual: torch.Tensor) -> None:
+        """Hold ``residual`` (``p - sent``) for :meth:`commit`."""
+        self._pending[key] = residual
 
     def commit(self, step_ok: torch.Tensor | bool = True) -> None:
-        """Apply the staged residuals where ``step_ok`` (a 0-d bool tensor,
-        no host sync) and their own gradient was finite."""
+        """Keep the staged residuals where ``step_ok`` (bool or 0-d bool
+        tensor) and the residual is finite; drop them otherwise."""
         ok_step = step_ok if isinstance(step_ok, torch.Tensor) else torch.tensor(bool(step_ok))
-        for key, (new, finite) in self._pending.items():
-            old = self.residuals.get(key)
-            if old is None:
-                old = torch.zeros_like(new)
-            ok = finite & ok_step.to(new.device) & torch.isfinite(new).all()
-            self.residuals[key] = torch.where(ok, new, old)
+        for key, residual in self._pending.items():
+            self._keep(key, residual, ok_step)
         self._pending.clear()
+
+    def discard(self) -> None:
+        """Drop everything staged (the step failed)."""
+        self._pending.clear()
+
+    def _keep(self, key: str, new: torch.Tensor, step_ok: torch.Tensor) -> None:
+        ok = step_ok.to(new.device) & all_finite(new)
+        old = self.residuals.get(key)
+        if new.device.type == "cpu":  # a branch costs nothing on the host
+            if bool(ok):
+                self.residuals[key] = new
+            elif old is None:
+                self.residuals[key] = torch.zeros_like(new)
+            return
+        if old is None:
+            old = torch.zeros_like(new)
+        self.residuals[key] = torch.where(ok, new, old)
 
     def state_dict(self) -> dict[str, Any]:
         return {"beta": self.beta, "gamma": self.gamma, "residuals": {k: v.clone() for k, v in self.residuals.items()}}
@@ -76,6 +97,7 @@ class ResidualMemory:
         self.beta = float(state.get("beta", self.beta))
         self.gamma = float(state.get("gamma", self.gamma))
         self.residuals = {k: v.clone() for k, v in state.get("residuals", {}).items()}
+        self._pending.clear()
 
     def nbytes(self) -> int:
         return sum(v.numel() * v.element_size() for v in self.residuals.values())

@@ -50,7 +50,7 @@ class Allgather(Strategy):
         self, compressor: Compressor, tensors: list[torch.Tensor], ctxs: list[Context], want_estimates: bool
     ) -> ExchangeResult:
         t0 = time.perf_counter()
-        packets, estimates = encode_local(compressor, tensors, ctxs, 1.0, want_estimates)
+        packets, residuals = encode_local(compressor, tensors, ctxs, 1.0, want_estimates)
         variable = bool(compressor.variable_size)
         buffer = wire.pack_packets(packets, variable)
         t1 = time.perf_counter()
@@ -65,4 +65,4 @@ class Allgather(Strategy):
             for i in range(len(packets))
         ]
         compress_s = (t1 - t0) + (time.perf_counter() - t2)
-        return ExchangeResult(results, sent, estimates, [p.nbytes for p in packets], compress_s)
+        return ExchangeResult(results, sent, None, [p.nbytes for p in packets], compress_s, residuals)

@@ -51,7 +51,7 @@ class Allreduce(Strategy):
         self, compressor: Compressor, tensors: list[torch.Tensor], ctxs: list[Context], want_estimates: bool
     ) -> ExchangeResult:
         t0 = time.perf_counter()
-        packets, estimates = encode_local(compressor, tensors, ctxs, 1.0 / self.world_size, want_estimates)
+        packets, residuals = encode_local(compressor, tensors, ctxs, 1.0 / self.world_size, want_estimates)
         payloads = [t for p in packets for t in p.tensors]
         t1 = time.perf_counter()
         summed, sent = fused_allreduce(payloads, self.group)
@@ -64,4 +64,4 @@ class Allreduce(Strategy):
             results.append(compressor.decode(Packet(summed[pos : pos + n], p.shape, p.dtype, dict(p.meta))))
             pos += n
         compress_s = (t1 - t0) + (time.perf_counter() - t2)
-        return ExchangeResult(results, sent, estimates, [p.nbytes for p in packets], compress_s)
+        return ExchangeResult(results, sent, None, [p.nbytes for p in packets], compress_s, residuals)

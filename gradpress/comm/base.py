@@ -21,6 +21,8 @@ class ExchangeResult:
     (``decode(encode(p))``), from which error feedback keeps ``p - estimate``;
     None when not asked for. ``tensor_bytes``: payload bytes per input.
     ``compress_s``: seconds the strategy spent encoding and decoding.
+    ``residuals``: per input, ``p - estimate`` directly (cheaper than
+    ``estimates`` for sparsifiers); a strategy returns one or the other.
     """
 
     def __init__(
@@ -30,7 +32,9 @@ class ExchangeResult:
         estimates: list[torch.Tensor] | None = None,
         tensor_bytes: list[int] | None = None,
         compress_s: float = 0.0,
+        residuals: list[torch.Tensor] | None = None,
     ) -> None:
+        self.residuals = residuals
         self.compress_s = compress_s
         self.tensors = tensors
         self.bytes_sent = bytes_sent
@@ -39,18 +43,22 @@ class ExchangeResult:
 
 
 def encode_local(
-    compressor: Compressor, tensors: list[torch.Tensor], ctxs: list[Context], scale: float, want_estimates: bool
+    compressor: Compressor, tensors: list[torch.Tensor], ctxs: list[Context], scale: float, want_residuals: bool
 ) -> tuple[list[Packet], list[torch.Tensor] | None]:
-    """Encode ``scale * t`` for each tensor; with ``want_estimates`` also
-    return ``decode(packet) / scale`` (this rank's contribution as sent)."""
-    packets = [compressor.encode(t * scale if scale != 1.0 else t, c) for t, c in zip(tensors, ctxs)]
-    if not want_estimates:
-        return packets, None
-    estimates = []
-    for p in packets:
-        d = compressor.decode(p)
-        estimates.append(d / scale if scale != 1.0 else d)
-    return packets, estimates
+    """Encode ``scale * t`` for each tensor; with ``want_residuals`` also
+    return ``t - decode(packet) / scale`` (what error feedback keeps),
+    computed by ``Compressor.residual`` (which may reuse ``t``'s storage:
+    the tensors must be the caller's own, not gradient views)."""
+    packets = []
+    residuals: list[torch.Tensor] | None = [] if want_residuals else None
+    for t, c in zip(tensors, ctxs):
+        x = t * scale if scale != 1.0 else t
+        packet = compressor.encode(x, c)
+        packets.append(packet)
+        if residuals is not None:
+            r = compressor.residual(x, packet)
+            residuals.append(r.div_(scale) if scale != 1.0 else r)
+    return packets, residuals
 
 
 class Strategy:

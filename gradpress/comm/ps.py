@@ -90,11 +90,11 @@ class ParameterServer(Strategy):
         comm = 0.0
         n, me = self.world_size, self.rank
         summable = compressor.is_summable
-        packets, estimates = encode_local(compressor, tensors, ctxs, 1.0 / n if summable else 1.0, want_estimates)
+        packets, residuals = encode_local(compressor, tensors, ctxs, 1.0 / n if summable else 1.0, want_estimates)
         tensor_bytes = [p.nbytes for p in packets]
         if n == 1:
             results = [compressor.decode(p) for p in packets]
-            return ExchangeResult(results, 0, estimates, tensor_bytes, time.perf_counter() - t0)
+            return ExchangeResult(results, 0, None, tensor_bytes, time.perf_counter() - t0, residuals)
         roots = [self.root_of(c.key) for c in ctxs]
         owned: dict[int, list[int]] = {}
         for i, root in enumerate(roots):
@@ -167,4 +167,4 @@ class ParameterServer(Strategy):
             for i, pk in zip(idxs, received):
                 results[i] = compressor.decode(pk) if summable else root_comp.decode(pk)
         compress_s = max(0.0, time.perf_counter() - t0 - comm)
-        return ExchangeResult(results, sent, estimates, tensor_bytes, compress_s)  # type: ignore[arg-type]
+        return ExchangeResult(results, sent, None, tensor_bytes, compress_s, residuals)  # type: ignore[arg-type]

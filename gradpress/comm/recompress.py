@@ -43,10 +43,10 @@ class Recompressor:
         if not feedback:
             pk = compressor.encode(x, ctx)
             return pk, compressor.decode(pk)
-        p, finite = self.memory.compensate(ctx.key, x)
+        p = self.memory.compensate(ctx.key, x)
         pk = compressor.encode(p, ctx)
         est = compressor.decode(pk)
-        self.memory.update(ctx.key, p, est, finite)
+        self.memory.update(ctx.key, p, est)
         return pk, est
 
     def state_dict(self) -> dict:

@@ -187,6 +187,9 @@ class Compressor:
     values_index: ClassVar[int | None] = None
     #: one-line description with the paper.
     summary: ClassVar[str] = ""
+    #: decode(encode(x)) is x at the kept indices (payload tensor 1) and zero
+    #: elsewhere: the residual is then x with those entries zeroed (k writes).
+    exact_values: ClassVar[bool] = False
     #: number of exchange rounds; > 1 means the strategy drives the
     #: ``begin``/``advance``/``finish`` protocol below (PowerSGD: P then Q).
     rounds: ClassVar[int] = 1
@@ -238,6 +241,15 @@ class Compressor:
             x[0] = 1.0
         probe = copy.deepcopy(self) if self.stateful else self  # never touch real state
         return probe.encode(x, Context(key="__wire_bytes__")).nbytes
+
+    def residual(self, p: torch.Tensor, packet: Packet) -> torch.Tensor:
+        """``p - decode(packet)``, what error feedback keeps. May reuse the
+        storage of ``p`` (the caller gives ``p`` up): sparsifiers that keep
+        exact values (``exact_values``) only zero the kept entries."""
+        if self.exact_values and len(packet.tensors) >= 2 and p.is_contiguous():
+            p.view(-1).index_fill_(0, packet.tensors[1].long(), 0)
+            return p
+        return p - self.decode(packet).to(p.dtype)
 
     def values_count(self, rest: list[torch.Tensor], shape: torch.Size, meta: dict[str, Any]) -> int:
         """Number of values in a packet whose values tensor was replaced by a
