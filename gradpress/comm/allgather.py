@@ -24,7 +24,8 @@ def allgather_bytes(buffer: torch.Tensor, group: dist.ProcessGroup | None, world
     """Gather every rank's uint8 ``buffer`` (sizes may differ when
     ``variable``). Returns the per-rank buffers and the bytes handed over."""
     if world_size == 1 or not dist.is_initialized():
-        return [buffer], 0
+        # nothing travels, but count what would be handed over, as the allreduce paths do
+        return [buffer], buffer.numel()
     sent = 0
     if variable:
         size = torch.tensor([buffer.numel()], dtype=torch.int64, device=buffer.device)

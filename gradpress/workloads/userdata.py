@@ -1,0 +1,82 @@
+"""A classifier on the user's own data: ``--data PATH.npz`` with arrays ``x``
+(samples x features..., numeric) and ``y`` (one integer label per sample).
+
+Features are flattened, standardized with the training split's mean and
+standard deviation; labels are mapped to 0..C-1 in sorted order. The split
+is 80/20 under a fixed permutation. Model: MLP features -> hidden (128) ->
+hidden -> C.
+"""
+
+from __future__ import annotations
+
+import os
+import zipfile
+
+import numpy as np
+import torch
+
+from gradpress.workloads.base import Workload, mlp, positive_int, split_cap
+
+
+def read(path: str) -> tuple[np.ndarray, np.ndarray]:
+    """Load and validate ``path``; ValueError naming the problem otherwise."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"data must be a path to a .npz file, got {path!r}")
+    if not os.path.isfile(path):
+        raise ValueError(f"data file {str(path)!r} does not exist")
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            if not hasattr(f, "files"):
+                raise ValueError(f"data file {str(path)!r} is a single .npy array; expected a .npz with arrays 'x' and 'y'")
+            missing = [k for k in ("x", "y") if k not in f.files]
+            if missing:
+                raise ValueError(f"data file {str(path)!r} lacks array(s) {', '.join(missing)}; "
+                                 f"it has {', '.join(f.files) or 'none'}; expected 'x' (samples x features) and 'y' (labels)")
+            x, y = f["x"], f["y"]
+    except ValueError as exc:
+        if "data file" in str(exc):
+            raise
+        raise ValueError(f"data file {str(path)!r} is not a readable .npz without pickled objects: {exc}") from None
+    except (OSError, zipfile.BadZipFile, EOFError) as exc:
+        raise ValueError(f"data file {str(path)!r} is not a valid .npz archive: {exc}") from None
+    if not (np.issubdtype(x.dtype, np.number) or x.dtype == np.bool_):
+        raise ValueError(f"data file {str(path)!r}: x must be numeric, got dtype {x.dtype}")
+    if np.issubdtype(x.dtype, np.complexfloating):
+        raise ValueError(f"data file {str(path)!r}: x must be real-valued, got dtype {x.dtype}")
+    if x.ndim < 2:
+        raise ValueError(f"data file {str(path)!r}: x must have shape (samples, features...), got shape {x.shape}")
+    if y.ndim != 1:
+        raise ValueError(f"data file {str(path)!r}: y must be 1-D (one label per sample), got shape {y.shape}")
+    if len(x) != len(y):
+        raise ValueError(f"data file {str(path)!r}: x has {len(x)} samples but y has {len(y)}")
+    if np.issubdtype(y.dtype, np.floating):
+        if not np.all(np.isfinite(y)) or not np.all(y == np.round(y)):
+            raise ValueError(f"data file {str(path)!r}: y must hold integer class labels, got non-integer values")
+    elif not np.issubdtype(y.dtype, np.integer):
+        raise ValueError(f"data file {str(path)!r}: y must hold integer class labels, got dtype {y.dtype}")
+    if len(y) < 10:
+        raise ValueError(f"data file {str(path)!r}: need at least 10 samples, got {len(y)}")
+    x = x.reshape(len(x), -1).astype(np.float32)
+    if not np.all(np.isfinite(x)):
+        raise ValueError(f"data file {str(path)!r}: x contains NaN or infinite values")
+    if len(np.unique(y)) < 2:
+        raise ValueError(f"data file {str(path)!r}: y must contain at least 2 classes, got {len(np.unique(y))}")
+    return x, y
+
+
+def build(*, data: str | None = None, hidden: int | None = None, samples: int | None = None,
+          **_: object) -> Workload:
+    if data is None:
+        raise ValueError("workload 'data-mlp' needs --data PATH.npz")
+    x, y = read(data)
+    classes, labels = np.unique(y, return_inverse=True)
+    order = np.random.RandomState(0).permutation(len(labels))
+    x, labels = x[order], labels[order].astype(np.int64)
+    cut = max(1, int(0.8 * len(labels)))
+    mean, std = x[:cut].mean(axis=0), x[:cut].std(axis=0)
+    x = (x - mean) / np.where(std > 0, std, 1.0)
+    xt, yt = torch.from_numpy(x.astype(np.float32)), torch.from_numpy(labels)
+    train, test = split_cap((xt[:cut], yt[:cut]), (xt[cut:], yt[cut:]), samples)
+    width = 128 if hidden is None else positive_int("hidden", hidden)
+    return Workload("data-mlp", mlp([x.shape[1], width, width, len(classes)]), train, test,
+                    info={"hidden": width, "classes": len(classes), "features": int(x.shape[1])})

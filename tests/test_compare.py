@@ -1,0 +1,76 @@
+"""``gradpress compare``: spec splitting, target logic, the three output files."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gradpress import compare
+from gradpress.cli import main as cli
+
+
+@pytest.mark.parametrize("text,specs", [
+    ("none,fp16,topk:ratio=0.01", ["none", "fp16", "topk:ratio=0.01"]),
+    ("qsgd:levels=16,bucket=512,none", ["qsgd:levels=16,bucket=512", "none"]),
+    ("topk:ratio=0.01>natural,fp16", ["topk:ratio=0.01>natural", "fp16"]),
+    ("a:x=1,y=2>b:z=3,c", ["a:x=1,y=2>b:z=3", "c"]),
+    ("none;topk:ratio=0.1", ["none", "topk:ratio=0.1"]),
+    (["none", "fp16,bf16"], ["none", "fp16", "bf16"]),
+])
+def test_split_specs(text, specs):
+    assert compare.split_specs(text) == specs
+
+
+@pytest.mark.parametrize("bad,match", [("none,,fp16", "empty entry"), ("none,none", "more than once"), ([], "at least one")])
+def test_split_specs_rejects(bad, match):
+    with pytest.raises(ValueError, match=match):
+        compare.split_specs(bad)
+
+
+def _fake(name, finals, higher=True):
+    hist = [{"step": 10 * (i + 1), "bytes_total": 1000 * (i + 1), "metric": m, "loss": 1.0} for i, m in enumerate(finals)]
+    return {"compressor": name, "final_metric": finals[-1], "higher_is_better": higher, "history": hist}
+
+
+def test_target_and_steps_to_target():
+    runs = [_fake("topk", [0.5, 0.7, 0.9]), _fake("none", [0.6, 0.95, 1.0]), _fake("fp16", [0.1, 0.2, 0.3])]
+    out = compare.annotate(runs, None)
+    assert out[0]["target"] == pytest.approx(0.95)  # 95% of the none run, wherever it is listed
+    assert [r["steps_to_target"] for r in out] == [None, 20, None]
+    assert out[1]["bytes_to_target"] == 2000
+    assert out[0]["delta_vs_reference"] == pytest.approx(-0.1) and out[0]["reference"] == "none"
+    given = compare.annotate(runs, 0.65)
+    assert [r["steps_to_target"] for r in given] == [20, 20, None]
+    lower = compare.annotate([_fake("none", [3.0, 2.0], False), _fake("x", [4.0, 2.05], False)], None)
+    assert lower[0]["target"] == pytest.approx(2.1)  # lower is better: 105%
+    assert [r["steps_to_target"] for r in lower] == [20, 20]
+
+
+def test_compare_writes_three_files(tmp_path, capsys):
+    out = tmp_path / "cmp"
+    rc = cli(["compare", "--compressors", "none,fp16,topk:ratio=0.1", "--workload", "digits-mlp", "--hidden", "32",
+              "--samples", "256", "--batch-size", "32", "--epochs", "3", "--lr", "0.01", "--min-numel", "256",
+              "--no-progress", "--out", str(out)])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "| compressor" in printed and "compare.png" in printed
+    runs = json.loads((out / "compare.json").read_text())
+    assert [r["compressor"] for r in runs] == ["none", "fp16", "topk:ratio=0.1"]
+    assert [r["strategy"] for r in runs] == ["allreduce", "allreduce", "allgather"]
+    assert all(r["seed"] == 0 and r["workload"] == "digits-mlp" and len(r["history"]) == 3 for r in runs)
+    assert runs[0]["delta_vs_reference"] == 0.0 and runs[0]["steps_to_target"] is not None
+    md = (out / "compare.md").read_text()
+    assert all(f"`{r['compressor']}`" in md for r in runs) and "Target accuracy" in md
+    png = (out / "compare.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    for i, name in enumerate(["none", "fp16", "topk_ratio=0.1"]):
+        assert (out / f"{i}-{name}" / "summary.json").exists()
+
+
+def test_compare_bad_spec_trains_nothing(tmp_path, capsys):
+    rc = cli(["compare", "--compressors", "none,bogus", "--out", str(tmp_path / "x"), "--no-progress"])
+    assert rc == 2
+    assert "unknown compressor 'bogus'" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+    assert cli(["compare", "--compressors", "none", "--target", "nan", "--out", str(tmp_path / "y")]) == 2
