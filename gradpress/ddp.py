@@ -191,7 +191,7 @@ class GradpressHook:
         from gradpress.comm import available
 
         if strategy not in available():
-            raise ValueError(f"unknown strategy {strategy!r}; allowed: {', '.join(available())}, collective")
+            raise ValueError(f"unknown strategy {strategy!r}; allowed: {', '.join(available())}")
         return strategy
 
     def _candidates(self) -> list[str]:

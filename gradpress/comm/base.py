@@ -122,12 +122,14 @@ def _load() -> None:
 
 
 def available() -> list[str]:
+    """Every strategy name ``register`` accepts: the transports plus ``auto``
+    (the planner) and ``collective`` (allreduce if summable, else allgather)."""
     _load()
-    return sorted(["auto", *_STRATEGIES])
+    return sorted({"auto", "collective", *_STRATEGIES})
 
 
 def get_strategy(name: str, group: dist.ProcessGroup | None) -> Strategy:
     _load()
     if name not in _STRATEGIES:
-        raise ValueError(f"unknown strategy {name!r}; allowed: {', '.join(available())}")
+        raise ValueError(f"unknown strategy {name!r}; allowed: {', '.join(sorted(_STRATEGIES))}")
     return _STRATEGIES[name](group)

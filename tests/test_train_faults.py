@@ -1,0 +1,51 @@
+"""A worker that dies mid-training stops the whole run with a non-zero exit,
+and the last checkpoint is intact and resumable."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def _children(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(c) for c in path.read_text().split()] if path.exists() else []
+
+
+def _train_cmd(out: Path, epochs: int, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "gradpress.train", "--nproc", "2", "--workload", "digits-mlp",
+            "--epochs", str(epochs), "--out", str(out), "--no-progress", "--strategy", "collective",
+            "--compressor", "topk:ratio=0.1", *extra]
+
+
+def test_dead_worker_stops_run_and_checkpoint_resumes(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = subprocess.Popen(_train_cmd(out, 400), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not (out / "checkpoint.pt").exists():
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            assert time.monotonic() < deadline, "no checkpoint written"
+            time.sleep(0.2)
+        workers = _children(proc.pid)
+        assert len(workers) >= 2, f"expected 2 worker processes, found {workers}"
+        os.kill(workers[-1], signal.SIGKILL)
+        killed = time.monotonic()
+        rc = proc.wait(timeout=120)
+        waited = time.monotonic() - killed
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert rc != 0, "a run whose worker died must not exit 0"
+    assert waited < 60, f"the run took {waited:.0f}s to stop after a worker died"
+    ckpt = torch.load(out / "checkpoint.pt", weights_only=False)
+    assert ckpt["epoch"] >= 1 and len(ckpt["ranks"]) == 2
+    done = subprocess.run(_train_cmd(out, ckpt["epoch"] + 1, "--resume"), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "accuracy" in done.stdout
