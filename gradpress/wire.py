@@ -2,7 +2,9 @@
 
 * :func:`pack_bits` / :func:`unpack_bits`: n-bit unsigned codes (1..24 bits)
   packed densely, least significant bit first; ``ceil(n * bits / 8)`` bytes.
-  Widths that divide 8 (1, 2, 4, 8) take a shift-and-or fast path.
+  Widths below 8 work on one byte per code (see "narrow widths" below).
+* :func:`byte_table`: 256-row lookup table that unpacks (and maps to values)
+  the codes of one byte, for decoders that gather straight into floats.
 * :func:`pack_packets` / :func:`unpack_packets`: the payload tensors of many
   packets laid into one ``uint8`` buffer, grouped by element size (8-, 4-, 2-,
   then 1-byte) so every slice is naturally aligned with no padding. Variable
@@ -21,7 +23,7 @@ import torch
 
 from gradpress.compress.base import Packet
 
-__all__ = ["pack_bits", "unpack_bits", "packed_nbytes", "pack_packets", "unpack_packets", "buffer_layout"]
+__all__ = ["pack_bits", "unpack_bits", "byte_table", "packed_nbytes", "pack_packets", "unpack_packets", "buffer_layout"]
 
 
 def packed_nbytes(numel: int, bits: int) -> int:
@@ -42,6 +44,8 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     nbytes = packed_nbytes(n, bits)
     if bits == 8:
         return codes.to(torch.uint8)
+    if bits < 8 and sys.byteorder == "little":
+        return _pack_narrow(codes, bits, n, nbytes)
     if 8 % bits == 0:
         per_byte = 8 // bits
         padded = torch.zeros(nbytes * per_byte, dtype=torch.uint8, device=codes.device)
@@ -66,10 +70,90 @@ def unpack_bits(data: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
     if 8 % bits == 0:
         mask = (1 << bits) - 1
         shifts = torch.arange(0, 8, bits, device=data.device, dtype=torch.uint8)
-        codes = (data.unsqueeze(1) >> shifts) & mask
-        return codes.reshape(-1)[:numel]
+        return ((data.unsqueeze(1) >> shifts) & mask).reshape(-1)[:numel]
+    if bits < 8 and sys.byteorder == "little":
+        return _unpack_narrow(data, bits, numel)
     codes = _unpack_groups(data, bits, numel)
     return codes.to(torch.uint8) if bits <= 8 else codes
+
+
+def byte_table(bits: int, dtype: torch.dtype, device: torch.device, values: torch.Tensor | None = None) -> torch.Tensor:
+    """``(256, 8 // bits)`` table: row ``b`` holds the codes packed in byte
+    ``b`` (LSB first), or ``values[code]`` when ``values`` is given. Indexing
+    it with the packed bytes unpacks (and maps) every code in one gather."""
+    per = 8 // bits
+    shifts = torch.arange(0, 8, bits, device=device)
+    table = (torch.arange(256, device=device).unsqueeze(1) >> shifts) & ((1 << bits) - 1)
+    return (values.to(device)[table] if values is not None else table).to(dtype).reshape(256, per)
+
+
+# ----- narrow widths (bits < 8), little-endian -------------------------------------
+# Codes are first laid one per byte (uint8), so a group of L = 8 / gcd(bits, 8)
+# codes fills one L-byte machine word. Widths 1, 2, 4 gather the L fields of a
+# word into its top byte with one multiplication (each product term lands on its
+# own bit positions, so no carries mix fields); other widths compact the word
+# with log2(L) mask-shift-or steps. Unpacking reverses the steps (1, 2, 4: a
+# 256-entry lookup table). Every pass works on n bytes, not n words.
+
+_WORD = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _as_signed64(v: int) -> int:
+    v &= (1 << 64) - 1
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+def _lane_masks(have: int, lane: int, word_bits: int) -> tuple[int, int]:
+    """Masks of the low and high ``have``-bit fields in every ``2*lane``-bit
+    lane of a ``word_bits``-bit word."""
+    lo = sum(((1 << have) - 1) << s for s in range(0, word_bits, 2 * lane))
+    return _as_signed64(lo), _as_signed64(lo << have)
+
+
+def _bytes_padded(codes: torch.Tensor, length: int) -> torch.Tensor:
+    """``codes`` as uint8, zero padded to ``length`` (a view when possible)."""
+    n = codes.numel()
+    if n == length and codes.dtype in (torch.uint8, torch.bool) and codes.is_contiguous():
+        return codes.view(torch.uint8)
+    buf = torch.empty(length, dtype=torch.uint8, device=codes.device)
+    buf[:n] = codes
+    buf[n:] = 0
+    return buf
+
+
+def _pack_narrow(codes: torch.Tensor, bits: int, n: int, nbytes: int) -> torch.Tensor:
+    per, nb = _group(bits)
+    m = -(-n // per)
+    w = _bytes_padded(codes, m * per).view(_WORD[per])
+    if 8 % bits == 0:  # fields land in the top byte of the product
+        mul = _as_signed64(sum(1 << (8 * (per - 1) - (8 - bits) * j) for j in range(per)))
+        top = (w * mul).view(torch.uint8).view(m, per)[:, per - 1]
+        return top.contiguous()[:nbytes]
+    have, lane = bits, 8
+    while lane < 8 * per:
+        lo, hi = _lane_masks(have, lane, 8 * per)
+        w = (w & lo).bitwise_or_((w >> (lane - have)).bitwise_and_(hi))
+        have, lane = 2 * have, 2 * lane
+    return w.view(torch.uint8).view(m, per)[:, :nb].reshape(-1)[:nbytes]
+
+
+def _unpack_narrow(data: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
+    per, nb = _group(bits)
+    m = -(-numel // per)
+    buf = torch.zeros(m, per, dtype=torch.uint8, device=data.device)
+    if data.numel() == m * nb:
+        buf[:, :nb] = data.view(m, nb)
+    else:  # the last group is short
+        tail = torch.zeros(m * nb, dtype=torch.uint8, device=data.device)
+        tail[: data.numel()] = data
+        buf[:, :nb] = tail.view(m, nb)
+    w = buf.view(_WORD[per]).view(-1)
+    have, lane = bits * per // 2, 4 * per
+    while lane >= 8:
+        lo, hi = _lane_masks(have, lane, 8 * per)
+        w = (w & lo).bitwise_or_((w & hi) << (lane - have))
+        have, lane = have // 2, lane // 2
+    return w.view(torch.uint8)[:numel]
 
 
 # ----- general widths ------------------------------------------------------------

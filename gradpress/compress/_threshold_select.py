@@ -28,7 +28,7 @@ import torch
 from gradpress.compress.base import Compressor, Context, Packet
 from gradpress.compress.topk import kept_count, scatter_sparse
 
-__all__ = ["QualityMeter", "ThresholdSparsifier", "select_above", "empty_sparse_packet", "work_dtype"]
+__all__ = ["BlockMax", "QualityMeter", "ThresholdSparsifier", "select_above", "empty_sparse_packet", "use_blocks", "work_dtype"]
 
 
 def work_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -39,14 +39,67 @@ def work_dtype(dtype: torch.dtype) -> torch.dtype:
 def select_mask(a: torch.Tensor, thr: torch.Tensor | float) -> torch.Tensor:
     """Boolean mask of the selected entries of ``a = |x|``: ``a >= thr`` and
     ``a > 0``, plus every NaN."""
-    return ((a >= thr) & (a > 0)) | torch.isnan(a)
+    # not (a < max(thr, smallest positive)): a >= thr, a > 0, and NaN (NaN < t is False)
+    tiny = torch.finfo(a.dtype).smallest_normal * torch.finfo(a.dtype).eps  # smallest subnormal
+    t = torch.clamp(thr, min=tiny) if isinstance(thr, torch.Tensor) else max(thr, tiny)
+    return torch.lt(a, t).logical_not_()
 
 
-def select_above(flat: torch.Tensor, a: torch.Tensor, thr: torch.Tensor | float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(values, int32 indices)`` of the entries of ``flat`` with ``a >= thr``
-    (``a`` is ``|flat|`` in the work dtype)."""
-    idx = torch.nonzero(select_mask(a, thr), as_tuple=False).reshape(-1)
+def select_above(flat: torch.Tensor, a: torch.Tensor | None, thr: torch.Tensor | float,
+                 blocks: BlockMax | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(values, int32 indices)`` of the entries of ``flat`` with ``|flat| >= thr``
+    (``a`` is ``|flat|`` in the work dtype, or None when ``blocks`` is given)."""
+    if blocks is not None:
+        idx = blocks.select(thr)
+    else:
+        idx = torch.nonzero(select_mask(a, thr), as_tuple=False).reshape(-1)
     return flat[idx], idx.to(torch.int32)
+
+
+class BlockMax:
+    """Selection at small densities without a full-size mask.
+
+    ``x`` (flat, work dtype) is viewed as rows of ``BLOCK`` entries and the
+    per-row max of |x| is taken once (two fused reductions, no full-size
+    temporary). A selection at threshold t then only touches the rows whose
+    max reaches t (about ``BLOCK * density`` of them): it gathers them and
+    builds the mask there. Same entries, same (increasing) order as
+    ``nonzero(select_mask(|x|, t))``; NaN rows always qualify (NaN
+    propagates into the row max).
+    """
+
+    BLOCK = 64
+
+    def __init__(self, x: torch.Tensor) -> None:
+        self.x = x
+        d = x.numel()
+        self.full = d // self.BLOCK * self.BLOCK
+        self.rows = x[: self.full].view(-1, self.BLOCK)
+        self.row_max = torch.maximum(self.rows.amax(dim=1), self.rows.amin(dim=1).neg_())
+        self.tail = x[self.full :]
+
+    def select(self, thr: torch.Tensor | float) -> torch.Tensor:
+        """int64 flat indices of the entries with |x| >= thr, |x| > 0, or NaN."""
+        cand = torch.nonzero(select_mask(self.row_max, thr)).reshape(-1)
+        rows = self.rows.index_select(0, cand).abs_()
+        hit = torch.nonzero(select_mask(rows, thr))
+        idx = cand[hit[:, 0]] * self.BLOCK + hit[:, 1]
+        if self.tail.numel():
+            idx = torch.cat([idx, self.full + torch.nonzero(select_mask(self.tail.abs(), thr)).reshape(-1)])
+        return idx
+
+    def count(self, thr: torch.Tensor | float) -> int:
+        """Number of entries :meth:`select` would return (one host read)."""
+        cand = torch.nonzero(select_mask(self.row_max, thr)).reshape(-1)
+        n = select_mask(self.rows.index_select(0, cand).abs_(), thr).sum()
+        if self.tail.numel():
+            n = n + select_mask(self.tail.abs(), thr).sum()
+        return int(n)
+
+
+def use_blocks(ratio: float) -> bool:
+    """Block selection pays off when few rows hold a selected entry."""
+    return ratio * BlockMax.BLOCK <= 0.25
 
 
 def empty_sparse_packet(x: torch.Tensor) -> Packet:
@@ -109,14 +162,18 @@ class ThresholdSparsifier(QualityMixin, Compressor):
     variable_size = True
     values_index = 0
     unbiased = False
+    #: whether ``_threshold`` reads ``a = |x|`` (else it gets None and no
+    #: full-size |x| is made)
+    needs_abs = True
 
     def __init__(self, **params: Any) -> None:
         super().__init__(**params)
         self._meter = QualityMeter()
 
-    def _threshold(self, xw: torch.Tensor, a: torch.Tensor, k: int, ctx: Context) -> torch.Tensor:
+    def _threshold(self, xw: torch.Tensor, a: torch.Tensor | None, k: int, ctx: Context) -> torch.Tensor:
         """Threshold (0-d tensor) on ``a = |xw|``; ``xw`` is the flat input in
-        the work dtype, ``k`` the target count."""
+        the work dtype, ``k`` the target count; ``a`` is None when the class
+        sets ``needs_abs = False`` and the selection runs on blocks."""
         raise NotImplementedError
 
     def encode(self, x: torch.Tensor, ctx: Context | None = None) -> Packet:
@@ -127,13 +184,14 @@ class ThresholdSparsifier(QualityMixin, Compressor):
         if d == 0:
             return empty_sparse_packet(x)
         xw = flat.to(work_dtype(x.dtype))
-        a = xw.abs()
         k = kept_count(d, self.ratio)
+        blocks = BlockMax(xw) if use_blocks(self.ratio) and k < d else None
+        a = xw.abs() if blocks is None or self.needs_abs else None
         if k >= d:  # keep everything (tiny tensors)
-            thr = torch.zeros((), dtype=a.dtype, device=a.device)
+            thr = torch.zeros((), dtype=xw.dtype, device=xw.device)
         else:
             thr = self._threshold(xw, a, k, ctx)
-        values, idx = select_above(flat, a, thr)
+        values, idx = select_above(flat, a, thr, blocks)
         self._meter.update(idx.numel(), k)
         return Packet([values, idx], x.shape, x.dtype)
 

@@ -48,10 +48,12 @@ from typing import Any
 import torch
 
 from gradpress.compress._threshold_select import (
+    BlockMax,
     QualityMeter,
     QualityMixin,
     empty_sparse_packet,
     select_mask,
+    use_blocks,
     work_dtype,
 )
 from gradpress.compress.base import Compressor, Context, Packet, Param, derive_seed
@@ -85,7 +87,8 @@ def sample_stride(d: int, target: int, period: int) -> int:
 
 
 def sampled_threshold(a: torch.Tensor, ratio: float, sample_ratio: float, seed: int, period: int = 1) -> torch.Tensor:
-    """Threshold estimate from a strided sample of ``a = |x|`` (0-d tensor).
+    """Threshold estimate from a strided sample of ``a = |x|`` (0-d tensor;
+    ``a`` may also be ``x`` itself: only the sample's magnitudes are taken).
 
     The sample has at least ``max(ceil(sample_ratio*d), ceil(2/ratio), 4096)``
     elements (the whole tensor when it is smaller), taken at a stride coprime
@@ -100,6 +103,7 @@ def sampled_threshold(a: torch.Tensor, ratio: float, sample_ratio: float, seed: 
         stride = sample_stride(d, target, period)
         start = derive_seed("dgc-sample", seed) % stride
         samples = a[start::stride]
+    samples = samples.abs()
     k_s = min(samples.numel(), max(1, math.ceil(ratio * samples.numel())))
     return torch.topk(samples, k_s, sorted=False).values.min()
 
@@ -107,31 +111,42 @@ def sampled_threshold(a: torch.Tensor, ratio: float, sample_ratio: float, seed: 
 def dgc_select(
     a: torch.Tensor, k: int, ratio: float, sample_ratio: float, seed: int, period: int = 1
 ) -> tuple[torch.Tensor, dict[str, Any]]:
-    """Indices (int64) DGC sends for ``a = |x|`` and what happened.
+    """Indices (int64) DGC sends for ``a = |x|`` (``x`` itself may be given:
+    only magnitudes matter) and what happened.
 
     ``info``: ``pre_fallback_count`` (entries the sampled threshold selected,
     after the x0.8 passes, before any exact top-k), ``passes``, ``path``
-    ("sampled", "exact_among_selected" or "fallback").
+    ("sampled", "exact_among_selected" or "fallback"). At small densities the
+    counts and the selection run on :class:`BlockMax` rows, not a full mask.
     """
     thr = sampled_threshold(a, ratio, sample_ratio, seed, period)
-    mask = select_mask(a, thr)
-    count = int(mask.sum())
+    if use_blocks(ratio):
+        blocks = BlockMax(a)
+        count_at, select_at = blocks.count, blocks.select
+    else:
+        mag = a.abs()
+
+        def count_at(t: torch.Tensor) -> int:
+            return int(select_mask(mag, t).sum())
+
+        def select_at(t: torch.Tensor) -> torch.Tensor:
+            return torch.nonzero(select_mask(mag, t), as_tuple=False).reshape(-1)
+    count = count_at(thr)
     passes = 0
     while count < LOWER * k and passes < MAX_PASSES:
         thr = thr * LOWER
-        mask = select_mask(a, thr)
-        count = int(mask.sum())
+        count = count_at(thr)
         passes += 1
     info: dict[str, Any] = {"pre_fallback_count": count, "passes": passes, "k": k}
     if count > UPPER * k:
-        idx = torch.nonzero(mask, as_tuple=False).reshape(-1)
-        idx = idx[torch.topk(a[idx], k, sorted=False).indices]
+        idx = select_at(thr)
+        idx = idx[torch.topk(a[idx].abs(), k, sorted=False).indices]
         info["path"] = "exact_among_selected"
     elif count < LOWER * k:
-        idx = torch.topk(a, k, sorted=False).indices
+        idx = torch.topk(a.abs(), k, sorted=False).indices
         info["path"] = "fallback"
     else:
-        idx = torch.nonzero(mask, as_tuple=False).reshape(-1)
+        idx = select_at(thr)
         info["path"] = "sampled"
     return idx, info
 
@@ -191,28 +206,29 @@ class DGC(QualityMixin, Compressor):
             return empty_sparse_packet(x)
         wd = work_dtype(x.dtype)
         g = flat.to(wd)
-        finite = torch.isfinite(g).all()
+        lo, hi = torch.aminmax(g)  # one read; NaN and +-inf propagate into the extremes
+        finite = bool(torch.isfinite(lo) & torch.isfinite(hi))
         if self.clip > 0:
             max_norm = self.clip / math.sqrt(max(1, ctx.world_size))
             coef = (max_norm / (torch.linalg.vector_norm(g) + 1e-6)).clamp(max=1.0)
             g = g * coef
-        u_old = self.momentums.get(ctx.key)
-        v_old = self.velocities.get(ctx.key)
-        if u_old is None or u_old.shape != g.shape or u_old.device != g.device:
-            u_old = torch.zeros_like(g)
-            v_old = torch.zeros_like(g)
-        u = u_old * self.momentum + g
-        v = v_old + u
-        acc = torch.where(finite, v, g)
+        u = self.momentums.get(ctx.key)
+        v = self.velocities.get(ctx.key)
+        if u is None or v is None or u.shape != g.shape or u.device != g.device or u.dtype != g.dtype:
+            u = self.momentums[ctx.key] = torch.zeros_like(g)
+            v = self.velocities[ctx.key] = torch.zeros_like(g)
+        if finite:  # the stored buffers are updated in place: no full-size temporaries
+            acc = v.add_(u.mul_(self.momentum).add_(g))  # same rounding as m*u + g
+        else:  # a non-finite gradient is sent as is and leaves u, v unchanged
+            acc = g
         ratio = self.current_ratio(ctx.step)
         k = kept_count(d, ratio)
         period = x.shape[-1] if x.dim() >= 2 else 1
-        idx, info = dgc_select(acc.abs(), k, ratio, self.sample_ratio, ctx.private_seed, period)
+        idx, info = dgc_select(acc, k, ratio, self.sample_ratio, ctx.private_seed, period)
         values = acc[idx].to(x.dtype)
-        u.index_fill_(0, idx, 0.0)
-        v.index_fill_(0, idx, 0.0)
-        self.momentums[ctx.key] = torch.where(finite, u, u_old)
-        self.velocities[ctx.key] = torch.where(finite, v, v_old)
+        if finite:  # momentum factor masking
+            u.index_fill_(0, idx, 0.0)
+            v.index_fill_(0, idx, 0.0)
         info["ratio"] = ratio
         info["quality"] = self._meter.update(idx.numel(), k)
         self.last_info = info

@@ -33,9 +33,10 @@ class DGCThreshold(ThresholdSparsifier):
     )
     summary = "DGC sampled-threshold estimator alone (Lin et al. 2018), SIDCo baseline"
     _period = 1
+    needs_abs = False  # the sample is taken from x; |.| of the sample only
 
-    def _threshold(self, xw: torch.Tensor, a: torch.Tensor, k: int, ctx: Context) -> torch.Tensor:
-        return sampled_threshold(a, self.ratio, self.sample_ratio, ctx.private_seed, self._period)
+    def _threshold(self, xw: torch.Tensor, a: torch.Tensor | None, k: int, ctx: Context) -> torch.Tensor:
+        return sampled_threshold(xw, self.ratio, self.sample_ratio, ctx.private_seed, self._period)
 
     def encode(self, x: torch.Tensor, ctx: Context | None = None) -> Packet:
         self._period = x.shape[-1] if x.dim() >= 2 else 1

@@ -19,7 +19,7 @@ import torch
 from gradpress.compress.base import Compressor, Context, Packet
 from gradpress.compress.qsgd import compute_dtype
 from gradpress.compress.registry import register
-from gradpress.compress.signsgd import pack_signs, unpack_signs
+from gradpress.compress.signsgd import pack_signs, unpack_two
 
 
 @register
@@ -31,12 +31,13 @@ class EFSignSGD(Compressor):
         self._check_input(x)
         p = x.reshape(-1).to(compute_dtype(x.dtype))
         d = p.numel()
-        scale = p.abs().sum() / max(d, 1)
+        scale = torch.linalg.vector_norm(p, ord=1) / max(d, 1)  # fused |p| sum, no temporary
         return Packet([scale.reshape(1).float(), pack_signs(p)], x.shape, x.dtype)
 
     def decode(self, packet: Packet) -> torch.Tensor:
         scale, data = packet.tensors[0], packet.tensors[1]
         d = math.prod(packet.shape)
         cdt = compute_dtype(packet.dtype)
-        out = unpack_signs(data, d, cdt) * scale.to(cdt)
-        return out.to(packet.dtype).reshape(packet.shape)
+        s = scale.to(cdt).reshape(())
+        values = torch.stack([-s, s]).to(packet.dtype)
+        return unpack_two(data, d, values).reshape(packet.shape)

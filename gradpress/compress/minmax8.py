@@ -43,31 +43,42 @@ class MinMax8(Compressor):
         self._check_input(x)
         ctx = self._context(ctx)
         flat = x.reshape(-1).to(torch.float32)
-        d = flat.numel()
-        nchunks = -(-d // self.chunk)
-        padded = torch.empty(nchunks * self.chunk, dtype=torch.float32, device=x.device)
-        padded[:d] = flat
-        if d:
-            padded[d:] = flat[-1]  # padding never widens the last chunk's range
-        grid = padded.view(nchunks, self.chunk)
-        lo = grid.amin(dim=1) if d else torch.empty(0, device=x.device)
-        hi = grid.amax(dim=1) if d else torch.empty(0, device=x.device)
-        span = hi - lo
-        safe = torch.where(span > 0, span, torch.ones_like(span))
-        v = ((grid - lo[:, None]) / safe[:, None] * LEVELS).reshape(-1)[:d]
-        if self.stochastic:
-            gen = generator_for(x.device, ctx.private_seed)
-            v = torch.floor(v + torch.rand(d, generator=gen, device=x.device))
-        else:
-            v = torch.round(v)
-        codes = v.clamp(0, LEVELS).to(torch.uint8)
-        return Packet([lo, hi, codes], x.shape, x.dtype)
+        gen = generator_for(x.device, ctx.private_seed) if self.stochastic else None
+        codes = torch.empty(flat.numel(), dtype=torch.uint8, device=x.device)
+        los, his = [torch.empty(0, device=x.device)], [torch.empty(0, device=x.device)]
+        for grid, out in zip(_chunked(flat, self.chunk), _chunked(codes, self.chunk)):
+            lo, hi = torch.aminmax(grid, dim=1)  # one fused pass
+            span = hi - lo
+            scale = LEVELS / torch.where(span > 0, span, torch.ones_like(span))
+            v = torch.sub(grid, lo[:, None]).mul_(scale[:, None])  # one fresh buffer, then in place
+            if gen is not None:
+                v.add_(torch.rand(v.shape, generator=gen, device=x.device)).floor_()
+            else:
+                v.round_()
+            out.copy_(v.clamp_(0, LEVELS))
+            los.append(lo)
+            his.append(hi)
+        return Packet([torch.cat(los), torch.cat(his), codes], x.shape, x.dtype)
 
     def decode(self, packet: Packet) -> torch.Tensor:
         lo, hi, codes = packet.tensors
         d = math.prod(packet.shape)
-        nchunks = lo.numel()
-        step = ((hi - lo) / LEVELS).repeat_interleave(self.chunk)[:d] if nchunks else lo
-        base = lo.repeat_interleave(self.chunk)[:d] if nchunks else lo
-        out = base + codes.to(torch.float32) * step
+        step = (hi - lo) / LEVELS
+        out = codes[:d].to(torch.float32)
+        start = 0
+        for grid in _chunked(out, self.chunk):  # lo + code * step, in place
+            rows = grid.shape[0]
+            grid.mul_(step[start : start + rows, None]).add_(lo[start : start + rows, None])
+            start += rows
         return out.to(packet.dtype).reshape(packet.shape)
+
+
+def _chunked(flat: torch.Tensor, chunk: int) -> list[torch.Tensor]:
+    """Views of ``flat`` as ``(d // chunk, chunk)`` whole chunks and a
+    ``(1, d % chunk)`` short last chunk (each only when non-empty)."""
+    d = flat.numel()
+    full = d // chunk * chunk
+    parts = [flat[:full].view(-1, chunk)] if full else []
+    if full < d:
+        parts.append(flat[full:].view(1, -1))
+    return parts

@@ -29,7 +29,7 @@ import torch
 
 from gradpress.compress.base import Compressor, Context, Packet, generator_for
 from gradpress.compress.registry import register
-from gradpress.wire import pack_bits, unpack_bits
+from gradpress.wire import byte_table, pack_bits
 
 _MANTISSA_BITS = 23
 _MANTISSA_MASK = (1 << _MANTISSA_BITS) - 1
@@ -46,18 +46,31 @@ def max_exponent_code(dtype: torch.dtype) -> int:
 def natural_round(x32: torch.Tensor, generator: torch.Generator, cap: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Exponent codes (uint8) and sign mask (bool) of C_nat(x32), x32 flat fp32."""
     bits = x32.view(torch.int32)
-    exponent = (bits >> _MANTISSA_BITS) & 0xFF
-    mantissa = bits & _MANTISSA_MASK
+    # e*2^23 + m + U, U uniform on 0..2^23-1, carries into the exponent with
+    # probability m / 2^23: ((bits + U) >> 23) mod 256 = e + Bernoulli(m / 2^23)
+    # (the sign bit only adds a multiple of 256). No rounding up at e >= cap.
     u = torch.randint(0, 1 << _MANTISSA_BITS, x32.shape, generator=generator, device=x32.device, dtype=torch.int32)
-    up = (u < mantissa) & (exponent < cap)
-    codes = (exponent + up.to(torch.int32)).to(torch.uint8)
+    if _may_reach(x32, cap):
+        u.masked_fill_((bits & 0x7FFFFFFF) >= (cap << _MANTISSA_BITS), 0)
+    codes = u.add_(bits).bitwise_right_shift_(_MANTISSA_BITS).to(torch.uint8)
     return codes, bits < 0
+
+
+def _may_reach(x32: torch.Tensor, cap: int) -> bool:
+    """False when no |x| reaches 2^(cap - 127) and all are finite (then the
+    cap cannot bind). On CPU one fused min/max read decides it; on other
+    devices the masking always runs (cheaper than a host sync)."""
+    if x32.device.type != "cpu" or x32.numel() == 0:
+        return x32.numel() > 0
+    lo, hi = torch.aminmax(x32)
+    limit = 2.0 ** (cap - _BIAS)
+    return not bool((lo > -limit) & (hi < limit))  # NaN compares False
 
 
 def natural_decode(codes: torch.Tensor, negative: torch.Tensor) -> torch.Tensor:
     """fp32 values +-2^(code - 127) (code 0: zero, 255: inf)."""
-    magnitude = (codes.to(torch.int32) << _MANTISSA_BITS).view(torch.float32)
-    return torch.where(negative, -magnitude, magnitude)
+    bits = codes.to(torch.int32).bitwise_left_shift_(_MANTISSA_BITS)
+    return bits.bitwise_or_(negative.to(torch.int32).bitwise_left_shift_(31)).view(torch.float32)
 
 
 @register
@@ -77,5 +90,7 @@ class Natural(Compressor):
     def decode(self, packet: Packet) -> torch.Tensor:
         codes, signs = packet.tensors[0], packet.tensors[1]
         d = math.prod(packet.shape)
-        negative = unpack_bits(signs, 1, d).bool()
-        return natural_decode(codes, negative).to(packet.dtype).reshape(packet.shape)
+        sign_bits = byte_table(1, torch.int32, signs.device, torch.tensor([0, -(1 << 31)], dtype=torch.int32))
+        bits = codes.to(torch.int32).bitwise_left_shift_(_MANTISSA_BITS)
+        bits.bitwise_or_(sign_bits[signs.long()].reshape(-1)[:d])
+        return bits.view(torch.float32).to(packet.dtype).reshape(packet.shape)

@@ -20,7 +20,8 @@ import torch
 from gradpress.compress.base import Compressor, Context, Packet
 from gradpress.compress.qsgd import compute_dtype
 from gradpress.compress.registry import register
-from gradpress.wire import pack_bits, unpack_bits
+from gradpress.compress.signsgd import unpack_two
+from gradpress.wire import pack_bits
 
 
 @register
@@ -32,11 +33,13 @@ class OneBit(Compressor):
         self._check_input(x)
         v = x.reshape(-1).to(compute_dtype(x.dtype))
         mask = v >= 0
-        pos = mask.to(v.dtype)
-        n_pos = pos.sum()
+        # sum(v >= 0 part) = (sum v + sum |v|) / 2, the negative part (sum v - sum |v|) / 2:
+        # two fused reductions, no float temporaries
+        total, l1 = v.sum(), torch.linalg.vector_norm(v, ord=1)
+        n_pos = torch.count_nonzero(mask).to(v.dtype)
         n_neg = v.numel() - n_pos
-        mean_pos = (v * pos).sum() / n_pos.clamp(min=1)
-        mean_neg = (v * (1 - pos)).sum() / n_neg.clamp(min=1)
+        mean_pos = (total + l1) / 2 / n_pos.clamp(min=1)
+        mean_neg = (total - l1) / 2 / n_neg.clamp(min=1)
         means = torch.stack([mean_pos, mean_neg]).float()
         return Packet([means, pack_bits(mask, 1)], x.shape, x.dtype)
 
@@ -44,7 +47,5 @@ class OneBit(Compressor):
         means, data = packet.tensors[0], packet.tensors[1]
         d = math.prod(packet.shape)
         cdt = compute_dtype(packet.dtype)
-        mask = unpack_bits(data, 1, d).bool()
-        means = means.to(cdt)
-        out = torch.where(mask, means[0], means[1])
-        return out.to(packet.dtype).reshape(packet.shape)
+        values = means.to(cdt).flip(0).to(packet.dtype)  # bit 0 -> negative mean, 1 -> non-negative mean
+        return unpack_two(data, d, values).reshape(packet.shape)

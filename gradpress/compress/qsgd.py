@@ -59,29 +59,46 @@ class QSGD(Compressor):
         flat = x.reshape(-1).to(compute_dtype(x.dtype))
         d = flat.numel()
         b = self._bucket(d)
-        nb = math.ceil(d / b)
-        padded = torch.zeros(nb * b, dtype=flat.dtype, device=flat.device)
-        padded[:d] = flat
-        grid = padded.view(nb, b)
-        norms = torch.linalg.vector_norm(grid, dim=1, keepdim=True)
-        safe = torch.where(norms > 0, norms, torch.ones_like(norms))
+        full = d // b * b  # whole buckets are a (d // b, b) view; a short last one is handled apart
         s = float(self.levels)
-        y = (grid.abs() / safe * s).reshape(-1)[:d]
-        # a non-finite bucket has a non-finite norm and decodes non-finite; keep its codes in range
-        y = torch.nan_to_num(y, nan=0.0, posinf=s, neginf=0.0)
-        low = torch.floor(y)
+        norms = torch.cat([torch.linalg.vector_norm(flat[:full].view(-1, b), dim=1),
+                           torch.linalg.vector_norm(flat[full:]).reshape(-1)[: int(full < d)]])
+        factor = torch.where(norms > 0, s / norms, torch.zeros_like(norms))  # y = s |v| / n
+        # one fresh buffer, updated in place: y, then y + u, then floor(y + u), the level
+        # (floor(y + U) is floor(y) + Bernoulli(y - floor(y)): one draw, one pass)
+        y = flat.abs()
+        y[:full].view(-1, b).mul_(factor[: d // b, None])
+        y[full:].mul_(factor[d // b :])
         u = torch.rand(d, generator=generator_for(flat.device, ctx.private_seed), device=flat.device, dtype=flat.dtype)
-        level = (low + (u < (y - low)).to(y.dtype)).clamp_(0, s).to(torch.int32)
-        codes = (level << 1) | (flat < 0).to(torch.int32)
-        return Packet([norms.reshape(-1).float(), pack_bits(codes, self.bits)], x.shape, x.dtype)
+        level = y.add_(u).floor_()
+        del u
+        # a non-finite bucket decodes non-finite whatever its codes; fmin maps NaN to s, keeping codes in range
+        torch.fmin(level, torch.tensor(s, dtype=level.dtype, device=level.device), out=level)
+        neg = flat < 0
+        if self.bits <= 8:
+            codes = level.to(torch.uint8)
+            del level
+            codes.mul_(2).add_(neg.view(torch.uint8))
+        else:
+            codes = level.to(torch.int32).mul_(2).add_(neg)
+        return Packet([norms.float(), pack_bits(codes, self.bits)], x.shape, x.dtype)
 
     def decode(self, packet: Packet) -> torch.Tensor:
         norms, data = packet.tensors[0], packet.tensors[1]
         d = math.prod(packet.shape)
         b = self._bucket(d)
         cdt = compute_dtype(packet.dtype)
-        codes = unpack_bits(data, self.bits, d).to(torch.int32)
-        level = (codes >> 1).to(cdt)
-        sign = 1 - 2 * (codes & 1).to(cdt)
-        scale = norms.to(cdt).repeat_interleave(b)[:d] / float(self.levels)
-        return (scale * level * sign).to(packet.dtype).reshape(packet.shape)
+        codes = unpack_bits(data, self.bits, d)
+        if self.bits <= 8:  # signed level in int8 (|level| <= 127), one byte per entry
+            signed = (codes >> 1).view(torch.int8)
+            signed.mul_((codes & 1).view(torch.int8).mul_(-2).add_(1))
+            out = signed.to(cdt)
+        else:
+            codes = codes.to(torch.int32)
+            out = (codes >> 1).to(cdt).mul_(1 - 2 * (codes & 1).to(cdt))
+        del codes
+        scale = norms.to(cdt) / float(self.levels)
+        full = d // b * b
+        out[:full].view(-1, b).mul_(scale[: d // b, None])
+        out[full:].mul_(scale[d // b :])
+        return out.to(packet.dtype).reshape(packet.shape)

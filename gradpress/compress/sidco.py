@@ -35,10 +35,15 @@ Choices where the paper leaves room (recorded here):
   drag the fit; identical to the paper when there are no zeros). Scale
   normalization (|x|/||x||) is not needed: all three fits are scale
   equivariant.
-* Stage 1 is sync-free (plain reductions); each later stage gathers the
-  exceedances first (one host sync), so stage i touches only the entries
-  above the previous threshold. Sums are accumulated in fp64 and the fitted
-  parameters are fp64 0-d tensors.
+* The fits use a strided sample of |x| of at least max(2^18, 256/delta)
+  entries (all of x when smaller; about 256 delta_{M-1}/delta exceedances
+  at the last stage); ``gamma`` fits stage 1 on all of |x| (it needs mean
+  ln|x|). Reductions over all of x and compacting its 25% exceedances cost
+  more than an exact top-k on one CPU thread; the sample's moments differ
+  from the full ones by well under 1%. Each later stage gathers its exceedances (one
+  host sync). Sums are accumulated in fp64 and the fitted parameters are
+  fp64 0-d tensors. The selection itself is exact (``|x| >= threshold``
+  over all entries, :class:`~gradpress.compress._threshold_select.BlockMax`).
 
 Quality: ``quality`` is the running mean of achieved/target density over all
 calls (also in ``state_dict``); ``last_quality`` the last call's.
@@ -64,6 +69,8 @@ ADAPT_HIGH = 1.2
 ADAPT_LOW = 0.8
 NEWTON_STEPS = 40
 DISTS = ("exp", "gpareto", "gamma")
+SAMPLE_MIN = 1 << 18
+SAMPLE_PER_K = 256
 
 
 def gamma_upper_inv(a: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -153,33 +160,52 @@ def initial_stages(ratio: float) -> int:
     return min(max_stages(ratio), max(1, math.ceil(math.log(ratio) / math.log(FIRST_RATIO) - 1e-9)))
 
 
-def sidco_threshold(a: torch.Tensor, ratio: float, dist: str, stages: int) -> torch.Tensor:
-    """Multi-stage threshold on ``a = |x|`` (0-d tensor, dtype of ``a``).
+def tail_sample(x: torch.Tensor, ratio: float) -> torch.Tensor:
+    """|x| at a regular stride: at least ``max(SAMPLE_MIN, SAMPLE_PER_K / ratio)``
+    entries (all of x when it is smaller). Later stages fit the exceedances
+    in it: at the last stage about SAMPLE_PER_K * (delta_{M-1} / delta) of them."""
+    target = max(SAMPLE_MIN, math.ceil(SAMPLE_PER_K / ratio))
+    stride = max(1, x.numel() // target)
+    return x[::stride].abs() if stride > 1 else x.abs()
 
-    Stage 1 fits all nonzero magnitudes; each later stage fits the
-    exceedances over the running threshold, which are first gathered into a
-    smaller tensor (one host sync per later stage; each stage then touches
-    only delta_1, delta_1 delta_i, ... of the entries).
+
+def sidco_threshold(a: torch.Tensor | None, ratio: float, dist: str, stages: int,
+                    x: torch.Tensor | None = None) -> torch.Tensor:
+    """Multi-stage threshold on ``a = |x|`` (0-d tensor, work dtype).
+
+    Stage 1 fits all nonzero magnitudes of ``a`` or, when ``a`` is None, those
+    of the strided sample of ``x`` (the gamma fit needs ``a``). Each later
+    stage fits the exceedances over the running threshold within a strided
+    sample of |x| (:func:`tail_sample`), which are gathered into a smaller
+    tensor (one host sync per later stage; the full tensor is never
+    compacted, which would cost more than an exact top-k).
     """
-    d = a.numel()
+    src = a if a is not None else x
+    assert src is not None
+    d = src.numel()
     stages = min(stages, max_stages(ratio))
     per_stage = (ratio / FIRST_RATIO) ** (1.0 / (stages - 1)) if stages > 1 else ratio
-    thr = torch.zeros((), dtype=torch.float64, device=a.device)
-    rest = a
+    thr = torch.zeros((), dtype=torch.float64, device=src.device)
+    sample = a is None or stages > 1
+    rest = tail_sample(x if x is not None else src, ratio) if sample else src
     for i in range(stages):
         stage_dist = dist if (i == 0 or dist != "gamma") else "gpareto"
         if i == 0:
-            n, mu, var, mlog = _moments(a, stage_dist == "gamma")
+            if a is None:  # fit on the sample; rescale to its nonzero count
+                n, mu, var, mlog = _moments(rest, False)
+                d = rest.numel()
+            else:
+                n, mu, var, mlog = _moments(a, stage_dist == "gamma")
             target = FIRST_RATIO if stages > 1 else ratio
             r = (target * d / n.clamp(min=1.0)).clamp(max=1.0)  # rescale to the nonzero count
         else:
-            rest = rest[rest > thr.to(a.dtype)]
-            n, mu, var, mlog = _moments(rest - thr.to(a.dtype), stage_dist == "gamma")
-            r = torch.full((), per_stage, dtype=torch.float64, device=a.device)
+            rest = rest[rest > thr.to(src.dtype)]
+            n, mu, var, mlog = _moments(rest - thr.to(src.dtype), stage_dist == "gamma")
+            r = torch.full((), per_stage, dtype=torch.float64, device=src.device)
         eta = fit_threshold(stage_dist, mu, var, mlog, r)
         eta = torch.where((n > 0) & torch.isfinite(eta), eta.clamp(min=0.0), torch.zeros_like(eta))
         thr = thr + eta
-    return thr.to(a.dtype)
+    return thr.to(src.dtype)
 
 
 @register
@@ -204,8 +230,12 @@ class SIDCo(ThresholdSparsifier):
             return min(self.stages, max_stages(self.ratio))
         return self.stage_counts.get(key, initial_stages(self.ratio))
 
-    def _threshold(self, xw: torch.Tensor, a: torch.Tensor, k: int, ctx: Context) -> torch.Tensor:
-        return sidco_threshold(a, self.ratio, self.dist, self.current_stages(ctx.key))
+    @property
+    def needs_abs(self) -> bool:  # type: ignore[override]
+        return self.dist == "gamma"  # mean of ln|x| over all entries
+
+    def _threshold(self, xw: torch.Tensor, a: torch.Tensor | None, k: int, ctx: Context) -> torch.Tensor:
+        return sidco_threshold(a, self.ratio, self.dist, self.current_stages(ctx.key), xw)
 
     def encode(self, x: torch.Tensor, ctx: Context | None = None):  # type: ignore[no-untyped-def]
         ctx = self._context(ctx)

@@ -22,7 +22,7 @@ import torch
 
 from gradpress.compress.base import Compressor, Context, Packet
 from gradpress.compress.registry import register
-from gradpress.wire import pack_bits, unpack_bits
+from gradpress.wire import byte_table, pack_bits
 
 
 def pack_signs(x: torch.Tensor) -> torch.Tensor:
@@ -32,8 +32,14 @@ def pack_signs(x: torch.Tensor) -> torch.Tensor:
 
 def unpack_signs(data: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
     """Flat +1/-1 tensor of ``dtype`` from :func:`pack_signs` output."""
-    bits = unpack_bits(data, 1, numel)
-    return bits.to(dtype) * 2 - 1
+    return unpack_two(data, numel, torch.tensor([-1.0, 1.0], dtype=dtype, device=data.device))
+
+
+def unpack_two(data: torch.Tensor, numel: int, values: torch.Tensor) -> torch.Tensor:
+    """Flat tensor of ``values[bit]`` (``values`` = [value of 0, value of 1])
+    from 1-bit packed ``data``: one gather through a 256-entry table."""
+    table = byte_table(1, values.dtype, data.device, values)
+    return table[data.long()].reshape(-1)[:numel]
 
 
 @register

@@ -55,8 +55,12 @@ class Signum(Compressor):
                 f"but got a tensor of {g.numel()}; give each tensor its own ctx.key"
             )
         old = old.to(device=g.device, dtype=g.dtype)
-        new = old * self.momentum + g * (1.0 - self.momentum)
-        self.buffers[ctx.key] = torch.where(torch.isfinite(g).all(), new, old)
+        if bool(torch.isfinite(g).all()):  # update the buffer in place (no new full-size tensors)
+            new = old.mul_(self.momentum).add_(g, alpha=1.0 - self.momentum)
+            self.buffers[ctx.key] = new
+        else:  # keep the buffer, send the sign of the (non-finite) update
+            new = old * self.momentum + g * (1.0 - self.momentum)
+            self.buffers[ctx.key] = old
         return Packet([pack_signs(new)], x.shape, x.dtype)
 
     def wire_bytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:

@@ -25,7 +25,7 @@ import torch
 from gradpress.compress.base import Compressor, Context, Packet, Param, generator_for
 from gradpress.compress.qsgd import compute_dtype
 from gradpress.compress.registry import register
-from gradpress.wire import pack_bits, unpack_bits
+from gradpress.wire import byte_table, pack_bits
 
 
 @register
@@ -49,21 +49,25 @@ class TernGrad(Compressor):
         if d == 0:
             return Packet([torch.zeros(1, device=g.device), pack_bits(torch.zeros(0, dtype=torch.uint8, device=g.device), 2)],
                           x.shape, x.dtype)
+        lo, hi = torch.aminmax(g)
+        s = torch.maximum(-lo, hi)  # max |g| (NaN propagates)
         if self.clip > 0:
-            bound = self.clip * g.std(correction=0)
-            bound = torch.where(bound > 0, bound, torch.full_like(bound, math.inf))
-            g = torch.maximum(torch.minimum(g, bound), -bound)
-        s = g.abs().max()
-        prob = g.abs() / torch.where(s > 0, s, torch.ones_like(s))
+            # population std from two fused reductions (sum, L2 norm), combined in fp64
+            mean = g.sum().double() / d
+            var = (torch.linalg.vector_norm(g).double() ** 2 / d - mean * mean).clamp(min=0.0)
+            bound = (self.clip * var.sqrt()).to(g.dtype)
+            s = torch.where(bound > 0, torch.minimum(s, bound), s)  # max |clip(g)| = min(max |g|, bound)
+        # keep_i = U_i < min(|g_i|, bound) / s  <=>  U_i s < |g_i|  (U_i s < s <= bound always)
+        a = g.abs()
         u = torch.rand(d, generator=generator_for(g.device, ctx.private_seed), device=g.device, dtype=g.dtype)
-        keep = u < prob
-        codes = keep.to(torch.uint8) * torch.where(g < 0, 2, 1).to(torch.uint8)
+        keep = torch.lt(u.mul_(s), a)
+        del u, a
+        codes = keep.view(torch.uint8).bitwise_left_shift_((g < 0).view(torch.uint8))  # 0, 1 (+s), 2 (-s)
         return Packet([s.reshape(1).float(), pack_bits(codes, 2)], x.shape, x.dtype)
 
     def decode(self, packet: Packet) -> torch.Tensor:
         scale, data = packet.tensors[0], packet.tensors[1]
         d = math.prod(packet.shape)
         cdt = compute_dtype(packet.dtype)
-        codes = unpack_bits(data, 2, d)
-        ternary = (codes == 1).to(cdt) - (codes == 2).to(cdt)
-        return (ternary * scale.to(cdt)).to(packet.dtype).reshape(packet.shape)
+        values = (torch.tensor([0.0, 1.0, -1.0, 0.0], dtype=cdt, device=data.device) * scale.to(cdt)).to(packet.dtype)
+        return byte_table(2, packet.dtype, data.device, values)[data.long()].reshape(-1)[:d].reshape(packet.shape)
