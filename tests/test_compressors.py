@@ -525,3 +525,17 @@ def test_signum_follows_momentum() -> None:
     assert torch.equal(comp.state_dict()["momentum"]["m"], before)
     with pytest.raises(ValueError, match="key"):
         comp.encode(torch.ones(7), ctx_for("m", step=8))
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_residual_equals_input_minus_decoded(name: str, dtype: torch.dtype) -> None:
+    """``Compressor.residual`` (in place for exact-value sparsifiers) is
+    exactly ``p - decode(encode(p))``: what error feedback keeps."""
+    comp = make(name)
+    p = sample((64, 33), dtype, seed=5)
+    packet = comp.encode(p, ctx_for("resid", step=40))
+    expected = p - comp.decode(packet).to(dtype)
+    got = comp.residual(p.clone(), packet)
+    assert got.shape == p.shape and got.dtype == dtype
+    assert torch.equal(got, expected)

@@ -161,6 +161,7 @@ class ThresholdSparsifier(QualityMixin, Compressor):
 
     variable_size = True
     values_index = 0
+    exact_values = True
     unbiased = False
     #: whether ``_threshold`` reads ``a = |x|`` (else it gets None and no
     #: full-size |x| is made)

@@ -26,6 +26,7 @@ class Threshold(Compressor):
     PARAMS = (Param("tau", float, 1e-3, "tau >= 0", lambda v: v >= 0, "keep entries with |x| > tau"),)
     variable_size = True
     values_index = 0
+    exact_values = True
     summary = "hard-threshold sparsification |x| > tau (Strom 2015), variable size"
 
     def encode(self, x: torch.Tensor, ctx: Context | None = None) -> Packet:

@@ -36,6 +36,7 @@ class TopK(Compressor):
     name = "topk"
     PARAMS = (Param("ratio", float, 0.01, "0 < ratio <= 1", lambda v: 0 < v <= 1, "kept fraction (density)"),)
     values_index = 0
+    exact_values = True
     summary = "top-k sparsification (Aji & Heafield 2017), values + int32 indices"
 
     def encode(self, x: torch.Tensor, ctx: Context | None = None) -> Packet:
