@@ -521,7 +521,8 @@ class GradpressHook:
             if self.error_feedback:
                 # a tensor that travelled dense dropped nothing: its residual is zero
                 p = comps[j]
-                self.memory.stage(job.keys[i], torch.zeros_like(p) if j in dense else p - approx.to(p.dtype))
+                # p is the hook's own tensor: it becomes the residual in place
+                self.memory.stage(job.keys[i], p.zero_() if j in dense else p.sub_(approx.reshape(p.shape).to(p.dtype)))
             job.grads[i].copy_(approx.reshape(job.grads[i].shape))
         comp_time += time.perf_counter() - t
         return comp_time, comm_time, sent
