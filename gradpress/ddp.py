@@ -29,6 +29,7 @@ the first iteration), never by ``bucket.index()``.
 from __future__ import annotations
 
 import atexit
+import copy
 import datetime
 import hashlib
 import json
@@ -165,6 +166,8 @@ class GradpressHook:
         self._step_bad: torch.Tensor | None = None
         self._bad_steps: list[torch.Tensor] = []
         self._last_skipped: torch.Tensor | None = None
+        self._step_started = False
+        self._snapshot: dict[str, Any] | None = None
         self._cur = {"bytes": 0, "dense": 0, "compressed": 0, "plain": 0, "tensor_bytes": {}}
         self._lock = threading.Lock()
         self._queue: queue.Queue[_Job | None] = queue.Queue()
@@ -331,9 +334,16 @@ class GradpressHook:
                 self._finish_step()
 
     def _finish_step(self) -> None:
-        """Commit the step's staged residuals unless some rank saw a NaN/Inf."""
+        """Commit the step's staged residuals unless some rank saw a NaN/Inf;
+        with ``skip``, also put back the state other buckets advanced."""
         bad = self._step_bad
         self._step_bad = None
+        self._step_started = False
+        snapshot, self._snapshot = self._snapshot, None
+        if snapshot is not None and bad is not None and bool(bad):
+            self.compressor.load_state_dict(snapshot["compressor"])
+            for name, st in snapshot["strategies"].items():
+                self.strategies[name].load_state_dict(st)
         if bad is None:
             self.memory.commit(True)
             self._last_skipped = None
@@ -354,7 +364,31 @@ class GradpressHook:
         self._step_bad = any_bad if self._step_bad is None else (self._step_bad | any_bad)
         return summed[:-1], nbytes, bad
 
+    def _drop_bucket(self, job: _Job, names: list[str]) -> None:
+        """``raise``: fail (on every rank: all saw the same flags); ``skip``:
+        every rank zeroes this bucket; residuals and state stay as they were."""
+        if self.nonfinite == "raise":
+            raise FloatingPointError(
+                f"gradpress: non-finite gradient (NaN/Inf) in {', '.join(repr(k) for k in names)} at step "
+                f"{job.step} on at least one rank (nonfinite='raise'; use 'skip' to drop such steps)"
+            )
+        job.buffer.zero_()
+
+    def _snapshot_state(self) -> dict[str, Any] | None:
+        """With ``nonfinite='skip'``: the compressor's and strategies' state at
+        the start of a step, restored if the step is dropped (a copy per step,
+        made only in that mode and only when there is state)."""
+        comp = self.compressor.state_dict()
+        strats = {n: st.state_dict() for n, st in self.strategies.items() if hasattr(st, "state_dict")}
+        if not comp and not any(strats.values()):
+            return None
+        return copy.deepcopy({"compressor": comp, "strategies": strats})
+
     def _process_bucket(self, job: _Job) -> None:
+        if not self._step_started:
+            self._step_started = True
+            if self.nonfinite == "skip":
+                self._snapshot = self._snapshot_state()
         n = self.world_size
         decisions = [self._decision(k, g) for k, g in zip(job.keys, job.grads)]
         dense_idx = [i for i, d in enumerate(decisions) if not d.compressed]
@@ -374,6 +408,11 @@ class GradpressHook:
             sent += job.buffer.numel() * job.buffer.element_size()
             for i in dense_idx:
                 tensor_bytes[job.keys[i]] = job.grads[i].numel() * job.grads[i].element_size()
+            # a NaN/Inf survives the sum, so every rank sees the same thing: no flag exchange
+            any_bad = ~all_finite(job.buffer)
+            self._step_bad = any_bad if self._step_bad is None else (self._step_bad | any_bad)
+            if self.nonfinite != "propagate" and bool(any_bad):
+                self._drop_bucket(job, [k for k, g in zip(job.keys, job.grads) if not bool(all_finite(g))])
             self._account(job, sent, tensor_bytes, 0.0, comm, 0, len(dense_idx))
             return
         plain = [job.grads[i].div(n) for i in dense_idx]
@@ -385,14 +424,7 @@ class GradpressHook:
             job.grads[i].copy_(s)
             tensor_bytes[job.keys[i]] = job.grads[i].numel() * job.grads[i].element_size()
         if self.nonfinite != "propagate" and bool(bad.any()):  # one host sync per bucket, in these modes only
-            names = [job.keys[i] for i in range(len(job.grads)) if bool(bad[i])]
-            if self.nonfinite == "raise":
-                raise FloatingPointError(
-                    f"gradpress: non-finite gradient (NaN/Inf) in {', '.join(repr(k) for k in names)} at step "
-                    f"{job.step} on at least one rank (nonfinite='raise'; use 'skip' to drop such steps)"
-                )
-            for g in job.grads:  # skip: every rank drops this bucket the same way; residuals stay
-                g.zero_()
+            self._drop_bucket(job, [job.keys[i] for i in range(len(job.grads)) if bool(bad[i])])
             self._account(job, sent, tensor_bytes, 0.0, comm, 0, len(dense_idx))
             return
         if self.compressor.rounds > 1:

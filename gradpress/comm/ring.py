@@ -1,10 +1,12 @@
 """``ring``: compressed ring allreduce over point-to-point messages.
 
 Comprex (Kim et al.) and HiPress's compression-aware Ring (Bai et al., SOSP
-2021). All tensors of one call (same dtype) are fused, in order of their keys (DDP
-reorders a bucket's tensors when it rebuilds buckets), into one flat vector,
-scaled by 1/N and cut into N chunks; chunk ``c`` ends up owned by rank
-``c - 1 (mod N)``. One message per hop:
+2021). Every tensor of one call is scaled by 1/N and cut into N pieces;
+chunk ``c`` of the ring is piece ``c`` of every tensor (in key order: DDP
+reorders a bucket's tensors when it rebuilds buckets), each piece compressed
+on its own under its tensor's key, so a result never depends on which
+tensors share a bucket. Chunk ``c`` ends up owned by rank ``c - 1 (mod N)``.
+One message per hop carries the chunk's pieces of all tensors:
 
 * reduce-scatter, N - 1 hops: at hop s rank r sends chunk ``r - s`` to
   ``r + 1`` and receives chunk ``r - s - 1`` from ``r - 1``. Non-summable
@@ -19,7 +21,7 @@ scaled by 1/N and cut into N chunks; chunk ``c`` ends up owned by rank
 
 Residuals (non-summable, error feedback on): every rank encodes every chunk
 exactly once per step (its own chunk first, N - 2 partial sums at hops, the
-chunk it owns), so it keeps one residual per position of the fused vector,
+chunk it owns), so it keeps one residual per position of each tensor,
 stored per tensor key (DDP regroups tensors into new buckets after the first
 iteration; a per-bucket key would lose them) and adds it to whatever it
 encodes at those positions next step. Its own values then enter exactly: the
@@ -48,6 +50,7 @@ from gradpress.comm.base import ExchangeResult, Strategy, register_strategy
 from gradpress.comm.p2p import exchange_bytes
 from gradpress.comm.recompress import template
 from gradpress.compress.base import Compressor, Context, Packet
+from gradpress.feedback import all_finite
 
 __all__ = ["Ring", "chunk_bounds"]
 
@@ -100,49 +103,32 @@ class Ring(Strategy):
     ) -> ExchangeResult:
         t0 = time.perf_counter()
         self.comm_s = 0.0
+        # tensors travel in key order: DDP lists a bucket's tensors in another
+        # order after it rebuilds its buckets; the messages must not depend on it
+        order = sorted(range(len(tensors)), key=lambda i: ctxs[i].key)
+        avgs, ests, sent, payload = self._ring(
+            compressor, [tensors[i] for i in order], [ctxs[i] for i in order], want_estimates
+        )
         results: list[torch.Tensor | None] = [None] * len(tensors)
         estimates: list[torch.Tensor | None] | None = [None] * len(tensors) if want_estimates else None
-        sent = 0
-        by_dtype: dict[torch.dtype, list[int]] = {}
-        # fuse in key order: DDP lists a bucket's tensors in a different order
-        # after it rebuilds buckets, and the chunks must not depend on it
-        for i in sorted(range(len(tensors)), key=lambda i: ctxs[i].key):
-            by_dtype.setdefault(tensors[i].dtype, []).append(i)
         tensor_bytes = [0] * len(tensors)
-        for idxs in by_dtype.values():
-            avg, est, nbytes, payload = self._ring(
-                compressor, [tensors[i] for i in idxs], [ctxs[i] for i in idxs], want_estimates
-            )
-            sent += nbytes
-            offset = 0
-            total = sum(tensors[i].numel() for i in idxs)
-            for i in idxs:
-                n = tensors[i].numel()
-                results[i] = avg[offset : offset + n].view(tensors[i].shape)
-                if estimates is not None and est is not None:
-                    estimates[i] = est[offset : offset + n].view(tensors[i].shape)
-                # payload bytes of the fused vector, attributed in proportion to size
-                tensor_bytes[i] = payload * n // max(total, 1)
-                offset += n
+        for pos, i in enumerate(order):
+            results[i] = avgs[pos].view(tensors[i].shape)
+            if estimates is not None and ests is not None:
+                estimates[i] = ests[pos].view(tensors[i].shape)
+            tensor_bytes[i] = payload[pos]
         compress_s = max(0.0, time.perf_counter() - t0 - self.comm_s)
         return ExchangeResult(results, sent, estimates, tensor_bytes, compress_s)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------- residuals
-    def _residual(self, ctxs: list[Context], tensors: list[torch.Tensor], flat: torch.Tensor) -> torch.Tensor:
-        """This rank's re-compression residual over the fused vector, from
-        per-tensor pieces (keyed by tensor key, so DDP's bucket rebuild, which
-        regroups tensors, keeps them)."""
-        res = self.residuals
-        return torch.cat([
-            res[c.key].to(flat.dtype) if c.key in res and res[c.key].numel() == t.numel() else torch.zeros_like(t.reshape(-1))
-            for c, t in zip(ctxs, tensors)
-        ])
-
-    def _store_residual(self, ctxs: list[Context], tensors: list[torch.Tensor], resid: torch.Tensor) -> None:
-        offset = 0
-        for c, t in zip(ctxs, tensors):
-            self.residuals[c.key] = resid[offset : offset + t.numel()].clone()
-            offset += t.numel()
+    def _residual_of(self, key: str, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's re-compression residual for tensor ``key`` (a fresh
+        tensor, stored back after the exchange; keyed by tensor, so DDP's
+        bucket rebuild keeps it)."""
+        old = self.residuals.get(key)
+        if old is not None and old.numel() == flat.numel():
+            return old.to(flat.dtype).clone()
+        return torch.zeros_like(flat)
 
     # ------------------------------------------------------------------ ring
     def _send_recv(self, buf: torch.Tensor, size: int | None, variable: bool) -> tuple[torch.Tensor, int]:
@@ -154,91 +140,122 @@ class Ring(Strategy):
 
     def _ring(
         self, compressor: Compressor, tensors: list[torch.Tensor], ctxs: list[Context], want: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None, int, int]:
-        """Average of the fused ``tensors``, this rank's estimate, bytes sent,
-        payload bytes this rank originated."""
-        n, r = self.world_size, self.rank
-        scale = 1.0 / n
-        orig = torch.cat([t.reshape(-1) for t in tensors])
-        flat = orig * scale
-        bounds = chunk_bounds(flat.numel(), n)
-        chunks = [flat[a:b] for a, b in bounds]
-        gkey = "|".join(c.key for c in ctxs)
-        c0 = ctxs[0]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, int, list[int]]:
+        """Per tensor: the average and this rank's estimate; bytes sent; per
+        tensor the payload bytes this rank originated.
 
-        def ctx(c: int) -> Context:
-            return Context(key=f"{gkey}#ring{c}", step=c0.step, rank=r, world_size=n, seed=c0.seed)
+        Every tensor is cut into N pieces; chunk ``c`` of the ring is piece
+        ``c`` of every tensor (one message per hop carries them all), each
+        piece compressed on its own under the key ``"<tensor key>#ring<c>"``.
+        A tensor's result thus never depends on which tensors share its
+        bucket (DDP regroups them after its first iteration)."""
+        n, r = self.world_size, self.rank
+        m = len(tensors)
+        scale = 1.0 / n
+        origs = [t.reshape(-1) for t in tensors]
+        flats = [o * scale for o in origs]
+        bounds = [chunk_bounds(f.numel(), n) for f in flats]
+        c0 = ctxs[0]
+        payload = [0] * m
+
+        def ctx(i: int, c: int) -> Context:
+            return Context(key=f"{ctxs[i].key}#ring{c}", step=c0.step, rank=r, world_size=n, seed=c0.seed)
+
+        def piece(values: list[torch.Tensor], i: int, c: int) -> torch.Tensor:
+            a, b = bounds[i][c]
+            return values[i][a:b]
+
+        def count(pks: list[Packet]) -> None:
+            for i, pk in enumerate(pks):
+                payload[i] += pk.nbytes
+
+        def decode_all(pks: list[Packet]) -> list[torch.Tensor]:
+            return [compressor.decode(pk).reshape(-1) for pk in pks]
 
         if n == 1:
-            pk = compressor.encode(chunks[0], ctx(0))
-            out = compressor.decode(pk).reshape(-1) / scale
-            return out, (out.clone() if want else None), 0, pk.nbytes
+            pks = [compressor.encode(piece(flats, i, 0), ctx(i, 0)) for i in range(m)]
+            count(pks)
+            outs = [d / scale for d in decode_all(pks)]
+            return outs, ([o.clone() for o in outs] if want else None), 0, payload
         variable = bool(compressor.variable_size) and not compressor.is_summable
-        est: list[torch.Tensor | None] = [None] * n
-        final: list[Packet | None] = [None] * n
-        sent = payload = 0
+        final: list[list[Packet] | None] = [None] * n
+        sent = 0
         owned = (r + 1) % n
+        est_pieces: list[list[torch.Tensor]] | None = None
         if compressor.is_summable:
-            own = [compressor.encode(chunks[c], ctx(c)) for c in range(n)]
+            own = [[compressor.encode(piece(flats, i, c), ctx(i, c)) for i in range(m)] for c in range(n)]
             if want:
-                est = [compressor.decode(p).reshape(-1) for p in own]
+                est_pieces = [decode_all(own[c]) for c in range(n)]
             out = own[r]
-            payload += out.nbytes
+            count(out)
             for s in range(n - 1):
                 c = (r - s - 1) % n
-                got, nbytes = self._send_recv(wire.pack_packets([out], False), own[c].nbytes, False)
+                size = sum(pk.nbytes for pk in own[c])
+                got, nbytes = self._send_recv(wire.pack_packets(out, False), size, False)
                 sent += nbytes
-                theirs = wire.unpack_packets(got, [own[c]], False)[0]
-                out = Packet([a + b for a, b in zip(theirs.tensors, own[c].tensors)], own[c].shape, own[c].dtype, dict(own[c].meta))
-                payload += out.nbytes if s < n - 2 else 0
+                theirs = wire.unpack_packets(got, own[c], False)
+                out = [
+                    Packet([a + b for a, b in zip(t.tensors, o.tensors)], o.shape, o.dtype, dict(o.meta))
+                    for t, o in zip(theirs, own[c])
+                ]
+                if s < n - 2:
+                    count(out)
             final[owned] = out
             templates = own
         else:
-            templates = [template(compressor, chunks[c].shape, flat.dtype, flat.device) for c in range(n)]
-            resid = self._residual(ctxs, tensors, flat) if want else None
+            templates = [
+                [template(compressor, piece(flats, i, c).shape, flats[i].dtype, flats[i].device) for i in range(m)]
+                for c in range(n)
+            ]
+            resid = [self._residual_of(ctxs[i].key, flats[i]) for i in range(m)] if want else None
 
-            def encode(c: int, value: torch.Tensor) -> Packet:
-                if resid is None:
-                    return compressor.encode(value, ctx(c))
-                a, b = bounds[c]
-                p = value + resid[a:b]
-                pk = compressor.encode(p, ctx(c))
-                new = p - compressor.decode(pk).reshape(-1)
-                ok = torch.isfinite(p).all() & torch.isfinite(new).all()
-                resid[a:b] = torch.where(ok, new, resid[a:b])
-                return pk
+            def encode(c: int, values: list[torch.Tensor]) -> list[Packet]:
+                pks = []
+                for i, value in enumerate(values):
+                    if resid is None:
+                        pks.append(compressor.encode(value, ctx(i, c)))
+                        continue
+                    a, b = bounds[i][c]
+                    p = value + resid[i][a:b]
+                    pk = compressor.encode(p, ctx(i, c))
+                    new = p - compressor.decode(pk).reshape(-1)
+                    if bool(all_finite(new)):  # a NaN/Inf never enters the residual
+                        resid[i][a:b] = new
+                    pks.append(pk)
+                count(pks)
+                return pks
 
             # every rank encodes every chunk exactly once per step (its own first,
             # N - 2 partial sums at hops, the sum it owns), each with the residual
             # of those positions: its own values count exactly (estimate = p)
-            out = encode(r, chunks[r])
-            payload += out.nbytes
+            out = encode(r, [piece(flats, i, r) for i in range(m)])
             for s in range(n - 1):
                 c = (r - s - 1) % n
-                got, nbytes = self._send_recv(wire.pack_packets([out], variable), templates[c].nbytes, variable)
+                size = sum(pk.nbytes for pk in templates[c])
+                got, nbytes = self._send_recv(wire.pack_packets(out, variable), size, variable)
                 sent += nbytes
-                theirs = wire.unpack_packets(got, [templates[c]], variable)[0]
-                out = encode(c, compressor.decode(theirs).reshape(-1) + chunks[c])
-                payload += out.nbytes
+                theirs = decode_all(wire.unpack_packets(got, templates[c], variable))
+                out = encode(c, [t + piece(flats, i, c) for i, t in enumerate(theirs)])
             final[owned] = out
             if resid is not None:
-                self._store_residual(ctxs, tensors, resid)
+                for i in range(m):
+                    self.residuals[ctxs[i].key] = resid[i]
         # allgather: forward the owners' bytes unchanged
-        decoded: list[torch.Tensor | None] = [None] * n
-        decoded[owned] = compressor.decode(final[owned]).reshape(-1)  # type: ignore[arg-type]
-        buf = wire.pack_packets([final[owned]], variable)  # type: ignore[list-item]
+        decoded: list[list[torch.Tensor] | None] = [None] * n
+        decoded[owned] = decode_all(final[owned])  # type: ignore[arg-type]
+        buf = wire.pack_packets(final[owned], variable)  # type: ignore[arg-type]
         for s in range(n - 1):
             c = (r - s) % n
-            got, nbytes = self._send_recv(buf, templates[c].nbytes, variable)
+            size = sum(pk.nbytes for pk in templates[c])
+            got, nbytes = self._send_recv(buf, size, variable)
             sent += nbytes
-            decoded[c] = compressor.decode(wire.unpack_packets(got, [templates[c]], variable)[0]).reshape(-1)
+            decoded[c] = decode_all(wire.unpack_packets(got, templates[c], variable))
             buf = got
-        avg = torch.cat(decoded)  # type: ignore[arg-type]
+        avgs = [torch.cat([decoded[c][i] for c in range(n)]) for i in range(m)]  # type: ignore[index]
         if not want:
-            estimate = None
-        elif compressor.is_summable:
-            estimate = torch.cat(est) / scale  # type: ignore[arg-type]
+            estimates = None
+        elif est_pieces is not None:
+            estimates = [torch.cat([est_pieces[c][i] for c in range(n)]) / scale for i in range(m)]
         else:
-            estimate = orig  # own values entered exactly; the residuals hold the error
-
-        return avg, estimate, sent, payload
+            estimates = origs  # own values entered exactly; the residuals hold the error
+        return avgs, estimates, sent, payload
