@@ -41,6 +41,9 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
             except Exception:  # noqa: BLE001
                 pass
     torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
+    # skip interpreter teardown: torch's static destructors occasionally abort
+    # there ("terminate called without an active exception") after all is done
+    os._exit(0)
 
 
 def run_workers(fn: Callable[..., Any], world: int, *args: Any, allow_errors: bool = False) -> list[Any]:
