@@ -37,7 +37,7 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -352,17 +352,13 @@ class GradpressHook:
         self._bad_steps.append(bad)
         self._last_skipped = bad if self.nonfinite == "skip" else None
 
-    def _exchange_flags(self, job: _Job, plain: list[torch.Tensor]) -> tuple[list[torch.Tensor], int, torch.Tensor]:
-        """Fused plain allreduce of ``plain`` plus one flag per bucket tensor
-        (1 where this rank's gradient is not finite): every rank learns the
-        same set of bad tensors through the exchange itself."""
+    def _local_flags(self, job: _Job) -> torch.Tensor:
+        """One flag per bucket tensor, 1 where this rank's gradient is not
+        finite; summed with the plain allreduce, every rank learns the same
+        set of bad tensors through the exchange itself."""
         ref = job.buffer
-        flags = torch.stack([~all_finite(g) for g in job.grads]).to(ref.dtype if ref.is_floating_point() else torch.float32)
-        summed, nbytes = fused_allreduce([*plain, flags], self.group)
-        bad = summed[-1] > 0
-        any_bad = bad.any()
-        self._step_bad = any_bad if self._step_bad is None else (self._step_bad | any_bad)
-        return summed[:-1], nbytes, bad
+        dtype = ref.dtype if ref.is_floating_point() else torch.float32
+        return torch.stack([~all_finite(g) for g in job.grads]).to(dtype)
 
     def _drop_bucket(self, job: _Job, names: list[str]) -> None:
         """``raise``: fail (on every rank: all saw the same flags); ``skip``:
@@ -416,24 +412,45 @@ class GradpressHook:
             self._account(job, sent, tensor_bytes, 0.0, comm, 0, len(dense_idx))
             return
         plain = [job.grads[i].div(n) for i in dense_idx]
-        t_comm = time.perf_counter()
-        summed, nbytes, bad = self._exchange_flags(job, plain)
-        comm = time.perf_counter() - t_comm
-        sent += nbytes
-        for i, s in zip(dense_idx, summed):
-            job.grads[i].copy_(s)
-            tensor_bytes[job.keys[i]] = job.grads[i].numel() * job.grads[i].element_size()
-        if self.nonfinite != "propagate" and bool(bad.any()):  # one host sync per bucket, in these modes only
-            self._drop_bucket(job, [job.keys[i] for i in range(len(job.grads)) if bool(bad[i])])
-            self._account(job, sent, tensor_bytes, 0.0, comm, 0, len(dense_idx))
-            return
+        outcome: dict[str, Any] = {}
+
+        def after_plain(summed: list[torch.Tensor]) -> bool:
+            """Write back the plain tensors, learn every rank's NaN/Inf flags;
+            True when this bucket is dropped (skip) — raise mode raises here."""
+            for i, s_ in zip(dense_idx, summed[:-1]):
+                job.grads[i].copy_(s_)
+                tensor_bytes[job.keys[i]] = job.grads[i].numel() * job.grads[i].element_size()
+            bad = summed[-1] > 0
+            self._step_bad = bad.any() if self._step_bad is None else (self._step_bad | bad.any())
+            outcome["bad"] = bad
+            if self.nonfinite != "propagate" and bool(bad.any()):  # one host sync per bucket, in these modes only
+                self._drop_bucket(job, [job.keys[i] for i in range(len(job.grads)) if bool(bad[i])])
+                return True
+            return False
+
+        plain.append(self._local_flags(job))
         if self.compressor.rounds > 1:
-            c_time, m_time, nbytes = self._run_rounds(job, comp_idx, tensor_bytes)
+            # the plain tensors and the flags ride in the first round: one collective fewer per bucket
+            c_time, m_time, nbytes, dropped = self._run_rounds(job, comp_idx, tensor_bytes, plain, after_plain)
+            comm = 0.0
         else:
-            c_time, m_time, nbytes = self._run_planned(job, comp_idx, [decisions[i] for i in comp_idx], tensor_bytes)
+            t_comm = time.perf_counter()
+            summed, nbytes = fused_allreduce(plain, self.group)
+            comm = time.perf_counter() - t_comm
+            sent += nbytes
+            dropped = after_plain(summed)
+            c_time = m_time = 0.0
+            nbytes = 0
+            if not dropped:
+                c_time, m_time, nbytes = self._run_planned(
+                    job, comp_idx, [decisions[i] for i in comp_idx], tensor_bytes
+                )
+        if dropped:
+            self._account(job, sent + nbytes, tensor_bytes, 0.0, comm + m_time, 0, len(dense_idx))
+            return
         if self.nonfinite == "propagate":
             for i in comp_idx:  # every rank sees the NaN, so every rank's GradScaler skips alike
-                job.grads[i].masked_fill_(bad[i], float("nan"))
+                job.grads[i].masked_fill_(outcome["bad"][i], float("nan"))
         sent += nbytes
         comm += m_time
         total = time.perf_counter() - t0
@@ -502,7 +519,13 @@ class GradpressHook:
         comp_s += time.perf_counter() - t2
         return comp_s, comm_s, sent
 
-    def _run_rounds(self, job: _Job, comp_idx: list[int], tensor_bytes: dict[str, int]) -> tuple[float, float, int]:
+    def _run_rounds(
+        self, job: _Job, comp_idx: list[int], tensor_bytes: dict[str, int],
+        first_extra: list[torch.Tensor], after_first: Callable[[list[torch.Tensor]], bool],
+    ) -> tuple[float, float, int, bool]:
+        """The multi-round protocol for the bucket's compressed tensors;
+        ``first_extra`` rides in the first allreduce and ``after_first`` gets
+        its sums (True from it drops the bucket: no further round)."""
         n = self.world_size
         comp_time = comm_time = 0.0
         sent = 0
@@ -526,9 +549,14 @@ class GradpressHook:
         first = True
         while active:
             t = time.perf_counter()
-            summed, nbytes = fused_allreduce([outgoing[j] for j in active], self.group)  # type: ignore[misc]
+            extra = first_extra if first else []
+            summed, nbytes = fused_allreduce([*(outgoing[j] for j in active), *extra], self.group)  # type: ignore[misc]
             comm_time += time.perf_counter() - t
             sent += nbytes
+            if first:
+                if after_first(summed[len(active):]):
+                    return comp_time, comm_time, sent, True
+                summed = summed[: len(active)]
             for j, s in zip(active, summed):
                 key = job.keys[comp_idx[j]]
                 tensor_bytes[key] = tensor_bytes.get(key, 0) + s.numel() * s.element_size()
@@ -557,7 +585,7 @@ class GradpressHook:
                 self.memory.stage(job.keys[i], p.zero_() if j in dense else p.sub_(approx.reshape(p.shape).to(p.dtype)))
             job.grads[i].copy_(approx.reshape(job.grads[i].shape))
         comp_time += time.perf_counter() - t
-        return comp_time, comm_time, sent
+        return comp_time, comm_time, sent, False
 
     def _account(self, job: _Job, sent: int, tensor_bytes: dict[str, int], comp: float, comm: float, n_comp: int, n_dense: int) -> None:
         dense = job.buffer.numel() * job.buffer.element_size()
