@@ -576,14 +576,18 @@ class GradpressHook:
             first = False
         t = time.perf_counter()
         for j, i in enumerate(comp_idx):
-            state = states[j]
-            approx = state[1].view_as(job.grads[i]) if isinstance(state, tuple) and state[0] == "dense" else self.compressor.finish(state)
+            state, grad = states[j], job.grads[i]
+            if j in dense:
+                grad.copy_(state[1].view_as(grad))
+            else:
+                approx = self.compressor.finish(state, out=grad)  # written into the bucket when it can
+                if approx is not grad:
+                    grad.copy_(approx.reshape(grad.shape))
             if self.error_feedback:
-                # a tensor that travelled dense dropped nothing: its residual is zero
-                p = comps[j]
                 # p is the hook's own tensor: it becomes the residual in place
-                self.memory.stage(job.keys[i], p.zero_() if j in dense else p.sub_(approx.reshape(p.shape).to(p.dtype)))
-            job.grads[i].copy_(approx.reshape(job.grads[i].shape))
+                # (a tensor that travelled dense dropped nothing: its residual is zero)
+                p = comps[j]
+                self.memory.stage(job.keys[i], p.zero_() if j in dense else p.sub_(grad.reshape(p.shape).to(p.dtype)))
         comp_time += time.perf_counter() - t
         return comp_time, comm_time, sent, False
 

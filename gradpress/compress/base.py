@@ -268,8 +268,9 @@ class Compressor:
         to allreduce-sum, or None when done."""
         raise NotImplementedError
 
-    def finish(self, state: Any) -> torch.Tensor:
-        """The averaged approximation, with the shape and dtype of ``x``."""
+    def finish(self, state: Any, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The averaged approximation, with the shape and dtype of ``x``;
+        written into ``out`` (and ``out`` returned) when the method can."""
         raise NotImplementedError
 
     # ----- state ---------------------------------------------------------------

@@ -42,13 +42,13 @@ def orthogonalize(p: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
 
 
 class _Rounds:
-    __slots__ = ("key", "matrix", "p", "approx", "shape", "dtype")
+    __slots__ = ("key", "matrix", "p", "q", "shape", "dtype")
 
     def __init__(self, key: str, matrix: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> None:
         self.key = key
         self.matrix = matrix
         self.p: torch.Tensor | None = None
-        self.approx: torch.Tensor | None = None
+        self.q: torch.Tensor | None = None  # the averaged Q, once the second round is done
         self.shape = shape
         self.dtype = dtype
 
@@ -109,12 +109,16 @@ class PowerSGD(Compressor):
             return state.matrix.t() @ state.p
         q = reduced / ctx.world_size
         self.q[state.key] = q
-        state.approx = state.p @ q.t()
+        state.q = q  # P Q^T is formed in finish, straight into the output when possible
         state.matrix = None
         return None
 
-    def finish(self, state: Any) -> torch.Tensor:
-        return state.approx.reshape(state.shape).to(state.dtype)
+    def finish(self, state: Any, out: torch.Tensor | None = None) -> torch.Tensor:
+        q = state.q
+        if out is not None and out.dtype == torch.float32 and out.is_contiguous() and out.shape == state.shape:
+            torch.mm(state.p, q.t(), out=out.view(state.p.shape[0], -1))
+            return out
+        return (state.p @ q.t()).reshape(state.shape).to(state.dtype)
 
     # ----------------------------------------------------- single-process use
     def encode(self, x: torch.Tensor, ctx: Context | None = None) -> Packet:
