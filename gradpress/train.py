@@ -392,7 +392,8 @@ def _epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
     return torch.randperm(n, generator=g)
 
 
-def _make_optimizer(name: str, params: Any, lr: float) -> torch.optim.Optimizer:
+def make_optimizer(name: str, params: Any, lr: float) -> torch.optim.Optimizer:
+    """``sgd``, ``momentum`` (SGD, momentum 0.9) or ``adam``."""
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr)
     if name == "momentum":
@@ -461,7 +462,7 @@ def _train(cfg: TrainConfig) -> dict[str, Any]:
         ef = {"on": True, "off": False, "auto": None}[cfg.error_feedback]
         hook = gradpress.ddp.register(ddp, cfg.compressor, error_feedback=ef, strategy=cfg.strategy,
                                       min_numel=cfg.min_numel, seed=cfg.seed)
-        opt = _make_optimizer(cfg.optimizer, ddp.parameters(), cfg.lr)
+        opt = make_optimizer(cfg.optimizer, ddp.parameters(), cfg.lr)
         if state is not None:
             opt.load_state_dict(state["optimizer"])
             for group in opt.param_groups:  # lr may be changed on resume

@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from gradpress.bench.args import positive_int
 from gradpress.bench.data import DATA_KINDS, make_input, matrix_shape
 from gradpress.bench.measure import copy_roofline, peak_extra_bytes, time_call
 from gradpress.bench.specs import (
@@ -350,19 +351,6 @@ def _json_safe(obj: Any) -> Any:
 # ----- command line -------------------------------------------------------------
 
 
-def _positive_int(name: str) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} got {text!r}; allowed: an integer >= 1") from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"{name} got {value}; allowed: an integer >= 1")
-        return value
-
-    return parse
-
-
 def register_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "compressors", help="encode/decode throughput, ratio, error and memory of every compressor",
@@ -376,11 +364,11 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="device (default: cpu)")
     p.add_argument("--data", default="gaussian", choices=DATA_KINDS,
                    help="input values: gaussian, laplace, or captured MLP gradients (default: gaussian)")
-    p.add_argument("--repeats", type=_positive_int("--repeats"), default=5,
+    p.add_argument("--repeats", type=positive_int("--repeats"), default=5,
                    help="timed runs per measurement; the median is reported (default: 5)")
-    p.add_argument("--warmup", type=_positive_int("--warmup"), default=1, help="untimed runs first (default: 1)")
+    p.add_argument("--warmup", type=positive_int("--warmup"), default=1, help="untimed runs first (default: 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the input data (default: 0)")
-    p.add_argument("--threads", type=_positive_int("--threads"), default=None,
+    p.add_argument("--threads", type=positive_int("--threads"), default=None,
                    help="CPU threads for torch (default: torch's choice); 1 gives stable figures on a shared machine")
     p.add_argument("--json", metavar="FILE", default=None, help="write rows, skips, targets as JSON to FILE")
     p.add_argument("--out", metavar="DIR", default="bench-results",

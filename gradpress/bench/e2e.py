@@ -36,24 +36,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gradpress.bench.args import positive_int
 from gradpress.bench.e2e_configs import DEFAULT_BASELINES, RunConfig, parse_baselines, parse_configs
 
 __all__ = ["register_bench", "main", "run_e2e", "wire_factor"]
 
 DEFAULT_CONFIGS = "topk:ratio=0.001@allgather,powersgd:rank=4,start_iter=2"
-
-
-def _positive_int(name: str):
-    def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} got {text!r}; allowed: an integer >= 1") from None
-        if v < 1:
-            raise argparse.ArgumentTypeError(f"{name} got {v}; allowed: an integer >= 1")
-        return v
-
-    return parse
 
 
 def register_bench(sub: argparse._SubParsersAction) -> None:
@@ -62,33 +50,33 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
         description="Run plain DDP, PyTorch's fp16/PowerSGD hooks and gradpress configurations on one emulated "
                     "cluster (needs root); report step time, speed-up, bytes per step and the ideal time.",
     )
-    p.add_argument("--nodes", type=_positive_int("--nodes"), default=4, help="emulated hosts (default 4)")
+    p.add_argument("--nodes", type=positive_int("--nodes"), default=4, help="emulated hosts (default 4)")
     p.add_argument("--bandwidth", default="100mbit", help="link rate per direction, tc syntax (default 100mbit)")
     p.add_argument("--workload", default=None,
                    help="workload (default wide-mlp; mnist1d-cnn with --train-to)")
     p.add_argument("--params", default=None, help="wide-mlp size, e.g. 10M (default 10M for wide-mlp)")
-    p.add_argument("--hidden", type=_positive_int("--hidden"), default=None, help="width/channels of the workload")
+    p.add_argument("--hidden", type=positive_int("--hidden"), default=None, help="width/channels of the workload")
     p.add_argument("--configs", default=DEFAULT_CONFIGS,
                    help="gradpress configurations SPEC[@STRATEGY][+ef|+noef], comma-separated "
                         f"(default {DEFAULT_CONFIGS!r}); strategies: auto (default), allreduce, allgather, ring, ps")
     p.add_argument("--baselines", default=DEFAULT_BASELINES,
                    help=f"PyTorch baselines: ddp, fp16, powersgd:rank=R[,start=I] (default {DEFAULT_BASELINES!r}); "
                         "plain ddp always runs")
-    p.add_argument("--steps", type=_positive_int("--steps"), default=5, help="measured steps (default 5)")
-    p.add_argument("--warmup", type=_positive_int("--warmup"), default=2,
+    p.add_argument("--steps", type=positive_int("--steps"), default=5, help="measured steps (default 5)")
+    p.add_argument("--warmup", type=positive_int("--warmup"), default=2,
                    help="warm-up steps (default 2; at least the configuration's compression start)")
-    p.add_argument("--batch-size", dest="batch_size", type=_positive_int("--batch-size"), default=None,
+    p.add_argument("--batch-size", dest="batch_size", type=positive_int("--batch-size"), default=None,
                    help="batch size per worker (default: the workload's)")
     p.add_argument("--lr", type=float, default=None, help="learning rate (default: the workload's)")
-    p.add_argument("--threads", type=_positive_int("--threads"), default=None,
+    p.add_argument("--threads", type=positive_int("--threads"), default=None,
                    help="torch threads per worker (default: max(1, cores // nodes))")
     p.add_argument("--seed", type=int, default=0, help="seed of weights, data and shared randomness (default 0)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per configuration run (default 600)")
     p.add_argument("--train-to", dest="train_to", type=float, default=None, metavar="TARGET",
                    help="measure wall-clock time to reach this test metric instead of step time")
-    p.add_argument("--eval-every", dest="eval_every", type=_positive_int("--eval-every"), default=10,
+    p.add_argument("--eval-every", dest="eval_every", type=positive_int("--eval-every"), default=10,
                    help="train-to: evaluate every N steps (default 10)")
-    p.add_argument("--max-steps", dest="max_steps", type=_positive_int("--max-steps"), default=None,
+    p.add_argument("--max-steps", dest="max_steps", type=positive_int("--max-steps"), default=None,
                    help="train-to: stop after N steps (default: the workload's epochs)")
     p.add_argument("--time-limit", dest="time_limit", type=float, default=None,
                    help="train-to: stop a configuration after this many training seconds")

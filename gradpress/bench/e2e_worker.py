@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from gradpress.bench.e2e_configs import RunConfig
+from gradpress.train import make_optimizer
 
 __all__ = ["main", "payload_bytes_per_step", "interface_bytes"]
 
@@ -100,14 +101,6 @@ def _build(job: dict[str, Any]):
     torch.manual_seed(int(job["seed"]))
     opts = {k: job[k] for k in ("params", "hidden", "samples") if job.get(k) is not None}
     return workloads.build(job["workload"], **opts)
-
-
-def _optimizer(name: str, params: Any, lr: float) -> torch.optim.Optimizer:
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr)
-    if name == "momentum":
-        return torch.optim.SGD(params, lr=lr, momentum=0.9)
-    return torch.optim.Adam(params, lr=lr)
 
 
 def _batches(wl: Any, batch_size: int, count: int, rank: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -187,7 +180,7 @@ def run_compute(job: dict[str, Any]) -> dict[str, Any]:
     rank = int(os.environ.get("RANK", "0"))
     wl = _build(job)
     model = wl.model
-    opt = _optimizer(job["optimizer"], model.parameters(), job["lr"])
+    opt = make_optimizer(job["optimizer"], model.parameters(), job["lr"])
     batches = _batches(wl, job["batch_size"], job["n_batches"], rank, job["seed"])
     for i in range(job["warmup"]):
         _step(model, opt, wl.loss, batches[i % len(batches)])
@@ -230,7 +223,7 @@ def run_step(job: dict[str, Any]) -> dict[str, Any]:
     t_reg = time.perf_counter()
     ddp, hook, bucket_cap_mb = _wrap_ddp(model, cfg, job["seed"])
     register_s = time.perf_counter() - t_reg
-    opt = _optimizer(job["optimizer"], ddp.parameters(), job["lr"])
+    opt = make_optimizer(job["optimizer"], ddp.parameters(), job["lr"])
     batches = _batches(wl, job["batch_size"], job["n_batches"], rank, job["seed"])
     warmup = max(job["warmup"], cfg.start)
     for i in range(warmup):
@@ -287,7 +280,7 @@ def run_train(job: dict[str, Any]) -> dict[str, Any]:
     wl = _build(job)
     model = wl.model
     ddp, hook, bucket_cap_mb = _wrap_ddp(model, cfg, job["seed"])
-    opt = _optimizer(job["optimizer"], ddp.parameters(), job["lr"])
+    opt = make_optimizer(job["optimizer"], ddp.parameters(), job["lr"])
     x, y = wl.train
     per_rank = len(y) // world
     bs = job["batch_size"]
