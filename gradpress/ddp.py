@@ -31,8 +31,6 @@ from __future__ import annotations
 import atexit
 import copy
 import datetime
-import hashlib
-import json
 import queue
 import threading
 import time
@@ -76,7 +74,7 @@ STATS_KEYS: dict[str, str] = {
     "compressed_tensors": "number of tensors per step that go through the compressor",
     "dense_tensors": "number of tensors per step that go through the fused plain allreduce",
     "tensor_bytes": "payload bytes per tensor (parameter name) in the last step",
-    "nonfinite_steps": "steps in which some rank had a NaN/Inf gradient in a compressed bucket",
+    "nonfinite_steps": "steps in which some rank had a NaN/Inf gradient",
     "skipped_steps": "steps skipped on every rank because of a NaN/Inf gradient (nonfinite='skip')",
 }
 
@@ -280,12 +278,6 @@ class GradpressHook:
             "parameters": self._param_info,
         }
 
-    def digest(self) -> str:
-        return hashlib.sha256(json.dumps(self.config(), sort_keys=True).encode()).hexdigest()
-
-    def check_consistent(self) -> None:
-        """Exchange configurations; raise on every rank if any differ."""
-        _agree(self.config(), None, self.group)
 
 
     # ------------------------------------------------------------------- hook
@@ -349,7 +341,8 @@ class GradpressHook:
             self._last_skipped = None
             return
         self.memory.commit(~bad)
-        self._bad_steps.append(bad)
+        with self._lock:
+            self._bad_steps.append(bad)
         self._last_skipped = bad if self.nonfinite == "skip" else None
 
     def _local_flags(self, job: _Job) -> torch.Tensor:
@@ -411,7 +404,7 @@ class GradpressHook:
                 self._drop_bucket(job, [k for k, g in zip(job.keys, job.grads) if not bool(all_finite(g))])
             self._account(job, sent, tensor_bytes, 0.0, comm, 0, len(dense_idx))
             return
-        plain = [job.grads[i].div(n) for i in dense_idx]
+        plain = [job.grads[i].mul(1.0 / n) for i in dense_idx]  # as DDP's reducer scales
         outcome: dict[str, Any] = {}
 
         def after_plain(summed: list[torch.Tensor]) -> bool:
@@ -808,9 +801,14 @@ def register(
             min_numel=min_numel, seed=seed, process_group=own_group, plan_costs=plan_costs,
             nonfinite=nonfinite,
         )
-    except ValueError as exc:
-        error = str(exc)
-    _agree(hook.config() if hook is not None else None, error, own_group)
+    except Exception as exc:  # noqa: BLE001 - every rank must reach _agree, or the others hang
+        error = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+    try:
+        _agree(hook.config() if hook is not None else None, error, own_group)
+    except ValueError:
+        if hook is not None:
+            hook.close()
+        raise
     assert hook is not None
     if hook.strategy_name == "auto" and plan_costs is None:
         hook.replan()  # collective: every rank measures together, rank 0 fits

@@ -25,16 +25,9 @@ from typing import Any
 
 import torch
 
+from gradpress.compress.base import all_finite
+
 __all__ = ["ResidualMemory", "all_finite"]
-
-
-def all_finite(t: torch.Tensor) -> torch.Tensor:
-    """0-d bool tensor: every element of ``t`` is finite. One read pass
-    (``aminmax``; NaN and Inf reach the min or max), no host sync."""
-    if t.numel() == 0:
-        return torch.ones((), dtype=torch.bool, device=t.device)
-    lo, hi = torch.aminmax(t.detach().reshape(-1))
-    return torch.isfinite(lo) & torch.isfinite(hi)
 
 
 class ResidualMemory:
@@ -71,10 +64,6 @@ class ResidualMemory:
         ok_step = step_ok if isinstance(step_ok, torch.Tensor) else torch.tensor(bool(step_ok))
         for key, residual in self._pending.items():
             self._keep(key, residual, ok_step)
-        self._pending.clear()
-
-    def discard(self) -> None:
-        """Drop everything staged (the step failed)."""
         self._pending.clear()
 
     def _keep(self, key: str, new: torch.Tensor, step_ok: torch.Tensor) -> None:

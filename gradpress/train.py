@@ -247,7 +247,13 @@ def add_arguments(p: argparse.ArgumentParser, *, compare: bool = False) -> None:
     p.add_argument("--data", default=S, metavar="PATH.npz", help="train an MLP classifier on your data (arrays x, y)")
     if not compare:
         p.add_argument("--compressor", default=S, metavar="SPEC", help="compressor spec (default none), e.g. topk:ratio=0.01")
-    p.add_argument("--strategy", default=S, help="auto (default: the planner decides per tensor), collective (always compress: allreduce if summable, else allgather), allreduce, allgather, ring, ps")
+    choices = "collective, allreduce, allgather, ring, ps"
+    if compare:
+        p.add_argument("--strategy", default=S, help="every run's strategy (default: each compressor's general one, "
+                       "allreduce if summable, else allgather, so every method is exercised); also auto (the planner), " + choices)
+    else:
+        p.add_argument("--strategy", default=S, help="auto (default: the planner decides per tensor), collective (always "
+                       "compress: allreduce if summable, else allgather), allreduce, allgather, ring, ps")
     p.add_argument("--error-feedback", dest="error_feedback", default=S, metavar="on|off|auto",
                    help="residual error feedback (auto: the compressor's default)")
     p.add_argument("--epochs", type=int, default=S, help="epochs (default: the workload's)")

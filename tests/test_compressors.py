@@ -539,3 +539,31 @@ def test_residual_equals_input_minus_decoded(name: str, dtype: torch.dtype) -> N
     got = comp.residual(p.clone(), packet)
     assert got.shape == p.shape and got.dtype == dtype
     assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("topk:ratio=0.1>topk", "cannot be a second stage"),
+        ("topk:ratio=0.1>randomk", "cannot be a second stage"),
+        ("topk:ratio=0.1>natural>fp16", "more than two stages"),
+        ("natural>qsgd", "keeps no separate values"),
+    ],
+)
+def test_bad_compositions_are_refused(spec: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        create(spec)
+
+
+def test_powersgd_recovers_from_a_non_finite_warm_start() -> None:
+    """A step with a NaN leaves a non-finite averaged Q; the next step must
+    start from a fresh Q instead of carrying the NaN forever."""
+    comp = make("powersgd")
+    comp.start_iter = 0
+    x = sample((64, 33), torch.float32, seed=1)
+    comp.q["w"] = torch.full((33, 2), float("nan"))
+    state, p = comp.begin(x, ctx_for("w", step=5))
+    assert torch.isfinite(p).all()
+    q = comp.advance(state, p, ctx_for("w", step=5))
+    comp.advance(state, q, ctx_for("w", step=5))
+    assert torch.isfinite(comp.finish(state)).all() and torch.isfinite(comp.q["w"]).all()

@@ -274,3 +274,24 @@ def test_resume_restores_strategy_residuals():
     res = _results(2)
     for r in range(2):
         assert res[r]["resume"] == {"ring": True, "ps": True}
+
+
+@pytest.mark.parametrize("strategy", ["ring", "ps"])
+@pytest.mark.parametrize(
+    "spec, reason",
+    [
+        ("randomk:ratio=0.1>natural", "shared-seed indices"),  # receivers could not rebuild the indices
+        ("dgc:ratio=0.01", "own error memory"),  # momentum would be applied again to partial sums
+        ("adacomp", "own error memory"),
+        ("signsgd", "vote"),
+        ("powersgd", "multi-round"),
+    ],
+)
+def test_recompressing_strategies_refuse_what_they_cannot_carry(strategy: str, spec: str, reason: str) -> None:
+    assert reason in (get_strategy(strategy, None).supports(create(spec)) or "")
+
+
+@pytest.mark.parametrize("strategy", ["ring", "ps"])
+@pytest.mark.parametrize("spec", ["topk:ratio=0.01", "qsgd", "randomk:ratio=0.1", "topk:ratio=0.1>natural", "sidco:ratio=0.01"])
+def test_recompressing_strategies_accept_the_rest(strategy: str, spec: str) -> None:
+    assert get_strategy(strategy, None).supports(create(spec)) is None

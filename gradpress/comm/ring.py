@@ -39,6 +39,7 @@ multi-round protocols (PowerSGD).
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -76,7 +77,26 @@ def unsupported_reason(compressor: Compressor, strategy: str) -> str | None:
             f"compressor {compressor.name!r} aggregates by {compressor.aggregation} vote, which needs every "
             f"rank's packet; strategy {strategy!r} re-compresses partial sums; use 'allgather'"
         )
+    if compressor.stateful and not compressor.default_error_feedback:
+        # DGC, AdaComp: momentum/residue inside the compressor would be applied again to partial sums
+        return (
+            f"compressor {compressor.spec()!r} keeps its own error memory, which must not be applied again "
+            f"to the partial sums strategy {strategy!r} re-compresses; use 'allgather'"
+        )
+    if not compressor.is_summable and _decode_needs_meta(compressor):
+        # a receiver rebuilds packets of partial sums from a template: shared-seed facts
+        # (random-k's indices) of the real call would be lost
+        return (
+            f"compressor {compressor.spec()!r} decodes with facts derived per call (shared-seed indices), "
+            f"which strategy {strategy!r} cannot carry for re-compressed partial sums; use 'allgather'"
+        )
     return None
+
+
+def _decode_needs_meta(compressor: Compressor) -> bool:
+    """Whether ``compressor``'s packets carry metadata that decode needs."""
+    probe = copy.deepcopy(compressor) if compressor.stateful else compressor
+    return bool(probe.encode(torch.ones(8), Context(key="__gradpress_meta_probe__")).meta)
 
 
 @register_strategy("ring")

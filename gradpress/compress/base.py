@@ -34,6 +34,7 @@ __all__ = [
     "Context",
     "Packet",
     "Param",
+    "all_finite",
     "derive_seed",
     "generator_for",
 ]
@@ -48,6 +49,15 @@ def derive_seed(*parts: Any) -> int:
     text = "\x1f".join(str(p) for p in parts).encode()
     digest = hashlib.blake2b(text, digest_size=8).digest()
     return struct.unpack("<Q", digest)[0] & ((1 << 63) - 1)
+
+
+def all_finite(t: torch.Tensor) -> torch.Tensor:
+    """0-d bool tensor: every element of ``t`` is finite. One read pass
+    (``aminmax``; NaN and Inf reach the min or max), no host sync."""
+    if t.numel() == 0:
+        return torch.ones((), dtype=torch.bool, device=t.device)
+    lo, hi = torch.aminmax(t.detach().reshape(-1))
+    return torch.isfinite(lo) & torch.isfinite(hi)
 
 
 def generator_for(device: torch.device, seed: int) -> torch.Generator:

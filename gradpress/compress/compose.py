@@ -25,12 +25,17 @@ class Composed(Compressor):
     name = "compose"
 
     def __init__(self, first: Compressor, second: Compressor) -> None:
+        if isinstance(first, Composed):
+            raise ValueError(
+                f"compressor spec {first.spec() + '>' + second.spec()!r} has more than two stages; "
+                "allowed: 'sparsifier>quantizer' (e.g. topk:ratio=0.01>natural)"
+            )
         if first.values_index != 0:
             raise ValueError(
                 f"compressor {first.name!r} keeps no separate values that a second stage could "
                 "quantize; the first stage of 'a>b' must be a sparsifier (topk, randomk, threshold, ...)"
             )
-        if second.stateful or second.variable_size or second.is_summable and second.name == "none":
+        if second.stateful or second.variable_size or second.name == "none" or second.values_index is not None:
             raise ValueError(
                 f"compressor {second.name!r} cannot be a second stage: it must be a stateless, "
                 "fixed-size quantizer (natural, qsgd, fp16, terngrad, ...)"

@@ -28,8 +28,8 @@ import math
 import torch
 
 from gradpress.compress.base import Compressor, Context, Packet, generator_for
+from gradpress.compress.bits import byte_table, pack_bits
 from gradpress.compress.registry import register
-from gradpress.wire import byte_table, pack_bits
 
 _MANTISSA_BITS = 23
 _MANTISSA_MASK = (1 << _MANTISSA_BITS) - 1

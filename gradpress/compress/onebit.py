@@ -18,10 +18,10 @@ import math
 import torch
 
 from gradpress.compress.base import Compressor, Context, Packet
+from gradpress.compress.bits import pack_bits
 from gradpress.compress.qsgd import compute_dtype
 from gradpress.compress.registry import register
 from gradpress.compress.signsgd import unpack_two
-from gradpress.wire import pack_bits
 
 
 @register

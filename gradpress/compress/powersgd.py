@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from gradpress.compress.base import Compressor, Context, Packet, Param, generator_for
+from gradpress.compress.base import Compressor, Context, Packet, Param, all_finite, generator_for
 from gradpress.compress.registry import register
 
 
@@ -100,6 +100,11 @@ class PowerSGD(Compressor):
         if q is None or q.shape != (m, r) or q.device != x.device:
             gen = generator_for(x.device, ctx.shared_seed)
             q = torch.randn(m, r, generator=gen, device=x.device)
+        else:
+            # a step with a NaN/Inf somewhere leaves a non-finite Q behind: start afresh
+            # then (every rank holds the same Q, so every rank decides alike; no host sync)
+            gen = generator_for(x.device, ctx.shared_seed)
+            q = torch.where(all_finite(q), q, torch.randn(m, r, generator=gen, device=x.device))
         state = _Rounds(ctx.key, matrix, x.shape, x.dtype)
         return state, matrix @ q
 

@@ -22,8 +22,8 @@ import math
 import torch
 
 from gradpress.compress.base import Compressor, Context, Packet, Param, generator_for
+from gradpress.compress.bits import pack_bits, unpack_bits
 from gradpress.compress.registry import register
-from gradpress.wire import pack_bits, unpack_bits
 
 MAX_LEVELS = (1 << 23) - 1  # level + sign must fit the 24-bit packer
 

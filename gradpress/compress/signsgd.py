@@ -21,8 +21,8 @@ import math
 import torch
 
 from gradpress.compress.base import Compressor, Context, Packet
+from gradpress.compress.bits import byte_table, pack_bits
 from gradpress.compress.registry import register
-from gradpress.wire import byte_table, pack_bits
 
 
 def pack_signs(x: torch.Tensor) -> torch.Tensor:

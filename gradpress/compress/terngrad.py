@@ -23,9 +23,9 @@ import math
 import torch
 
 from gradpress.compress.base import Compressor, Context, Packet, Param, generator_for
+from gradpress.compress.bits import byte_table, pack_bits
 from gradpress.compress.qsgd import compute_dtype
 from gradpress.compress.registry import register
-from gradpress.wire import byte_table, pack_bits
 
 
 @register

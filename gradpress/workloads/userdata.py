@@ -36,7 +36,11 @@ def read(path: str) -> tuple[np.ndarray, np.ndarray]:
     except ValueError as exc:
         if "data file" in str(exc):
             raise
-        raise ValueError(f"data file {str(path)!r} is not a readable .npz without pickled objects: {exc}") from None
+        if not zipfile.is_zipfile(path):
+            raise ValueError(f"data file {str(path)!r} is not a .npz archive; expected one written by "
+                             "numpy.savez with arrays 'x' (samples x features) and 'y' (integer labels)") from None
+        raise ValueError(f"data file {str(path)!r} holds pickled objects, which are not loaded; save plain numeric "
+                         "arrays 'x' and 'y' with numpy.savez") from None
     except (OSError, zipfile.BadZipFile, EOFError) as exc:
         raise ValueError(f"data file {str(path)!r} is not a valid .npz archive: {exc}") from None
     if not (np.issubdtype(x.dtype, np.number) or x.dtype == np.bool_):
