@@ -88,12 +88,19 @@ class BlockMax:
             idx = torch.cat([idx, self.full + torch.nonzero(select_mask(self.tail.abs(), thr)).reshape(-1)])
         return idx
 
+    def abs_max(self) -> torch.Tensor:
+        """max |x| (NaN if any entry is NaN), from the row maxima."""
+        parts = [self.row_max.amax()] if self.row_max.numel() else []
+        if self.tail.numel():
+            parts.append(self.tail.abs().amax())
+        return torch.stack(parts).amax()
+
     def count(self, thr: torch.Tensor | float) -> int:
         """Number of entries :meth:`select` would return (one host read)."""
         cand = torch.nonzero(select_mask(self.row_max, thr)).reshape(-1)
-        n = select_mask(self.rows.index_select(0, cand).abs_(), thr).sum()
+        n = torch.count_nonzero(select_mask(self.rows.index_select(0, cand).abs_(), thr))
         if self.tail.numel():
-            n = n + select_mask(self.tail.abs(), thr).sum()
+            n = n + torch.count_nonzero(select_mask(self.tail.abs(), thr))
         return int(n)
 
 
@@ -171,6 +178,17 @@ class ThresholdSparsifier(QualityMixin, Compressor):
         super().__init__(**params)
         self._meter = QualityMeter()
 
+    #: the :class:`BlockMax` of the current call (None without blocks), for
+    #: counting passes in ``_threshold`` without a full-size mask
+    _blocks: BlockMax | None = None
+
+    def _count(self, a: torch.Tensor | None, thr: torch.Tensor | float) -> int:
+        """Entries the selection at ``thr`` keeps (one host read)."""
+        if a is None or self._blocks is not None:
+            assert self._blocks is not None
+            return self._blocks.count(thr)
+        return int(torch.count_nonzero(select_mask(a, thr)))  # bool .sum() would widen to int64
+
     def _threshold(self, xw: torch.Tensor, a: torch.Tensor | None, k: int, ctx: Context) -> torch.Tensor:
         """Threshold (0-d tensor) on ``a = |xw|``; ``xw`` is the flat input in
         the work dtype, ``k`` the target count; ``a`` is None when the class
@@ -191,7 +209,11 @@ class ThresholdSparsifier(QualityMixin, Compressor):
         if k >= d:  # keep everything (tiny tensors)
             thr = torch.zeros((), dtype=xw.dtype, device=xw.device)
         else:
-            thr = self._threshold(xw, a, k, ctx)
+            self._blocks = blocks
+            try:
+                thr = self._threshold(xw, a, k, ctx)
+            finally:
+                self._blocks = None
         values, idx = select_above(flat, a, thr, blocks)
         self._meter.update(idx.numel(), k)
         return Packet([values, idx], x.shape, x.dtype)

@@ -20,7 +20,9 @@ least-squares scale for fixed signs). A non-finite gradient leaves ``G``
 unchanged and makes the scale NaN (the caller sees it).
 
 Because the residue lives inside the compressor, ``default_error_feedback``
-is False. Packet: ``[scale (fp32, 1), sign bits (uint8, packed),
+is False. The residue is updated in place (a fresh buffer only on a
+tensor's first call or a non-finite gradient) and the selection runs on spans
+of whole bins, so no full-size temporary besides the residue. Packet: ``[scale (fp32, 1), sign bits (uint8, packed),
 indices (int32)]``, variable size: 4 + ceil(n/8) + 4n bytes for n sent.
 """
 
@@ -33,9 +35,10 @@ import torch
 
 from gradpress.compress._threshold_select import work_dtype
 from gradpress.compress.base import Compressor, Context, Packet, Param
+from gradpress.compress.bits import pack_bits, unpack_bits
 from gradpress.compress.registry import register
+from gradpress.compress.spans import span_length
 from gradpress.compress.topk import scatter_sparse
-from gradpress.wire import pack_bits, unpack_bits
 
 CONV_BIN = 50
 DEFAULT_BIN = 500
@@ -54,6 +57,27 @@ def bin_max(values: torch.Tensor, size: int) -> torch.Tensor:
     padded[:d] = values
     gmax = padded.view(nbins, size).amax(dim=1)
     return gmax.repeat_interleave(size)[:d]
+
+
+def _select(g: torch.Tensor, dw: torch.Tensor, size: int) -> torch.Tensor:
+    """int64 flat indices k (increasing) with ``|g_k + dw_k| >= max |g|`` over
+    k's bin and ``g_k != 0``. Spans of whole bins are processed one at a
+    time, so no temporary is larger than one span."""
+    d = g.numel()
+    full = d // size * size
+    step = max(1, span_length(g.device) // size) * size
+    spans = [(a, min(a + step, full)) for a in range(0, full, step)]
+    if full < d:
+        spans.append((full, d))  # the short last bin
+    parts = []
+    for a, b in spans:
+        gc = g[a:b]
+        nb = -(-(b - a) // size)
+        gmax = gc.abs().view(nb, -1).amax(dim=1, keepdim=True)
+        hit = (gc + dw[a:b]).abs_().view(nb, -1) >= gmax
+        hit.logical_and_((gc != 0).view(nb, -1))
+        parts.append(torch.nonzero(hit.view(-1)).reshape(-1).add_(a))
+    return torch.cat(parts)
 
 
 @register
@@ -87,23 +111,29 @@ class AdaComp(Compressor):
                 x.shape, x.dtype,
             )
         dw = flat.to(work_dtype(x.dtype))
-        finite = torch.isfinite(dw).all()
+        finite = bool(torch.isfinite(dw).all())  # one host read (the selection reads one anyway)
         old = self.residues.get(ctx.key)
         if old is None or old.shape != dw.shape or old.device != dw.device:
-            old = torch.zeros_like(dw)
-        g = old + dw
-        h = g + dw
+            old = None
+        if old is None:
+            g = dw + 0.0  # G = 0 + dW in a fresh buffer
+        elif finite and old.dtype == torch.promote_types(old.dtype, dw.dtype):
+            g = old.add_(dw)  # the residue is updated in place
+        else:
+            g = old + dw
         size = self.bin_size or auto_bin_size(x.shape)
-        gmax = bin_max(g.abs(), size)
-        mask = (h.abs() >= gmax) & (g != 0)
-        idx = torch.nonzero(mask, as_tuple=False).reshape(-1)
+        idx = _select(g, dw, size)
         sent = g[idx]
         n = idx.numel()
         scale = sent.abs().sum() / max(n, 1)
-        scale = torch.where(finite, scale, torch.full_like(scale, float("nan")))
+        if not finite:
+            scale = torch.full_like(scale, float("nan"))
         q = torch.where(sent < 0, -scale, scale)
-        g.index_put_((idx,), sent - q)
-        self.residues[ctx.key] = torch.where(finite, g, old)
+        if finite:
+            g.index_put_((idx,), sent - q)
+            self.residues[ctx.key] = g
+        elif old is None:
+            self.residues[ctx.key] = torch.zeros_like(g)
         signs = pack_bits((sent < 0).to(torch.uint8), 1)
         return Packet([scale.reshape(1).to(torch.float32), signs, idx.to(torch.int32)], x.shape, x.dtype)
 

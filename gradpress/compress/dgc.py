@@ -127,7 +127,7 @@ def dgc_select(
         mag = a.abs()
 
         def count_at(t: torch.Tensor) -> int:
-            return int(select_mask(mag, t).sum())
+            return int(torch.count_nonzero(select_mask(mag, t)))  # .sum() would widen the mask to int64
 
         def select_at(t: torch.Tensor) -> torch.Tensor:
             return torch.nonzero(select_mask(mag, t), as_tuple=False).reshape(-1)

@@ -19,7 +19,7 @@ from statistics import NormalDist
 
 import torch
 
-from gradpress.compress._threshold_select import ThresholdSparsifier, select_mask
+from gradpress.compress._threshold_select import ThresholdSparsifier
 from gradpress.compress.base import Context, Param
 from gradpress.compress.registry import register
 
@@ -33,6 +33,8 @@ class GaussianK(ThresholdSparsifier):
     summary = "Gaussian-k: threshold from the normal quantile of mean/std (Shi et al. 2019)"
     #: corrections (x0.5 / x1.5) spent on the last call
     last_adjustments = 0
+    #: counting runs on BlockMax rows when the selection does (no |x| buffer)
+    needs_abs = False
 
     def _threshold(self, xw: torch.Tensor, a: torch.Tensor, k: int, ctx: Context) -> torch.Tensor:
         mean = xw.mean()
@@ -41,7 +43,7 @@ class GaussianK(ThresholdSparsifier):
         thr = mean.abs() + z * torch.nan_to_num(std)
         self.last_adjustments = 0
         for _ in range(MAX_ADJUST):
-            nnz = int(select_mask(a, thr).sum())
+            nnz = self._count(a, thr)
             if nnz < 2 * k / 3:
                 thr = thr * 0.5
             elif nnz > 4 * k / 3:

@@ -30,7 +30,12 @@ bits = 8, exponents spanning 4 octaves, no zeros: e = 2, m = 5, error
 Non-finite entries encode as zero.
 
 Packet: ``[header (int32, 3: E_max, e, Z), codes (uint8, packed bits each)]``,
-fixed size 12 + ceil(d*bits/8) bytes. A second-stage quantizer
+fixed size 12 + ceil(d*bits/8) bytes.
+
+Memory: two passes over spans of the input (``dithering.chunk_spans``; the
+range statistics, then the codes, in 32-bit, packed span by span into the
+output buffer), so temporaries stay at one span's size; decode (bits <= 16)
+gathers from a table of every code's value, span by span. A second-stage quantizer
 (``values_index=None``): ``fft:theta=0.9>rangefloat``.
 """
 
@@ -41,8 +46,12 @@ import math
 import torch
 
 from gradpress.compress.base import Compressor, Context, Packet, Param
+from gradpress.compress.bits import pack_bits, packed_nbytes, unpack_bits
 from gradpress.compress.registry import register
-from gradpress.wire import pack_bits, unpack_bits
+from gradpress.compress.spans import chunk_spans
+
+#: widest code decoded through a table of every code's value
+TABLE_BITS = 16
 
 
 def relative_error_bound(bits: int, e: int) -> float:
@@ -58,54 +67,70 @@ class RangeFloat(Compressor):
 
     def encode(self, x: torch.Tensor, ctx: Context | None = None) -> Packet:
         self._check_input(x)
-        flat = x.reshape(-1).to(torch.float32)
+        flat = x.reshape(-1)
+        d = flat.numel()
         dev = x.device
         bits = self.bits
-        mag = flat.abs()
-        nz = (mag > 0) & torch.isfinite(mag)
-        mant, ex = torch.frexp(torch.where(nz, mag, torch.ones_like(mag)))
-        exp = (ex - 1).to(torch.int64)  # floor(log2 |v|)
-        sig = mant * 2.0  # in [1, 2)
-        big = torch.tensor(1 << 20, dtype=torch.int64, device=dev)
-        any_nz = nz.any()
-        e_max = torch.where(any_nz, torch.where(nz, exp, -big).max() if flat.numel() else -big, torch.zeros((), dtype=torch.int64, device=dev))
-        e_min = torch.where(any_nz, torch.where(nz, exp, big).min() if flat.numel() else big, torch.zeros((), dtype=torch.int64, device=dev))
+        spans = chunk_spans(d, dev)
+        # pass 1: max and min nonzero finite magnitude, any zero (non-finite counts as zero)
+        mx = torch.zeros((), dtype=torch.float32, device=dev)
+        mn = torch.full((), math.inf, dtype=torch.float32, device=dev)
+        zeros = torch.zeros((), dtype=torch.bool, device=dev)
+        for a, b in spans:
+            mag = _finite_abs(flat[a:b])
+            mx = torch.maximum(mx, mag.max())
+            is0 = mag == 0
+            zeros = zeros | is0.any()
+            mn = torch.minimum(mn, mag.masked_fill_(is0, math.inf).min())
+        any_nz = mx > 0
+        i32 = torch.int32
+        e_max = torch.where(any_nz, torch.frexp(mx)[1] - 1, torch.zeros((), dtype=i32, device=dev))
+        e_min = torch.where(any_nz, torch.frexp(torch.where(any_nz, mn, torch.ones_like(mn)))[1] - 1, e_max)
         span = torch.where(any_nz, e_max - e_min + 1, torch.zeros_like(e_max))
-        has_zero = (~nz).any().to(torch.int64) if flat.numel() else torch.zeros((), dtype=torch.int64, device=dev)
+        has_zero = zeros.to(i32)
         needed = (span + has_zero).clamp(min=1)
-        e = torch.ceil(torch.log2(needed.to(torch.float64)) - 1e-12).to(torch.int64).clamp(min=0)
+        e = torch.ceil(torch.log2(needed.to(torch.float64)) - 1e-12).to(i32).clamp(min=0)
         capped = e > bits - 1
         e = torch.where(capped, torch.full_like(e, bits - 1), e)
         z = torch.where(capped, torch.ones_like(has_zero), has_zero)
         m = bits - 1 - e
-        one_m = torch.ones((), dtype=torch.int64, device=dev) << m
-        q = torch.round(torch.ldexp(sig, m.to(torch.float32))).to(torch.int64)  # in [2^m, 2^(m+1)]
-        carry = q >= (one_m << 1)
-        q = torch.where(carry, one_m, q)
-        exp = exp + carry.to(torch.int64)
-        f = e_max - exp
-        top = f < 0  # carried past E_max: clamp to the largest code
-        q = torch.where(top, (one_m << 1) - 1, q)
-        f = f.clamp(min=0)
-        zero_field = (torch.ones((), dtype=torch.int64, device=dev) << e) - 1
+        one = torch.ones((), dtype=i32, device=dev)
+        one_m = (one << m).to(torch.float32)  # 2^m
+        scale = one_m * 2.0  # mantissa in [0.5, 1) -> [2^m, 2^(m+1)]
+        zero_field = (one << e) - 1
         f_max = zero_field - z
-        is_zero = ~nz | (f > f_max)
-        f = torch.where(is_zero, zero_field, f)
-        frac = torch.where(is_zero, torch.zeros_like(q), q - one_m)
-        sign = ((flat < 0) & ~is_zero).to(torch.int64)
-        code = (sign << (bits - 1)) | (f << m) | frac
+        e_top = e_max + 1
+        top_frac = one_m - 1.0
+        # pass 2: codes, packed chunk by chunk (chunks hold a multiple of 8 codes)
+        out = torch.empty(packed_nbytes(d, bits), dtype=torch.uint8, device=dev)
+        for a, b in spans:
+            v = flat[a:b]
+            mant = _finite_abs(v)
+            is_zero = mant == 0
+            ex = torch.empty(mant.shape, dtype=i32, device=dev)
+            torch.frexp(mant, out=(mant, ex))  # |v| = mant * 2^ex, floor(log2 |v|) = ex - 1
+            q = mant.mul_(scale).round_().sub_(one_m)  # fraction in [0, 2^m]
+            carry = q >= one_m  # rounded up to the next octave
+            q.masked_fill_(carry, 0.0)
+            f = torch.sub(e_top, ex, out=ex).sub_(carry.to(i32))  # E_max - E, E after the carry
+            top = f < 0  # carried past E_max: the largest code
+            q.masked_fill_(top, top_frac)
+            f.clamp_(min=0)
+            is_zero |= f > f_max
+            f.masked_fill_(is_zero, zero_field)
+            q.masked_fill_(is_zero, 0.0)
+            code = f.bitwise_left_shift_(m).bitwise_or_(q.to(i32))
+            sign = (v < 0) & ~is_zero
+            code.bitwise_or_(sign.to(i32) << (bits - 1))
+            out[a * bits // 8 : a * bits // 8 + packed_nbytes(b - a, bits)] = pack_bits(code, bits)
         header = torch.stack([e_max, e, z]).to(torch.int32)
-        return Packet([header, pack_bits(code, bits)], x.shape, x.dtype)
+        return Packet([header, out], x.shape, x.dtype)
 
-    def decode(self, packet: Packet) -> torch.Tensor:
-        header, packed = packet.tensors
-        d = math.prod(packet.shape)
+    def _table(self, e_max: torch.Tensor, e: torch.Tensor, z: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
+        """Decoded fp32 values of ``code`` (int32)."""
         bits = self.bits
-        h = header.to(torch.int64)
-        e_max, e, z = h[0], h[1], h[2]
         m = bits - 1 - e
-        code = unpack_bits(packed, bits, d).to(torch.int64)
-        one = torch.ones((), dtype=torch.int64, device=code.device)
+        one = torch.ones((), dtype=torch.int32, device=code.device)
         frac = code & ((one << m) - 1)
         f = (code >> m) & ((one << e) - 1)
         sign = (code >> (bits - 1)) & 1
@@ -114,5 +139,29 @@ class RangeFloat(Compressor):
         sig = 1.0 + torch.ldexp(frac.to(torch.float32), (-m).to(torch.float32))
         mag = torch.ldexp(sig, (e_max - f).to(torch.float32))
         val = torch.where(sign > 0, -mag, mag)
-        val = torch.where(is_zero, torch.zeros_like(val), val)
-        return val.to(packet.dtype).reshape(packet.shape)
+        return val.masked_fill_(is_zero, 0.0)
+
+    def decode(self, packet: Packet) -> torch.Tensor:
+        header, packed = packet.tensors
+        d = math.prod(packet.shape)
+        bits = self.bits
+        h = header.to(torch.int32)
+        e_max, e, z = h[0], h[1], h[2]
+        dev = packed.device
+        out = torch.empty(d, dtype=packet.dtype, device=dev)
+        table = None
+        if bits <= TABLE_BITS:  # every code's value, then one gather per chunk
+            table = self._table(e_max, e, z, torch.arange(1 << bits, dtype=torch.int32, device=dev)).to(packet.dtype)
+        for a, b in chunk_spans(d, dev):
+            code = unpack_bits(packed[a * bits // 8 : a * bits // 8 + packed_nbytes(b - a, bits)], bits, b - a)
+            code = code.to(torch.int32)
+            if table is not None:
+                torch.index_select(table, 0, code, out=out[a:b])
+            else:
+                out[a:b] = self._table(e_max, e, z, code)
+        return out.reshape(packet.shape)
+
+
+def _finite_abs(v: torch.Tensor) -> torch.Tensor:
+    """|v| in fp32 (a fresh buffer), non-finite entries as 0."""
+    return v.to(torch.float32).abs().nan_to_num_(0.0, 0.0, 0.0)
