@@ -10,7 +10,13 @@ from gradpress.compress import describe
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("compressors", help="list compressors, their parameters, defaults and traits")
+    p = sub.add_parser(
+        "compressors", help="list compressors, their parameters, defaults and traits",
+        description="List every registered compressor: parameters (default; allowed values), whether its "
+                    "packets are summable (allreduce), whether it is unbiased, and whether error feedback is "
+                    "on by default. Build one with a spec such as 'qsgd:levels=16,bucket=512' or "
+                    "'topk:ratio=0.01>natural'.",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--markdown", action="store_true", help="print the README's Markdown table")
     p.set_defaults(func=run)
