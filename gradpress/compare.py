@@ -9,7 +9,7 @@ step and metric vs cumulative bytes sent by rank 0, log scale). Each run's
 own files are in ``out/<n>-<compressor>/``.
 
 Strategy: unless one is given, each compressor runs on its general
-strategy (:func:`general_strategy`: allreduce if summable, else allgather),
+strategy (``collective``: allreduce if summable, else allgather),
 not ``auto``, whose planner may decide that compressing does not pay on a
 fast link and leave every tensor dense.
 
@@ -31,7 +31,7 @@ from typing import Any
 
 from gradpress import train
 
-__all__ = ["split_specs", "run", "table", "target_for", "plot", "general_strategy", "annotate"]
+__all__ = ["split_specs", "run", "table", "target_for", "plot", "annotate"]
 
 
 def split_specs(values: str | Iterable[str]) -> list[str]:
@@ -65,17 +65,6 @@ def split_specs(values: str | Iterable[str]) -> list[str]:
     if dupes:
         raise ValueError(f"compressors: {', '.join(dupes)} listed more than once")
     return specs
-
-
-def general_strategy(spec: str) -> str:
-    """The strategy that sends every eligible tensor through ``spec``:
-    allreduce for summable and multi-round compressors, allgather otherwise.
-    compare uses it unless a strategy is given, so each method is really
-    exercised (``auto`` may plan compression away on a fast link)."""
-    from gradpress.compress import create
-
-    c = create(spec)
-    return "allreduce" if c.rounds > 1 or c.is_summable else "allgather"
 
 
 def _slug(spec: str) -> str:
@@ -221,7 +210,9 @@ def run(compressors: str | Iterable[str], options: Mapping[str, Any] | None = No
     for i, spec in enumerate(specs):  # validate everything before training anything
         per_run = dict(opts)
         if per_run.get("strategy") is None:
-            per_run["strategy"] = general_strategy(spec)
+            # every eligible tensor through the compressor (allreduce if summable, else
+            # allgather): "auto" may plan compression away on a fast link
+            per_run["strategy"] = "collective"
         configs.append(train.make_config(per_run, compressor=spec, out=str(root / f"{i}-{_slug(spec)}")))
     summaries = []
     for cfg in configs:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import atexit
 import copy
 import datetime
+import math
 import queue
 import threading
 import time
@@ -188,12 +189,18 @@ class GradpressHook:
             return "allreduce"
         if strategy == "collective":
             # the pre-planner default: every eligible tensor compressed, by one collective
-            return "allreduce" if self.compressor.is_summable else "allgather"
+            return self._general_strategy
         from gradpress.comm import available
 
         if strategy not in available():
             raise ValueError(f"unknown strategy {strategy!r}; allowed: {', '.join(available())}")
         return strategy
+
+    @property
+    def _general_strategy(self) -> str:
+        """The strategy any compressor can use: allreduce if its packets are
+        summable, else allgather."""
+        return "allreduce" if self.compressor.is_summable else "allgather"
 
     def _candidates(self) -> list[str]:
         """Strategies this hook may use: the forced one, or for "auto" the
@@ -202,20 +209,15 @@ class GradpressHook:
             return [self.strategy_name]
         if self.compressor.name == "none":
             return []
-        return ["allreduce" if self.compressor.is_summable else "allgather", "ring", "ps"]
+        return [self._general_strategy, "ring", "ps"]
 
     def _eligible(self, shape: list[int] | torch.Size) -> bool:
-        numel = 1
-        for s in shape:
-            numel *= int(s)
-        return len(shape) > 1 and numel >= self.min_numel
+        return len(shape) > 1 and math.prod(shape) >= self.min_numel
 
     def _plan_params(self) -> list[tuple[str, int, int, bool]]:
         out = []
         for name, shape, dtype in self._param_info:
-            numel = 1
-            for s in shape:
-                numel *= int(s)
+            numel = math.prod(shape)
             elem = torch.empty(0, dtype=getattr(torch, dtype.replace("torch.", ""))).element_size()
             out.append((name, numel, elem, self._eligible(shape)))
         return out
@@ -231,8 +233,7 @@ class GradpressHook:
             return Decision(key, numel, self.strategy_name, 1, reason="forced")
         if self.compressor.name == "none":
             return Decision(key, numel, "uncompressed", 1, reason="nothing to compress")
-        general = "allreduce" if self.compressor.is_summable else "allgather"
-        return Decision(key, numel, general, 1, reason="not planned yet")
+        return Decision(key, numel, self._general_strategy, 1, reason="not planned yet")
 
     def _planner(self, costs: CostModel) -> Planner:
         return Planner(costs, self.world_size, self.compressor.is_summable, [s for s in self.strategies])
