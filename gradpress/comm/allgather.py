@@ -48,10 +48,10 @@ def allgather_bytes(buffer: torch.Tensor, group: dist.ProcessGroup | None, world
 @register_strategy("allgather")
 class Allgather(Strategy):
     def exchange(
-        self, compressor: Compressor, tensors: list[torch.Tensor], ctxs: list[Context], want_estimates: bool
+        self, compressor: Compressor, tensors: list[torch.Tensor], ctxs: list[Context], want_feedback: bool
     ) -> ExchangeResult:
         t0 = time.perf_counter()
-        packets, residuals = encode_local(compressor, tensors, ctxs, 1.0, want_estimates)
+        packets, residuals = encode_local(compressor, tensors, ctxs, 1.0, want_feedback)
         variable = bool(compressor.variable_size)
         buffer = wire.pack_packets(packets, variable)
         t1 = time.perf_counter()

@@ -48,10 +48,10 @@ class Allreduce(Strategy):
         return None
 
     def exchange(
-        self, compressor: Compressor, tensors: list[torch.Tensor], ctxs: list[Context], want_estimates: bool
+        self, compressor: Compressor, tensors: list[torch.Tensor], ctxs: list[Context], want_feedback: bool
     ) -> ExchangeResult:
         t0 = time.perf_counter()
-        packets, residuals = encode_local(compressor, tensors, ctxs, 1.0 / self.world_size, want_estimates)
+        packets, residuals = encode_local(compressor, tensors, ctxs, 1.0 / self.world_size, want_feedback)
         payloads = [t for p in packets for t in p.tensors]
         t1 = time.perf_counter()
         summed, sent = fused_allreduce(payloads, self.group)

@@ -81,8 +81,11 @@ class Strategy:
         return None
 
     def exchange(
-        self, compressor: Compressor, tensors: list[torch.Tensor], ctxs: list[Context], want_estimates: bool
+        self, compressor: Compressor, tensors: list[torch.Tensor], ctxs: list[Context], want_feedback: bool
     ) -> ExchangeResult:
+        """``want_feedback``: error feedback is on, so return ``residuals`` (or
+        ``estimates``) for the hook; the tensors are then the hook's own and
+        may be reused in place."""
         raise NotImplementedError
 
 

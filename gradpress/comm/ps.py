@@ -84,13 +84,13 @@ class ParameterServer(Strategy):
         return self._dense[1]
 
     def exchange(
-        self, compressor: Compressor, tensors: list[torch.Tensor], ctxs: list[Context], want_estimates: bool
+        self, compressor: Compressor, tensors: list[torch.Tensor], ctxs: list[Context], want_feedback: bool
     ) -> ExchangeResult:
         t0 = time.perf_counter()
         comm = 0.0
         n, me = self.world_size, self.rank
         summable = compressor.is_summable
-        packets, residuals = encode_local(compressor, tensors, ctxs, 1.0 / n if summable else 1.0, want_estimates)
+        packets, residuals = encode_local(compressor, tensors, ctxs, 1.0 / n if summable else 1.0, want_feedback)
         tensor_bytes = [p.nbytes for p in packets]
         if n == 1:
             results = [compressor.decode(p) for p in packets]
@@ -127,7 +127,7 @@ class ParameterServer(Strategy):
             else:
                 avg = aggregate(compressor, [compressor.decode(by_rank[q][j]) for q in range(n)], n)
                 rctx = Context(key=f"{ctxs[i].key}#ps", step=ctxs[i].step, rank=me, world_size=n, seed=ctxs[i].seed)
-                pk, _ = self.recompressor.encode(root_comp, avg, rctx, want_estimates)
+                pk, _ = self.recompressor.encode(root_comp, avg, rctx, want_feedback)
                 out_packets.append(pk)
         # 3. broadcast each root's bytes; everyone decodes them
         def tmpl(i: int) -> Packet:

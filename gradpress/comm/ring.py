@@ -119,7 +119,7 @@ class Ring(Strategy):
         self.residuals = {k: v.clone() for k, v in state.get("residuals", {}).items()}
 
     def exchange(
-        self, compressor: Compressor, tensors: list[torch.Tensor], ctxs: list[Context], want_estimates: bool
+        self, compressor: Compressor, tensors: list[torch.Tensor], ctxs: list[Context], want_feedback: bool
     ) -> ExchangeResult:
         t0 = time.perf_counter()
         self.comm_s = 0.0
@@ -127,10 +127,10 @@ class Ring(Strategy):
         # order after it rebuilds its buckets; the messages must not depend on it
         order = sorted(range(len(tensors)), key=lambda i: ctxs[i].key)
         avgs, ests, sent, payload = self._ring(
-            compressor, [tensors[i] for i in order], [ctxs[i] for i in order], want_estimates
+            compressor, [tensors[i] for i in order], [ctxs[i] for i in order], want_feedback
         )
         results: list[torch.Tensor | None] = [None] * len(tensors)
-        estimates: list[torch.Tensor | None] | None = [None] * len(tensors) if want_estimates else None
+        estimates: list[torch.Tensor | None] | None = [None] * len(tensors) if want_feedback else None
         tensor_bytes = [0] * len(tensors)
         for pos, i in enumerate(order):
             results[i] = avgs[pos].view(tensors[i].shape)
