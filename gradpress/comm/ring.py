@@ -77,7 +77,7 @@ def unsupported_reason(compressor: Compressor, strategy: str) -> str | None:
             f"compressor {compressor.name!r} aggregates by {compressor.aggregation} vote, which needs every "
             f"rank's packet; strategy {strategy!r} re-compresses partial sums; use 'allgather'"
         )
-    if compressor.stateful and not compressor.default_error_feedback:
+    if compressor.own_error_memory:
         # DGC, AdaComp: momentum/residue inside the compressor would be applied again to partial sums
         return (
             f"compressor {compressor.spec()!r} keeps its own error memory, which must not be applied again "

@@ -89,14 +89,11 @@ class AdaComp(Compressor):
     variable_size = True
     stateful = True
     summary = "AdaComp: residue accumulation, per-bin max selection, sign x per-layer scale (Chen et al. 2018)"
+    own_error_memory = True
 
     def __init__(self, **params: Any) -> None:
         super().__init__(**params)
         self.residues: dict[str, torch.Tensor] = {}
-
-    @property
-    def default_error_feedback(self) -> bool:
-        return False
 
     def encode(self, x: torch.Tensor, ctx: Context | None = None) -> Packet:
         self._check_input(x)

@@ -197,6 +197,10 @@ class Compressor:
     values_index: ClassVar[int | None] = None
     #: one-line description with the paper.
     summary: ClassVar[str] = ""
+    #: the compressor keeps its own error memory (DGC's momentum correction,
+    #: AdaComp's residue): the generic residual is off by default, and a
+    #: strategy must not apply that memory again to partial sums
+    own_error_memory: ClassVar[bool] = False
     #: decode(encode(x)) is x at the kept indices (payload tensor 1) and zero
     #: elsewhere: the residual is then x with those entries zeroed (k writes).
     exact_values: ClassVar[bool] = False
@@ -225,8 +229,9 @@ class Compressor:
 
     @property
     def default_error_feedback(self) -> bool:
-        """Error feedback is on by default for biased compressors."""
-        return not self.is_unbiased
+        """Error feedback is on by default for biased compressors without
+        their own error memory."""
+        return not self.is_unbiased and not self.own_error_memory
 
     @property
     def is_unbiased(self) -> bool:

@@ -59,6 +59,10 @@ class Composed(Compressor):
         return self.first.default_error_feedback or self.second.default_error_feedback
 
     @property
+    def own_error_memory(self) -> bool:  # type: ignore[override]
+        return self.first.own_error_memory
+
+    @property
     def variable_size(self) -> bool:  # type: ignore[override]
         return self.first.variable_size
 

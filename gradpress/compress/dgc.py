@@ -173,6 +173,7 @@ class DGC(QualityMixin, Compressor):
     stateful = True
     values_index = 0
     summary = "Deep Gradient Compression (Lin et al. 2018): momentum correction, masking, sampled top-k, warm-up"
+    own_error_memory = True
 
     def __init__(self, **params: Any) -> None:
         super().__init__(**params)
@@ -187,10 +188,6 @@ class DGC(QualityMixin, Compressor):
                 f"compressor 'dgc': parameter 'steps_per_epoch' got {self.steps_per_epoch!r}; "
                 "allowed: an integer >= 1 when warmup_epochs > 0"
             )
-
-    @property
-    def default_error_feedback(self) -> bool:
-        return False
 
     def current_ratio(self, step: int) -> float:
         """Density at ``step`` (warm-up schedule)."""
