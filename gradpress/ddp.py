@@ -172,7 +172,7 @@ class GradpressHook:
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         #: the cost model the plan came from (None until one is measured or injected)
         self.cost_model: CostModel | None = CostModel.from_mapping(plan_costs) if plan_costs is not None else None
-        self.plan: Plan = self._initial_plan(plan_costs)
+        self.plan: Plan = self._initial_plan()
         self._thread = threading.Thread(target=self._worker, name="gradpress-comm", daemon=True)
         self._thread.start()
 
@@ -238,10 +238,10 @@ class GradpressHook:
     def _planner(self, costs: CostModel) -> Planner:
         return Planner(costs, self.world_size, self.compressor.is_summable, [s for s in self.strategies])
 
-    def _initial_plan(self, plan_costs: CostModel | Mapping[str, Any] | None) -> Plan:
+    def _initial_plan(self) -> Plan:
         params = self._plan_params()
-        if self.strategy_name == "auto" and self.strategies and plan_costs is not None:
-            return self._planner(CostModel.from_mapping(plan_costs)).plan(params, "injected costs")
+        if self.strategy_name == "auto" and self.strategies and self.cost_model is not None:
+            return self._planner(self.cost_model).plan(params, "injected costs")
         source = "forced" if self.strategy_name != "auto" else "default"
         return Plan({k: self._default_decision(k, n, ok) for k, n, _, ok in params}, source)
 
