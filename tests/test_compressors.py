@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from gradpress import wire
-from gradpress.compress import Compressor, Context, Packet
+from gradpress.compress import Compressor, Context, Packet, Param
+from gradpress.compress.spec import parse_stage
 from gradpress.compressors import create, get_class, names
 
 NAMES = names()
@@ -317,6 +318,39 @@ def test_spec_round_trip() -> None:
         assert create(comp.spec()).config() == comp.config()
 
 
+def test_spec_grammar_and_params_name_their_kind() -> None:
+    """The stage grammar and the typed parameters serve other registries
+    (algorithms: "localsgd:period=8"): errors name the kind given, and say
+    "compressor" by default."""
+    assert parse_stage(" localsgd : period = 8 ,warmup=2 ", kind="algorithm") == ("localsgd", {"period": "8", "warmup": "2"})
+    assert parse_stage("none") == ("none", {})
+    with pytest.raises(ValueError, match=r"^algorithm 'a': malformed parameter 'b'; expected key=value$"):
+        parse_stage("a:b", kind="algorithm")
+    with pytest.raises(ValueError, match=r"^compressor 'a': malformed parameter 'b'; expected key=value$"):
+        parse_stage("a:b")
+    with pytest.raises(ValueError, match=r"^algorithm 'a': parameter 'k' given twice$"):
+        parse_stage("a:k=1,k=2", kind="algorithm")
+    with pytest.raises(ValueError, match=r"^empty algorithm spec stage"):
+        parse_stage("  ", kind="algorithm")
+    period = Param("period", int, 8, "integer >= 1", lambda v: v >= 1, "steps between averages")
+    assert period.coerce("16", "localsgd", kind="algorithm") == 16
+    with pytest.raises(ValueError, match=r"^algorithm 'localsgd': parameter 'period' got 0; allowed: integer >= 1$"):
+        period.coerce("0", "localsgd", kind="algorithm")
+    with pytest.raises(ValueError, match=r"^algorithm 'localsgd': parameter 'period' got 'x'; expected int"):
+        period.coerce("x", "localsgd", kind="algorithm")
+    with pytest.raises(ValueError, match=r"^compressor 'localsgd': parameter 'period' got 0; allowed"):
+        period.coerce(0, "localsgd")
+
+
+def test_ratio_is_declared_alike() -> None:
+    """Every ``ratio`` parameter is the shared one: a float in (0, 1]."""
+    ratios = [p for n in NAMES for p in get_class(n).PARAMS if p.name == "ratio"]
+    assert len(ratios) >= 7
+    for p in ratios:
+        assert p.type is float and p.allowed == "0 < ratio <= 1" and p.check is not None
+        assert p.check(1.0) and p.check(1e-9) and not p.check(0.0) and not p.check(1.5)
+
+
 # --------------------------------------------------------------------------- traits
 
 
@@ -337,6 +371,41 @@ def test_traits() -> None:
     assert create("threshold").variable_size and create("threshold").values_index == 0
     assert create("natural").values_index is None
     assert create("signum").stateful
+
+
+def test_only_none_is_the_identity() -> None:
+    """``identity``: the packet is x itself and decodes to x exactly."""
+    assert [n for n in NAMES if get_class(n).identity] == ["none"]
+    assert not create("topk:ratio=0.1>natural").identity
+    x = sample((5, 3), torch.float32)
+    comp = create("none")
+    packet = comp.encode(x, ctx_for("id"))
+    assert len(packet.tensors) == 1 and torch.equal(packet.tensors[0], x.reshape(-1))
+    assert torch.equal(comp.decode(packet), x)
+
+
+def test_encode_is_a_final_template() -> None:
+    """Subclasses implement ``_encode``; ``encode`` checks the input first."""
+    with pytest.raises(TypeError, match="_encode"):
+        type("Bad", (Compressor,), {"encode": lambda self, x, ctx=None: None})
+    seen: list[Context] = []
+
+    class Probe(Compressor):
+        name = "probe"
+
+        def _encode(self, x: torch.Tensor, ctx: Context) -> Packet:
+            seen.append(ctx)
+            return Packet([x.reshape(-1)], x.shape, x.dtype)
+
+    probe = Probe()
+    probe.seed = 9
+    with pytest.raises(TypeError, match="probe"):
+        probe.encode([1.0])  # type: ignore[arg-type]
+    probe.encode(torch.ones(2))
+    probe.encode(torch.ones(2))
+    given = ctx_for("k", step=40)
+    probe.encode(torch.ones(2), given)
+    assert [c.step for c in seen] == [1, 2, 40] and seen[0].seed == 9 and seen[2] is given
 
 
 # --------------------------------------------------------------------------- composition
@@ -548,6 +617,7 @@ def test_residual_equals_input_minus_decoded(name: str, dtype: torch.dtype) -> N
         ("topk:ratio=0.1>randomk", "cannot be a second stage"),
         ("topk:ratio=0.1>natural>fp16", "more than two stages"),
         ("natural>qsgd", "keeps no separate values"),
+        ("topk:ratio=0.1>none", "cannot be a second stage"),
     ],
 )
 def test_bad_compositions_are_refused(spec: str, message: str) -> None:

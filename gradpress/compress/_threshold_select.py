@@ -195,9 +195,7 @@ class ThresholdSparsifier(QualityMixin, Compressor):
         sets ``needs_abs = False`` and the selection runs on blocks."""
         raise NotImplementedError
 
-    def encode(self, x: torch.Tensor, ctx: Context | None = None) -> Packet:
-        self._check_input(x)
-        ctx = self._context(ctx)
+    def _encode(self, x: torch.Tensor, ctx: Context) -> Packet:
         flat = x.reshape(-1)
         d = flat.numel()
         if d == 0:

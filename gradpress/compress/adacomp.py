@@ -95,9 +95,7 @@ class AdaComp(Compressor):
         super().__init__(**params)
         self.residues: dict[str, torch.Tensor] = {}
 
-    def encode(self, x: torch.Tensor, ctx: Context | None = None) -> Packet:
-        self._check_input(x)
-        ctx = self._context(ctx)
+    def _encode(self, x: torch.Tensor, ctx: Context) -> Packet:
         flat = x.reshape(-1)
         d = flat.numel()
         dev = x.device

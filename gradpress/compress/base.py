@@ -11,6 +11,8 @@ and back. It declares the traits the strategies rely on:
   the wire then carries a small header of element counts.
 * ``stateful``: keeps per-tensor state (momentum, factors, counters) that goes
   into ``state_dict``.
+* ``identity``: decode(encode(x)) == x exactly and the packet is x itself:
+  nothing to compress (``none``). Policy asks this trait, never the name.
 
 Invariant: ``decode(encode(x))`` has the shape and dtype of ``x`` and
 ``packet.nbytes`` is exactly the number of bytes the payload occupies on the
@@ -25,7 +27,7 @@ import math
 import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, final
 
 import torch
 
@@ -133,8 +135,12 @@ class Param:
     check: Callable[[Any], bool] | None = None
     doc: str = ""
 
-    def coerce(self, value: Any, owner: str) -> Any:
-        """Convert ``value`` (possibly a spec-string token) and validate it."""
+    def coerce(self, value: Any, owner: str, kind: str = "compressor") -> Any:
+        """Convert ``value`` (possibly a spec-string token) and validate it.
+
+        ``owner`` is the name of what the parameter belongs to and ``kind``
+        what that is (``"compressor"``, ``"algorithm"``, ...): errors read
+        ``"<kind> '<owner>': parameter ..."``."""
         try:
             if self.type is bool and isinstance(value, str):
                 low = value.strip().lower()
@@ -159,16 +165,16 @@ class Param:
                 value = self.type(value)
         except (TypeError, ValueError):
             raise ValueError(
-                f"compressor {owner!r}: parameter {self.name!r} got {value!r}; "
+                f"{kind} {owner!r}: parameter {self.name!r} got {value!r}; "
                 f"expected {self.type.__name__} ({self.allowed})"
             ) from None
         if self.type is float and isinstance(value, float) and not math.isfinite(value):
             raise ValueError(
-                f"compressor {owner!r}: parameter {self.name!r} got {value!r}; allowed: {self.allowed}"
+                f"{kind} {owner!r}: parameter {self.name!r} got {value!r}; allowed: {self.allowed}"
             )
         if self.check is not None and not self.check(value):
             raise ValueError(
-                f"compressor {owner!r}: parameter {self.name!r} got {value!r}; allowed: {self.allowed}"
+                f"{kind} {owner!r}: parameter {self.name!r} got {value!r}; allowed: {self.allowed}"
             )
         return value
 
@@ -178,7 +184,14 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 class Compressor:
     """Base class. Subclasses set ``name``, ``PARAMS`` and the traits, and
-    implement ``encode``/``decode``.
+    implement ``_encode``/``decode``.
+
+    ``encode`` is final (a template method): it checks the input
+    (``_check_input``), resolves the context (``_context``: a fresh default
+    step per standalone call) and calls the subclass hook
+    ``_encode(x, ctx)``. A method whose encoding is a pure function of ``x``
+    sets ``uses_context = False``: a standalone call then gets a fixed
+    ``Context(seed=self.seed)`` and does not advance the call counter.
 
     Parameters are passed as keywords, validated against ``PARAMS`` and stored
     as attributes. ``seed`` (the run seed) is set by the integration layer.
@@ -190,6 +203,9 @@ class Compressor:
     unbiased: ClassVar[bool] = False
     variable_size: ClassVar[bool] = False
     stateful: ClassVar[bool] = False
+    #: decode(encode(x)) == x exactly and the packet is x itself: nothing to
+    #: compress (``none``); decide dense/identity policy with this, not the name
+    identity: ClassVar[bool] = False
     #: aggregation of decoded tensors across ranks: "mean" or "majority"
     aggregation: ClassVar[str] = "mean"
     #: index of the floating "values" payload a second-stage quantizer may
@@ -207,6 +223,14 @@ class Compressor:
     #: number of exchange rounds; > 1 means the strategy drives the
     #: ``begin``/``advance``/``finish`` protocol below (PowerSGD: P then Q).
     rounds: ClassVar[int] = 1
+    #: ``_encode`` reads its Context (key, step, seeds); False for pure
+    #: functions of x, whose standalone calls then leave the counter alone
+    uses_context: ClassVar[bool] = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "encode" in cls.__dict__:
+            raise TypeError(f"{cls.__name__} overrides Compressor.encode, which is final; implement _encode instead")
 
     def __init__(self, **params: Any) -> None:
         known = {p.name: p for p in self.PARAMS}
@@ -242,7 +266,17 @@ class Compressor:
     def is_summable(self) -> bool:
         return type(self).summable
 
+    @final
     def encode(self, x: torch.Tensor, ctx: Context | None = None) -> Packet:
+        """Encode ``x``: check it, resolve ``ctx`` (a default one for
+        standalone use when None), then :meth:`_encode`."""
+        self._check_input(x)
+        if ctx is None and not self.uses_context:
+            ctx = Context(seed=self.seed)
+        return self._encode(x, self._context(ctx))
+
+    def _encode(self, x: torch.Tensor, ctx: Context) -> Packet:
+        """The method itself: ``x`` is a checked tensor, ``ctx`` resolved."""
         raise NotImplementedError
 
     def decode(self, packet: Packet) -> torch.Tensor:

@@ -35,7 +35,7 @@ class Composed(Compressor):
                 f"compressor {first.name!r} keeps no separate values that a second stage could "
                 "quantize; the first stage of 'a>b' must be a sparsifier (topk, randomk, threshold, ...)"
             )
-        if second.stateful or second.variable_size or second.name == "none" or second.values_index is not None:
+        if second.stateful or second.variable_size or second.identity or second.values_index is not None:
             raise ValueError(
                 f"compressor {second.name!r} cannot be a second stage: it must be a stateless, "
                 "fixed-size quantizer (natural, qsgd, fp16, terngrad, ...)"
@@ -76,8 +76,10 @@ class Composed(Compressor):
     def spec(self) -> str:
         return f"{self.first.spec()}>{self.second.spec()}"
 
-    def encode(self, x: torch.Tensor, ctx: Context | None = None) -> Packet:
-        ctx = self._context(ctx)
+    def _check_input(self, x: torch.Tensor) -> None:
+        self.first._check_input(x)  # errors name the stage that takes x
+
+    def _encode(self, x: torch.Tensor, ctx: Context) -> Packet:
         outer = self.first.encode(x, ctx)
         values, rest = outer.tensors[0], outer.tensors[1:]
         inner_ctx = Context(ctx.key + "/values", ctx.step, ctx.rank, ctx.world_size, ctx.seed)

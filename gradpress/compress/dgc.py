@@ -57,6 +57,7 @@ from gradpress.compress._threshold_select import (
     work_dtype,
 )
 from gradpress.compress.base import Compressor, Context, Packet, Param, derive_seed
+from gradpress.compress.params import ratio_param
 from gradpress.compress.registry import register
 from gradpress.compress.topk import kept_count, scatter_sparse
 
@@ -162,7 +163,7 @@ def optimizer_for(params: Iterable[Any], lr: float, weight_decay: float = 0.0) -
 class DGC(QualityMixin, Compressor):
     name = "dgc"
     PARAMS = (
-        Param("ratio", float, 0.001, "0 < ratio <= 1", lambda v: 0 < v <= 1, "kept fraction (density) after warm-up"),
+        ratio_param(0.001, "kept fraction (density) after warm-up"),
         Param("sample_ratio", float, 0.01, "0 < sample_ratio <= 1", lambda v: 0 < v <= 1, "fraction of |x| sampled for the threshold"),
         Param("momentum", float, 0.9, "0 <= momentum < 1", lambda v: 0 <= v < 1, "momentum m of the correction u <- m*u + g"),
         Param("clip", float, 0.0, "clip >= 0 (0 = off)", lambda v: v >= 0, "local gradient-norm clip, scaled by N^-1/2"),
@@ -194,9 +195,7 @@ class DGC(QualityMixin, Compressor):
         epoch = step // self.steps_per_epoch if self.steps_per_epoch > 0 else 0
         return warmup_ratio(self.ratio, self.warmup_epochs, epoch)
 
-    def encode(self, x: torch.Tensor, ctx: Context | None = None) -> Packet:
-        self._check_input(x)
-        ctx = self._context(ctx)
+    def _encode(self, x: torch.Tensor, ctx: Context) -> Packet:
         flat = x.reshape(-1)
         d = flat.numel()
         if d == 0:

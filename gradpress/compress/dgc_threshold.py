@@ -21,6 +21,7 @@ import torch
 from gradpress.compress._threshold_select import ThresholdSparsifier
 from gradpress.compress.base import Context, Packet, Param
 from gradpress.compress.dgc import sampled_threshold
+from gradpress.compress.params import ratio_param
 from gradpress.compress.registry import register
 
 
@@ -28,7 +29,7 @@ from gradpress.compress.registry import register
 class DGCThreshold(ThresholdSparsifier):
     name = "dgc_threshold"
     PARAMS = (
-        Param("ratio", float, 0.001, "0 < ratio <= 1", lambda v: 0 < v <= 1, "target density"),
+        ratio_param(0.001, "target density"),
         Param("sample_ratio", float, 0.01, "0 < sample_ratio <= 1", lambda v: 0 < v <= 1, "fraction of |x| sampled"),
     )
     summary = "DGC sampled-threshold estimator alone (Lin et al. 2018), SIDCo baseline"
@@ -38,6 +39,6 @@ class DGCThreshold(ThresholdSparsifier):
     def _threshold(self, xw: torch.Tensor, a: torch.Tensor | None, k: int, ctx: Context) -> torch.Tensor:
         return sampled_threshold(xw, self.ratio, self.sample_ratio, ctx.private_seed, self._period)
 
-    def encode(self, x: torch.Tensor, ctx: Context | None = None) -> Packet:
+    def _encode(self, x: torch.Tensor, ctx: Context) -> Packet:
         self._period = x.shape[-1] if x.dim() >= 2 else 1
-        return super().encode(x, ctx)
+        return super()._encode(x, ctx)

@@ -95,9 +95,7 @@ class Dithering(Compressor):
             return torch.where(code == 0, torch.zeros_like(c), torch.exp2(c - self.levels))
         return c / self.levels
 
-    def encode(self, x: torch.Tensor, ctx: Context | None = None) -> Packet:
-        self._check_input(x)
-        ctx = self._context(ctx)
+    def _encode(self, x: torch.Tensor, ctx: Context) -> Packet:
         flat = x.reshape(-1)
         d = flat.numel()
         s = self.levels

@@ -26,9 +26,9 @@ from gradpress.compress.signsgd import pack_signs, unpack_two
 class EFSignSGD(Compressor):
     name = "efsignsgd"
     summary = "scaled sign (||p||_1/d) sign(p) with error feedback (Karimireddy et al. 2019)"
+    uses_context = False  # a pure function of x
 
-    def encode(self, x: torch.Tensor, ctx: Context | None = None) -> Packet:
-        self._check_input(x)
+    def _encode(self, x: torch.Tensor, ctx: Context) -> Packet:
         p = x.reshape(-1).to(compute_dtype(x.dtype))
         d = p.numel()
         scale = torch.linalg.vector_norm(p, ord=1) / max(d, 1)  # fused |p| sum, no temporary

@@ -74,9 +74,7 @@ class FFT(Compressor):
         frac = min(max(step, 0) / self.decay_steps, 1.0)
         return self.theta + (self.theta_end - self.theta) * frac
 
-    def encode(self, x: torch.Tensor, ctx: Context | None = None) -> Packet:
-        self._check_input(x)
-        ctx = self._context(ctx)
+    def _encode(self, x: torch.Tensor, ctx: Context) -> Packet:
         flat = x.reshape(-1)
         d = flat.numel()
         if d == 0:

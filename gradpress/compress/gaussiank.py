@@ -20,7 +20,8 @@ from statistics import NormalDist
 import torch
 
 from gradpress.compress._threshold_select import ThresholdSparsifier
-from gradpress.compress.base import Context, Param
+from gradpress.compress.base import Context
+from gradpress.compress.params import ratio_param
 from gradpress.compress.registry import register
 
 MAX_ADJUST = 3
@@ -29,7 +30,7 @@ MAX_ADJUST = 3
 @register
 class GaussianK(ThresholdSparsifier):
     name = "gaussiank"
-    PARAMS = (Param("ratio", float, 0.001, "0 < ratio <= 1", lambda v: 0 < v <= 1, "target density"),)
+    PARAMS = (ratio_param(0.001, "target density"),)
     summary = "Gaussian-k: threshold from the normal quantile of mean/std (Shi et al. 2019)"
     #: corrections (x0.5 / x1.5) spent on the last call
     last_adjustments = 0

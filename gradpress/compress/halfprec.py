@@ -20,13 +20,13 @@ class _Cast(Compressor):
     summable = True
     unbiased = False
     target: torch.dtype = torch.float16
+    uses_context = False  # a pure function of x
 
     @property
     def default_error_feedback(self) -> bool:
         return False
 
-    def encode(self, x: torch.Tensor, ctx: Context | None = None) -> Packet:
-        self._check_input(x)
+    def _encode(self, x: torch.Tensor, ctx: Context) -> Packet:
         flat = x.reshape(-1)
         limit = torch.finfo(self.target).max
         if x.dtype != self.target and torch.finfo(x.dtype).max > limit and self._may_overflow(flat, limit):

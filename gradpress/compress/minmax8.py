@@ -39,9 +39,7 @@ class MinMax8(Compressor):
     def is_unbiased(self) -> bool:
         return bool(self.stochastic)
 
-    def encode(self, x: torch.Tensor, ctx: Context | None = None) -> Packet:
-        self._check_input(x)
-        ctx = self._context(ctx)
+    def _encode(self, x: torch.Tensor, ctx: Context) -> Packet:
         flat = x.reshape(-1).to(torch.float32)
         gen = generator_for(x.device, ctx.private_seed) if self.stochastic else None
         codes = torch.empty(flat.numel(), dtype=torch.uint8, device=x.device)

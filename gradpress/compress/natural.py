@@ -79,9 +79,7 @@ class Natural(Compressor):
     unbiased = True
     summary = "natural compression C_nat: unbiased rounding to powers of two, 9 bits (Horvath et al. 2019)"
 
-    def encode(self, x: torch.Tensor, ctx: Context | None = None) -> Packet:
-        self._check_input(x)
-        ctx = self._context(ctx)
+    def _encode(self, x: torch.Tensor, ctx: Context) -> Packet:
         x32 = x.reshape(-1).to(torch.float32).contiguous()
         gen = generator_for(x32.device, ctx.private_seed)
         codes, negative = natural_round(x32, gen, max_exponent_code(x.dtype))

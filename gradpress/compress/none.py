@@ -14,10 +14,11 @@ class NoCompression(Compressor):
     name = "none"
     summable = True
     unbiased = True
+    identity = True
+    uses_context = False  # a pure function of x
     summary = "no compression (dense baseline)"
 
-    def encode(self, x: torch.Tensor, ctx: Context | None = None) -> Packet:
-        self._check_input(x)
+    def _encode(self, x: torch.Tensor, ctx: Context) -> Packet:
         # reshape(-1) of a strided 1-D view is still strided: payloads must be contiguous
         return Packet([x.reshape(-1).contiguous()], x.shape, x.dtype)
 

@@ -28,9 +28,9 @@ from gradpress.compress.signsgd import unpack_two
 class OneBit(Compressor):
     name = "onebit"
     summary = "1-bit SGD: sign mask + mean of each side, with error feedback (Seide et al. 2014)"
+    uses_context = False  # a pure function of x
 
-    def encode(self, x: torch.Tensor, ctx: Context | None = None) -> Packet:
-        self._check_input(x)
+    def _encode(self, x: torch.Tensor, ctx: Context) -> Packet:
         v = x.reshape(-1).to(compute_dtype(x.dtype))
         mask = v >= 0
         # sum(v >= 0 part) = (sum v + sum |v|) / 2, the negative part (sum v - sum |v|) / 2:

@@ -126,10 +126,9 @@ class PowerSGD(Compressor):
         return (state.p @ q.t()).reshape(state.shape).to(state.dtype)
 
     # ----------------------------------------------------- single-process use
-    def encode(self, x: torch.Tensor, ctx: Context | None = None) -> Packet:
+    def _encode(self, x: torch.Tensor, ctx: Context) -> Packet:
         """Standalone (world of one): the factors [P, Q] of x, or x itself
         when it travels dense."""
-        ctx = self._context(ctx)
         state, out = self.begin(x, Context(ctx.key, ctx.step, 0, 1, ctx.seed))
         if out is None:
             return Packet([x.reshape(-1).contiguous()], x.shape, x.dtype)

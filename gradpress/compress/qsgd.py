@@ -53,9 +53,7 @@ class QSGD(Compressor):
     def _bucket(self, numel: int) -> int:
         return self.bucket if self.bucket > 0 else max(numel, 1)
 
-    def encode(self, x: torch.Tensor, ctx: Context | None = None) -> Packet:
-        self._check_input(x)
-        ctx = self._context(ctx)
+    def _encode(self, x: torch.Tensor, ctx: Context) -> Packet:
         flat = x.reshape(-1).to(compute_dtype(x.dtype))
         d = flat.numel()
         b = self._bucket(d)

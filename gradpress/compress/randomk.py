@@ -27,6 +27,7 @@ import math
 import torch
 
 from gradpress.compress.base import Compressor, Context, Packet, Param, generator_for
+from gradpress.compress.params import ratio_param
 from gradpress.compress.registry import register
 from gradpress.compress.topk import kept_count, scatter_sparse
 
@@ -54,7 +55,7 @@ def random_indices(numel: int, k: int, seed: int, device: torch.device) -> torch
 class RandomK(Compressor):
     name = "randomk"
     PARAMS = (
-        Param("ratio", float, 0.01, "0 < ratio <= 1", lambda v: 0 < v <= 1, "kept fraction (density)"),
+        ratio_param(0.01),
         Param("scale", bool, False, "true or false", None, "multiply kept values by d/k (unbiased)"),
     )
     summable = True
@@ -68,9 +69,7 @@ class RandomK(Compressor):
     def values_count(self, rest: list[torch.Tensor], shape: torch.Size, meta: dict) -> int:
         return kept_count(math.prod(shape), self.ratio)
 
-    def encode(self, x: torch.Tensor, ctx: Context | None = None) -> Packet:
-        self._check_input(x)
-        ctx = self._context(ctx)
+    def _encode(self, x: torch.Tensor, ctx: Context) -> Packet:
         flat = x.reshape(-1)
         d = flat.numel()
         k = kept_count(d, self.ratio)

@@ -64,9 +64,9 @@ class RangeFloat(Compressor):
     name = "rangefloat"
     PARAMS = (Param("bits", int, 8, "2 <= bits <= 24", lambda v: 2 <= v <= 24, "bits per value (sign + exponent + mantissa)"),)
     summary = "range-based float: exponent bits sized to the payload's range, shared bias (FFT sparsification paper)"
+    uses_context = False  # a pure function of x
 
-    def encode(self, x: torch.Tensor, ctx: Context | None = None) -> Packet:
-        self._check_input(x)
+    def _encode(self, x: torch.Tensor, ctx: Context) -> Packet:
         flat = x.reshape(-1)
         d = flat.numel()
         dev = x.device

@@ -20,6 +20,7 @@ import torch
 
 from gradpress.compress._threshold_select import ThresholdSparsifier
 from gradpress.compress.base import Context, Param
+from gradpress.compress.params import ratio_param
 from gradpress.compress.registry import register
 from gradpress.compress.spans import chunk_spans
 
@@ -30,7 +31,7 @@ MAX_STEPS = 30
 class RedSync(ThresholdSparsifier):
     name = "redsync"
     PARAMS = (
-        Param("ratio", float, 0.001, "0 < ratio <= 1", lambda v: 0 < v <= 1, "target density"),
+        ratio_param(0.001, "target density"),
         Param("upper", float, 2.0, "upper > 1", lambda v: v > 1, "accept k <= nnz < upper*k"),
     )
     needs_abs = False  # mean and max of |x| and the counts come from BlockMax rows

@@ -1,6 +1,7 @@
 """Name -> compressor class registry and spec-string parsing.
 
-Spec grammar (like timm's ``create_model("name", **kw)``)::
+Spec grammar (like timm's ``create_model("name", **kw)``; a stage is parsed by
+:func:`gradpress.compress.spec.parse_stage`)::
 
     spec   := stage (">" stage)*
     stage  := name [":" key "=" value ("," key "=" value)*]
@@ -14,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from gradpress.compress.base import Compressor
+from gradpress.compress.spec import parse_stage
 
 _REGISTRY: dict[str, type[Compressor]] = {}
 
@@ -41,25 +43,6 @@ def get_class(name: str) -> type[Compressor]:
     return _REGISTRY[name]
 
 
-def _parse_stage(text: str) -> tuple[str, dict[str, str]]:
-    text = text.strip()
-    if not text:
-        raise ValueError("empty compressor spec stage; expected 'name' or 'name:key=value,...'")
-    name, _, rest = text.partition(":")
-    params: dict[str, str] = {}
-    if rest.strip():
-        for item in rest.split(","):
-            key, sep, value = item.partition("=")
-            if not sep or not key.strip():
-                raise ValueError(
-                    f"compressor {name.strip()!r}: malformed parameter {item!r}; expected key=value"
-                )
-            if key.strip() in params:
-                raise ValueError(f"compressor {name.strip()!r}: parameter {key.strip()!r} given twice")
-            params[key.strip()] = value.strip()
-    return name.strip(), params
-
-
 def create(spec: str | Compressor, **params: Any) -> Compressor:
     """Build a compressor from a name, a spec string or keywords.
 
@@ -77,7 +60,7 @@ def create(spec: str | Compressor, **params: Any) -> Compressor:
     stages = spec.split(">")
     built = []
     for i, stage in enumerate(stages):
-        name, stage_params = _parse_stage(stage)
+        name, stage_params = parse_stage(stage)
         kwargs: dict[str, Any] = dict(stage_params)
         if i == 0:
             overlap = set(kwargs) & set(params)

@@ -60,7 +60,8 @@ from typing import Any
 import torch
 
 from gradpress.compress._threshold_select import ThresholdSparsifier
-from gradpress.compress.base import Context, Param
+from gradpress.compress.base import Context, Packet, Param
+from gradpress.compress.params import ratio_param
 from gradpress.compress.registry import register
 
 FIRST_RATIO = 0.25
@@ -212,7 +213,7 @@ def sidco_threshold(a: torch.Tensor | None, ratio: float, dist: str, stages: int
 class SIDCo(ThresholdSparsifier):
     name = "sidco"
     PARAMS = (
-        Param("ratio", float, 0.001, "0 < ratio <= 1", lambda v: 0 < v <= 1, "target density"),
+        ratio_param(0.001, "target density"),
         Param("dist", str, "exp", "one of exp, gpareto, gamma", lambda v: v in DISTS, "fitted distribution"),
         Param("stages", int, 0, "0 (adaptive) or an integer >= 1", lambda v: v >= 0, "number of fitting stages"),
     )
@@ -237,10 +238,9 @@ class SIDCo(ThresholdSparsifier):
     def _threshold(self, xw: torch.Tensor, a: torch.Tensor | None, k: int, ctx: Context) -> torch.Tensor:
         return sidco_threshold(a, self.ratio, self.dist, self.current_stages(ctx.key), xw)
 
-    def encode(self, x: torch.Tensor, ctx: Context | None = None):  # type: ignore[no-untyped-def]
-        ctx = self._context(ctx)
+    def _encode(self, x: torch.Tensor, ctx: Context) -> Packet:
         before = self._meter.count
-        packet = super().encode(x, ctx)
+        packet = super()._encode(x, ctx)
         if self.stages == 0 and self._meter.count > before:
             self._adapt(ctx.key, self._meter.last)
         return packet

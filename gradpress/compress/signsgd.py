@@ -47,13 +47,13 @@ class SignSGD(Compressor):
     name = "signsgd"
     aggregation = "majority"
     summary = "signSGD: 1-bit signs with majority-vote aggregation (Bernstein et al. 2018)"
+    uses_context = False  # a pure function of x
 
     @property
     def default_error_feedback(self) -> bool:
         return False
 
-    def encode(self, x: torch.Tensor, ctx: Context | None = None) -> Packet:
-        self._check_input(x)
+    def _encode(self, x: torch.Tensor, ctx: Context) -> Packet:
         return Packet([pack_signs(x)], x.shape, x.dtype)
 
     def decode(self, packet: Packet) -> torch.Tensor:

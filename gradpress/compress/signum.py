@@ -42,9 +42,7 @@ class Signum(Compressor):
     def default_error_feedback(self) -> bool:
         return False
 
-    def encode(self, x: torch.Tensor, ctx: Context | None = None) -> Packet:
-        self._check_input(x)
-        ctx = self._context(ctx)
+    def _encode(self, x: torch.Tensor, ctx: Context) -> Packet:
         g = x.reshape(-1).to(compute_dtype(x.dtype))
         old = self.buffers.get(ctx.key)
         if old is None:

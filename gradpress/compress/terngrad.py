@@ -41,9 +41,7 @@ class TernGrad(Compressor):
     def is_unbiased(self) -> bool:
         return self.clip == 0
 
-    def encode(self, x: torch.Tensor, ctx: Context | None = None) -> Packet:
-        self._check_input(x)
-        ctx = self._context(ctx)
+    def _encode(self, x: torch.Tensor, ctx: Context) -> Packet:
         g = x.reshape(-1).to(compute_dtype(x.dtype))
         d = g.numel()
         if d == 0:

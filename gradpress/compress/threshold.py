@@ -28,9 +28,9 @@ class Threshold(Compressor):
     values_index = 0
     exact_values = True
     summary = "hard-threshold sparsification |x| > tau (Strom 2015), variable size"
+    uses_context = False  # a pure function of x
 
-    def encode(self, x: torch.Tensor, ctx: Context | None = None) -> Packet:
-        self._check_input(x)
+    def _encode(self, x: torch.Tensor, ctx: Context) -> Packet:
         flat = x.reshape(-1)
         mag = flat.abs()
         if mag.dtype in (torch.float16, torch.bfloat16):  # compare in fp32: tau is not rounded to 16 bits

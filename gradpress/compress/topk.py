@@ -13,7 +13,8 @@ import math
 
 import torch
 
-from gradpress.compress.base import Compressor, Context, Packet, Param
+from gradpress.compress.base import Compressor, Context, Packet
+from gradpress.compress.params import ratio_param
 from gradpress.compress.registry import register
 
 
@@ -34,13 +35,13 @@ def scatter_sparse(values: torch.Tensor, indices: torch.Tensor, shape: torch.Siz
 @register
 class TopK(Compressor):
     name = "topk"
-    PARAMS = (Param("ratio", float, 0.01, "0 < ratio <= 1", lambda v: 0 < v <= 1, "kept fraction (density)"),)
+    PARAMS = (ratio_param(0.01),)
     values_index = 0
     exact_values = True
     summary = "top-k sparsification (Aji & Heafield 2017), values + int32 indices"
+    uses_context = False  # a pure function of x
 
-    def encode(self, x: torch.Tensor, ctx: Context | None = None) -> Packet:
-        self._check_input(x)
+    def _encode(self, x: torch.Tensor, ctx: Context) -> Packet:
         flat = x.reshape(-1)
         k = kept_count(flat.numel(), self.ratio)
         _, idx = torch.topk(flat.abs(), k, sorted=False)
