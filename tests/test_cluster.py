@@ -32,6 +32,7 @@ from gradpress.cluster import (
     transfer,
     worst_exit_code,
 )
+from gradpress.cluster import host as host_mod
 from gradpress.cluster import netns as netns_mod
 
 IS_ROOT = os.geteuid() == 0
@@ -95,7 +96,7 @@ def test_clear_errors_when_not_root_or_tools_missing(monkeypatch):
     with pytest.raises(ClusterError, match="root"):
         EmulatedCluster(2, "50mbit").start()
     monkeypatch.setattr(netns_mod.os, "geteuid", lambda: 0)
-    monkeypatch.setattr(netns_mod, "_which", lambda name: None if name == "tc" else "/bin/true")
+    monkeypatch.setattr(host_mod, "_which", lambda name: None if name == "tc" else "/bin/true")  # the preflight looks it up there
     with pytest.raises(ClusterError, match="iproute2"):
         EmulatedCluster(2, "50mbit").start()
     assert "tc" in str(check_support())

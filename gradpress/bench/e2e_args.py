@@ -1,0 +1,83 @@
+"""The arguments of ``gradpress bench e2e``: their validation into the job
+settings every run shares, and the exact command line spelled back for the
+report.
+
+Invariant: every bad argument raises ``ValueError`` here, before any cluster
+is built.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+from pathlib import Path
+from typing import Any
+
+from gradpress.bench.e2e_configs import parse_baselines, parse_configs
+
+__all__ = ["command_line"]
+
+
+def _resolve(args: argparse.Namespace) -> dict[str, Any]:
+    """Validate every argument before any cluster is built; return the job
+    settings shared by every run."""
+    from gradpress import workloads
+    from gradpress.cluster import parse_rate
+
+    if args.nodes < 2:
+        raise ValueError(f"--nodes got {args.nodes}; allowed: an integer >= 2")
+    rate = parse_rate(args.bandwidth, "--bandwidth")
+    mode = "train" if args.train_to is not None else "step"
+    workload = args.workload or ("mnist1d-cnn" if mode == "train" else "wide-mlp")
+    if workload not in workloads.names():
+        raise ValueError(f"--workload got {workload!r}; allowed: {', '.join(workloads.names())}")
+    params = args.params
+    if workload == "wide-mlp":
+        from gradpress.workloads.wide import parse_count
+
+        params = params or "10M"
+        parse_count(params, "--params")
+    elif params is not None:
+        raise ValueError(f"--params sets the size of 'wide-mlp' only; --workload is {workload!r}")
+    defaults = workloads.defaults(workload)
+    lr = defaults["lr"] if args.lr is None else args.lr
+    if not (isinstance(lr, (int, float)) and lr > 0 and lr < float("inf")):
+        raise ValueError(f"--lr got {args.lr!r}; allowed: a positive finite number")
+    if args.timeout <= 0:
+        raise ValueError(f"--timeout got {args.timeout!r}; allowed: seconds > 0")
+    if args.time_limit is not None and args.time_limit <= 0:
+        raise ValueError(f"--time-limit got {args.time_limit!r}; allowed: seconds > 0")
+    configs = parse_baselines(args.baselines) + parse_configs(args.configs)
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out got {args.out!r}, which is a file; allowed: a directory")
+    cpus = os.cpu_count() or 1
+    return {
+        "mode": mode, "workload": workload, "params": params, "hidden": args.hidden, "rate": rate,
+        "batch_size": args.batch_size or defaults["batch_size"], "lr": float(lr),
+        "optimizer": defaults["optimizer"], "schedule": defaults["schedule"], "epochs": defaults["epochs"],
+        "threads": args.threads or max(1, cpus // args.nodes), "configs": configs, "out": out, "cpus": cpus,
+    }
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """The exact command, every option spelled out (reproducible from the report)."""
+    parts = ["gradpress", "bench", "e2e", "--nodes", str(args.nodes), "--bandwidth", args.bandwidth]
+    if args.workload:
+        parts += ["--workload", args.workload]
+    for flag, value in (("--params", args.params), ("--hidden", args.hidden), ("--batch-size", args.batch_size),
+                        ("--lr", args.lr), ("--threads", args.threads)):
+        if value is not None:
+            parts += [flag, str(value)]
+    parts += ["--configs", args.configs, "--baselines", args.baselines, "--seed", str(args.seed)]
+    if args.train_to is None:
+        parts += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
+    else:
+        parts += ["--train-to", str(args.train_to), "--eval-every", str(args.eval_every)]
+        if args.max_steps is not None:
+            parts += ["--max-steps", str(args.max_steps)]
+        if args.time_limit is not None:
+            parts += ["--time-limit", str(args.time_limit)]
+    parts += ["--out", str(args.out)]
+    return shlex.join(parts)
