@@ -13,10 +13,10 @@ import math
 import pytest
 import torch
 
-from gradpress import wire
 from gradpress.compress import Compressor, Context, Packet, Param
 from gradpress.compress.spec import parse_stage
 from gradpress.compressors import create, get_class, names
+from gradpress.transport import wire
 
 NAMES = names()
 

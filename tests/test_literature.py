@@ -27,7 +27,6 @@ import math
 import pytest
 import torch
 
-from gradpress import wire
 from gradpress.compress import Context, create
 from gradpress.compress.adacomp import auto_bin_size
 from gradpress.compress.dgc import dgc_select, optimizer_for, warmup_ratio
@@ -36,6 +35,7 @@ from gradpress.compress.fft import kept_coefficients
 from gradpress.compress.rangefloat import relative_error_bound
 from gradpress.compress.sidco import gamma_upper_inv, initial_stages, max_stages
 from gradpress.compress.topk import kept_count
+from gradpress.transport import wire
 
 RATIOS = (0.1, 0.01, 0.001)
 

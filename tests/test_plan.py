@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradpress.plan import OPTIONS, CostModel, Fit, Planner
+from gradpress.exchange.costs import CostModel, Fit
+from gradpress.exchange.planner import OPTIONS, Planner
 
 PARAMS = [
     ("fc1.bias", 512, 4, False),

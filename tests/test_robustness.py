@@ -124,6 +124,19 @@ def _sgd_step(ddp: DDP, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Te
     return loss.item()
 
 
+def _parts(hook_state: dict) -> dict:
+    """The hook state by owner: the worker's residuals ("memory"), the
+    compressor's state, and the strategies' (their residuals live in the
+    one feedback store under the ring/ and root/ namespaces)."""
+    residuals = hook_state["feedback"]["residuals"]
+    strategy_keys = {k for k in residuals if k.startswith(("ring/", "root/"))}
+    return {
+        "memory": {k: v for k, v in residuals.items() if k not in strategy_keys},
+        "compressor": hook_state["compressor"],
+        "strategies": [hook_state["strategies"], {k: residuals[k] for k in strategy_keys}],
+    }
+
+
 def _resume(rank: int, world: int) -> dict:
     x, y = make_data(rank)
     out = {}
@@ -151,7 +164,7 @@ def _resume(rank: int, world: int) -> dict:
         out[case] = {
             "cont": cont, "resumed": resumed, "params_cont": params_cont, "params_resumed": flat_params(model2),
             "steps": (steps_cont, hook2.stats["steps"]), "not_aliased": same_state(live, ckpt["hook"]),
-            "nonzero": {part for part in ("memory", "compressor", "strategies") if nonzero(ckpt["hook"][part])},
+            "nonzero": {part for part, held in _parts(ckpt["hook"]).items() if nonzero(held)},
         }
         hook2.close()
         if spec == TOPK:
@@ -240,9 +253,13 @@ NF_STEPS = 7
 
 
 def _own_state(hook: gradpress.ddp.GradpressHook) -> dict:
-    """What the compressor and the strategies keep (besides hook.memory)."""
+    """What the compressor and the strategies keep: their own state and the
+    strategies' residuals (ring hops, PS roots), which live in the one
+    feedback store beside the worker's own residuals."""
     sd = hook.state_dict()
-    return {"compressor": sd["compressor"], "strategies": sd["strategies"]}
+    worker = hook.memory.namespace("")
+    strategy_residuals = {k: v for k, v in sd["feedback"]["residuals"].items() if k not in worker}
+    return {"compressor": sd["compressor"], "strategies": sd["strategies"], "strategy_residuals": strategy_residuals}
 
 
 def _nan_run(rank: int, mode: str, min_numel: int = MIN_NUMEL, spec: str = TOPK, strategy: str = "collective") -> dict:

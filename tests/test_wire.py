@@ -1,4 +1,4 @@
-"""Bit packing and flat-buffer packing (gradpress.wire)."""
+"""Bit packing and flat-buffer packing (gradpress.compress.bits, gradpress.transport.wire)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradpress import wire
 from gradpress.compress import Packet
+from gradpress.compress import bits as bitpack
+from gradpress.transport import wire
 
 
 @settings(max_examples=120, deadline=None)
@@ -18,10 +19,10 @@ def test_pack_bits_round_trip(bits: int, n: int, seed: int) -> None:
     codes = torch.randint(0, 1 << bits, (n,), generator=gen, dtype=torch.int64)
     if n:
         codes[0] = (1 << bits) - 1  # the widest code must survive
-    packed = wire.pack_bits(codes, bits)
+    packed = bitpack.pack_bits(codes, bits)
     assert packed.dtype == torch.uint8
-    assert packed.numel() == wire.packed_nbytes(n, bits) == (n * bits + 7) // 8
-    out = wire.unpack_bits(packed, bits, n)
+    assert packed.numel() == bitpack.packed_nbytes(n, bits) == (n * bits + 7) // 8
+    out = bitpack.unpack_bits(packed, bits, n)
     assert out.numel() == n
     assert torch.equal(out.to(torch.int64), codes)
 
@@ -30,25 +31,25 @@ def test_pack_bits_round_trip(bits: int, n: int, seed: int) -> None:
 def test_pack_bits_odd_lengths_every_width(bits: int) -> None:
     for n in (1, 3, 7, 9, 13):
         codes = torch.arange(n, dtype=torch.int64) * 2654435761 % (1 << bits)
-        out = wire.unpack_bits(wire.pack_bits(codes, bits), bits, n)
+        out = bitpack.unpack_bits(bitpack.pack_bits(codes, bits), bits, n)
         assert torch.equal(out.to(torch.int64), codes), (bits, n)
 
 
 def test_pack_bits_is_dense_lsb_first() -> None:
     # 1-bit: bit i of byte 0 is code i
-    packed = wire.pack_bits(torch.tensor([1, 0, 1, 1, 0, 0, 0, 1, 1]), 1)
+    packed = bitpack.pack_bits(torch.tensor([1, 0, 1, 1, 0, 0, 0, 1, 1]), 1)
     assert packed.tolist() == [0b10001101, 0b1]
     # 3-bit codes straddle byte boundaries
-    packed = wire.pack_bits(torch.tensor([7, 0, 5]), 3)
+    packed = bitpack.pack_bits(torch.tensor([7, 0, 5]), 3)
     assert packed.tolist() == [0b01000111, 0b1]
 
 
 def test_bad_widths_and_sizes() -> None:
     for bits in (0, 25):
         with pytest.raises(ValueError, match="bits"):
-            wire.pack_bits(torch.zeros(3, dtype=torch.int64), bits)
+            bitpack.pack_bits(torch.zeros(3, dtype=torch.int64), bits)
     with pytest.raises(ValueError, match="expected"):
-        wire.unpack_bits(torch.zeros(3, dtype=torch.uint8), 4, 9)
+        bitpack.unpack_bits(torch.zeros(3, dtype=torch.uint8), 4, 9)
 
 
 def _packets(gen: torch.Generator, sizes: list[int]) -> list[Packet]:

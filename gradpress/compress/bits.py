@@ -4,8 +4,7 @@ significant bit first, ``ceil(n * bits / 8)`` bytes (:func:`pack_bits`,
 into values (:func:`byte_table`).
 
 Compressors build their payloads with these (tensors only: this module
-knows nothing of the wire or of ``torch.distributed``); ``gradpress.wire``
-re-exports them. Vectorized tensor code, no Python loop over elements.
+knows nothing of the wire or of ``torch.distributed``). Vectorized tensor code, no Python loop over elements.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Karimireddy et al. 2019, "Error Feedback Fixes SignSGD and other Gradient
 Compression Schemes". The compressor is the scaled sign of one whole tensor;
 the residual e <- p - delta is kept by the generic residual memory
-(``gradpress.feedback``), on by default since the compressor is biased.
+(``gradpress.exchange.feedback``), on by default since the compressor is biased.
 sign(0) is taken as +1 (one bit per entry has no zero).
 
 Packet: ``[scale (fp32, 1 entry), bits (uint8)]``, bit i = (p_i >= 0) packed

@@ -11,7 +11,7 @@ E||Q(v) - v||^2 <= min(b/s^2, sqrt(b)/s) ||v||^2. The coin flips use
 
 Packet: ``[norms (fp32, ceil(d/b)), codes (uint8, bit-packed)]``; each code is
 ``(level << 1) | sign`` in ceil(log2(s+1)) + 1 bits, packed densely with
-:func:`gradpress.wire.pack_bits`. Wire size: 4*ceil(d/b) +
+:func:`gradpress.compress.bits.pack_bits`. Wire size: 4*ceil(d/b) +
 ceil(d * bits / 8) bytes. Codes are fixed-width (no Elias coding).
 """
 

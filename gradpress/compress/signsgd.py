@@ -11,7 +11,7 @@ by default: majority vote is the method as published (use ``efsignsgd`` for
 the error-compensated, scaled variant).
 
 Packet: ``[bits (uint8)]``, bit i = (x_i >= 0), packed 8 per byte
-(:func:`gradpress.wire.pack_bits`). Wire size: ceil(d/8) bytes.
+(:func:`gradpress.compress.bits.pack_bits`). Wire size: ceil(d/8) bytes.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""Bit packing and one flat byte buffer per exchange.
+"""One flat byte buffer per exchange (bit packing itself lives in
+:mod:`gradpress.compress.bits`, where the codecs use it).
 
-* :func:`pack_bits` / :func:`unpack_bits`: n-bit unsigned codes (1..24 bits)
-  packed densely, least significant bit first; ``ceil(n * bits / 8)`` bytes.
-  Widths below 8 work on one byte per code (see "narrow widths" below).
-* :func:`byte_table`: 256-row lookup table that unpacks (and maps to values)
-  the codes of one byte, for decoders that gather straight into floats.
 * :func:`pack_packets` / :func:`unpack_packets`: the payload tensors of many
   packets laid into one ``uint8`` buffer, grouped by element size (8-, 4-, 2-,
   then 1-byte) so every slice is naturally aligned with no padding. Variable
@@ -19,9 +15,8 @@ from __future__ import annotations
 import torch
 
 from gradpress.compress.base import Packet
-from gradpress.compress.bits import byte_table, pack_bits, packed_nbytes, unpack_bits
 
-__all__ = ["pack_bits", "unpack_bits", "byte_table", "packed_nbytes", "pack_packets", "unpack_packets", "buffer_layout"]
+__all__ = ["pack_packets", "unpack_packets", "buffer_layout"]
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:

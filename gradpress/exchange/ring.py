@@ -21,15 +21,16 @@ One message per hop carries the chunk's pieces of all tensors:
 
 Residuals (non-summable, error feedback on): every rank encodes every chunk
 exactly once per step (its own chunk first, N - 2 partial sums at hops, the
-chunk it owns), so it keeps one residual per position of each tensor,
-stored per tensor key (DDP regroups tensors into new buckets after the first
-iteration; a per-bucket key would lose them) and adds it to whatever it
-encodes at those positions next step. Its own values then enter exactly: the
-estimate is ``p`` and the hook's residual stays zero. Summable compressors
-keep no residual here: the estimate is ``decode(encode(p))`` per chunk and the
-hook's error feedback keeps the rest. With error feedback off no residual is
+chunk it owns), so it keeps one residual per position of each tensor, in the
+engine's feedback store under the ``ring`` namespace and the tensor key
+(DDP regroups tensors into new buckets after the first iteration; a
+per-bucket key would lose them), staged and committed with the step like
+every residual, and adds it to whatever it encodes at those positions next
+step. Its own values then enter exactly: the worker's residual is zero.
+Summable compressors keep no residual here: the estimate is
+``decode(encode(p))`` per chunk and the worker's residual keeps the rest. With error feedback off no residual is
 kept anywhere (unbiased compressors stay unbiased hop by hop). Messages are posted with ``isend``/``irecv`` then
-waited on (see :mod:`gradpress.comm.p2p`): no ordering can deadlock on gloo.
+waited on (see :mod:`gradpress.transport.p2p`): no ordering can deadlock on gloo.
 Variable-size packets are preceded by their size; fixed sizes are known to
 the receiver from a template packet.
 
@@ -39,19 +40,18 @@ multi-round protocols (PowerSGD).
 
 from __future__ import annotations
 
-import copy
 import time
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from gradpress import wire
-from gradpress.comm.base import ExchangeResult, Strategy, register_strategy
-from gradpress.comm.p2p import exchange_bytes
-from gradpress.comm.recompress import template
 from gradpress.compress.base import Compressor, Context, Packet
-from gradpress.feedback import all_finite
+from gradpress.exchange.base import ExchangeResult, Prelude, Strategy, register_strategy
+from gradpress.exchange.costs import CostModel
+from gradpress.exchange.feedback import RING, Feedback
+from gradpress.exchange.recompress import template, unsupported_reason
+from gradpress.transport import wire
+from gradpress.transport.p2p import exchange_bytes
 
 __all__ = ["Ring", "chunk_bounds"]
 
@@ -69,57 +69,32 @@ def chunk_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
     return out
 
 
-def unsupported_reason(compressor: Compressor, strategy: str) -> str | None:
-    if compressor.rounds > 1:
-        return f"compressor {compressor.name!r} runs its own multi-round allreduce protocol; use strategy 'allreduce'"
-    if compressor.aggregation != "mean":
-        return (
-            f"compressor {compressor.name!r} aggregates by {compressor.aggregation} vote, which needs every "
-            f"rank's packet; strategy {strategy!r} re-compresses partial sums; use 'allgather'"
-        )
-    if compressor.own_error_memory:
-        # DGC, AdaComp: momentum/residue inside the compressor would be applied again to partial sums
-        return (
-            f"compressor {compressor.spec()!r} keeps its own error memory, which must not be applied again "
-            f"to the partial sums strategy {strategy!r} re-compresses; use 'allgather'"
-        )
-    if not compressor.is_summable and _decode_needs_meta(compressor):
-        # a receiver rebuilds packets of partial sums from a template: shared-seed facts
-        # (random-k's indices) of the real call would be lost
-        return (
-            f"compressor {compressor.spec()!r} decodes with facts derived per call (shared-seed indices), "
-            f"which strategy {strategy!r} cannot carry for re-compressed partial sums; use 'allgather'"
-        )
-    return None
-
-
-def _decode_needs_meta(compressor: Compressor) -> bool:
-    """Whether ``compressor``'s packets carry metadata that decode needs."""
-    probe = copy.deepcopy(compressor) if compressor.stateful else compressor
-    return bool(probe.encode(torch.ones(8), Context(key="__gradpress_meta_probe__")).meta)
-
-
 @register_strategy("ring")
 class Ring(Strategy):
     """Compressed ring allreduce; see the module docstring."""
 
     def __init__(self, group: Any) -> None:
         super().__init__(group)
-        #: per tensor key: this rank's re-compression residual (scaled by 1/N)
-        self.residuals: dict[str, torch.Tensor] = {}
         self.comm_s = 0.0
 
     def supports(self, compressor: Compressor) -> str | None:
         return unsupported_reason(compressor, "ring")
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"residuals": {k: v.clone() for k, v in self.residuals.items()}}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.residuals = {k: v.clone() for k, v in state.get("residuals", {}).items()}
+    @classmethod
+    def predict(cls, costs: CostModel, numel: int, world_size: int, summable: bool) -> tuple[float, int]:
+        """Chunks of ``d_c = d / N``: ``N ENC(d_c) + 2 (N-1) P2P(c(d_c)) +
+        N DEC(d_c)``, plus ``(N-1) DEC(d_c)`` at the hops when not summable.
+        Partitioning does not help a ring (it already splits): K = 1."""
+        n = world_size
+        dc = float(numel) / n
+        hops = n * costs.encode(dc) + 2 * (n - 1) * costs.p2p(costs.wire(dc)) + n * costs.decode(dc)
+        if not summable:
+            hops += (n - 1) * costs.decode(dc)
+        return hops, 1
 
     def exchange(
-        self, compressor: Compressor, tensors: list[torch.Tensor], ctxs: list[Context], want_feedback: bool
+        self, compressor: Compressor, tensors: list[torch.Tensor], ctxs: list[Context],
+        feedback: Feedback | None, *, prelude: Prelude | None = None, out: list[torch.Tensor] | None = None,
     ) -> ExchangeResult:
         t0 = time.perf_counter()
         self.comm_s = 0.0
@@ -127,28 +102,20 @@ class Ring(Strategy):
         # order after it rebuilds its buckets; the messages must not depend on it
         order = sorted(range(len(tensors)), key=lambda i: ctxs[i].key)
         avgs, ests, sent, payload = self._ring(
-            compressor, [tensors[i] for i in order], [ctxs[i] for i in order], want_feedback
+            compressor, [tensors[i] for i in order], [ctxs[i] for i in order], feedback
         )
         results: list[torch.Tensor | None] = [None] * len(tensors)
-        estimates: list[torch.Tensor | None] | None = [None] * len(tensors) if want_feedback else None
+        residuals: list[torch.Tensor | None] | None = [None] * len(tensors) if feedback is not None else None
         tensor_bytes = [0] * len(tensors)
         for pos, i in enumerate(order):
             results[i] = avgs[pos].view(tensors[i].shape)
-            if estimates is not None and ests is not None:
-                estimates[i] = ests[pos].view(tensors[i].shape)
+            if residuals is not None:
+                # the tensors are the engine's own: the residual is formed in place
+                own = tensors[i]
+                residuals[i] = own.zero_() if ests is None else own.sub_(ests[pos].view(own.shape))
             tensor_bytes[i] = payload[pos]
         compress_s = max(0.0, time.perf_counter() - t0 - self.comm_s)
-        return ExchangeResult(results, sent, estimates, tensor_bytes, compress_s)  # type: ignore[arg-type]
-
-    # ------------------------------------------------------------- residuals
-    def _residual_of(self, key: str, flat: torch.Tensor) -> torch.Tensor:
-        """This rank's re-compression residual for tensor ``key`` (a fresh
-        tensor, stored back after the exchange; keyed by tensor, so DDP's
-        bucket rebuild keeps it)."""
-        old = self.residuals.get(key)
-        if old is not None and old.numel() == flat.numel():
-            return old.to(flat.dtype).clone()
-        return torch.zeros_like(flat)
+        return ExchangeResult(results, sent, residuals, tensor_bytes, compress_s, self.comm_s)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ ring
     def _send_recv(self, buf: torch.Tensor, size: int | None, variable: bool) -> tuple[torch.Tensor, int]:
@@ -159,10 +126,11 @@ class Ring(Strategy):
         return got[(r - 1) % n], sent
 
     def _ring(
-        self, compressor: Compressor, tensors: list[torch.Tensor], ctxs: list[Context], want: bool
+        self, compressor: Compressor, tensors: list[torch.Tensor], ctxs: list[Context], feedback: Feedback | None
     ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, int, list[int]]:
-        """Per tensor: the average and this rank's estimate; bytes sent; per
-        tensor the payload bytes this rank originated.
+        """Per tensor: the average and this rank's estimate (None when its own
+        values entered exactly, or feedback is off); bytes sent; per tensor
+        the payload bytes this rank originated.
 
         Every tensor is cut into N pieces; chunk ``c`` of the ring is piece
         ``c`` of every tensor (one message per hop carries them all), each
@@ -171,6 +139,7 @@ class Ring(Strategy):
         bucket (DDP regroups them after its first iteration)."""
         n, r = self.world_size, self.rank
         m = len(tensors)
+        want = feedback is not None
         scale = 1.0 / n
         origs = [t.reshape(-1) for t in tensors]
         flats = [o * scale for o in origs]
@@ -227,7 +196,8 @@ class Ring(Strategy):
                 [template(compressor, piece(flats, i, c).shape, flats[i].dtype, flats[i].device) for i in range(m)]
                 for c in range(n)
             ]
-            resid = [self._residual_of(ctxs[i].key, flats[i]) for i in range(m)] if want else None
+            store_keys = [Feedback.key(RING, c.key) for c in ctxs]
+            resid = [feedback.current(k, f) for k, f in zip(store_keys, flats)] if feedback is not None else None
 
             def encode(c: int, values: list[torch.Tensor]) -> list[Packet]:
                 pks = []
@@ -238,9 +208,8 @@ class Ring(Strategy):
                     a, b = bounds[i][c]
                     p = value + resid[i][a:b]
                     pk = compressor.encode(p, ctx(i, c))
-                    new = p - compressor.decode(pk).reshape(-1)
-                    if bool(all_finite(new)):  # a NaN/Inf never enters the residual
-                        resid[i][a:b] = new
+                    # staged whole after the ring; the store's one NaN rule decides
+                    resid[i][a:b] = p - compressor.decode(pk).reshape(-1)
                     pks.append(pk)
                 count(pks)
                 return pks
@@ -257,9 +226,9 @@ class Ring(Strategy):
                 theirs = decode_all(wire.unpack_packets(got, templates[c], variable))
                 out = encode(c, [t + piece(flats, i, c) for i, t in enumerate(theirs)])
             final[owned] = out
-            if resid is not None:
-                for i in range(m):
-                    self.residuals[ctxs[i].key] = resid[i]
+            if feedback is not None and resid is not None:
+                for k, e in zip(store_keys, resid):
+                    feedback.stage(k, e)
         # allgather: forward the owners' bytes unchanged
         decoded: list[list[torch.Tensor] | None] = [None] * n
         decoded[owned] = decode_all(final[owned])  # type: ignore[arg-type]
@@ -277,5 +246,5 @@ class Ring(Strategy):
         elif est_pieces is not None:
             estimates = [torch.cat([est_pieces[c][i] for c in range(n)]) / scale for i in range(m)]
         else:
-            estimates = origs  # own values entered exactly; the residuals hold the error
+            estimates = None  # own values entered exactly; the ring residuals hold the error
         return avgs, estimates, sent, payload

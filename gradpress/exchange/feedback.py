@@ -1,16 +1,21 @@
-"""Error feedback: keep what the compressor dropped and add it back next time.
+"""Error feedback: the one home of every residual.
 
 Residual memory (Seide et al. 2014, "1-bit SGD"; Karimireddy et al. 2019,
 "Error Feedback Fixes SignSGD"): ``p = beta * e + gamma * g``; send ``C(p)``;
-``e <- p - D(C(p))``.
+``e <- p - D(C(p))``. The same store keeps the residuals of the strategies
+that re-compress on the way, under their own namespace
+(:func:`Feedback.key`): a compressed ring's per-position hop residuals
+(Comprex; HiPress Ring) and a parameter-server root's re-compression
+residuals (HiPress CaSync-PS).
 
-Invariant: a non-finite value never enters the residual. A new residual is
-kept only when it is finite (checked with one fused ``aminmax`` read, through
-which NaN and Inf propagate), so a NaN/Inf gradient, or a finite one whose
-sum with the residual overflows, leaves ``e`` as it was. In the DDP hook the
-new residuals of a step are *staged* and committed together once the step's
-outcome is known on every rank (:meth:`stage`, :meth:`commit`): a step that
-some rank drops leaves every residual untouched.
+Invariant (the one NaN rule): a non-finite value never enters a residual.
+New residuals are *staged* and committed together once the step's outcome is
+known on every rank (:meth:`Feedback.stage`, :meth:`Feedback.commit`); a
+residual is kept only when the step is good on every rank and the residual
+itself is finite (one fused ``aminmax`` read, through which NaN and Inf
+propagate), otherwise the old one stays. So a NaN/Inf gradient, a finite one
+whose sum with the residual overflows, or a step some rank drops, leaves
+every residual as it was.
 
 Cost per tensor and step: one add (``g + e``), the residual itself (for
 sparsifiers only the kept entries change: see ``Compressor.residual``), one
@@ -27,17 +32,26 @@ import torch
 
 from gradpress.compress.base import all_finite
 
-__all__ = ["ResidualMemory", "all_finite"]
+__all__ = ["Feedback", "WORKER", "RING", "ROOT"]
+
+#: namespaces of the store: the worker's own residual, ring hop residuals, PS root residuals
+WORKER, RING, ROOT = "", "ring", "root"
 
 
-class ResidualMemory:
-    """Per-tensor residuals keyed by a stable tensor key (parameter name)."""
+class Feedback:
+    """Residuals keyed by namespace and stable tensor key (parameter name,
+    ``name#k`` for the k-th partition)."""
 
     def __init__(self, beta: float = 1.0, gamma: float = 1.0) -> None:
         self.beta = float(beta)
         self.gamma = float(gamma)
         self.residuals: dict[str, torch.Tensor] = {}
         self._pending: dict[str, torch.Tensor] = {}
+
+    @staticmethod
+    def key(namespace: str, key: str) -> str:
+        """The store key of ``key`` in ``namespace`` (the worker's own: the key itself)."""
+        return f"{namespace}/{key}" if namespace else key
 
     def compensate(self, key: str, grad: torch.Tensor) -> torch.Tensor:
         """``p = beta * e + gamma * g``: a fresh tensor the caller owns (the
@@ -50,9 +64,14 @@ class ResidualMemory:
             return torch.add(g, e.to(g.dtype), alpha=self.beta)
         return g + e.to(g.dtype)
 
-    def update(self, key: str, p: torch.Tensor, sent: torch.Tensor) -> None:
-        """``e <- p - sent`` now, if finite; unchanged otherwise."""
-        self._keep(key, p - sent.to(p.dtype), torch.ones((), dtype=torch.bool))
+    def current(self, key: str, like: torch.Tensor) -> torch.Tensor:
+        """A fresh copy of the residual of ``key`` (zeros when there is none
+        or its size differs), shaped and typed like ``like``: for strategies
+        that update a residual piece by piece before staging it."""
+        old = self.residuals.get(key)
+        if old is not None and old.numel() == like.numel():
+            return old.to(like.dtype).reshape(like.shape).clone()
+        return torch.zeros_like(like)
 
     def stage(self, key: str, residual: torch.Tensor) -> None:
         """Hold ``residual`` (``p - sent``) for :meth:`commit`."""
@@ -66,18 +85,30 @@ class ResidualMemory:
             self._keep(key, residual, ok_step)
         self._pending.clear()
 
+    def discard(self) -> None:
+        """Drop every staged residual (an exchange that failed half-way)."""
+        self._pending.clear()
+
     def _keep(self, key: str, new: torch.Tensor, step_ok: torch.Tensor) -> None:
         ok = step_ok.to(new.device) & all_finite(new)
         old = self.residuals.get(key)
         if new.device.type == "cpu":  # a branch costs nothing on the host
             if bool(ok):
                 self.residuals[key] = new
-            elif old is None:
+            elif old is None or old.shape != new.shape:
                 self.residuals[key] = torch.zeros_like(new)
             return
-        if old is None:
+        if old is None or old.shape != new.shape:
             old = torch.zeros_like(new)
         self.residuals[key] = torch.where(ok, new, old)
+
+    def namespace(self, namespace: str) -> dict[str, torch.Tensor]:
+        """The residuals of one namespace, by tensor key (a view for reading)."""
+        if not namespace:
+            others = tuple(f"{ns}/" for ns in (RING, ROOT))
+            return {k: v for k, v in self.residuals.items() if not k.startswith(others)}
+        prefix = namespace + "/"
+        return {k[len(prefix):]: v for k, v in self.residuals.items() if k.startswith(prefix)}
 
     def state_dict(self) -> dict[str, Any]:
         return {"beta": self.beta, "gamma": self.gamma, "residuals": {k: v.clone() for k, v in self.residuals.items()}}
@@ -88,5 +119,7 @@ class ResidualMemory:
         self.residuals = {k: v.clone() for k, v in state.get("residuals", {}).items()}
         self._pending.clear()
 
-    def nbytes(self) -> int:
-        return sum(v.numel() * v.element_size() for v in self.residuals.values())
+    def nbytes(self, namespace: str | None = None) -> int:
+        """Bytes held, in all namespaces or in one."""
+        held = self.residuals.values() if namespace is None else self.namespace(namespace).values()
+        return sum(v.numel() * v.element_size() for v in held)

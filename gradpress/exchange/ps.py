@@ -14,7 +14,8 @@ partitions land on different ranks). Per call:
    summable compressors add payloads (packets were encoded from x / N, so the
    sum is the average and fp16 does not overflow); the others decode, average
    and re-encode with a residual of the root's own (kept only with error
-   feedback) using :func:`~gradpress.comm.recompress.densified`: for sparse
+   feedback, in the engine's feedback store under the ``root`` namespace)
+   using :func:`~gradpress.exchange.recompress.densified`: for sparse
    methods density ``ratio * N`` capped at 1, since the sum of N top-k packets
    has up to N k non-zeros; other compressors re-encode as they are;
 3. each root broadcasts its re-encoded bytes (one broadcast per root that owns
@@ -35,12 +36,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradpress import wire
-from gradpress.comm.base import ExchangeResult, Strategy, aggregate, encode_local, register_strategy
-from gradpress.comm.p2p import exchange_bytes, global_rank
-from gradpress.comm.recompress import Recompressor, densified, template
-from gradpress.comm.ring import unsupported_reason
 from gradpress.compress.base import Compressor, Context, Packet
+from gradpress.exchange.base import ExchangeResult, Prelude, Strategy, aggregate, encode_local, register_strategy
+from gradpress.exchange.costs import CostModel
+from gradpress.exchange.feedback import ROOT, Feedback
+from gradpress.exchange.recompress import densified, recompress, template, unsupported_reason
+from gradpress.transport import wire
+from gradpress.transport.p2p import exchange_bytes, global_rank
 
 __all__ = ["ParameterServer"]
 
@@ -51,7 +53,6 @@ class ParameterServer(Strategy):
 
     def __init__(self, group: Any) -> None:
         super().__init__(group)
-        self.recompressor = Recompressor()
         self.roots: dict[str, int] = {}
         self._next_root = 0
         self._dense: tuple[Compressor, Compressor] | None = None
@@ -59,12 +60,33 @@ class ParameterServer(Strategy):
     def supports(self, compressor: Compressor) -> str | None:
         return unsupported_reason(compressor, "ps")
 
+    @classmethod
+    def predict(cls, costs: CostModel, numel: int, world_size: int, summable: bool) -> tuple[float, int]:
+        """Best K in 1..N, with ``m = d / K``: ``K ENC(m) + P2P((N-1) c(m)) +
+        K DEC(m)``, plus ``K BC(c(m))`` when summable (the root adds
+        payloads), else ``N DEC(m) + ENC(m) + K BC(c'(m))`` (the root decodes,
+        sums and re-encodes at density x N)."""
+        n, d = world_size, float(numel)
+        best: tuple[float, int] | None = None
+        for k in range(1, n + 1):
+            m = d / k
+            t = k * costs.encode(m) + costs.p2p((n - 1) * costs.wire(m)) + k * costs.decode(m)
+            if summable:
+                t += k * costs.broadcast(costs.wire(m))
+            else:
+                t += n * costs.decode(m) + costs.encode(m) + k * costs.broadcast(costs.root_wire(m))
+            if best is None or t < best[0] - 1e-15:
+                best = (t, k)
+        assert best is not None
+        return best
+
     def state_dict(self) -> dict[str, Any]:
-        res = self.recompressor.memory.residuals
-        return {"residuals": {k: v.clone() for k, v in res.items()}, "roots": dict(self.roots), "next_root": self._next_root}
+        return {"roots": dict(self.roots), "next_root": self._next_root}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.recompressor.memory.residuals = {k: v.clone() for k, v in state.get("residuals", {}).items()}
+        unknown = sorted(set(state) - {"roots", "next_root"})
+        if unknown:
+            raise ValueError(f"strategy 'ps': unknown state {unknown}; expected roots, next_root")
         self.roots = dict(state.get("roots", {}))
         self._next_root = int(state.get("next_root", 0))
 
@@ -84,17 +106,18 @@ class ParameterServer(Strategy):
         return self._dense[1]
 
     def exchange(
-        self, compressor: Compressor, tensors: list[torch.Tensor], ctxs: list[Context], want_feedback: bool
+        self, compressor: Compressor, tensors: list[torch.Tensor], ctxs: list[Context],
+        feedback: Feedback | None, *, prelude: Prelude | None = None, out: list[torch.Tensor] | None = None,
     ) -> ExchangeResult:
         t0 = time.perf_counter()
         comm = 0.0
         n, me = self.world_size, self.rank
         summable = compressor.is_summable
-        packets, residuals = encode_local(compressor, tensors, ctxs, 1.0 / n if summable else 1.0, want_feedback)
+        packets, residuals = encode_local(compressor, tensors, ctxs, 1.0 / n if summable else 1.0, feedback is not None)
         tensor_bytes = [p.nbytes for p in packets]
         if n == 1:
             results = [compressor.decode(p) for p in packets]
-            return ExchangeResult(results, 0, None, tensor_bytes, time.perf_counter() - t0, residuals)
+            return ExchangeResult(results, 0, residuals, tensor_bytes, time.perf_counter() - t0)
         roots = [self.root_of(c.key) for c in ctxs]
         owned: dict[int, list[int]] = {}
         for i, root in enumerate(roots):
@@ -127,7 +150,7 @@ class ParameterServer(Strategy):
             else:
                 avg = aggregate(compressor, [compressor.decode(by_rank[q][j]) for q in range(n)], n)
                 rctx = Context(key=f"{ctxs[i].key}#ps", step=ctxs[i].step, rank=me, world_size=n, seed=ctxs[i].seed)
-                pk, _ = self.recompressor.encode(root_comp, avg, rctx, want_feedback)
+                pk, _ = recompress(root_comp, avg, rctx, feedback, Feedback.key(ROOT, rctx.key))
                 out_packets.append(pk)
         # 3. broadcast each root's bytes; everyone decodes them
         def tmpl(i: int) -> Packet:
@@ -167,4 +190,4 @@ class ParameterServer(Strategy):
             for i, pk in zip(idxs, received):
                 results[i] = compressor.decode(pk) if summable else root_comp.decode(pk)
         compress_s = max(0.0, time.perf_counter() - t0 - comm)
-        return ExchangeResult(results, sent, None, tensor_bytes, compress_s, residuals)  # type: ignore[arg-type]
+        return ExchangeResult(results, sent, residuals, tensor_bytes, compress_s, comm)  # type: ignore[arg-type]

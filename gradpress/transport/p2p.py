@@ -1,4 +1,4 @@
-"""Point-to-point byte exchange for the ring and parameter-server strategies.
+"""Point-to-point byte exchange (the ring and parameter-server strategies, gossip).
 
 :func:`exchange_bytes` sends one uint8 buffer to each of some peers and
 receives one from each of some (possibly other) peers, all posted at once with

@@ -1,0 +1,271 @@
+"""The algorithm contract: optimizer-level methods over the exchange engine.
+
+An algorithm wraps a model and its (local) optimizer. The user's loop stays
+the same: ``loss.backward()`` then ``algo.step()``, which runs the local
+optimizer step and this algorithm's exchange (parameters every H steps for
+local SGD and DiLoCo, model differences to graph neighbours for gossip...)
+through the same :class:`~gradpress.exchange.Synchronizer` as the DDP hook,
+with any compressor, error feedback, the NaN/Inf protocol, stats and
+checkpointable state. Modelled on PyTorch's ``model_averaging`` (averagers
+as siblings of the comm hooks).
+
+Invariants:
+
+* Every rank starts from rank 0's parameters (broadcast at construction,
+  as DDP does) and every rank agrees on the configuration (checked at
+  construction on every rank, naming the field).
+* ``stats`` uses the hook's vocabulary (:data:`~gradpress.exchange.STATS_KEYS`):
+  ``steps`` counts optimizer steps, ``dense_bytes`` is what plain DDP would
+  have handed to its allreduce for the same steps (every parameter's
+  gradient, every step), so ``ratio`` compares across algorithms and
+  compressors; ``exchanges`` counts the steps that communicated.
+* ``state_dict()`` holds everything this rank needs to continue exactly
+  (residuals, anchors, outer optimizer state), loadable with
+  ``torch.load(..., weights_only=True)``; the local optimizer's state is
+  the caller's to save, as with DDP.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+
+from gradpress.compress import Compressor, create
+from gradpress.compress.base import Param
+from gradpress.exchange import Synchronizer
+from gradpress.exchange.agree import agree, config_diff
+from gradpress.transport.collectives import fused_allreduce
+from gradpress.transport.groups import own_group
+from gradpress.transport.p2p import global_rank
+
+__all__ = ["Algorithm", "STATE_FORMAT"]
+
+STATE_FORMAT = "gradpress-algorithm/1"
+
+
+class Algorithm:
+    """Base class. Subclasses set ``name``, ``PARAMS``, ``summary`` (and
+    ``default_compressor`` when not ``none``) and implement :meth:`step`;
+    they may add state through :meth:`extra_state` / :meth:`load_extra_state`.
+
+    Keyword options shared by every algorithm: ``compressor`` (spec or
+    instance; None: ``default_compressor``), ``error_feedback`` (None: the
+    compressor's default), ``strategy`` (default ``collective``: every
+    eligible tensor compressed as asked), ``min_numel``, ``seed``,
+    ``nonfinite``, ``process_group`` (default: the world), ``timeout``.
+    """
+
+    name: ClassVar[str] = ""
+    PARAMS: ClassVar[tuple[Param, ...]] = ()
+    summary: ClassVar[str] = ""
+    default_compressor: ClassVar[str] = "none"
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        compressor: str | Compressor | None = None,
+        error_feedback: bool | None = None,
+        strategy: str = "collective",
+        min_numel: int = 1024,
+        seed: int = 0,
+        nonfinite: str = "propagate",
+        process_group: dist.ProcessGroup | None = None,
+        timeout: float | datetime.timedelta | None = None,
+        **params: Any,
+    ) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise ValueError(f"algorithm {self.name!r}: model must be a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ValueError(f"algorithm {self.name!r}: optimizer must be a torch.optim.Optimizer, "
+                             f"got {type(optimizer).__name__}")
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            raise ValueError(f"algorithm {self.name!r}: pass the plain module, not a DistributedDataParallel "
+                             "(the algorithm does its own exchange)")
+        self._set_params(params)
+        self.model = model
+        self.optimizer = optimizer
+        self.group = own_group(process_group, timeout)
+        self.world_size = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
+        self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self._dense_per_step = sum(p.numel() * p.element_size() for _, p in self.named)
+        self._steps = 0
+        self._exchanges = 0
+        self._last = {"bytes": 0, "dense": 0}
+        error = None
+        self.engine: Synchronizer | None = None
+        try:
+            self.engine = Synchronizer(
+                create(compressor if compressor is not None else self.default_compressor),
+                params=self.exchanged_params(), group=self.group, error_feedback=error_feedback,
+                strategy=strategy, min_numel=min_numel, seed=seed, nonfinite=nonfinite,
+            )
+            self.setup()
+        except Exception as exc:  # noqa: BLE001 - every rank must reach agree(), or the others hang
+            error = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+        agree(self.config() if error is None else None, error, self.group, what=f"algorithm {self.name!r}")
+        self.broadcast_model()
+        self.after_broadcast()
+
+    # ------------------------------------------------------------ parameters
+    def _set_params(self, params: Mapping[str, Any]) -> None:
+        known = {p.name: p for p in self.PARAMS}
+        unknown = sorted(set(params) - set(known))
+        if unknown:
+            raise ValueError(f"algorithm {self.name!r}: unknown parameter {unknown[0]!r}; "
+                             f"allowed parameters: {', '.join(known) or 'none'}")
+        for p in self.PARAMS:
+            value = params.get(p.name, p.default)
+            setattr(self, p.name, p.coerce(value, self.name, kind="algorithm") if value is not None else None)
+
+    def spec(self) -> str:
+        """The spec string that rebuilds this algorithm (``localsgd:period=8``)."""
+        cfg = {p.name: getattr(self, p.name) for p in self.PARAMS}
+        return self.name + (":" + ",".join(f"{k}={v}" for k, v in cfg.items()) if cfg else "")
+
+    # ----------------------------------------------------------- subclassing
+    def exchanged_params(self) -> list[tuple[str, torch.Size, torch.dtype]]:
+        """The keyed tensors this algorithm averages through the engine
+        (default: one per trainable parameter, keyed by its name)."""
+        return [(n, p.shape, p.dtype) for n, p in self.named]
+
+    def setup(self) -> None:
+        """Validate and build extra state (runs before the agreement check)."""
+
+    def after_broadcast(self) -> None:
+        """Runs once every rank holds rank 0's parameters (anchors...)."""
+
+    def step(self) -> None:
+        """After ``loss.backward()``: the local optimizer step and this
+        algorithm's exchange."""
+        raise NotImplementedError
+
+    def eval_model(self) -> torch.nn.Module:
+        """The model to evaluate (gossip methods: a consensus copy)."""
+        return self.model
+
+    def extra_state(self) -> dict[str, Any]:
+        return {}
+
+    def load_extra_state(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`extra_state`."""
+
+    # ------------------------------------------------------------- helpers
+    def local_step(self) -> None:
+        """The local optimizer step, counted as a step of plain DDP's traffic."""
+        self.optimizer.step()
+        self._steps += 1
+        self._last = {"bytes": 0, "dense": self._dense_per_step}
+
+    def sync(self, tensors: list[torch.Tensor], keys: list[str] | None = None) -> None:
+        """Average ``tensors`` (keyed by parameter name by default) over the
+        group through the engine, in place; counts one exchange."""
+        assert self.engine is not None
+        before = self.engine.stats["bytes_sent"]
+        self.engine.sync(keys if keys is not None else [n for n, _ in self.named], tensors, step=self._exchanges)
+        self._exchanges += 1
+        self._last["bytes"] += self.engine.stats["bytes_sent"] - before
+
+    def average_plain(self, tensors: list[torch.Tensor]) -> None:
+        """Average ``tensors`` uncompressed (buffers such as BatchNorm
+        statistics), in place; the bytes are counted."""
+        floats = [t for t in tensors if t.is_floating_point() and t.numel()]
+        if not floats or self.engine is None:
+            return
+        summed, sent = fused_allreduce([t / self.world_size for t in floats], self.group)
+        for t, s in zip(floats, summed):
+            t.copy_(s)
+        self.engine.stats_counter.record(sent=sent, dense=0, compress_s=0.0, comm_s=0.0, compressed=0, plain=0,
+                                         tensor_bytes={}, end_of_step=False)
+        self._last["bytes"] += sent
+
+    @torch.no_grad()
+    def broadcast_model(self) -> None:
+        """Every rank takes rank 0's parameters and buffers (one fused
+        broadcast per dtype, as DDP does at construction)."""
+        if self.world_size == 1:
+            return
+        tensors = [p for _, p in self.model.named_parameters()] + [b for b in self.model.buffers()]
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            if t.numel():
+                by_dtype.setdefault(t.dtype, []).append(t)
+        for group in by_dtype.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in group])
+            dist.broadcast(flat, global_rank(self.group, 0), group=self.group)
+            offset = 0
+            for t in group:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+    # ------------------------------------------------------------- reporting
+    @property
+    def stats(self) -> dict[str, Any]:
+        """The hook's vocabulary (see the module doc) plus ``exchanges``."""
+        assert self.engine is not None
+        out = self.engine.stats
+        out["exchanges"] = out["steps"]
+        out["steps"] = self._steps
+        out["dense_bytes"] = self._steps * self._dense_per_step
+        out["last_step_bytes"] = self._last["bytes"]
+        out["last_step_dense_bytes"] = self._last["dense"] if self._steps else 0
+        out["ratio"] = out["dense_bytes"] / out["bytes_sent"] if out["bytes_sent"] else 1.0
+        return out
+
+    @property
+    def compressor(self) -> Compressor:
+        assert self.engine is not None
+        return self.engine.compressor
+
+    @property
+    def error_feedback(self) -> bool:
+        assert self.engine is not None
+        return self.engine.error_feedback
+
+    @property
+    def strategy_name(self) -> str:
+        assert self.engine is not None
+        return self.engine.strategy_name
+
+    def describe(self) -> dict[str, Any]:
+        """Fields for a run summary."""
+        return {"algorithm": self.spec(), "compressor": self.compressor.spec(), "strategy": self.strategy_name,
+                "error_feedback": self.error_feedback}
+
+    def config(self) -> dict[str, Any]:
+        """Everything that must agree across ranks and across a resume."""
+        assert self.engine is not None
+        return {"algorithm": self.spec(), **self.engine.config()}
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        assert self.engine is not None
+        return {
+            "format": STATE_FORMAT, "config": self.config(), "steps": self._steps, "exchanges": self._exchanges,
+            "exchange": self.engine.state_dict(), "extra": self.extra_state(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore from :meth:`state_dict`; refuses another configuration."""
+        assert self.engine is not None
+        if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
+            raise ValueError(f"not a gradpress algorithm state dict (missing format {STATE_FORMAT!r})")
+        if state["config"] != self.config():
+            raise ValueError(f"algorithm state dict is from a different configuration "
+                             f"({config_diff(state['config'], self.config())})")
+        self.engine.load_state_dict(state["exchange"])
+        self._steps = int(state["steps"])
+        self._exchanges = int(state["exchanges"])
+        self.load_extra_state(state.get("extra", {}))
+
+    def close(self) -> None:
+        """Nothing runs in the background here; kept for the training loop's contract."""
+
+    def __repr__(self) -> str:
+        return f"<algorithm {self.spec()} compressor={self.compressor.spec() if self.engine else '?'}>"

@@ -1,0 +1,218 @@
+"""The DDP comm hook: bucket -> keyed views -> exchange engine -> Future.
+
+Modelled on ``torch.distributed.algorithms.ddp_comm_hooks`` (a small hook
+function plus an explicit state object). The hook hands each bucket to a
+single communication thread and returns a ``torch.futures.Future`` that the
+thread completes. Because DDP calls the hook for buckets in the same order on
+every rank and the thread works through them first-in first-out, every rank
+issues its collectives in the same order even with several buckets and
+multi-round protocols (PyTorch's own PowerSGD hook mixes them up on gloo).
+
+All the exchange work (plan, error feedback, NaN protocol, stats, state) is
+the engine's (:class:`gradpress.exchange.Synchronizer`); this module only
+turns a ``GradBucket`` into keyed views and keeps the step count. State is
+keyed by parameter name (stable across DDP's bucket rebuild after the first
+iteration), never by ``bucket.index()``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import queue
+import threading
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gradpress.compress import Compressor
+from gradpress.exchange import Synchronizer
+from gradpress.exchange.feedback import Feedback
+from gradpress.exchange.planner import Plan
+
+__all__ = ["GradpressHook", "gradpress_hook", "HOOK_FORMAT"]
+
+HOOK_FORMAT = "gradpress-hook/2"
+_OLD_FORMAT = "gradpress-hook/1"
+
+
+def strip_module(name: str) -> str:
+    return name[len("module."):] if name.startswith("module.") else name
+
+
+class _Job:
+    __slots__ = ("buffer", "grads", "keys", "step", "is_last", "future", "event")
+
+    def __init__(self, buffer, grads, keys, step, is_last, future, event) -> None:  # noqa: ANN001
+        self.buffer = buffer
+        self.grads = grads
+        self.keys = keys
+        self.step = step
+        self.is_last = is_last
+        self.future = future
+        self.event = event
+
+
+class GradpressHook:
+    """State of the gradpress comm hook; returned by ``register``.
+
+    Attributes: ``engine`` (the exchange engine), and through it
+    ``compressor``, ``strategy_name``, ``error_feedback``, ``plan``,
+    ``memory`` (the residuals), ``stats`` (see ``STATS_KEYS``).
+    """
+
+    def __init__(self, model: torch.nn.Module, compressor: str | Compressor, *, process_group: dist.ProcessGroup,
+                 **engine_options: Any) -> None:
+        named = [(strip_module(n), p) for n, p in model.named_parameters()]
+        self._names = {id(p): n for n, p in named}
+        self.engine = Synchronizer(
+            compressor, params=[(n, p.shape, p.dtype) for n, p in named if p.requires_grad],
+            group=process_group, **engine_options,
+        )
+        self.group = process_group
+        self._step = 0  # hook-side step (main thread)
+        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._worker, name="gradpress-comm", daemon=True)
+        self._thread.start()
+        _OPEN_HOOKS.add(self)
+
+    # --------------------------------------------------------------- views
+    compressor = property(lambda self: self.engine.compressor)
+    error_feedback = property(lambda self: self.engine.error_feedback)
+    strategy_name = property(lambda self: self.engine.strategy_name)
+    strategies = property(lambda self: self.engine.strategies)
+    cost_model = property(lambda self: self.engine.cost_model)
+    rank = property(lambda self: self.engine.rank)
+    world_size = property(lambda self: self.engine.world_size)
+    nonfinite = property(lambda self: self.engine.nonfinite)
+
+    @property
+    def memory(self) -> Feedback:
+        """The error-feedback store (every residual, by key)."""
+        return self.engine.feedback
+
+    @property
+    def plan(self) -> Plan:
+        return self.engine.plan
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        """A plain mapping; see ``STATS_KEYS`` for every key."""
+        return self.engine.stats
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """True when the last completed step was dropped on every rank
+        (``nonfinite='skip'``): do not call ``optimizer.step()`` then."""
+        return self.engine.last_step_skipped
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    def replan(self, costs: Any = None) -> Plan:
+        """Measure the group (or use ``costs``) and rebuild the plan.
+        Collective: call on every rank, between steps (no bucket in flight)."""
+        return self.engine.replan(costs)
+
+    def config(self) -> dict[str, Any]:
+        return self.engine.config()
+
+    def memory_bytes(self) -> dict[str, int]:
+        return self.engine.memory_bytes()
+
+    # ------------------------------------------------------------------ hook
+    def submit(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """Queue ``bucket`` for the communication thread; return its Future."""
+        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        buffer = bucket.buffer()
+        keys = [self._names.get(id(p), f"param{i}") for i, p in enumerate(bucket.parameters())]
+        event = None
+        if buffer.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+        is_last = bucket.is_last()
+        job = _Job(buffer, bucket.gradients(), keys, self._step, is_last, future, event)
+        if is_last:
+            self._step += 1
+        self._queue.put(job)
+        return future
+
+    def _worker(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            try:
+                if job.event is not None:
+                    torch.cuda.current_stream(job.buffer.device).wait_event(job.event)
+                self.engine.sync(job.keys, job.grads, step=job.step, flat=job.buffer, end_of_step=job.is_last)
+                if job.buffer.is_cuda:
+                    torch.cuda.current_stream(job.buffer.device).synchronize()
+                job.future.set_result(job.buffer)
+            except BaseException as exc:  # noqa: BLE001 - forwarded to the training thread
+                job.future.set_exception(exc)
+
+    # ----------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        """All compression state: the engine's (config, residuals, compressor
+        and strategy state, plan, stats) and the hook's step."""
+        return {**self.engine.state_dict(), "format": HOOK_FORMAT, "step": self._step}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore from :meth:`state_dict` (also a state written before the
+        exchange engine, format ``gradpress-hook/1``). Refuses a state of
+        another configuration (compressor, strategy, world size, parameters...)."""
+        fmt = state.get("format") if isinstance(state, Mapping) else None
+        if fmt == _OLD_FORMAT:
+            state = _upgrade_v1(state)
+        elif fmt != HOOK_FORMAT:
+            raise ValueError(f"not a gradpress hook state dict (format {fmt!r}; expected {HOOK_FORMAT!r} "
+                             f"or {_OLD_FORMAT!r})")
+        engine_state = {k: v for k, v in state.items() if k != "step"}
+        engine_state["format"] = self.engine.state_dict()["format"]
+        self.engine.load_state_dict(engine_state)
+        self._step = int(state["step"])
+
+    def close(self) -> None:
+        """Stop the communication thread (the hook must not be used after).
+        Called at interpreter exit for every hook still open."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join(timeout=5)
+        _OPEN_HOOKS.discard(self)
+
+
+def _upgrade_v1(state: Mapping[str, Any]) -> dict[str, Any]:
+    """A ``gradpress-hook/1`` state (residuals in three stores) in today's
+    layout: ring and PS-root residuals move into the one feedback store."""
+    memory = dict(state.get("memory", {}))
+    residuals = dict(memory.get("residuals", {}))
+    strategies = dict(state.get("strategies", {}))
+    for name, namespace in (("ring", "ring"), ("ps", "root")):
+        old = dict(strategies.get(name, {}))
+        residuals.update({Feedback.key(namespace, k): v for k, v in old.pop("residuals", {}).items()})
+        if name in strategies:
+            strategies[name] = old
+    config = dict(state["config"])
+    config["parameters"] = [[n, list(s), d] for n, s, d in config.get("parameters", [])]
+    return {
+        **state, "config": config, "strategies": strategies,
+        "feedback": {"beta": memory.get("beta", 1.0), "gamma": memory.get("gamma", 1.0), "residuals": residuals},
+    }
+
+
+_OPEN_HOOKS: weakref.WeakSet[GradpressHook] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_hooks() -> None:
+    for hook in list(_OPEN_HOOKS):
+        hook.close()
+
+
+def gradpress_hook(state, bucket):  # noqa: ANN001,ANN201 - DDP inspects these annotations; leave them off
+    """The DDP comm hook function; ``state`` is the :class:`GradpressHook`."""
+    return state.submit(bucket)

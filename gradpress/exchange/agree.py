@@ -1,0 +1,49 @@
+"""Cross-rank agreement on a configuration, before any worker trains.
+
+Every rank exchanges its configuration (or the error that stopped it
+building one) and all raise the same ``ValueError`` if any rank failed or
+any configuration differs, naming the rank, the field and both values.
+Runs once at construction, off the hot path (``all_gather_object`` is only
+used here, never per step).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+
+__all__ = ["agree", "config_diff"]
+
+
+def config_diff(theirs: dict[str, Any], mine: dict[str, Any], theirs_name: str = "checkpoint",
+                mine_name: str = "this run") -> str:
+    """``field: <theirs_name> has X, <mine_name> has Y; ...`` for every field that differs."""
+    fields = [f for f in sorted(set(theirs) | set(mine)) if theirs.get(f) != mine.get(f)]
+    return "; ".join(
+        f"{f}: {theirs_name} has {theirs.get(f)!r}, {mine_name} has {mine.get(f)!r}" for f in fields if f != "parameters"
+    ) or "parameters: names or shapes differ"
+
+
+def agree(mine: dict[str, Any] | None, error: str | None, group: dist.ProcessGroup | None, what: str = "gradpress") -> None:
+    """Raise on every rank if any rank failed (``error``) or the
+    configurations differ; return silently when all agree."""
+    world = dist.get_world_size(group)
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, {"config": mine, "error": error}, group=group)
+    errors = [f"rank {r}: {e['error']}" for r, e in enumerate(everyone) if e["error"]]
+    if errors:
+        raise ValueError(f"{what} registration failed: " + "; ".join(errors))
+    configs = [e["config"] for e in everyone]
+    if all(c == configs[0] for c in configs):
+        return
+    base = configs[0]
+    diffs = []
+    for r, cfg in enumerate(configs):
+        for field in sorted(set(base) | set(cfg)):
+            if cfg.get(field) != base.get(field):
+                if field == "parameters":
+                    diffs.append(f"rank {r} has different parameter names/shapes/dtypes than rank 0")
+                else:
+                    diffs.append(f"rank {r} has {field}={cfg.get(field)!r} but rank 0 has {base.get(field)!r}")
+    raise ValueError(f"{what} configuration differs between ranks: " + "; ".join(diffs))

@@ -1,0 +1,197 @@
+"""The strategy contract, the strategy registry, and the shared aggregation rule.
+
+A strategy moves the compressed tensors of one call between the ranks of a
+group and returns their average, bit-identical on every rank. It is given
+the engine's error-feedback store (:class:`~gradpress.exchange.feedback.Feedback`,
+None when error feedback is off): strategies that re-compress on the way
+(ring hops, parameter-server roots) keep their residuals there, under their
+own namespace, and every strategy returns the worker's residual
+``p - estimate`` per input for the engine to stage. One store, one NaN rule,
+one ``state_dict`` contract: a strategy's own ``state_dict`` holds only what
+is not a residual (the PS root assignment).
+
+Each strategy also predicts its own cost (:meth:`Strategy.predict`) from a
+fitted :class:`~gradpress.exchange.costs.CostModel`; the planner compares
+those predictions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+
+from gradpress.compress.base import Compressor, Context, Packet
+from gradpress.exchange.costs import CostModel
+from gradpress.exchange.feedback import Feedback
+
+__all__ = [
+    "ExchangeResult", "Prelude", "Strategy", "aggregate", "available", "encode_local", "get_strategy",
+    "register_strategy", "strategy_class", "strategy_names",
+]
+
+
+@dataclass
+class Prelude:
+    """Plain tensors summed (allreduce) ahead of or together with the first
+    collective of an exchange: the tensors that stay uncompressed and the
+    NaN/Inf flags. ``on_summed`` receives their sums and returns True when the
+    call must stop there (the engine drops the bucket on every rank alike)."""
+
+    tensors: list[torch.Tensor]
+    on_summed: Callable[[list[torch.Tensor]], bool]
+
+
+@dataclass
+class ExchangeResult:
+    """What one exchange produced.
+
+    ``tensors``: the average over ranks, in input order, bit-identical on
+    every rank (a strategy may return the caller's ``out`` tensors, filled).
+    ``bytes_sent``: bytes this rank handed to collectives (the prelude's
+    included when the strategy carried it). ``residuals``: per input, what
+    error feedback keeps on this rank (``p - estimate``); None when feedback
+    is off. ``tensor_bytes``: payload bytes per input this rank originated.
+    ``compress_s``: seconds spent encoding and decoding; ``comm_s``: seconds
+    inside collectives. ``stopped``: the prelude's ``on_summed`` said stop.
+    """
+
+    tensors: list[torch.Tensor]
+    bytes_sent: int
+    residuals: list[torch.Tensor] | None = None
+    tensor_bytes: list[int] = field(default_factory=list)
+    compress_s: float = 0.0
+    comm_s: float = 0.0
+    stopped: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.tensor_bytes:
+            self.tensor_bytes = [0] * len(self.tensors)
+
+
+def encode_local(
+    compressor: Compressor, tensors: list[torch.Tensor], ctxs: list[Context], scale: float, want_residuals: bool
+) -> tuple[list[Packet], list[torch.Tensor] | None]:
+    """Encode ``scale * t`` for each tensor; with ``want_residuals`` also
+    return ``t - decode(packet) / scale`` (what error feedback keeps),
+    computed by ``Compressor.residual`` (which may reuse ``t``'s storage:
+    the tensors must be the caller's own, not gradient views)."""
+    packets = []
+    residuals: list[torch.Tensor] | None = [] if want_residuals else None
+    for t, c in zip(tensors, ctxs):
+        x = t * scale if scale != 1.0 else t
+        packet = compressor.encode(x, c)
+        packets.append(packet)
+        if residuals is not None:
+            r = compressor.residual(x, packet)
+            residuals.append(r.div_(scale) if scale != 1.0 else r)
+    return packets, residuals
+
+
+def aggregate(compressor: Compressor, decoded_by_rank: list[torch.Tensor], world_size: int) -> torch.Tensor:
+    """Fold the ranks' decoded tensors in rank order (fixed order: every rank
+    computes bit-identical results). ``mean`` averages, ``majority`` takes the
+    sign of the sum (signSGD's majority vote)."""
+    total = decoded_by_rank[0].clone()
+    for t in decoded_by_rank[1:]:
+        total += t
+    if compressor.aggregation == "majority":
+        return torch.sign(total)
+    return total.div_(world_size)
+
+
+class Strategy:
+    """Moves the compressed tensors of one call between ranks.
+
+    Subclasses implement :meth:`exchange` and :meth:`predict`, and say in
+    :meth:`supports` which compressors they cannot carry. ``carries_prelude``:
+    the strategy sums the engine's :class:`Prelude` inside its own first
+    collective (allreduce: one collective per bucket instead of two); for
+    the others the engine sums it first.
+    """
+
+    name: ClassVar[str] = ""
+    carries_prelude: ClassVar[bool] = False
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+        self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+
+    def supports(self, compressor: Compressor) -> str | None:
+        """None if usable with ``compressor``, else the reason it is not."""
+        return None
+
+    def exchange(
+        self, compressor: Compressor, tensors: list[torch.Tensor], ctxs: list[Context],
+        feedback: Feedback | None, *, prelude: Prelude | None = None, out: list[torch.Tensor] | None = None,
+    ) -> ExchangeResult:
+        """Average ``tensors`` (this rank's error-compensated values, the
+        caller's own: they may be reused in place) over the group.
+        ``feedback``: the error-feedback store, None when it is off.
+        ``prelude``: only given when ``carries_prelude``. ``out``: where the
+        averages may be written (same shapes), when the method can."""
+        raise NotImplementedError
+
+    @classmethod
+    def predict(cls, costs: CostModel, numel: int, world_size: int, summable: bool) -> tuple[float, int]:
+        """Predicted seconds for one tensor of ``numel`` elements, and the
+        number of partitions that achieves it."""
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        """What this strategy keeps besides residuals (those live in the
+        engine's feedback store). Every strategy has this contract."""
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if state:
+            raise ValueError(f"strategy {self.name!r} keeps no state but was given {sorted(state)}")
+
+
+_STRATEGIES: dict[str, type[Strategy]] = {}
+
+#: pseudo-strategies accepted wherever a strategy is named
+PSEUDO = ("auto", "collective")
+
+
+def register_strategy(name: str) -> Callable[[type[Strategy]], type[Strategy]]:
+    def deco(cls: type[Strategy]) -> type[Strategy]:
+        cls.name = name
+        _STRATEGIES[name] = cls
+        return cls
+
+    return deco
+
+
+def _load() -> None:
+    import importlib
+
+    for mod in ("allreduce", "allgather", "ring", "ps"):
+        importlib.import_module(f"gradpress.exchange.{mod}")
+
+
+def strategy_names() -> list[str]:
+    """The registered transports' names (no pseudo-strategies)."""
+    _load()
+    return sorted(_STRATEGIES)
+
+
+def available() -> list[str]:
+    """Every strategy name the engine accepts: the transports plus ``auto``
+    (the planner) and ``collective`` (allreduce if summable, else allgather)."""
+    return sorted({*PSEUDO, *strategy_names()})
+
+
+def strategy_class(name: str) -> type[Strategy]:
+    _load()
+    if name not in _STRATEGIES:
+        raise ValueError(f"unknown strategy {name!r}; allowed: {', '.join(sorted(_STRATEGIES))}")
+    return _STRATEGIES[name]
+
+
+def get_strategy(name: str, group: dist.ProcessGroup | None) -> Strategy:
+    return strategy_class(name)(group)

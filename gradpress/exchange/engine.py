@@ -1,0 +1,387 @@
+"""The exchange engine: "average these keyed tensors, compressed".
+
+:class:`Synchronizer` is what the DDP hook and every algorithm share. One
+call, :meth:`Synchronizer.sync`, averages a list of keyed tensors over the
+group in place. It owns:
+
+* the plan (per tensor: uncompressed, or compressed by a strategy in K
+  partitions keyed ``name#k``; see :mod:`gradpress.exchange.planner`);
+* error feedback (:class:`~gradpress.exchange.feedback.Feedback`: worker,
+  ring and PS-root residuals in one store, staged per step);
+* the NaN/Inf protocol (:mod:`gradpress.exchange.nonfinite`);
+* stats (:mod:`gradpress.exchange.stats`) and ``state_dict``.
+
+Per call: tensors below ``min_numel``, 1-D tensors and tensors the plan
+leaves uncompressed go through one fused plain allreduce (the prelude,
+which also carries one NaN/Inf flag per tensor, and rides inside the
+allreduce strategy's own collective when it can); the others are
+error-compensated (whole), cut into their partitions, grouped by strategy
+and exchanged strategy by strategy in a fixed order; the residuals are
+staged; the averages are written back. A step may span several calls (the
+DDP hook's buckets): ``end_of_step=True`` on the last commits the step.
+
+Invariant: every rank issues the same collectives in the same order with
+the same sizes (the plan and the keys agree across ranks: checked at
+construction by :mod:`gradpress.exchange.agree`), so averages are
+bit-identical on every rank.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gradpress.compress import Compressor, Context, create
+from gradpress.exchange.base import ExchangeResult, Prelude, Strategy
+from gradpress.exchange.feedback import RING, ROOT, WORKER, Feedback
+from gradpress.exchange.nonfinite import NONFINITE_MODES, StepGuard, local_flags
+from gradpress.exchange.planner import Decision, Plan
+from gradpress.exchange.plans import StrategyChoice
+from gradpress.exchange.stats import ExchangeStats
+from gradpress.transport.collectives import fused_allreduce
+
+__all__ = ["Synchronizer", "STRATEGY_ORDER", "ParamSpec"]
+
+#: order in which a call's strategy groups are exchanged (same on every rank)
+STRATEGY_ORDER = ("allreduce", "allgather", "ring", "ps")
+
+#: (key, shape, dtype) of every tensor the engine will see
+ParamSpec = tuple[str, Sequence[int], torch.dtype]
+
+STATE_FORMAT = "gradpress-exchange/2"
+
+
+class Synchronizer:
+    """Averages keyed tensors over ``group``, compressed; see the module doc.
+
+    ``params``: every tensor it will be asked to average (key, shape,
+    dtype); the plan is made for them and they are part of the configuration
+    all ranks must agree on. ``strategy``: ``auto`` (planner),
+    ``collective`` (allreduce if summable, else allgather) or a strategy
+    name. ``error_feedback``: None uses the compressor's default.
+    ``nonfinite``: ``propagate`` | ``skip`` | ``raise``.
+    """
+
+    def __init__(
+        self,
+        compressor: str | Compressor,
+        *,
+        params: Sequence[ParamSpec],
+        group: dist.ProcessGroup | None = None,
+        error_feedback: bool | None = None,
+        strategy: str = "auto",
+        min_numel: int = 1024,
+        seed: int = 0,
+        nonfinite: str = "propagate",
+        plan_costs: Any = None,
+    ) -> None:
+        if nonfinite not in NONFINITE_MODES:
+            raise ValueError(f"nonfinite must be one of {', '.join(NONFINITE_MODES)}, got {nonfinite!r}")
+        if not isinstance(min_numel, int) or isinstance(min_numel, bool) or min_numel < 0:
+            raise ValueError(f"min_numel must be an integer >= 0, got {min_numel!r}")
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise ValueError(f"seed must be an integer, got {seed!r}")
+        if error_feedback is not None and not isinstance(error_feedback, bool):
+            raise ValueError(f"error_feedback must be True, False or None (compressor default), got {error_feedback!r}")
+        self.compressor = create(compressor)
+        self.compressor.seed = seed
+        self.error_feedback = self.compressor.default_error_feedback if error_feedback is None else error_feedback
+        self.nonfinite = nonfinite
+        self.min_numel = min_numel
+        self.seed = seed
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.params = [(str(k), [int(s) for s in shape], str(dtype)) for k, shape, dtype in params]
+        self.choice = StrategyChoice(self.compressor, strategy, group, min_numel, plan_costs)
+        self.feedback = Feedback()
+        self.stats_counter = ExchangeStats(count_skipped=nonfinite == "skip")
+        self.guard = StepGuard(nonfinite, self._snapshot_state, self._restore_state, self.stats_counter)
+        self.plan: Plan = self.choice.initial_plan(self.params)
+
+    # ------------------------------------------------------------ properties
+    @property
+    def strategy_name(self) -> str:
+        return self.choice.name
+
+    @property
+    def strategies(self) -> dict[str, Strategy]:
+        return self.choice.strategies
+
+    @property
+    def cost_model(self) -> Any:
+        return self.choice.cost_model
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        """A plain mapping; see ``STATS_KEYS`` for every key."""
+        return self.stats_counter.snapshot()
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """True when the last completed step was dropped on every rank
+        (``nonfinite='skip'``)."""
+        return self.guard.last_skipped
+
+    def replan(self, costs: Any = None) -> Plan:
+        """Measure the group (or use ``costs``) and rebuild the plan.
+        Collective: every rank, between steps."""
+        self.plan = self.choice.replan(self.params, self.plan, costs, self.rank)
+        return self.plan
+
+    def config(self) -> dict[str, Any]:
+        """Everything that must agree across ranks and across a resume."""
+        return {
+            "compressor": self.compressor.spec(),
+            "error_feedback": self.error_feedback,
+            "strategy": self.strategy_name,
+            "min_numel": self.min_numel,
+            "nonfinite": self.nonfinite,
+            "seed": self.seed,
+            "world_size": self.world_size,
+            "parameters": [list(p) for p in self.params],
+        }
+
+    # ------------------------------------------------------------------ sync
+    def sync(self, keys: Sequence[str], tensors: Sequence[torch.Tensor], *, step: int,
+             flat: torch.Tensor | None = None, end_of_step: bool = True) -> None:
+        """Average ``tensors`` (keyed by ``keys``) over the group, in place.
+
+        ``flat``: a contiguous buffer of which the tensors are views (a DDP
+        bucket), used when nothing is compressed. ``step``: the step every
+        rank agrees on (shared randomness). ``end_of_step``: this call
+        closes the step (residuals committed, stats counted)."""
+        try:
+            self.guard.begin_call()
+            self._sync(list(keys), list(tensors), step, flat, end_of_step)
+        finally:
+            if end_of_step:
+                self.guard.end_step(self.feedback)
+
+    def _sync(self, keys: list[str], tensors: list[torch.Tensor], step: int, flat: torch.Tensor | None,
+              end_of_step: bool) -> None:
+        n = self.world_size
+        decisions = [self._decision(k, t) for k, t in zip(keys, tensors)]
+        dense_idx = [i for i, d in enumerate(decisions) if not d.compressed]
+        comp_idx = [i for i, d in enumerate(decisions) if d.compressed]
+        dense_bytes = flat.numel() * flat.element_size() if flat is not None else sum(_nbytes(t) for t in tensors)
+        tensor_bytes = {keys[i]: _nbytes(tensors[i]) for i in dense_idx}
+        if not comp_idx:
+            self._sync_dense(keys, tensors, step, flat, dense_bytes, tensor_bytes, end_of_step)
+            return
+        t0 = time.perf_counter()
+        plain = [tensors[i].mul(1.0 / n) for i in dense_idx]  # as DDP's reducer scales
+        outcome: dict[str, Any] = {}
+
+        def on_summed(summed: list[torch.Tensor]) -> bool:
+            """Write back the plain tensors, learn every rank's NaN/Inf flags;
+            True when the call is dropped (skip); raise mode raises here."""
+            for i, s in zip(dense_idx, summed[:-1]):
+                tensors[i].copy_(s)
+            bad = summed[-1] > 0
+            outcome["bad"] = bad
+            return self.guard.observe(bad, [keys[i] for i in range(len(keys))], step, _zero(tensors, flat))
+
+        prelude = Prelude([*plain, local_flags(tensors, flat)], on_summed)
+        comp_s, comm_s, sent, comp_bytes, stopped = self._exchange(keys, tensors, comp_idx, decisions, step, prelude)
+        tensor_bytes.update(comp_bytes)
+        if not stopped and self.nonfinite == "propagate":
+            for i in comp_idx:  # every rank sees the NaN, so every rank's GradScaler skips alike
+                tensors[i].masked_fill_(outcome["bad"][i], float("nan"))
+        total = time.perf_counter() - t0
+        self.stats_counter.record(
+            sent=sent, dense=dense_bytes, compress_s=0.0 if stopped else min(comp_s, total), comm_s=comm_s,
+            compressed=0 if stopped else len(comp_idx), plain=len(dense_idx), tensor_bytes=tensor_bytes,
+            end_of_step=end_of_step,
+        )
+
+    def _sync_dense(self, keys: list[str], tensors: list[torch.Tensor], step: int, flat: torch.Tensor | None,
+                    dense_bytes: int, tensor_bytes: dict[str, int], end_of_step: bool) -> None:
+        """Nothing to compress: exactly what DDP's built-in reduction does
+        (the reducer multiplies by 1/N while filling the bucket, then sums);
+        a NaN/Inf travels as it does in plain DDP and survives the sum, so
+        every rank sees the same thing: no flag exchange."""
+        n = self.world_size
+        t = time.perf_counter()
+        if flat is not None:
+            flat.mul_(1.0 / n)
+            if n > 1:
+                dist.all_reduce(flat, group=self.group)
+            sent = dense_bytes
+            bad = self.guard.not_finite(flat)
+        else:
+            summed, sent = fused_allreduce([x.mul(1.0 / n) for x in tensors], self.group)
+            for x, s in zip(tensors, summed):
+                x.copy_(s)
+            bad = self.guard.any_bad(tensors)
+        comm = time.perf_counter() - t
+        self.guard.observe_dense(bad, keys, tensors, step, _zero(tensors, flat))
+        self.stats_counter.record(sent=sent, dense=dense_bytes, compress_s=0.0, comm_s=comm, compressed=0,
+                                  plain=len(tensors), tensor_bytes=tensor_bytes, end_of_step=end_of_step)
+
+    def _decision(self, key: str, x: torch.Tensor) -> Decision:
+        d = self.plan.decisions.get(key)
+        if d is None or d.numel != x.numel():
+            d = self.choice.default_decision(key, x.numel(), list(x.shape))
+        return d
+
+    def _ctx(self, key: str, step: int) -> Context:
+        return Context(key=key, step=step, rank=self.rank, world_size=self.world_size, seed=self.seed)
+
+    def _exchange(
+        self, keys: list[str], tensors: list[torch.Tensor], comp_idx: list[int], decisions: list[Decision],
+        step: int, prelude: Prelude,
+    ) -> tuple[float, float, int, dict[str, int], bool]:
+        """Compensate each tensor whole, cut it into its planned partitions,
+        exchange each strategy's group (fixed order), reassemble, stage the
+        residuals. Returns (compress s, comm s, bytes, bytes per key, stopped)."""
+        t0 = time.perf_counter()
+        fb = self.feedback if self.error_feedback else None
+        compensated = [fb.compensate(keys[i], tensors[i]) if fb is not None else tensors[i] for i in comp_idx]
+        groups: dict[str, list[tuple[int, torch.Tensor, Context, torch.Tensor | None]]] = {}
+        for pos, i in enumerate(comp_idx):
+            d, p, key = decisions[i], compensated[pos], keys[i]
+            if d.parts <= 1:
+                groups.setdefault(d.strategy, []).append((pos, p, self._ctx(key, step), tensors[i]))
+            else:
+                for k, part in enumerate(torch.tensor_split(p.reshape(-1), d.parts)):
+                    groups.setdefault(d.strategy, []).append((pos, part, self._ctx(f"{key}#{k}", step), None))
+        order = [name for name in STRATEGY_ORDER if name in groups]
+        missing = [name for name in order if name not in self.strategies]
+        if missing:
+            raise RuntimeError(f"plan uses strategy {missing[0]!r}, which this engine cannot use with {self.compressor.name!r}")
+        comp_s, comm_s, sent = time.perf_counter() - t0, 0.0, 0
+        pending: Prelude | None = prelude
+        if not self.strategies[order[0]].carries_prelude:
+            t = time.perf_counter()
+            summed, sent = fused_allreduce(prelude.tensors, self.group)
+            comm_s += time.perf_counter() - t
+            if prelude.on_summed(summed):
+                return 0.0, comm_s, sent, {}, True
+            pending = None
+        outs: list[list[torch.Tensor]] = [[] for _ in comp_idx]
+        resids: list[list[torch.Tensor]] = [[] for _ in comp_idx]
+        nbytes = [0] * len(comp_idx)
+        for name in order:
+            items = groups[name]
+            t1 = time.perf_counter()
+            result: ExchangeResult = self.strategies[name].exchange(
+                self.compressor, [t for _, t, _, _ in items], [c for _, _, c, _ in items], fb,
+                prelude=pending, out=[o for _, _, _, o in items],
+            )
+            pending = None
+            sent += result.bytes_sent
+            comp_s += result.compress_s
+            comm_s += max(0.0, time.perf_counter() - t1 - result.compress_s)
+            if result.stopped:
+                return 0.0, comm_s, sent, {}, True
+            for j, (pos, _, _, _) in enumerate(items):
+                outs[pos].append(result.tensors[j])
+                if result.residuals is not None:
+                    resids[pos].append(result.residuals[j])
+                nbytes[pos] += result.tensor_bytes[j]
+        t2 = time.perf_counter()
+        tensor_bytes = {}
+        for pos, i in enumerate(comp_idx):
+            x, key = tensors[i], keys[i]
+            avg = outs[pos][0] if len(outs[pos]) == 1 else torch.cat([o.reshape(-1) for o in outs[pos]])
+            if fb is not None and len(resids[pos]) == len(outs[pos]):
+                r = resids[pos][0] if len(resids[pos]) == 1 else torch.cat([e.reshape(-1) for e in resids[pos]])
+                fb.stage(key, r.reshape(x.shape))
+            if avg is not x:
+                x.copy_(avg.reshape(x.shape))
+            tensor_bytes[key] = nbytes[pos]
+        comp_s += time.perf_counter() - t2
+        return comp_s, comm_s, sent, tensor_bytes, False
+
+    # ----------------------------------------------------------------- state
+    def _snapshot_state(self) -> dict[str, Any] | None:
+        """The compressor's and strategies' own state (residuals are staged,
+        never snapshotted), or None when there is none."""
+        comp = self.compressor.state_dict()
+        strats = {n: st.state_dict() for n, st in self.strategies.items()}
+        if not comp and not any(strats.values()):
+            return None
+        return copy.deepcopy({"compressor": comp, "strategies": strats})
+
+    def _restore_state(self, snapshot: Mapping[str, Any]) -> None:
+        self.compressor.load_state_dict(snapshot["compressor"])
+        for name, st in snapshot["strategies"].items():
+            self.strategies[name].load_state_dict(st)
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Extra memory kept, in bytes: ``residuals`` (the worker's error
+        feedback), ``compressor`` (its own state: momentum, factors...),
+        ``strategies`` (ring hop and PS root residuals, root assignment
+        excluded) and their ``total``."""
+        out = {
+            "residuals": self.feedback.nbytes(WORKER),
+            "compressor": _tensor_bytes(self.compressor.state_dict()),
+            "strategies": self.feedback.nbytes(RING) + self.feedback.nbytes(ROOT),
+        }
+        out["total"] = sum(out.values())
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """All exchange state: config, residuals (every namespace),
+        compressor and strategy state, plan, stats."""
+        return {
+            "format": STATE_FORMAT,
+            "config": self.config(),
+            "feedback": self.feedback.state_dict(),
+            "compressor": self.compressor.state_dict(),
+            "strategies": {n: st.state_dict() for n, st in self.strategies.items()},
+            "plan": self.plan.to_dict(),
+            "stats": self.stats_counter.state_dict(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore from :meth:`state_dict`. Refuses a state of another
+        configuration (compressor, strategy, world size, parameters...)."""
+        from gradpress.exchange.agree import config_diff
+
+        if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
+            raise ValueError(f"not a gradpress exchange state dict (missing format {STATE_FORMAT!r})")
+        theirs, mine = state["config"], self.config()
+        if theirs != mine:
+            raise ValueError(f"gradpress state dict is from a different configuration ({config_diff(theirs, mine)})")
+        self.feedback.load_state_dict(state["feedback"])
+        self.compressor.load_state_dict(state["compressor"])
+        for name, st in state.get("strategies", {}).items():
+            if name in self.strategies:
+                self.strategies[name].load_state_dict(st)
+        if state.get("plan") and self.strategy_name == "auto":
+            # keep the partitions the residuals are keyed by
+            self.plan = self.choice.plan_from_dict(state["plan"], self.plan)
+        self.stats_counter.load_state_dict(state.get("stats", {}))
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _tensor_bytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return _nbytes(obj)
+    if isinstance(obj, Mapping):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
+
+
+def _zero(tensors: list[torch.Tensor], flat: torch.Tensor | None):  # noqa: ANN202
+    """A function that zeroes the call's tensors (a dropped bucket)."""
+    def zero() -> None:
+        if flat is not None:
+            flat.zero_()
+        else:
+            for t in tensors:
+                t.zero_()
+    return zero
+

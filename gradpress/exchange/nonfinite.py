@@ -1,0 +1,127 @@
+"""The NaN/Inf protocol: every rank does the same thing with a step in which
+some rank's gradient is not finite.
+
+Modes (``nonfinite=``):
+
+* ``propagate``: the affected tensors become NaN on every rank (so every
+  rank's GradScaler skips the same step); residuals stay as they were.
+* ``skip``: every rank zeroes the affected call's tensors, residuals and the
+  compressor's and strategies' own state stay as they were (a snapshot taken
+  at the start of the step is restored), the step counts in
+  ``stats["skipped_steps"]``; check ``last_step_skipped`` before
+  ``optimizer.step()``.
+* ``raise``: every rank raises ``FloatingPointError`` naming the tensors.
+
+How every rank learns the same thing: one flag per tensor (1 where this
+rank's tensor is not finite) rides in the plain allreduce of the call, so the
+sums tell every rank which tensors are bad anywhere. When nothing is
+compressed, a NaN/Inf survives the plain sum, so the result itself tells.
+Flags stay tensors on the hot path (no host sync) except in ``skip`` and
+``raise`` modes, which must branch: one sync per call there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from gradpress.compress.base import all_finite
+from gradpress.exchange.feedback import Feedback
+from gradpress.exchange.stats import ExchangeStats
+
+__all__ = ["NONFINITE_MODES", "StepGuard", "local_flags"]
+
+NONFINITE_MODES = ("propagate", "skip", "raise")
+
+
+def local_flags(tensors: list[torch.Tensor], flat: torch.Tensor | None) -> torch.Tensor:
+    """One flag per tensor, 1 where this rank's tensor is not finite, in a
+    floating dtype of the call (they are summed with the plain tensors)."""
+    ref = flat if flat is not None else tensors[0]
+    dtype = ref.dtype if ref.is_floating_point() else torch.float32
+    return torch.stack([~all_finite(t) for t in tensors]).to(dtype)
+
+
+class StepGuard:
+    """Tracks the NaN/Inf outcome of the step in flight and applies the mode.
+
+    ``snapshot``/``restore`` save and put back the compressor's and
+    strategies' own state (``skip`` only)."""
+
+    def __init__(self, mode: str, snapshot: Callable[[], Mapping[str, Any] | None],
+                 restore: Callable[[Mapping[str, Any]], None], stats: ExchangeStats) -> None:
+        self.mode = mode
+        self._snapshot_fn = snapshot
+        self._restore_fn = restore
+        self._stats = stats
+        self._started = False
+        self._snapshot: Mapping[str, Any] | None = None
+        # OR over the calls of the step in flight: did any rank see a NaN/Inf? (tensor: no host sync)
+        self._step_bad: torch.Tensor | None = None
+        self._last_skipped: torch.Tensor | None = None
+
+    def begin_call(self) -> None:
+        if not self._started:
+            self._started = True
+            if self.mode == "skip":
+                self._snapshot = self._snapshot_fn()
+
+    def _note(self, bad: torch.Tensor) -> None:
+        self._step_bad = bad if self._step_bad is None else (self._step_bad | bad)
+
+    def observe(self, flags: torch.Tensor, keys: list[str], step: int, zero: Callable[[], None]) -> bool:
+        """Given the per-tensor flags summed over ranks (True: bad on some
+        rank), apply the mode; True when the call is dropped."""
+        self._note(flags.any())
+        if self.mode != "propagate" and bool(flags.any()):  # one host sync per call, in these modes only
+            self._drop([k for k, b in zip(keys, flags.tolist()) if b], step, zero)
+            return True
+        return False
+
+    def observe_dense(self, any_bad: torch.Tensor, keys: list[str], tensors: list[torch.Tensor], step: int,
+                      zero: Callable[[], None]) -> None:
+        """The same after a call where nothing was compressed."""
+        self._note(any_bad)
+        if self.mode != "propagate" and bool(any_bad):
+            self._drop([k for k, t in zip(keys, tensors) if not bool(all_finite(t))], step, zero)
+
+    @staticmethod
+    def not_finite(t: torch.Tensor) -> torch.Tensor:
+        return ~all_finite(t)
+
+    @staticmethod
+    def any_bad(tensors: list[torch.Tensor]) -> torch.Tensor:
+        return torch.stack([~all_finite(t) for t in tensors]).any()
+
+    def _drop(self, names: list[str], step: int, zero: Callable[[], None]) -> None:
+        """``raise``: fail (on every rank: all saw the same flags); ``skip``:
+        every rank zeroes the call's tensors."""
+        if self.mode == "raise":
+            raise FloatingPointError(
+                f"gradpress: non-finite gradient (NaN/Inf) in {', '.join(repr(k) for k in names)} at step "
+                f"{step} on at least one rank (nonfinite='raise'; use 'skip' to drop such steps)"
+            )
+        zero()
+
+    def end_step(self, feedback: Feedback) -> None:
+        """Commit the step's staged residuals unless some rank saw a NaN/Inf;
+        with ``skip``, also put back the state the step's calls advanced."""
+        bad, self._step_bad = self._step_bad, None
+        self._started = False
+        snapshot, self._snapshot = self._snapshot, None
+        if snapshot is not None and bad is not None and bool(bad):
+            self._restore_fn(snapshot)
+        if bad is None:
+            feedback.commit(True)
+            self._last_skipped = None
+            return
+        feedback.commit(~bad)
+        self._stats.flag_step(bad)
+        self._last_skipped = bad if self.mode == "skip" else None
+
+    @property
+    def last_skipped(self) -> bool:
+        flag = self._last_skipped
+        return bool(flag) if flag is not None else False

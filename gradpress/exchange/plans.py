@@ -1,0 +1,145 @@
+"""Which strategies an engine may use, and the plan it starts from.
+
+:class:`StrategyChoice` resolves the requested strategy against the
+compressor (the one place that decides it):
+
+* a named strategy is forced for every eligible tensor, and refused at
+  construction, with the strategy's own reason, when it cannot carry the
+  compressor;
+* ``collective`` is the general strategy: allreduce when packets are
+  summable, else allgather; every eligible tensor compressed;
+* ``auto`` plans per tensor among the general strategy, ring and ps (those
+  that can carry the compressor) with a cost model measured on the live group
+  (:mod:`gradpress.exchange.probe`) or injected. A multi-round protocol
+  (PowerSGD) decides per tensor itself whether to compress: ``auto`` is
+  allreduce for it. An identity compressor (``none``) has nothing to
+  compress: its tensors join the plain allreduce.
+
+Eligible: more than one dimension and at least ``min_numel`` elements.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gradpress.compress.base import Compressor
+from gradpress.exchange.base import Strategy, available, get_strategy
+from gradpress.exchange.costs import CostModel
+from gradpress.exchange.planner import Decision, Plan, Planner, log_plan
+from gradpress.transport.groups import device_of
+
+__all__ = ["StrategyChoice"]
+
+
+class StrategyChoice:
+    def __init__(self, compressor: Compressor, strategy: str, group: dist.ProcessGroup | None, min_numel: int,
+                 plan_costs: CostModel | Mapping[str, Any] | None) -> None:
+        self.compressor = compressor
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.min_numel = min_numel
+        self.requested = strategy
+        self.name = self._resolve(strategy)
+        self.strategies: dict[str, Strategy] = {}
+        for name in self._candidates():
+            strat = get_strategy(name, group)
+            reason = strat.supports(compressor)
+            if reason and self.name != "auto":
+                raise ValueError(f"strategy {strategy!r}: {reason}")
+            if not reason:
+                self.strategies[name] = strat
+        if plan_costs is not None and strategy != "auto":
+            raise ValueError(f"plan_costs is only used with strategy 'auto', got strategy {strategy!r}")
+        #: the cost model the plan came from (None until one is measured or injected)
+        self.cost_model: CostModel | None = CostModel.from_mapping(plan_costs) if plan_costs is not None else None
+
+    @property
+    def general(self) -> str:
+        """The strategy any compressor can use: allreduce if its packets are
+        summable, else allgather."""
+        return "allreduce" if self.compressor.is_summable else "allgather"
+
+    @property
+    def forced(self) -> Strategy | None:
+        """The forced strategy (None with ``auto``)."""
+        return self.strategies.get(self.name)
+
+    @property
+    def plans(self) -> bool:
+        """Whether this choice is made per tensor by the planner."""
+        return self.name == "auto" and bool(self.strategies)
+
+    def _resolve(self, strategy: str) -> str:
+        if not isinstance(strategy, str):
+            raise ValueError(f"strategy must be a string, got {strategy!r}")
+        if strategy not in available():
+            raise ValueError(f"unknown strategy {strategy!r}; allowed: {', '.join(available())}")
+        if strategy == "collective" or (strategy == "auto" and self.compressor.rounds > 1):
+            return self.general
+        return strategy
+
+    def _candidates(self) -> list[str]:
+        if self.name != "auto":
+            return [self.name]
+        if self.compressor.identity:
+            return []
+        return [self.general, "ring", "ps"]
+
+    def eligible(self, shape: list[int]) -> bool:
+        return len(shape) > 1 and math.prod(shape) >= self.min_numel
+
+    def default_decision(self, key: str, numel: int, shape: list[int]) -> Decision:
+        if not self.eligible(shape):
+            return Decision(key, numel, "uncompressed", 1, reason="1-D or below min_numel")
+        if self.compressor.identity and self.requested in ("collective", "auto"):
+            return Decision(key, numel, "uncompressed", 1, reason="nothing to compress")
+        if self.name != "auto":
+            return Decision(key, numel, self.name, 1, reason="forced")
+        return Decision(key, numel, self.general, 1, reason="not planned yet")
+
+    def _plan_params(self, params: list[tuple[str, list[int], str]]) -> list[tuple[str, int, int, bool]]:
+        out = []
+        for key, shape, dtype in params:
+            elem = torch.empty(0, dtype=getattr(torch, dtype.replace("torch.", ""))).element_size()
+            out.append((key, math.prod(shape), elem, self.eligible(shape)))
+        return out
+
+    def _planner(self, costs: CostModel) -> Planner:
+        return Planner(costs, self.world_size, self.compressor.is_summable, list(self.strategies))
+
+    def initial_plan(self, params: list[tuple[str, list[int], str]]) -> Plan:
+        if self.plans and self.cost_model is not None:
+            return self._planner(self.cost_model).plan(self._plan_params(params), "injected costs")
+        source = "forced" if self.name != "auto" else "default"
+        return Plan({k: self.default_decision(k, math.prod(s), s) for k, s, _ in params}, source)
+
+    def replan(self, params: list[tuple[str, list[int], str]], current: Plan, costs: Any, rank: int) -> Plan:
+        """Measure the group (or use ``costs``) and rebuild the plan; a forced
+        strategy keeps its plan. Collective when measuring."""
+        if not self.plans:
+            return current
+        if costs is None:
+            from gradpress.exchange.probe import measure
+
+            model = measure(self.group, self.compressor, device=device_of(self.group))
+            source = "measured"
+        else:
+            model = CostModel.from_mapping(costs)
+            source = "injected costs"
+        plan = self._planner(model).plan(self._plan_params(params), source)
+        self.cost_model = model
+        log_plan(plan, rank)
+        return plan
+
+    def plan_from_dict(self, saved: Mapping[str, Any], current: Plan) -> Plan:
+        """A checkpoint's plan (the partitions its residuals are keyed by)."""
+        return Plan({
+            k: Decision(k, current[k].numel if k in current.decisions else 0, v["strategy"], int(v["parts"]),
+                        reason="checkpoint")
+            for k, v in saved.items()
+        }, "checkpoint")

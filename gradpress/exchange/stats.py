@@ -1,0 +1,115 @@
+"""Exact accounting of what an exchange engine hands to collectives.
+
+``stats`` counts the bytes actually handed to collectives (payload, headers,
+padding, size exchanges, NaN/Inf flags), per step and per tensor, never a
+theoretical figure. ``dense_bytes`` is what plain DDP would have handed to
+its allreduce for the same tensors, so ``ratio`` compares across
+compressors, strategies and algorithms. NaN/Inf step flags are kept as
+tensors (no host sync on the hot path) and folded into counts when read.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+__all__ = ["STATS_KEYS", "ExchangeStats"]
+
+#: Every key of ``stats`` and what it means.
+STATS_KEYS: dict[str, str] = {
+    "steps": "synchronous steps completed (buckets of one backward pass count once)",
+    "bytes_sent": "total bytes this rank handed to collectives, all steps (payload, headers, padding, size exchanges)",
+    "dense_bytes": "total bytes plain DDP would have handed to its allreduce for the same steps",
+    "last_step_bytes": "bytes_sent during the last completed step",
+    "last_step_dense_bytes": "dense_bytes of the last completed step",
+    "ratio": "dense_bytes / bytes_sent (compression ratio on the wire; 1.0 before the first step)",
+    "compress_s": "seconds spent in error feedback, encoding and decoding (this rank, all steps)",
+    "comm_s": "seconds spent inside collectives (this rank, all steps)",
+    "compressed_tensors": "number of tensors per step that go through the compressor",
+    "dense_tensors": "number of tensors per step that go through the fused plain allreduce",
+    "tensor_bytes": "payload bytes per tensor (parameter name) in the last step",
+    "nonfinite_steps": "steps in which some rank had a NaN/Inf gradient",
+    "skipped_steps": "steps skipped on every rank because of a NaN/Inf gradient (nonfinite='skip')",
+}
+
+_COUNTERS = ("steps", "bytes_sent", "dense_bytes", "last_step_bytes", "last_step_dense_bytes", "compress_s",
+             "comm_s", "compressed_tensors", "dense_tensors", "tensor_bytes", "nonfinite_steps", "skipped_steps")
+
+
+def _fresh_step() -> dict[str, Any]:
+    return {"bytes": 0, "dense": 0, "compressed": 0, "plain": 0, "tensor_bytes": {}}
+
+
+class ExchangeStats:
+    """Thread-safe counters (the DDP hook fills them on its communication
+    thread while the training thread reads them)."""
+
+    def __init__(self, count_skipped: bool) -> None:
+        self.count_skipped = count_skipped
+        self._lock = threading.Lock()
+        self._totals: dict[str, Any] = {k: (0.0 if k.endswith("_s") else 0) for k in _COUNTERS}
+        self._totals["tensor_bytes"] = {}
+        self._cur = _fresh_step()
+        self._bad_steps: list[torch.Tensor] = []
+
+    def record(self, *, sent: int, dense: int, compress_s: float, comm_s: float, compressed: int, plain: int,
+               tensor_bytes: Mapping[str, int], end_of_step: bool) -> None:
+        """Account one call (one bucket); ``end_of_step`` closes the step."""
+        with self._lock:
+            s, cur = self._totals, self._cur
+            s["bytes_sent"] += sent
+            s["dense_bytes"] += dense
+            s["compress_s"] += compress_s
+            s["comm_s"] += comm_s
+            cur["bytes"] += sent
+            cur["dense"] += dense
+            cur["compressed"] += compressed
+            cur["plain"] += plain
+            cur["tensor_bytes"].update(tensor_bytes)
+            if end_of_step:
+                s["steps"] += 1
+                s["last_step_bytes"] = cur["bytes"]
+                s["last_step_dense_bytes"] = cur["dense"]
+                s["compressed_tensors"] = cur["compressed"]
+                s["dense_tensors"] = cur["plain"]
+                s["tensor_bytes"] = dict(cur["tensor_bytes"])
+                self._cur = _fresh_step()
+
+    def add_dense(self, dense: int) -> None:
+        """Count ``dense`` bytes that plain DDP would have sent in a step
+        where this engine sent nothing (an algorithm's local step)."""
+        with self._lock:
+            self._totals["dense_bytes"] += dense
+
+    def flag_step(self, bad: torch.Tensor) -> None:
+        """Remember a step's NaN/Inf flag (0-d bool tensor, folded when read)."""
+        with self._lock:
+            self._bad_steps.append(bad)
+
+    def _fold(self) -> None:
+        bad = [bool(b) for b in self._bad_steps]
+        self._bad_steps = []
+        self._totals["nonfinite_steps"] += sum(bad)
+        if self.count_skipped:
+            self._totals["skipped_steps"] += sum(bad)
+
+    def snapshot(self) -> dict[str, Any]:
+        """A plain mapping of every key of :data:`STATS_KEYS`."""
+        with self._lock:
+            self._fold()
+            out = dict(self._totals)
+            out["tensor_bytes"] = dict(self._totals["tensor_bytes"])
+        out["ratio"] = out["dense_bytes"] / out["bytes_sent"] if out["bytes_sent"] else 1.0
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        out = self.snapshot()
+        out.pop("ratio")
+        return out
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        with self._lock:
+            self._totals.update({k: v for k, v in state.items() if k in self._totals})

@@ -1,0 +1,50 @@
+"""gradpress's own process groups, with a timeout.
+
+Every integration (the DDP hook, the algorithms) talks on a group of its own
+over the same ranks, so its collectives never interleave with DDP's or the
+user's. A collective that a dead or stuck peer never joins fails after the
+group's timeout instead of hanging: the caller's, else the base group's
+(``new_group`` alone would fall back to 30 minutes).
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["own_group", "timeout_of", "device_of"]
+
+
+def device_of(group: dist.ProcessGroup | None) -> torch.device:
+    """The device collectives of ``group`` run on: CUDA for NCCL, else CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def timeout_of(group: dist.ProcessGroup | None, timeout: float | datetime.timedelta | None) -> datetime.timedelta | None:
+    """``timeout`` as a timedelta (validated), else the timeout of ``group``
+    (None where torch does not say)."""
+    if timeout is not None:
+        if isinstance(timeout, datetime.timedelta):
+            return timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"timeout must be a positive number of seconds or a timedelta, got {timeout!r}")
+        return datetime.timedelta(seconds=float(timeout))
+    try:
+        device = torch.device("cuda") if dist.get_backend(group) == "nccl" else torch.device("cpu")
+        return group._get_backend(device).options._timeout  # type: ignore[union-attr]
+    except Exception:  # noqa: BLE001 - private API; fall back to torch's default
+        return None
+
+
+def own_group(base: dist.ProcessGroup | None, timeout: float | datetime.timedelta | None = None) -> dist.ProcessGroup:
+    """A new group over the ranks of ``base`` (default: the world), same
+    backend. Collective: every rank of the world calls it."""
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialized; call dist.init_process_group first (torchrun does)")
+    base_group = base if base is not None else dist.group.WORLD
+    ranks = dist.get_process_group_ranks(base_group)
+    return dist.new_group(ranks=ranks, backend=dist.get_backend(base_group), timeout=timeout_of(base_group, timeout))

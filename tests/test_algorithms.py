@@ -1,0 +1,182 @@
+"""The algorithms layer: registry, the shared contract, and local SGD
+against a float64 reference the test computes itself (no gradpress code in
+the reference)."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+import torch.distributed as dist
+from distributed import run_workers
+
+import gradpress.algorithms as algorithms
+
+WORLD = 2
+LR = 0.1
+STEPS = 8
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(7)
+    return torch.nn.Sequential(torch.nn.Linear(6, 40), torch.nn.Tanh(), torch.nn.Linear(40, 3)).double()
+
+
+def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(16, 6, generator=g, dtype=torch.float64)
+    return x, torch.sin(x[:, :3] * 2.0)
+
+
+def loss_of(model: torch.nn.Module, rank: int, step: int) -> torch.Tensor:
+    x, y = batch(rank, step)
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def reference(period: int, steps: int) -> list[torch.Tensor]:
+    """Local SGD by its definition, float64, one process: each worker takes
+    plain SGD steps on its own batches; every ``period`` steps all workers
+    take the mean of their parameters."""
+    models = [make_model() for _ in range(WORLD)]
+    for step in range(steps):
+        for rank, m in enumerate(models):
+            m.zero_grad()
+            loss_of(m, rank, step).backward()
+            with torch.no_grad():
+                for p in m.parameters():
+                    p -= LR * p.grad
+        if (step + 1) % period == 0:
+            with torch.no_grad():
+                for ps in zip(*(m.parameters() for m in models)):
+                    mean = sum(p.clone() for p in ps) / WORLD
+                    for p in ps:
+                        p.copy_(mean)
+    return [torch.cat([p.detach().reshape(-1) for p in m.parameters()]) for m in models]
+
+
+def _train(rank: int, spec: str, compressor: str | None, steps: int, **kw) -> dict:  # noqa: ANN003
+    model = make_model()
+    if rank == 1:  # other initial weights: the algorithm must start every rank from rank 0's
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    algo = algorithms.create(spec, model, opt, compressor=compressor, **kw)
+    history = []
+    for step in range(steps):
+        opt.zero_grad()
+        loss_of(model, rank, step).backward()
+        algo.step()
+        history.append(algo.stats)
+    return {"algo": algo, "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+            "history": history, "model": model, "opt": opt}
+
+
+def _worker(rank: int, world: int) -> dict:
+    out: dict = {}
+    for period in (1, 4):
+        run = _train(rank, f"localsgd:period={period}", None, STEPS)
+        out[("none", period)] = {"params": run["params"], "stats": run["algo"].stats,
+                                 "describe": run["algo"].describe()}
+    # compressed delta with error feedback; then a resume that must continue exactly
+    run = _train(rank, "localsgd:period=2", "topk:ratio=0.1", 4, min_numel=64)
+    buf = io.BytesIO()
+    torch.save({"algo": run["algo"].state_dict(), "model": run["model"].state_dict(),
+                "opt": run["opt"].state_dict()}, buf)
+    cont = []
+    for step in range(4, 8):
+        run["opt"].zero_grad()
+        loss_of(run["model"], rank, step).backward()
+        run["algo"].step()
+        cont.append(torch.cat([p.detach().reshape(-1) for p in run["model"].parameters()]))
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    model = make_model()
+    model.load_state_dict(saved["model"])
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    opt.load_state_dict(saved["opt"])
+    algo = algorithms.create("localsgd:period=2", model, opt, compressor="topk:ratio=0.1", min_numel=64)
+    algo.load_state_dict(saved["algo"])
+    resumed = []
+    for step in range(4, 8):
+        opt.zero_grad()
+        loss_of(model, rank, step).backward()
+        algo.step()
+        resumed.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+    out["topk"] = {"cont": cont, "resumed": resumed, "stats": algo.stats,
+                   "residuals": {k: v.abs().sum().item() for k, v in saved["algo"]["exchange"]["feedback"]["residuals"].items()}}
+    # another configuration on one rank fails on every rank, naming the field
+    try:
+        algorithms.create(f"localsgd:period={2 + rank}", make_model(), torch.optim.SGD(make_model().parameters(), lr=LR))
+        out["mismatch"] = None
+    except ValueError as exc:
+        out["mismatch"] = str(exc)
+    dist.barrier()
+    return out
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    return run_workers(_worker, WORLD)
+
+
+def test_period_one_is_synchronous_sgd(results: list[dict]) -> None:
+    """H = 1, no compression: the parameters of synchronous SGD on the
+    mean gradient (float64, to rounding)."""
+    ref = reference(1, STEPS)
+    for rank, res in enumerate(results):
+        got = res[("none", 1)]["params"]
+        assert torch.allclose(got, ref[rank], rtol=0, atol=1e-12), (got - ref[rank]).abs().max()
+
+
+def test_period_four_matches_local_sgd_and_replicas_agree(results: list[dict]) -> None:
+    ref = reference(4, STEPS)
+    for rank, res in enumerate(results):
+        assert torch.allclose(res[("none", 4)]["params"], ref[rank], rtol=0, atol=1e-12)
+    assert torch.equal(results[0][("none", 4)]["params"], results[1][("none", 4)]["params"])
+
+
+def test_stats_speak_the_hooks_vocabulary(results: list[dict]) -> None:
+    model_bytes = sum(p.numel() * p.element_size() for p in make_model().parameters())
+    for res in results:
+        one, four = res[("none", 1)]["stats"], res[("none", 4)]["stats"]
+        for s, period in ((one, 1), (four, 4)):
+            assert s["steps"] == STEPS and s["exchanges"] == STEPS // period
+            assert s["dense_bytes"] == STEPS * model_bytes  # what DDP would have sent for the same steps
+            # dense exchange: the parameters (one fused plain allreduce per exchange) and nothing else
+            assert s["bytes_sent"] == (STEPS // period) * model_bytes
+        assert four["ratio"] == pytest.approx(4.0)
+        assert res[("none", 4)]["describe"] == {"algorithm": "localsgd:period=4", "compressor": "none",
+                                               "strategy": "allreduce", "error_feedback": False}
+
+
+def test_compressed_delta_keeps_residuals_and_resumes_exactly(results: list[dict]) -> None:
+    for res in results:
+        r = res["topk"]
+        assert any(v > 0 for v in r["residuals"].values()), "top-k dropped nothing: the test proves nothing"
+        for a, b in zip(r["cont"], r["resumed"]):
+            assert torch.equal(a, b)
+        assert r["stats"]["ratio"] > 2.0, r["stats"]
+    for a, b in zip(results[0]["topk"]["cont"][1::2], results[1]["topk"]["cont"][1::2]):
+        assert torch.equal(a, b)  # after every synchronization the replicas are bit-identical
+
+
+def test_configuration_mismatch_fails_on_every_rank(results: list[dict]) -> None:
+    for res in results:
+        assert res["mismatch"] is not None and "differs between ranks" in res["mismatch"]
+        assert "localsgd:period=3" in res["mismatch"] and "localsgd:period=2" in res["mismatch"]
+
+
+def test_registry_lists_and_validates() -> None:
+    assert "localsgd" in algorithms.names()
+    row = {r["name"]: r for r in algorithms.describe()}["localsgd"]
+    assert row["params"][0]["name"] == "period" and row["params"][0]["default"] == 8
+    with pytest.raises(ValueError, match="unknown algorithm 'gossip'.*localsgd"):
+        algorithms.parse("gossip")
+    with pytest.raises(ValueError, match="algorithm 'localsgd': parameter 'period' got 0"):
+        algorithms.parse("localsgd:period=0")
+    with pytest.raises(ValueError, match="unknown parameter 'perod'"):
+        algorithms.parse("localsgd:perod=2")
+    with pytest.raises(ValueError, match="do not compose"):
+        algorithms.parse("localsgd>localsgd")
