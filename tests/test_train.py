@@ -1,9 +1,13 @@
 """``gradpress train``: configuration and errors, every workload end to end,
-sharding, agreement between ranks, exact resume on 2 workers."""
+sharding, agreement between ranks, exact resume on 2 workers (also from a
+checkpoint written before algorithms existed), the loop's algorithm
+interface."""
 
 from __future__ import annotations
 
 import json
+import pickle
+import shutil
 
 import numpy as np
 import pytest
@@ -18,6 +22,23 @@ TINY = ["--samples", "96", "--batch-size", "16", "--no-progress", "--log-every",
 
 def _rows(out):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _write_legacy(path):
+    """Rewrite a checkpoint as the train.py before algorithms wrote it
+    (format gradpress-train/1): no algorithm in the config, per rank the
+    hook's state under "hook" and numpy's own RNG tuple (a pickled array)."""
+    ck = torch.load(path, weights_only=True)
+    ranks = []
+    for r in ck["ranks"]:
+        rng, npy = r["rng"], r["rng"]["numpy"]
+        ranks.append({"hook": r["algorithm"], "rng": {
+            "torch": rng["torch"],
+            "numpy": (npy["name"], npy["key"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"],
+                      npy["cached_gaussian"]),
+            "python": (rng["python"][0], tuple(rng["python"][1]), rng["python"][2])}})
+    config = {k: v for k, v in ck["config"].items() if k not in ("algorithm", "nonfinite")}
+    torch.save({**ck, "format": "gradpress-train/1", "config": config, "ranks": ranks}, path)
 
 
 # ------------------------------------------------------------------ errors
@@ -35,6 +56,9 @@ def _rows(out):
     (["--workload", "wide-mlp", "--params", "lots"], "params must be a count"),
     (["--workload", "data-mlp"], "data: workload 'data-mlp' needs --data"),
     (["--schedule", "zigzag"], "schedule must be one of constant, cosine"),
+    (["--algorithm", "ddp:period=2"], "algorithm 'ddp' takes no parameters"),
+    (["--algorithm", ""], "algorithm must be a spec string"),
+    (["--nonfinite", "ignore"], "nonfinite must be one of propagate, skip, raise"),
 ])
 def test_bad_arguments_exit_2(capsys, tmp_path, argv, needle):
     assert cli(["train", "--out", str(tmp_path), *argv]) == 2
@@ -115,6 +139,8 @@ def test_each_workload_trains(tmp_path, argv, capsys):
                 "bytes_per_step", "dense_bytes_per_step", "compression_ratio", "median_step_s"):
         assert key in s, key
     assert s["steps"] == 4 and s["world_size"] == 1 and s["workload"] == argv[1]
+    assert s["algorithm"] == "ddp" and s["compressor"] == (argv[argv.index("--compressor") + 1]
+                                                           if "--compressor" in argv else "none")
     assert s["final_metric"] is not None and np.isfinite(s["final_metric"])
     assert ("test_accuracy" in s) == (s["metric"] == "accuracy")
     assert s["bytes_per_step"] > 0 and s["compression_ratio"] == pytest.approx(s["dense_bytes_per_step"] / s["bytes_per_step"])
@@ -161,10 +187,15 @@ def test_resume_is_exact_on_two_workers(tmp_path):
     assert cli([*common, "--out", str(full)]) == 0
     assert cli([*common, "--out", str(part), "--steps", "8"]) == 0  # 256 // 2 // 16 = 8 steps per epoch
     assert [r["step"] for r in _rows(part)] == list(range(1, 9))
-    ckpt = torch.load(part / "checkpoint.pt", weights_only=False)
+    ckpt = torch.load(part / "checkpoint.pt", weights_only=True)  # tensors, numbers, strings only
+    assert ckpt["format"] == "gradpress-train/2" and ckpt["config"]["algorithm"] == "ddp"
     assert len(ckpt["ranks"]) == 2 and (ckpt["epoch"], ckpt["batch"]) == (1, 0)
-    res = [ckpt["ranks"][r]["hook"]["memory"]["residuals"] for r in range(2)]
+    assert "model" not in ckpt["ranks"][0]  # ddp keeps replicas identical: one copy of model and optimizer
+    res = [ckpt["ranks"][r]["algorithm"]["memory"]["residuals"] for r in range(2)]
     assert res[0] and any(not torch.equal(res[0][k], res[1][k]) for k in res[0])  # per-rank state matters
+    legacy = tmp_path / "legacy"
+    shutil.copytree(part, legacy)
+    _write_legacy(legacy / "checkpoint.pt")
     assert cli([*common, "--out", str(part), "--resume"]) == 0
     a, b = _rows(full), _rows(part)
     assert [r["step"] for r in b] == list(range(1, 17))
@@ -172,5 +203,202 @@ def test_resume_is_exact_on_two_workers(tmp_path):
     assert [r.get("metric") for r in a] == [r.get("metric") for r in b]
     sa, sb = (json.loads((d / "summary.json").read_text()) for d in (full, part))
     assert sa["final_metric"] == sb["final_metric"] and sa["bytes_total"] == sb["bytes_total"]
+    # a checkpoint of the train.py before algorithms (gradpress-train/1, numpy RNG state, the
+    # hook's state under "hook") resumes as algorithm ddp, exactly
+    with pytest.raises(pickle.UnpicklingError):
+        torch.load(legacy / "checkpoint.pt", weights_only=True)  # numpy arrays: not plain weights
+    assert cli([*common, "--out", str(legacy), "--resume", "--compressor", "none"]) == 2  # checked as any other
+    assert cli([*common, "--out", str(legacy), "--resume"]) == 0
+    assert [r["loss"] for r in _rows(legacy)] == [r["loss"] for r in a]
     # a changed configuration is refused, naming the field
     assert cli([*common, "--out", str(part), "--resume", "--seed", "9"]) == 2
+
+
+# ------------------------------------------------------------------ checkpoints and the algorithm seam
+def test_resume_checks_name_the_algorithm_and_refuse_foreign_files(tmp_path):
+    from gradpress.train import checkpoint
+
+    cfg = train.make_config({"workload": "digits-mlp", "out": str(tmp_path)})
+    assert cfg.algorithm == "ddp" and cfg.compressor == "none"  # left out: the algorithm's default
+    state = {"format": checkpoint.FORMAT, "config": {**checkpoint.compat(cfg, 2), "algorithm": "localsgd:period=4"}}
+    with pytest.raises(ValueError, match=r"algorithm: checkpoint has 'localsgd:period=4', this run has 'ddp'"):
+        checkpoint.check_resume(state, cfg, 2)
+    checkpoint.check_resume({**state, "config": checkpoint.compat(cfg, 2)}, cfg, 2)
+    with pytest.raises(ValueError, match=r"world_size: checkpoint has 2, this run has 3"):
+        checkpoint.check_resume({**state, "config": checkpoint.compat(cfg, 2)}, cfg, 3)
+    with pytest.raises(ValueError, match=r"format 'other/1'; allowed: 'gradpress-train/2', 'gradpress-train/1'"):
+        checkpoint.check_resume({"format": "other/1"}, cfg, 2)
+    # a file that needs arbitrary unpickling is refused before anything runs
+    torch.save({"format": "gradpress-train/2", "evil": _NotAWeight()}, tmp_path / "checkpoint.pt")
+    with pytest.raises(ValueError, match="not a gradpress training checkpoint.*weights_only"):
+        checkpoint.load(tmp_path / "checkpoint.pt")
+    (tmp_path / "checkpoint.pt").write_text("not a zip")
+    with pytest.raises(ValueError, match="not a gradpress training checkpoint"):
+        checkpoint.load(tmp_path / "checkpoint.pt")
+
+
+class _NotAWeight:
+    pass
+
+
+def test_rng_state_round_trips_through_weights_only(tmp_path):
+    import random
+
+    from gradpress.train import checkpoint
+
+    cpu = torch.device("cpu")
+    torch.manual_seed(3)
+    np.random.seed(3)
+    random.seed(3)
+    np.random.standard_normal()  # a cached Gaussian in numpy's state
+    torch.save(checkpoint.rng_state(cpu), tmp_path / "rng.pt")
+    want = (torch.rand(3), np.random.standard_normal(3), random.random())
+    checkpoint.set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True), cpu)
+    got = (torch.rand(3), np.random.standard_normal(3), random.random())
+    assert torch.equal(want[0], got[0]) and np.array_equal(want[1], got[1]) and want[2] == got[2]
+
+
+class _Stub:
+    """The smallest algorithm: no exchange, just the optimizer step (world size 1)."""
+
+    def __init__(self, model, optimizer):
+        self.model, self.optimizer, self.steps = model, optimizer, 0
+
+    def step(self):
+        self.optimizer.step()
+        self.steps += 1
+
+    def eval_model(self):
+        return self.model
+
+
+def test_loop_drives_any_algorithm_through_the_interface():
+    wl = train.workloads.build("digits-mlp", hidden=8, samples=64)
+    opt = train.make_optimizer("sgd", wl.model.parameters(), 0.5)
+    algo = _Stub(wl.model, opt)
+    x, y = wl.train
+    from gradpress.train.loop import shard_batches
+
+    batches = list(shard_batches(x, y, seed=0, rank=0, world=1, batch_size=16, epochs=3))
+    assert [(e, b) for e, b, _, _ in batches] == [(e, b) for e in range(3) for b in range(4)]
+    assert torch.equal(batches[5][3], y[train.epoch_order(64, 0, 1)[16:32]])  # epoch 1, batch 1
+    ticks, lrs = [], []
+
+    def after(t):
+        ticks.append(t)
+        lrs.append(opt.param_groups[0]["lr"])
+        return t.step == 6
+
+    before = train.evaluate(wl, algo.eval_model())
+    done = train.run_steps(algo, opt, wl.loss, batches, lr=0.5, schedule="cosine", horizon=12, step=2, after=after)
+    assert done == 6 and algo.steps == 4 and [t.step for t in ticks] == [3, 4, 5, 6]
+    assert lrs == pytest.approx([0.25 * (1 + np.cos(np.pi * s / 12)) for s in (2, 3, 4, 5)])
+    assert all(t.seconds > 0 and t.loss.requires_grad for t in ticks)
+    assert train.evaluate(wl, algo.eval_model()) != before and wl.model.training
+
+
+class _Plain:
+    """A stand-in for a registered algorithm: local steps, no exchange (world
+    size 1), stats in the hook's vocabulary, state that must survive resume."""
+
+    default_compressor = "fp16"
+
+    def __init__(self, spec, model, optimizer, compressor=None, **options):
+        self.spec, self.model, self.optimizer = spec, model, optimizer
+        self.compressor = compressor or self.default_compressor
+        self.options = options
+        self.counter = 0
+
+    def step(self):
+        self.optimizer.step()
+        self.counter += 1
+
+    def eval_model(self):
+        return self.model
+
+    @property
+    def stats(self):
+        from gradpress.ddp import STATS_KEYS
+
+        out = dict.fromkeys(STATS_KEYS, 0)
+        out.update(steps=self.counter, bytes_sent=10 * self.counter, dense_bytes=40 * self.counter)
+        return out
+
+    def state_dict(self):
+        return {"counter": torch.tensor(self.counter)}
+
+    def load_state_dict(self, state):
+        self.counter = int(state["counter"])
+
+    def close(self):
+        pass
+
+    def describe(self):
+        return {"algorithm": self.spec, "compressor": self.compressor, "strategy": "allreduce",
+                "error_feedback": False, "every": int(self.spec.partition("=")[2] or 1)}
+
+
+class _Registry:
+    """What train needs of gradpress.algorithms: names, get_class, describe, create."""
+
+    @staticmethod
+    def names():
+        return ["plain"]
+
+    @staticmethod
+    def get_class(spec):
+        name, _, params = spec.partition(":")
+        if name != "plain":
+            raise ValueError(f"unknown algorithm {name!r}; allowed: plain")
+        key, _, value = params.partition("=")
+        if params and (key != "every" or not value.isdigit()):
+            raise ValueError(f"algorithm 'plain': bad parameter {params!r}; allowed parameters: every (int)")
+        return _Plain
+
+    @staticmethod
+    def describe():
+        return [{"name": "plain", "summary": "local steps only", "default_compressor": "fp16",
+                 "params": [{"name": "every", "type": "int", "default": 1, "allowed": ">= 1", "doc": "unused"}]}]
+
+    @staticmethod
+    def create(spec, model, optimizer, compressor=None, **options):
+        return _Registry.get_class(spec)(spec, model, optimizer, compressor, **options)
+
+
+@pytest.fixture
+def plain_registry(monkeypatch):
+    from gradpress.train import algorithm
+
+    monkeypatch.setattr(algorithm, "_registry", lambda: _Registry)
+
+
+def test_a_registered_algorithm_is_validated_listed_and_trained(plain_registry, tmp_path, capsys):
+    assert train.make_config({"algorithm": "plain"}).compressor == "fp16"  # the algorithm's default compressor
+    assert train.make_config({"algorithm": "plain:every=3", "compressor": "none"}).compressor == "none"
+    with pytest.raises(ValueError, match="unknown algorithm 'nosuch'; allowed: ddp, plain"):
+        train.make_config({"algorithm": "nosuch:every=2"})
+    with pytest.raises(ValueError, match="algorithm 'plain': bad parameter 'every=x'"):
+        train.make_config({"algorithm": "plain:every=x"})
+    assert cli(["algorithms", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["name"], r["default_compressor"]) for r in rows] == [("ddp", "none"), ("plain", "fp16")]
+    assert cli(["algorithms"]) == 0
+    table = capsys.readouterr().out
+    assert "ddp" in table and "plain" in table and "every=1 (>= 1)" in table
+
+    common = {"workload": "digits-mlp", "hidden": 16, "samples": 128, "batch_size": 16, "epochs": 2,
+              "algorithm": "plain:every=2", "progress": False, "log_every": 1}
+    full = train.run({**common, "out": str(tmp_path / "full")})
+    assert (full["algorithm"], full["compressor"], full["strategy"], full["every"]) == ("plain:every=2", "fp16",
+                                                                                       "allreduce", 2)
+    assert full["bytes_per_step"] == 10 and full["compression_ratio"] == 4 and full["steps"] == 16
+    train.run({**common, "out": str(tmp_path / "part"), "steps": 8})
+    ckpt = torch.load(tmp_path / "part" / "checkpoint.pt", weights_only=True)
+    assert int(ckpt["ranks"][0]["algorithm"]["counter"]) == 8
+    assert set(ckpt["ranks"][0]) == {"algorithm", "rng", "model", "optimizer"}  # replicas may differ: each rank's own
+    resumed = train.run({**common, "out": str(tmp_path / "part"), "resume": True})
+    assert [r["loss"] for r in _rows(tmp_path / "full")] == [r["loss"] for r in _rows(tmp_path / "part")]
+    assert resumed["bytes_total"] == full["bytes_total"] == 160
+    with pytest.raises(ValueError, match="algorithm: checkpoint has 'plain:every=2', this run has 'ddp'"):
+        train.run({**common, "algorithm": "ddp", "compressor": "fp16", "out": str(tmp_path / "part"),
+                   "resume": True})

@@ -44,7 +44,7 @@ def test_dead_worker_stops_run_and_checkpoint_resumes(tmp_path: Path) -> None:
             proc.kill()
     assert rc != 0, "a run whose worker died must not exit 0"
     assert waited < 60, f"the run took {waited:.0f}s to stop after a worker died"
-    ckpt = torch.load(out / "checkpoint.pt", weights_only=False)
+    ckpt = torch.load(out / "checkpoint.pt", weights_only=True)
     assert ckpt["epoch"] >= 1 and len(ckpt["ranks"]) == 2
     done = subprocess.run(_train_cmd(out, ckpt["epoch"] + 1, "--resume"), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr

@@ -1,0 +1,166 @@
+"""What the training loop runs: an *algorithm*, built from a spec
+``name[:key=value,...]``.
+
+The loop talks to one small interface (:class:`Algorithm`): ``model`` (run
+forward/backward on it), ``step()`` (after ``loss.backward()``: the
+optimizer step and this algorithm's exchange), ``eval_model()``, ``stats``
+(the keys of ``gradpress.ddp.STATS_KEYS``), ``state_dict()`` /
+``load_state_dict()`` (this rank's state), ``close()`` and ``describe()``.
+
+Two providers:
+
+* ``ddp`` (the default): :class:`DDPAlgorithm`, DistributedDataParallel with
+  the gradpress comm hook (``gradpress.ddp.register``); ``step()`` is
+  ``optimizer.step()``, skipped when the hook dropped the step.
+* every other name: ``gradpress.algorithms.create`` (local SGD, DiLoCo,
+  gossip, ...), listed by ``gradpress algorithms``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import torch
+
+__all__ = ["Algorithm", "DDPAlgorithm", "create", "check_spec", "default_compressor", "names", "describe",
+           "split_spec", "strategy_names"]
+
+
+class Algorithm(Protocol):
+    """The interface the training loop uses (see the module doc)."""
+
+    model: torch.nn.Module
+
+    def step(self) -> None: ...
+    def eval_model(self) -> torch.nn.Module: ...
+    @property
+    def stats(self) -> dict[str, Any]: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+    def close(self) -> None: ...
+    def describe(self) -> dict[str, Any]: ...
+
+
+def split_spec(spec: Any) -> tuple[str, str]:
+    """``"localsgd:period=8"`` -> ``("localsgd", "period=8")``."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"algorithm must be a spec string like 'ddp' or 'localsgd:period=8', got {spec!r}")
+    name, _, params = spec.strip().partition(":")
+    return name.strip(), params.strip()
+
+
+def _registry() -> Any:
+    import gradpress.algorithms
+
+    return gradpress.algorithms
+
+
+def names() -> list[str]:
+    """``ddp`` and every registered algorithm."""
+    return ["ddp", *[n for n in _registry().names() if n != "ddp"]]
+
+
+def check_spec(spec: Any) -> str:
+    """Validate an algorithm spec (name and parameters) without building it;
+    returns it stripped. Raises ValueError naming the algorithm or the
+    parameter and what is allowed."""
+    name, params = split_spec(spec)
+    if name == "ddp":
+        if params:
+            raise ValueError(f"algorithm 'ddp' takes no parameters, got {params!r}; allowed: ddp")
+        return "ddp"
+    if name not in names():
+        raise ValueError(f"unknown algorithm {name!r}; allowed: {', '.join(names())}")
+    _registry().get_class(spec.strip())  # parses and checks the parameters
+    return spec.strip()
+
+
+def default_compressor(spec: str) -> str:
+    """The compressor an algorithm runs when ``--compressor`` is left out."""
+    name, _ = split_spec(spec)
+    if name == "ddp":
+        return DDPAlgorithm.default_compressor
+    return str(_registry().get_class(spec).default_compressor)
+
+
+def strategy_names() -> list[str]:
+    """Every strategy name ``--strategy`` accepts."""
+    from gradpress.exchange import available
+
+    return list(available())
+
+
+def describe() -> list[dict[str, Any]]:
+    """One row per algorithm, as ``gradpress.compress.describe()``: name,
+    summary, params (name, type, default, allowed, doc), default_compressor."""
+    ddp = {"name": "ddp", "summary": DDPAlgorithm.summary, "params": [],
+           "default_compressor": DDPAlgorithm.default_compressor}
+    return [ddp, *[row for row in _registry().describe() if row["name"] != "ddp"]]
+
+
+class DDPAlgorithm:
+    """Synchronous data parallelism: DDP with the gradpress comm hook.
+    Exactly what ``gradpress train`` ran before algorithms existed."""
+
+    name = "ddp"
+    summary = ("synchronous data parallel SGD: DistributedDataParallel with the gradpress comm hook "
+               "(every step's gradient buckets compressed and averaged)")
+    default_compressor = "none"
+    #: every rank holds the same parameters and optimizer state after every step
+    replicated = True
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, compressor: str | None = None, *,
+                 error_feedback: bool | None = None, strategy: str = "auto", min_numel: int = 1024, seed: int = 0,
+                 nonfinite: str = "propagate", ddp_options: Mapping[str, Any] | None = None) -> None:
+        import gradpress.ddp
+
+        device = next(model.parameters()).device
+        self.module = model
+        self.optimizer = optimizer
+        self.compressor = compressor if compressor is not None else self.default_compressor
+        self.model = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device] if device.type == "cuda" else None, **dict(ddp_options or {}))
+        self.hook = gradpress.ddp.register(self.model, self.compressor, error_feedback=error_feedback,
+                                           strategy=strategy, min_numel=min_numel, seed=seed, nonfinite=nonfinite)
+
+    def step(self) -> None:
+        if not self.hook.last_step_skipped:
+            self.optimizer.step()
+
+    def eval_model(self) -> torch.nn.Module:
+        return self.module
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        return self.hook.stats
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.hook.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.hook.load_state_dict(state)
+
+    def close(self) -> None:
+        self.hook.close()
+
+    def describe(self) -> dict[str, Any]:
+        return {"algorithm": "ddp", "compressor": self.compressor, "strategy": self.hook.strategy_name,
+                "error_feedback": self.hook.error_feedback}
+
+
+def create(spec: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, compressor: str | None = None,
+           error_feedback: bool | None = None, strategy: str = "auto", min_numel: int = 1024, seed: int = 0,
+           nonfinite: str = "propagate", ddp_options: Mapping[str, Any] | None = None) -> Algorithm:
+    """Build the algorithm ``spec`` around ``model`` and ``optimizer`` (an
+    optimizer over ``model.parameters()``). ``compressor`` None: the
+    algorithm's default. ``ddp_options``: keywords for DistributedDataParallel
+    (``ddp`` only)."""
+    spec = check_spec(spec)
+    common = {"error_feedback": error_feedback, "strategy": strategy, "min_numel": min_numel, "seed": seed,
+              "nonfinite": nonfinite}
+    if spec == "ddp":
+        return DDPAlgorithm(model, optimizer, compressor, ddp_options=ddp_options, **common)
+    if ddp_options:
+        raise ValueError(f"ddp_options apply to algorithm 'ddp' only, not {spec!r}")
+    return _registry().create(spec, model, optimizer, compressor=compressor, **common)

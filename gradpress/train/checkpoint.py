@@ -1,0 +1,148 @@
+"""Checkpoints of a training run: what they hold, the resume checks, RNG
+state.
+
+One file, ``DIR/checkpoint.pt``, written atomically by rank 0 (temporary
+file + rename) after every epoch and at the end (format ``gradpress-train/2``):
+
+* ``config``: the settings a resumed run must share (:data:`RESUME_FIXED`
+  and the world size), ``epoch``/``batch``/``step``: the position in the data;
+* ``model``, ``optimizer``: rank 0's;
+* ``ranks``: per rank, ``algorithm`` (its ``state_dict()``: residuals differ
+  between ranks) and ``rng``; for algorithms whose replicas may differ
+  between synchronizations (every algorithm but ``ddp``) also that rank's
+  ``model`` and ``optimizer``;
+* ``step_times``, ``history``.
+
+Everything is tensors, numbers, strings, lists and dicts, so the file loads
+with ``torch.load(..., weights_only=True)``. Checkpoints written before
+algorithms existed (``gradpress-train/1``: numpy RNG state, the hook's state
+under ``hook``) still load, as algorithm ``ddp``; numpy arrays in them are
+the only extra types allowed.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from gradpress.train.config import RESUME_FIXED, TrainConfig
+
+__all__ = ["CHECKPOINT", "FORMAT", "compat", "load", "check_resume", "save", "rng_state", "set_rng_state",
+           "rank_state"]
+
+CHECKPOINT = "checkpoint.pt"
+FORMAT = "gradpress-train/2"
+_LEGACY = "gradpress-train/1"
+#: what a ``gradpress-train/1`` checkpoint ran, for settings it does not record
+_LEGACY_DEFAULTS = {"algorithm": "ddp", "nonfinite": "propagate"}
+
+
+def compat(cfg: TrainConfig, world: int) -> dict[str, Any]:
+    d = {k: getattr(cfg, k) for k in RESUME_FIXED}
+    d["world_size"] = world
+    return d
+
+
+def _legacy_globals() -> list[Any]:
+    """The numpy types a ``gradpress-train/1`` file pickled (its RNG state)."""
+    reconstruct = np.ndarray.__reduce__(np.zeros(0))[0]
+    return [reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
+def load(path: Path) -> dict[str, Any]:
+    """Read a checkpoint with ``weights_only=True``; a ``gradpress-train/1``
+    one is upgraded in memory to the current layout (algorithm ``ddp``)."""
+    with torch.serialization.safe_globals(_legacy_globals()):
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - pickle / zip / weights-only errors all mean "not ours"
+            raise ValueError(f"resume: {str(path)!r} is not a gradpress training checkpoint "
+                             f"(it does not load with weights_only=True: {str(exc).splitlines()[0]})") from None
+    if isinstance(state, Mapping) and state.get("format") == _LEGACY:
+        state = dict(state)
+        state["config"] = {**_LEGACY_DEFAULTS, **state["config"]}
+        state["ranks"] = [{"algorithm": r["hook"], "rng": r["rng"]} for r in state["ranks"]]
+        state["format"] = FORMAT
+    return state
+
+
+def check_resume(state: Any, cfg: TrainConfig, world: int) -> None:
+    if not isinstance(state, Mapping) or state.get("format") != FORMAT:
+        found = state.get("format") if isinstance(state, Mapping) else None
+        raise ValueError(f"resume: {cfg.out}/{CHECKPOINT} is not a gradpress training checkpoint "
+                         f"(format {found!r}; allowed: {FORMAT!r}, {_LEGACY!r})")
+    theirs, mine = state["config"], compat(cfg, world)
+    diffs = [f"{k}: checkpoint has {theirs.get(k)!r}, this run has {mine[k]!r}" for k in mine if theirs.get(k) != mine[k]]
+    if diffs:
+        raise ValueError("resume: the checkpoint is from a different configuration (" + "; ".join(diffs) + ")")
+
+
+def rank_state(state: Mapping[str, Any], rank: int, key: str) -> Any:
+    """This rank's ``model`` or ``optimizer`` state: its own where the
+    checkpoint has one (replicas that may differ), else rank 0's."""
+    mine = state["ranks"][rank]
+    return mine[key] if key in mine else state[key]
+
+
+def _atomic_save(obj: Any, path: Path) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def save(path: Path, cfg: TrainConfig, world: int, rank: int, device: torch.device, model: torch.nn.Module,
+         opt: torch.optim.Optimizer, algo: Any, nxt: tuple[int, int], step: int, step_times: list[float],
+         history: list[dict[str, Any]]) -> None:
+    """Gather every rank's algorithm and RNG state on rank 0 (and model and
+    optimizer, unless the algorithm keeps replicas identical), which writes
+    one file atomically."""
+    mine: dict[str, Any] = {"algorithm": algo.state_dict(), "rng": rng_state(device)}
+    if not getattr(algo, "replicated", False):
+        mine["model"] = model.state_dict()
+        mine["optimizer"] = opt.state_dict()
+    gathered: list[Any] | None = [None] * world if rank == 0 else None
+    dist.gather_object(mine, gathered, dst=0)
+    if rank == 0:
+        _atomic_save({
+            "format": FORMAT, "config": compat(cfg, world), "epoch": nxt[0], "batch": nxt[1], "step": step,
+            "model": model.state_dict(), "optimizer": opt.state_dict(), "ranks": gathered,
+            "step_times": list(step_times), "history": list(history),
+        }, path)
+    dist.barrier()
+
+
+# ---------------------------------------------------------------- RNG state
+def rng_state(device: torch.device) -> dict[str, Any]:
+    """torch, numpy and Python RNG states as tensors, numbers and lists."""
+    name, key, pos, has_gauss, cached = np.random.get_state()
+    version, internal, gauss = random.getstate()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": {"name": name, "key": torch.from_numpy(key.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "python": [version, list(internal), gauss],
+    }
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any], device: torch.device) -> None:
+    torch.set_rng_state(state["torch"].cpu())
+    npy = state["numpy"]
+    if isinstance(npy, Mapping):
+        np.random.set_state((npy["name"], npy["key"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"],
+                             npy["cached_gaussian"]))
+    else:  # gradpress-train/1: numpy's own tuple
+        np.random.set_state(npy)
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"].cpu(), device)

@@ -1,0 +1,220 @@
+"""Training options: :class:`TrainConfig`, the TOML file, and validation.
+
+:func:`make_config` merges built-in defaults < a TOML file (``config``) <
+explicit values, fills the workload's defaults, resolves the compressor
+(left out: the algorithm's own default) and validates every field, so that a
+bad value fails before any worker starts with a ``ValueError`` that names
+the field, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from gradpress import workloads
+from gradpress.train import algorithm as algorithms
+from gradpress.train.optim import OPTIMIZERS, SCHEDULES
+
+__all__ = ["TrainConfig", "FIELDS", "RESUME_FIXED", "NONFINITE", "make_config"]
+
+#: what a step does when a rank's gradient has a NaN/Inf (``gradpress.ddp.NONFINITE_MODES``)
+NONFINITE = ("propagate", "skip", "raise")
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Every training option. ``None`` means "the workload's default"
+    (``compressor``: the algorithm's default compressor)."""
+
+    workload: str | None = None
+    data: str | None = None
+    algorithm: str = "ddp"
+    compressor: str | None = None
+    strategy: str = "auto"
+    error_feedback: str = "auto"
+    epochs: int | None = None
+    steps: int | None = None
+    batch_size: int | None = None
+    lr: float | None = None
+    optimizer: str | None = None
+    schedule: str | None = None
+    seed: int = 0
+    out: str = "runs/train"
+    resume: bool = False
+    device: str = "cpu"
+    log_every: int = 10
+    eval_every: int = 0
+    nproc: int | None = None
+    min_numel: int = 1024
+    nonfinite: str = "propagate"
+    hidden: int | None = None
+    params: str | None = None
+    samples: int | None = None
+    text_bytes: int | None = None
+    progress: bool = True
+
+
+FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig))
+#: changing these between a checkpoint and --resume would not continue the same run
+RESUME_FIXED = ("workload", "data", "hidden", "params", "samples", "text_bytes", "algorithm", "compressor",
+                "strategy", "error_feedback", "optimizer", "schedule", "batch_size", "seed", "min_numel", "nonfinite")
+
+
+def _load_toml(path: str) -> dict[str, Any]:
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover
+        import tomli as tomllib
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"config file {path!r} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"config file {path!r} is not valid TOML: {exc}") from None
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        name = key.replace("-", "_")
+        if name not in FIELDS or name == "config":
+            raise ValueError(f"config file {path!r}: unknown key {key!r}; allowed: {', '.join(FIELDS)}")
+        out[name] = value
+    return out
+
+
+def _int(name: str, value: Any, low: int | None = None, optional: bool = False) -> int | None:
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be an integer{'' if low is None else f' >= {low}'}, got {value!r}")
+    if low is not None and value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    return int(value)
+
+
+def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+    return value
+
+
+def make_config(config: Mapping[str, Any] | argparse.Namespace | TrainConfig | None = None,
+                **overrides: Any) -> TrainConfig:
+    """Merge defaults < the TOML file named by ``config`` (key ``config``) <
+    explicit values, fill workload defaults and validate everything.
+    Raises ValueError naming the field, the value and what is allowed."""
+    if config is None:
+        given: dict[str, Any] = {}
+    elif isinstance(config, TrainConfig):
+        given = dataclasses.asdict(config)
+    elif isinstance(config, argparse.Namespace):
+        given = {k: v for k, v in vars(config).items() if k in FIELDS or k == "config"}
+    elif isinstance(config, Mapping):
+        given = {str(k).replace("-", "_"): v for k, v in config.items()}
+    else:
+        raise ValueError(f"config must be a dict, an argparse.Namespace or a TrainConfig, got {type(config).__name__}")
+    given.update({k.replace("-", "_"): v for k, v in overrides.items()})
+    unknown = [k for k in given if k not in FIELDS and k != "config"]
+    if unknown:
+        raise ValueError(f"unknown training option(s) {', '.join(map(repr, unknown))}; allowed: {', '.join(FIELDS)}")
+    merged: dict[str, Any] = {}
+    if given.get("config"):
+        merged.update(_load_toml(str(given["config"])))
+    merged.update({k: v for k, v in given.items() if k != "config"})
+    return _validate(TrainConfig(**merged))
+
+
+def _validate_workload(cfg: TrainConfig) -> None:
+    if cfg.data is not None:
+        if cfg.workload not in (None, "data-mlp"):
+            raise ValueError(f"data: --data trains the 'data-mlp' workload, but workload={cfg.workload!r} was given")
+        cfg.workload = "data-mlp"
+        if not isinstance(cfg.data, (str, os.PathLike)):
+            raise ValueError(f"data must be a path to a .npz file, got {cfg.data!r}")
+        cfg.data = str(cfg.data)
+    if cfg.workload is None:
+        cfg.workload = workloads.DEFAULT
+    if not isinstance(cfg.workload, str) or cfg.workload not in workloads.names():
+        raise ValueError(f"unknown workload {cfg.workload!r}; allowed: {', '.join(workloads.names())}")
+    if cfg.workload == "data-mlp" and cfg.data is None:
+        raise ValueError("data: workload 'data-mlp' needs --data PATH.npz (arrays x and y)")
+    for key, value in workloads.defaults(cfg.workload).items():
+        if getattr(cfg, key) is None:
+            setattr(cfg, key, value)
+
+
+def _validate_numbers(cfg: TrainConfig) -> None:
+    cfg.epochs = _int("epochs", cfg.epochs, 1)
+    cfg.steps = _int("steps", cfg.steps, 1, optional=True)
+    cfg.batch_size = _int("batch_size", cfg.batch_size, 1)
+    cfg.seed = _int("seed", cfg.seed, 0)
+    cfg.log_every = _int("log_every", cfg.log_every, 1)
+    cfg.eval_every = _int("eval_every", cfg.eval_every, 0)
+    cfg.nproc = _int("nproc", cfg.nproc, 1, optional=True)
+    cfg.min_numel = _int("min_numel", cfg.min_numel, 0)
+    cfg.hidden = _int("hidden", cfg.hidden, 1, optional=True)
+    cfg.samples = _int("samples", cfg.samples, 1, optional=True)
+    cfg.text_bytes = _int("text_bytes", cfg.text_bytes, 1000, optional=True)
+    if isinstance(cfg.lr, bool) or not isinstance(cfg.lr, (int, float)) or not math.isfinite(cfg.lr) or cfg.lr <= 0:
+        raise ValueError(f"lr must be a positive finite number, got {cfg.lr!r}")
+    cfg.lr = float(cfg.lr)
+
+
+def _validate_exchange(cfg: TrainConfig) -> None:
+    """Algorithm, compressor (resolved to the algorithm's default when left
+    out), strategy, error feedback, NaN/Inf mode."""
+    if isinstance(cfg.error_feedback, bool):
+        cfg.error_feedback = "on" if cfg.error_feedback else "off"
+    cfg.error_feedback = _choice("error_feedback", cfg.error_feedback, ("on", "off", "auto"))
+    cfg.nonfinite = _choice("nonfinite", cfg.nonfinite, NONFINITE)
+    cfg.algorithm = algorithms.check_spec(cfg.algorithm)  # raises naming the algorithm / parameter
+    if cfg.compressor is None:
+        cfg.compressor = algorithms.default_compressor(cfg.algorithm)
+    if not isinstance(cfg.compressor, str):
+        raise ValueError(f"compressor must be a spec string like 'topk:ratio=0.01', got {cfg.compressor!r}")
+    from gradpress.compress import create
+
+    create(cfg.compressor)  # raises ValueError naming the bad name / parameter
+    if not isinstance(cfg.strategy, str):
+        raise ValueError(f"strategy must be a string, got {cfg.strategy!r}")
+    if cfg.strategy != "auto":
+        allowed = algorithms.strategy_names()
+        if cfg.strategy not in allowed:
+            raise ValueError(f"unknown strategy {cfg.strategy!r}; allowed: {', '.join(allowed)}")
+
+
+def _validate(cfg: TrainConfig) -> TrainConfig:
+    _validate_workload(cfg)
+    _validate_numbers(cfg)
+    cfg.optimizer = _choice("optimizer", cfg.optimizer, OPTIMIZERS)
+    cfg.schedule = _choice("schedule", cfg.schedule, SCHEDULES)
+    cfg.device = _choice("device", cfg.device, ("cpu", "cuda"))
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but torch.cuda.is_available() is False; allowed here: cpu")
+    for name in ("resume", "progress"):
+        if not isinstance(getattr(cfg, name), bool):
+            raise ValueError(f"{name} must be true or false, got {getattr(cfg, name)!r}")
+    if not isinstance(cfg.out, (str, os.PathLike)) or not str(cfg.out):
+        raise ValueError(f"out must be a directory path, got {cfg.out!r}")
+    cfg.out = str(cfg.out)
+    if cfg.params is not None:
+        if cfg.workload != "wide-mlp":
+            raise ValueError(f"params sets the size of 'wide-mlp' only; workload is {cfg.workload!r}")
+        from gradpress.workloads.wide import parse_count
+
+        parse_count(cfg.params)
+        cfg.params = str(cfg.params)
+    _validate_exchange(cfg)
+    if cfg.data is not None:
+        from gradpress.workloads.userdata import read
+
+        read(cfg.data)  # fail before starting workers
+    return cfg

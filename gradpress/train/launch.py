@@ -1,0 +1,122 @@
+"""Where training runs: :func:`run` and the process group.
+
+Inside an initialized group, use it; with ``nproc`` start that many local
+workers through PyTorch's elastic launcher (the code torchrun runs; c10d
+rendezvous on 127.0.0.1, free port); under torchrun join from
+``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``; otherwise a
+one-process gloo group, so DDP and the algorithms still run. Backend gloo on
+CPU, nccl with ``device="cuda"``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import socket
+import sys
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import torch.distributed as dist
+
+from gradpress import workloads
+from gradpress.train.config import TrainConfig, make_config
+
+__all__ = ["run", "init_group", "free_port"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _in_group_env() -> bool:
+    return dist.is_initialized() or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+def run(config: Mapping[str, Any] | argparse.Namespace | TrainConfig | None = None, **overrides: Any) -> dict[str, Any]:
+    """Train and return the summary (also written to ``out/summary.json``).
+
+    With ``nproc`` set and no process group around, starts ``nproc`` local
+    workers and returns rank 0's summary; otherwise trains in this process
+    (joining torchrun's group, or alone)."""
+    from gradpress.train.session import train
+
+    cfg = make_config(config, **overrides)
+    if cfg.nproc is not None and not _in_group_env():
+        return _launch(cfg)
+    return train(cfg)
+
+
+def _worker_entry(cfg_dict: dict[str, Any]) -> dict[str, Any]:
+    from gradpress.train.session import train
+
+    try:
+        return {"ok": train(TrainConfig(**cfg_dict))}
+    except ValueError as exc:
+        return {"value_error": str(exc)}
+
+
+def _start_method(device: str) -> str:
+    """fork on Linux CPU runs: workers start in well under a second instead
+    of re-importing torch (seconds each); spawn where fork is unsafe (CUDA,
+    other platforms)."""
+    return "fork" if device == "cpu" and sys.platform.startswith("linux") else "spawn"
+
+
+def _preload(cfg: TrainConfig) -> None:
+    """Import what workers need and build the data once in the parent:
+    forked workers inherit it (imports cost seconds on a busy machine), and
+    generated data land in the cache before workers look for them."""
+    import torch._dynamo  # noqa: F401 - DDP imports it on construction
+    import tqdm  # noqa: F401
+
+    import gradpress.ddp  # noqa: F401
+    import gradpress.train.session  # noqa: F401
+
+    if cfg.algorithm != "ddp":
+        import gradpress.algorithms  # noqa: F401
+    workloads.build(cfg.workload, data=cfg.data, hidden=cfg.hidden, params=cfg.params,
+                    samples=cfg.samples, text_bytes=cfg.text_bytes)
+
+
+def _launch(cfg: TrainConfig) -> dict[str, Any]:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    assert cfg.nproc is not None
+    launch = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=cfg.nproc, run_id=f"gradpress-{uuid.uuid4().hex[:12]}",
+        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0, monitor_interval=0.1,
+        start_method=_start_method(cfg.device), local_addr="127.0.0.1",
+    )
+    _preload(cfg)
+    old = os.environ.get("OMP_NUM_THREADS")
+    if old is None and cfg.device == "cpu":  # what torchrun does for several local workers
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // cfg.nproc))
+    try:
+        results = elastic_launch(launch, _worker_entry)(dataclasses.asdict(cfg))
+    except ChildFailedError as exc:
+        raise RuntimeError(f"a training worker failed:\n{exc.format_msg()}") from None
+    finally:
+        if old is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+    first = results[min(results)]
+    if "value_error" in first:
+        raise ValueError(first["value_error"])
+    return first["ok"]
+
+
+def init_group(device: str) -> bool:
+    """Join or create the default process group; True if we created it."""
+    if dist.is_initialized():
+        return False
+    backend = "nccl" if device == "cuda" else "gloo"
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend)
+    else:
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    return True

@@ -1,0 +1,100 @@
+"""The one training loop, and its building blocks: the data order, one
+step, the loop over steps. ``gradpress train`` (:mod:`gradpress.train.session`)
+and the end-to-end benchmark (``gradpress.bench.e2e_worker``) both run it.
+
+Data: every epoch is a permutation of the training set drawn from
+(seed, epoch) alone; rank r trains on slice r of it (equal-sized, disjoint
+shards; the remainder of N // world is dropped). So the position in the
+data is fully described by (epoch, batch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+
+from gradpress.train.optim import set_lr
+
+__all__ = ["epoch_order", "steps_per_epoch", "shard_batches", "train_step", "Tick", "run_steps"]
+
+
+def epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
+    """The permutation of ``n`` training samples for ``epoch`` (its own generator:
+    the global RNG is not touched)."""
+    g = torch.Generator().manual_seed((seed * 1_000_003 + epoch * 7919 + 17) % (2**63 - 1))
+    return torch.randperm(n, generator=g)
+
+
+def steps_per_epoch(n: int, world: int, batch_size: int, workload: str = "the workload") -> int:
+    per_epoch = (n // world) // batch_size
+    if per_epoch < 1:
+        raise ValueError(f"batch_size {batch_size} x {world} workers exceeds the {n} training samples "
+                         f"of {workload!r}; use a smaller --batch-size")
+    return per_epoch
+
+
+def shard_batches(x: torch.Tensor, y: torch.Tensor, *, seed: int, rank: int, world: int, batch_size: int,
+                  epochs: int, start: tuple[int, int] = (0, 0), count: int | None = None
+                  ) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]:
+    """This rank's batches ``(epoch, batch, x, y)`` from position ``start``
+    = (epoch, batch) on, at most ``count`` of them, until ``epochs`` ends."""
+    n = len(y)
+    per_rank = n // world
+    per_epoch = steps_per_epoch(n, world, batch_size)
+    done = 0
+    for epoch in range(start[0], epochs):
+        shard = epoch_order(n, seed, epoch)[rank * per_rank:(rank + 1) * per_rank].to(x.device)
+        for b in range(start[1] if epoch == start[0] else 0, per_epoch):
+            if count is not None and done >= count:
+                return
+            idx = shard[b * batch_size:(b + 1) * batch_size]
+            done += 1
+            yield epoch, b, x[idx], y[idx]
+
+
+def train_step(algo: Any, optimizer: torch.optim.Optimizer, loss_fn: Callable[..., torch.Tensor],
+               x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """zero_grad, forward and backward through ``algo.model``, then
+    ``algo.step()`` (the optimizer step and the algorithm's exchange)."""
+    optimizer.zero_grad(set_to_none=True)
+    loss = loss_fn(algo.model(x), y)
+    loss.backward()
+    algo.step()
+    return loss
+
+
+@dataclasses.dataclass
+class Tick:
+    """One finished step: ``step`` counts every step so far (this one included)."""
+
+    step: int
+    epoch: int
+    batch: int
+    loss: torch.Tensor
+    seconds: float
+
+
+def run_steps(algo: Any, optimizer: torch.optim.Optimizer, loss_fn: Callable[..., torch.Tensor],
+              batches: Iterable[tuple[int, int, torch.Tensor, torch.Tensor]], *, lr: float, schedule: str,
+              horizon: int, step: int = 0, device: torch.device | None = None,
+              after: Callable[[Tick], bool | None] | None = None) -> int:
+    """The training loop: for each batch, set the scheduled learning rate, run
+    :func:`train_step`, time it (on CUDA after a device synchronization),
+    then call ``after(tick)`` outside the timed region; it returns True to
+    stop. ``step``: steps already done (the schedule's position). Returns the
+    number of steps done."""
+    for epoch, b, x, y in batches:
+        t0 = time.perf_counter()
+        set_lr(optimizer, lr, schedule, step, horizon)
+        loss = train_step(algo, optimizer, loss_fn, x, y)
+        if device is not None and device.type == "cuda":
+            torch.cuda.synchronize(device)
+        dt = time.perf_counter() - t0
+        step += 1
+        if after is not None and after(Tick(step, epoch, b, loss, dt)):
+            break
+    return step

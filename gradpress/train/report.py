@@ -1,0 +1,103 @@
+"""What a training run writes besides its checkpoint: ``metrics.jsonl`` (one
+line per logging step) and ``summary.json``."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from pathlib import Path
+from typing import Any
+
+__all__ = ["METRICS", "SUMMARY", "human_bytes", "MetricsLog", "summarize", "write_summary"]
+
+METRICS = "metrics.jsonl"
+SUMMARY = "summary.json"
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
+        n /= 1000
+    return f"{n:.1f}GB"
+
+
+def _read_metrics(path: Path, upto_step: int) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            if row["step"] <= upto_step:
+                rows.append(row)
+    return rows
+
+
+class MetricsLog:
+    """``out/metrics.jsonl``, written by rank 0 only. On resume the lines up to
+    the checkpoint's step are kept and the rest dropped (they are redone)."""
+
+    def __init__(self, out: Path, rank: int, resumed_at: int | None) -> None:
+        self.path = out / METRICS
+        self.active = rank == 0
+        if self.active:
+            out.mkdir(parents=True, exist_ok=True)
+            rows = _read_metrics(self.path, resumed_at) if resumed_at is not None else []
+            with open(self.path, "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in rows)
+
+    def write(self, row: dict[str, Any]) -> None:
+        if self.active:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+
+def summarize(*, cfg: Any, described: dict[str, Any], stats: dict[str, Any], world: int, steps: int,
+              steps_per_epoch: int, n_params: int, wl: Any, metric_value: float | None,
+              history: list[dict[str, Any]], step_times: list[float], train_s: float, out: Path) -> dict[str, Any]:
+    """The summary of a run (every rank computes the same one)."""
+    steps_done = max(stats["steps"], 1)
+    bytes_per_step = stats["bytes_sent"] / steps_done
+    dense_per_step = stats["dense_bytes"] / steps_done
+    summary: dict[str, Any] = {
+        "workload": cfg.workload,
+        **described,
+        "world_size": world,
+        "device": cfg.device,
+        "steps": steps,
+        "epochs": cfg.epochs,
+        "steps_per_epoch": steps_per_epoch,
+        "batch_size": cfg.batch_size,
+        "lr": cfg.lr,
+        "optimizer": cfg.optimizer,
+        "schedule": cfg.schedule,
+        "seed": cfg.seed,
+        "parameters": n_params,
+        "metric": wl.metric,
+        "higher_is_better": wl.higher_is_better,
+        "final_metric": metric_value,
+        "final_loss": history[-1]["loss"] if history else None,
+        "bytes_per_step": bytes_per_step,
+        "dense_bytes_per_step": dense_per_step,
+        "compression_ratio": dense_per_step / bytes_per_step if bytes_per_step else 1.0,
+        "bytes_total": stats["bytes_sent"],
+        "median_step_s": statistics.median(step_times) if step_times else None,
+        "compressed_tensors": stats.get("compressed_tensors"),
+        "dense_tensors": stats.get("dense_tensors"),
+        "compress_s": stats["compress_s"],
+        "comm_s": stats["comm_s"],
+        "train_s": train_s,
+        "history": history,
+        "out": str(out),
+    }
+    if wl.classifier:
+        summary["test_accuracy"] = metric_value
+    return summary
+
+
+def write_summary(out: Path, summary: dict[str, Any]) -> None:
+    tmp = out / (SUMMARY + ".tmp")
+    tmp.write_text(json.dumps(summary, indent=2) + "\n")
+    os.replace(tmp, out / SUMMARY)

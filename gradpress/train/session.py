@@ -1,0 +1,199 @@
+"""One training run in this process, on the process group around it:
+:func:`train` builds the workload, the optimizer and the algorithm, resumes
+from a checkpoint, runs :func:`gradpress.train.loop.run_steps` and logs,
+evaluates and checkpoints as it goes.
+
+Invariants:
+
+* Resume is exact: the checkpoint holds the model, the optimizer, every
+  rank's algorithm state and RNG states, and the data position; on CPU the
+  losses after resuming equal, bit for bit, those of a run that never stopped.
+* All ranks agree on every logged number: losses and metrics are
+  all-reduced (metrics over a sharded test set); byte counts are rank 0's
+  algorithm ``stats`` (the bytes that rank actually handed to collectives).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from gradpress import workloads
+from gradpress.train import algorithm, checkpoint, report
+from gradpress.train.config import TrainConfig
+from gradpress.train.evaluate import evaluate
+from gradpress.train.launch import init_group
+from gradpress.train.loop import Tick, run_steps, shard_batches, steps_per_epoch
+from gradpress.train.optim import make_optimizer
+
+__all__ = ["train"]
+
+_EF = {"on": True, "off": False, "auto": None}
+
+
+def _device(cfg: TrainConfig) -> torch.device:
+    if cfg.device != "cuda":
+        return torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    torch.cuda.set_device(device)
+    return device
+
+
+class _Logger:
+    """What happens after each step: the loss window, metrics lines,
+    evaluation, progress bar and checkpoints."""
+
+    def __init__(self, run: _Run, start_step: int, total: int) -> None:
+        from tqdm import tqdm
+
+        self.r = run
+        self.total = total
+        cfg = run.cfg
+        desc = cfg.compressor if cfg.algorithm == "ddp" else f"{cfg.algorithm}/{cfg.compressor}"
+        self.bar = tqdm(total=total, initial=min(start_step, total), unit="step", dynamic_ncols=True,
+                        desc=f"{cfg.workload} {desc}", disable=(run.rank != 0 or not cfg.progress))
+        self.win_loss = torch.zeros((), dtype=torch.float64, device=run.device)
+        self.win_n = 0
+        self.win_time = 0.0
+        self.last_bytes = run.algo.stats["bytes_sent"]
+
+    def __call__(self, t: Tick) -> bool:
+        r, cfg = self.r, self.r.cfg
+        r.step_times.append(t.seconds)
+        self.win_loss += t.loss.detach().double()
+        self.win_n += 1
+        self.win_time += t.seconds
+        self.bar.update(1)
+        epoch_end = t.batch == r.steps_per_epoch - 1
+        last = t.step == self.total
+        evaluating = epoch_end or last or (cfg.eval_every > 0 and t.step % cfg.eval_every == 0)
+        if not (evaluating or t.step % cfg.log_every == 0):
+            return False
+        mean_loss = self.win_loss / self.win_n
+        dist.all_reduce(mean_loss)
+        stats = r.algo.stats
+        row: dict[str, Any] = {
+            "step": t.step, "epoch": t.epoch + (t.batch + 1) / r.steps_per_epoch,
+            "loss": float(mean_loss) / r.world,
+            "bytes": (stats["bytes_sent"] - self.last_bytes) / self.win_n,
+            "bytes_total": stats["bytes_sent"],
+            "step_s": self.win_time / self.win_n,
+        }
+        self.last_bytes = stats["bytes_sent"]
+        self.win_loss.zero_()
+        self.win_n, self.win_time = 0, 0.0
+        if evaluating:
+            r.metric_value = evaluate(r.wl, r.algo.eval_model(), r.device, r.rank, r.world)
+            row["metric"] = r.metric_value
+            r.history.append({"step": t.step, "bytes_total": stats["bytes_sent"], "metric": r.metric_value,
+                              "loss": row["loss"]})
+        r.metrics.write(row)
+        if r.rank == 0:
+            post = {"loss": f"{row['loss']:.4f}", "bytes/step": report.human_bytes(row["bytes"]),
+                    "step": f"{row['step_s'] * 1e3:.1f}ms"}
+            if r.metric_value is not None:
+                post[r.wl.metric] = f"{r.metric_value:.4f}"
+            self.bar.set_postfix(post, refresh=False)
+        if epoch_end or last:
+            nxt = (t.epoch + 1, 0) if epoch_end else (t.epoch, t.batch + 1)
+            checkpoint.save(r.out / checkpoint.CHECKPOINT, cfg, r.world, r.rank, r.device, r.model, r.opt, r.algo,
+                            nxt, t.step, r.step_times, r.history)
+        return False
+
+
+class _Run:
+    """The state of one run, built (and resumed) by :meth:`setup`."""
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        self.cfg = cfg
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        if cfg.nproc is not None and cfg.nproc != self.world:
+            raise ValueError(f"nproc={cfg.nproc} but the process group already has world_size={self.world}")
+        self.device = _device(cfg)
+        self.out = Path(cfg.out)
+        self.algo: Any = None
+        self.step_times: list[float] = []
+        self.history: list[dict[str, Any]] = []
+        self.metric_value: float | None = None
+
+    def setup(self) -> dict[str, Any] | None:
+        cfg, device = self.cfg, self.device
+        state: dict[str, Any] | None = None
+        if cfg.resume:
+            path = self.out / checkpoint.CHECKPOINT
+            if not path.exists():
+                raise ValueError(f"resume: no checkpoint at {str(path)!r}")
+            state = checkpoint.load(path)
+            checkpoint.check_resume(state, cfg, self.world)
+        torch.manual_seed(cfg.seed)
+        np.random.seed(cfg.seed)
+        random.seed(cfg.seed)
+        self.wl = workloads.build(cfg.workload, data=cfg.data, hidden=cfg.hidden, params=cfg.params,
+                                  samples=cfg.samples, text_bytes=cfg.text_bytes)
+        self.model = self.wl.model.to(device)
+        if state is not None:
+            self.model.load_state_dict(checkpoint.rank_state(state, self.rank, "model"))
+        self.opt = make_optimizer(cfg.optimizer, self.model.parameters(), cfg.lr)
+        self.algo = algorithm.create(cfg.algorithm, self.model, self.opt, compressor=cfg.compressor,
+                                     error_feedback=_EF[cfg.error_feedback], strategy=cfg.strategy,
+                                     min_numel=cfg.min_numel, seed=cfg.seed, nonfinite=cfg.nonfinite)
+        if state is not None:
+            self.opt.load_state_dict(checkpoint.rank_state(state, self.rank, "optimizer"))
+            for group in self.opt.param_groups:  # lr may be changed on resume
+                group["lr"] = cfg.lr
+            self.algo.load_state_dict(state["ranks"][self.rank]["algorithm"])
+            checkpoint.set_rng_state(state["ranks"][self.rank]["rng"], device)
+            self.step_times = list(state["step_times"])
+            self.history = list(state["history"])
+            self.metric_value = self.history[-1]["metric"] if self.history else None
+        return state
+
+    def run(self) -> dict[str, Any]:
+        cfg = self.cfg
+        state = self.setup()
+        x_train, y_train = (t.to(self.device) for t in self.wl.train)
+        self.steps_per_epoch = steps_per_epoch(len(y_train), self.world, cfg.batch_size, cfg.workload)
+        horizon = cfg.epochs * self.steps_per_epoch  # the schedule's length; --steps only stops early
+        total = horizon if cfg.steps is None else min(horizon, cfg.steps)
+        start, step = ((state["epoch"], state["batch"]), state["step"]) if state is not None else ((0, 0), 0)
+        self.metrics = report.MetricsLog(self.out, self.rank, step if state is not None else None)
+        logger = _Logger(self, step, total)
+        t_start = time.perf_counter()
+        batches = shard_batches(x_train, y_train, seed=cfg.seed, rank=self.rank, world=self.world,
+                                batch_size=cfg.batch_size, epochs=cfg.epochs, start=start, count=max(total - step, 0))
+        step = run_steps(self.algo, self.opt, self.wl.loss, batches, lr=cfg.lr, schedule=cfg.schedule,
+                         horizon=horizon, step=step, device=self.device, after=logger)
+        logger.bar.close()
+        summary = report.summarize(
+            cfg=cfg, described=self.algo.describe(), stats=self.algo.stats, world=self.world, steps=step,
+            steps_per_epoch=self.steps_per_epoch, n_params=sum(p.numel() for p in self.model.parameters()),
+            wl=self.wl, metric_value=self.metric_value, history=self.history, step_times=self.step_times,
+            train_s=time.perf_counter() - t_start, out=self.out)
+        if self.rank == 0:
+            report.write_summary(self.out, summary)
+        return summary
+
+
+def train(cfg: TrainConfig) -> dict[str, Any]:
+    """Train ``cfg`` (validated) in this process and return the summary."""
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0 and torch.get_num_threads() != int(threads):
+        # forked workers inherit the parent's thread pool size, not the variable
+        torch.set_num_threads(int(threads))
+    created = init_group(cfg.device)
+    run: _Run | None = None
+    try:
+        run = _Run(cfg)
+        return run.run()
+    finally:
+        if run is not None and run.algo is not None:
+            run.algo.close()
+        if created and dist.is_initialized():
+            dist.destroy_process_group()
