@@ -36,7 +36,7 @@ class Allgather(Strategy):
         feedback: Feedback | None, *, prelude: Prelude | None = None, out: list[torch.Tensor] | None = None,
     ) -> ExchangeResult:
         t0 = time.perf_counter()
-        packets, residuals = encode_local(compressor, tensors, ctxs, 1.0, feedback is not None)
+        packets, residuals = encode_local(compressor, tensors, ctxs, 1.0, feedback)
         variable = bool(compressor.variable_size)
         buffer = wire.pack_packets(packets, variable)
         t1 = time.perf_counter()

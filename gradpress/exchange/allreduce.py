@@ -44,9 +44,9 @@ class Allreduce(Strategy):
         feedback: Feedback | None, *, prelude: Prelude | None = None, out: list[torch.Tensor] | None = None,
     ) -> ExchangeResult:
         if compressor.rounds > 1:
-            return run_rounds(compressor, tensors, ctxs, feedback is not None, self.group, prelude, out)
+            return run_rounds(compressor, tensors, ctxs, feedback, self.group, prelude, out)
         t0 = time.perf_counter()
-        packets, residuals = encode_local(compressor, tensors, ctxs, 1.0 / self.world_size, feedback is not None)
+        packets, residuals = encode_local(compressor, tensors, ctxs, 1.0 / self.world_size, feedback)
         payloads = [t for p in packets for t in p.tensors]
         extra = prelude.tensors if prelude is not None else []
         t1 = time.perf_counter()

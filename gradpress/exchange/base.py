@@ -73,14 +73,14 @@ class ExchangeResult:
 
 
 def encode_local(
-    compressor: Compressor, tensors: list[torch.Tensor], ctxs: list[Context], scale: float, want_residuals: bool
+    compressor: Compressor, tensors: list[torch.Tensor], ctxs: list[Context], scale: float, feedback: Feedback | None
 ) -> tuple[list[Packet], list[torch.Tensor] | None]:
-    """Encode ``scale * t`` for each tensor; with ``want_residuals`` also
+    """Encode ``scale * t`` for each tensor; with ``feedback`` (error feedback on) also
     return ``t - decode(packet) / scale`` (what error feedback keeps),
     computed by ``Compressor.residual`` (which may reuse ``t``'s storage:
     the tensors must be the caller's own, not gradient views)."""
     packets = []
-    residuals: list[torch.Tensor] | None = [] if want_residuals else None
+    residuals: list[torch.Tensor] | None = [] if feedback is not None else None
     for t, c in zip(tensors, ctxs):
         x = t * scale if scale != 1.0 else t
         packet = compressor.encode(x, c)

@@ -139,7 +139,6 @@ class Ring(Strategy):
         bucket (DDP regroups them after its first iteration)."""
         n, r = self.world_size, self.rank
         m = len(tensors)
-        want = feedback is not None
         scale = 1.0 / n
         origs = [t.reshape(-1) for t in tensors]
         flats = [o * scale for o in origs]
@@ -165,7 +164,7 @@ class Ring(Strategy):
             pks = [compressor.encode(piece(flats, i, 0), ctx(i, 0)) for i in range(m)]
             count(pks)
             outs = [d / scale for d in decode_all(pks)]
-            return outs, ([o.clone() for o in outs] if want else None), 0, payload
+            return outs, ([o.clone() for o in outs] if feedback is not None else None), 0, payload
         variable = bool(compressor.variable_size) and not compressor.is_summable
         final: list[list[Packet] | None] = [None] * n
         sent = 0
@@ -173,7 +172,7 @@ class Ring(Strategy):
         est_pieces: list[list[torch.Tensor]] | None = None
         if compressor.is_summable:
             own = [[compressor.encode(piece(flats, i, c), ctx(i, c)) for i in range(m)] for c in range(n)]
-            if want:
+            if feedback is not None:
                 est_pieces = [decode_all(own[c]) for c in range(n)]
             out = own[r]
             count(out)
@@ -241,7 +240,7 @@ class Ring(Strategy):
             decoded[c] = decode_all(wire.unpack_packets(got, templates[c], variable))
             buf = got
         avgs = [torch.cat([decoded[c][i] for c in range(n)]) for i in range(m)]  # type: ignore[index]
-        if not want:
+        if feedback is None:
             estimates = None
         elif est_pieces is not None:
             estimates = [torch.cat([est_pieces[c][i] for c in range(n)]) / scale for i in range(m)]

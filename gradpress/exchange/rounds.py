@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from gradpress.compress.base import Compressor, Context
 from gradpress.exchange.base import ExchangeResult, Prelude
+from gradpress.exchange.feedback import Feedback
 from gradpress.transport.collectives import fused_allreduce
 
 __all__ = ["run_rounds"]
@@ -31,7 +32,7 @@ _DENSE = object()
 
 
 def run_rounds(
-    compressor: Compressor, tensors: list[torch.Tensor], ctxs: list[Context], want_residuals: bool,
+    compressor: Compressor, tensors: list[torch.Tensor], ctxs: list[Context], feedback: Feedback | None,
     group: dist.ProcessGroup | None, prelude: Prelude | None, out: list[torch.Tensor] | None,
 ) -> ExchangeResult:
     n = dist.get_world_size(group) if dist.is_initialized() else 1
@@ -80,7 +81,7 @@ def run_rounds(
         first_round = False
     t = time.perf_counter()
     results: list[torch.Tensor] = []
-    residuals: list[torch.Tensor] | None = [] if want_residuals else None
+    residuals: list[torch.Tensor] | None = [] if feedback is not None else None
     for j, p in enumerate(tensors):
         dst = out[j] if out is not None else None
         if j in dense:
