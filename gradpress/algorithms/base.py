@@ -55,7 +55,8 @@ class Algorithm:
     Keyword options shared by every algorithm: ``compressor`` (spec or
     instance; None: ``default_compressor``), ``error_feedback`` (None: the
     compressor's default), ``strategy`` (default ``collective``: every
-    eligible tensor compressed as asked), ``min_numel``, ``seed``,
+    eligible tensor compressed as asked; ``auto`` measures the group and
+    plans per tensor, as the DDP hook does), ``min_numel``, ``seed``,
     ``nonfinite``, ``process_group`` (default: the world), ``timeout``.
     """
 
@@ -110,6 +111,9 @@ class Algorithm:
         except Exception as exc:  # noqa: BLE001 - every rank must reach agree(), or the others hang
             error = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
         agree(self.config() if error is None else None, error, self.group, what=f"algorithm {self.name!r}")
+        assert self.engine is not None
+        if self.engine.strategy_name == "auto":
+            self.engine.replan()  # collective: every rank measures together, rank 0 fits
         self.broadcast_model()
         self.after_broadcast()
 
