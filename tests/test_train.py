@@ -59,6 +59,9 @@ def _write_legacy(path):
     (["--algorithm", "ddp:period=2"], "algorithm 'ddp' takes no parameters"),
     (["--algorithm", ""], "algorithm must be a spec string"),
     (["--nonfinite", "ignore"], "nonfinite must be one of propagate, skip, raise"),
+    (["--algorithm", "nosuch"], "unknown algorithm 'nosuch'; allowed: ddp, localsgd"),
+    (["--algorithm", "localsgd:period=0"], "algorithm 'localsgd': parameter 'period' got 0"),
+    (["--algorithm", "localsgd:perio=2"], "unknown parameter 'perio'; allowed parameters: period"),
 ])
 def test_bad_arguments_exit_2(capsys, tmp_path, argv, needle):
     assert cli(["train", "--out", str(tmp_path), *argv]) == 2
@@ -191,7 +194,7 @@ def test_resume_is_exact_on_two_workers(tmp_path):
     assert ckpt["format"] == "gradpress-train/2" and ckpt["config"]["algorithm"] == "ddp"
     assert len(ckpt["ranks"]) == 2 and (ckpt["epoch"], ckpt["batch"]) == (1, 0)
     assert "model" not in ckpt["ranks"][0]  # ddp keeps replicas identical: one copy of model and optimizer
-    res = [ckpt["ranks"][r]["algorithm"]["memory"]["residuals"] for r in range(2)]
+    res = [ckpt["ranks"][r]["algorithm"]["feedback"]["residuals"] for r in range(2)]
     assert res[0] and any(not torch.equal(res[0][k], res[1][k]) for k in res[0])  # per-rank state matters
     legacy = tmp_path / "legacy"
     shutil.copytree(part, legacy)
@@ -301,7 +304,9 @@ class _Plain:
     """A stand-in for a registered algorithm: local steps, no exchange (world
     size 1), stats in the hook's vocabulary, state that must survive resume."""
 
+    name = "plain"
     default_compressor = "fp16"
+    PARAMS = (type("P", (), {"name": "every", "default": 1})(),)
 
     def __init__(self, spec, model, optimizer, compressor=None, **options):
         self.spec, self.model, self.optimizer = spec, model, optimizer
@@ -339,21 +344,21 @@ class _Plain:
 
 
 class _Registry:
-    """What train needs of gradpress.algorithms: names, get_class, describe, create."""
+    """What train needs of gradpress.algorithms: names, parse, describe, create."""
 
     @staticmethod
     def names():
         return ["plain"]
 
     @staticmethod
-    def get_class(spec):
+    def parse(spec):
         name, _, params = spec.partition(":")
         if name != "plain":
             raise ValueError(f"unknown algorithm {name!r}; allowed: plain")
         key, _, value = params.partition("=")
         if params and (key != "every" or not value.isdigit()):
             raise ValueError(f"algorithm 'plain': bad parameter {params!r}; allowed parameters: every (int)")
-        return _Plain
+        return _Plain, ({"every": int(value)} if params else {})
 
     @staticmethod
     def describe():
@@ -362,7 +367,7 @@ class _Registry:
 
     @staticmethod
     def create(spec, model, optimizer, compressor=None, **options):
-        return _Registry.get_class(spec)(spec, model, optimizer, compressor, **options)
+        return _Registry.parse(spec)[0](spec, model, optimizer, compressor, **options)
 
 
 @pytest.fixture
@@ -402,3 +407,46 @@ def test_a_registered_algorithm_is_validated_listed_and_trained(plain_registry, 
     with pytest.raises(ValueError, match="algorithm: checkpoint has 'plain:every=2', this run has 'ddp'"):
         train.run({**common, "algorithm": "ddp", "compressor": "fp16", "out": str(tmp_path / "part"),
                    "resume": True})
+
+
+def test_localsgd_trains_on_two_workers_and_resumes_exactly_mid_period(tmp_path, capsys):
+    """A registered algorithm through train: its default compressor, its
+    summary fields, and exact resume from a checkpoint taken between two
+    averagings (replicas differ: each rank's model and optimizer are saved)."""
+    assert train.make_config({"algorithm": "localsgd"}).algorithm == "localsgd:period=8"  # canonical spec
+    assert train.make_config({"algorithm": "localsgd"}).compressor == "none"  # its default compressor
+    common = ["train", "--nproc", "2", "--workload", "digits-mlp", "--hidden", "16", "--samples", "256",
+              "--batch-size", "16", "--epochs", "2", "--algorithm", "localsgd:period=3", "--compressor",
+              "topk:ratio=0.1", "--strategy", "allgather", "--min-numel", "64", "--log-every", "1", "--no-progress"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert cli([*common, "--out", str(full)]) == 0
+    assert "digits-mlp / localsgd:period=3 / topk:ratio=0.1 on 2 worker(s): 16 steps" in capsys.readouterr().out
+    s = json.loads((full / "summary.json").read_text())
+    assert (s["algorithm"], s["compressor"], s["strategy"], s["error_feedback"]) == (
+        "localsgd:period=3", "topk:ratio=0.1", "allgather", True)
+    # 5 averagings of top-10% deltas in 16 steps vs. DDP's dense gradient every step
+    assert s["steps"] == 16 and s["compression_ratio"] > 10 and s["bytes_total"] > 0
+    assert cli([*common, "--out", str(part), "--steps", "8"]) == 0  # 8 steps per epoch: 8 % 3 = 2 local steps
+    ckpt = torch.load(part / "checkpoint.pt", weights_only=True)
+    models = [ckpt["ranks"][r]["model"] for r in range(2)]
+    assert any(not torch.equal(models[0][k], models[1][k]) for k in models[0])  # mid-period: replicas differ
+    assert cli([*common, "--out", str(part), "--resume"]) == 0
+    assert [r["loss"] for r in _rows(full)] == [r["loss"] for r in _rows(part)]
+    assert [r.get("metric") for r in _rows(full)] == [r.get("metric") for r in _rows(part)]
+    assert json.loads((part / "summary.json").read_text())["bytes_total"] == s["bytes_total"]
+    assert cli([*common, "--out", str(part), "--resume", "--algorithm", "localsgd:period=4"]) == 2
+    assert "algorithm: checkpoint has 'localsgd:period=3', this run has 'localsgd:period=4'" in capsys.readouterr().err
+
+
+def test_algorithms_command_lists_ddp_and_the_registry(capsys):
+    import gradpress.algorithms
+
+    assert cli(["algorithms", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["name"] for r in rows] == ["ddp", *gradpress.algorithms.names()]
+    assert rows[0] == {"name": "ddp", "summary": rows[0]["summary"], "params": [], "default_compressor": "none"}
+    local = next(r for r in rows if r["name"] == "localsgd")
+    assert local["params"][0]["name"] == "period" and local["params"][0]["default"] == 8
+    assert cli(["algorithms"]) == 0
+    out = capsys.readouterr().out
+    assert "localsgd" in out and "period=8 (integer >= 1)" in out

@@ -63,8 +63,9 @@ def names() -> list[str]:
 
 def check_spec(spec: Any) -> str:
     """Validate an algorithm spec (name and parameters) without building it;
-    returns it stripped. Raises ValueError naming the algorithm or the
-    parameter and what is allowed."""
+    returns its canonical form, every parameter spelled out as the algorithm
+    reports it (``localsgd`` -> ``localsgd:period=8``). Raises ValueError
+    naming the algorithm or the parameter and what is allowed."""
     name, params = split_spec(spec)
     if name == "ddp":
         if params:
@@ -72,8 +73,9 @@ def check_spec(spec: Any) -> str:
         return "ddp"
     if name not in names():
         raise ValueError(f"unknown algorithm {name!r}; allowed: {', '.join(names())}")
-    _registry().get_class(spec.strip())  # parses and checks the parameters
-    return spec.strip()
+    cls, values = _registry().parse(spec.strip())  # checks the parameters
+    full = {p.name: values.get(p.name, p.default) for p in cls.PARAMS}
+    return cls.name + (":" + ",".join(f"{k}={v}" for k, v in full.items()) if full else "")
 
 
 def default_compressor(spec: str) -> str:
@@ -81,7 +83,7 @@ def default_compressor(spec: str) -> str:
     name, _ = split_spec(spec)
     if name == "ddp":
         return DDPAlgorithm.default_compressor
-    return str(_registry().get_class(spec).default_compressor)
+    return str(_registry().parse(spec.strip())[0].default_compressor)
 
 
 def strategy_names() -> list[str]:

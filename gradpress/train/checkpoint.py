@@ -9,8 +9,10 @@ file + rename) after every epoch and at the end (format ``gradpress-train/2``):
 * ``model``, ``optimizer``: rank 0's;
 * ``ranks``: per rank, ``algorithm`` (its ``state_dict()``: residuals differ
   between ranks) and ``rng``; for algorithms whose replicas may differ
-  between synchronizations (every algorithm but ``ddp``) also that rank's
-  ``model`` and ``optimizer``;
+  between synchronizations (every algorithm but ``ddp``, which declares
+  ``replicated = True``) also that rank's ``model`` and ``optimizer``
+  (restored after the algorithm is built, since building takes rank 0's
+  parameters);
 * ``step_times``, ``history``.
 
 Everything is tensors, numbers, strings, lists and dicts, so the file loads

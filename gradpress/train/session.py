@@ -145,6 +145,8 @@ class _Run:
                                      error_feedback=_EF[cfg.error_feedback], strategy=cfg.strategy,
                                      min_numel=cfg.min_numel, seed=cfg.seed, nonfinite=cfg.nonfinite)
         if state is not None:
+            if "model" in state["ranks"][self.rank]:  # replicas differ: building took rank 0's parameters
+                self.model.load_state_dict(state["ranks"][self.rank]["model"])
             self.opt.load_state_dict(checkpoint.rank_state(state, self.rank, "optimizer"))
             for group in self.opt.param_groups:  # lr may be changed on resume
                 group["lr"] = cfg.lr
