@@ -1,5 +1,6 @@
-"""``gradpress bench e2e``: configuration syntax, argument errors, the byte
-formulas, and (as root) tiny real runs on the emulated cluster that must write
+"""``gradpress bench e2e``: configuration syntax (algorithms included),
+argument errors, the byte formulas, the worker's modes on 2 local gloo
+workers, and (as root) tiny real runs on the emulated cluster that must write
 e2e.json / e2e.md / e2e.png with every field and consistent figures."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from distributed import run_workers
 
 from gradpress.bench import bench_modules
 from gradpress.bench.e2e import command_line, wire_factor
@@ -48,6 +50,26 @@ def test_parse_configs_strategies_and_commas():
     assert ef[0].label.endswith("@allgather+noef")
 
 
+def test_parse_configs_with_an_algorithm():
+    cfgs = parse_configs("ddp/qsgd:levels=4,bucket=512@ring+noef, ddp/,topk:ratio=0.01")
+    assert [(c.algorithm, c.spec, c.strategy, c.error_feedback) for c in cfgs] == [
+        ("ddp", "qsgd:levels=4,bucket=512", "ring", False), ("ddp", "none", "auto", None),
+        ("ddp", "topk:ratio=0.01", "auto", None)]
+    assert cfgs[1].label == "gradpress none"  # ddp/ alone: ddp's default compressor; ddp is not named
+    assert RunConfig.from_dict(cfgs[0].to_dict()) == cfgs[0]
+    old = {k: v for k, v in cfgs[2].to_dict().items() if k != "algorithm"}  # a job file from before algorithms
+    assert RunConfig.from_dict(old).algorithm == "ddp"
+    with pytest.raises(ValueError, match="twice"):
+        parse_configs("ddp/topk,topk")
+    local = parse_configs("localsgd:period=8/qsgd:levels=4,bucket=512@allgather,localsgd/,localsgd:period=2/+ef")
+    assert [(c.algorithm, c.spec, c.strategy, c.error_feedback, c.label) for c in local] == [
+        ("localsgd:period=8", "qsgd:levels=4,bucket=512", "allgather", None,
+         "gradpress localsgd:period=8/qsgd:levels=4,bucket=512@allgather"),
+        ("localsgd:period=8", "none", "auto", None, "gradpress localsgd:period=8/none"),  # its default compressor
+        ("localsgd:period=2", "none", "auto", True, "gradpress localsgd:period=2/none+ef")]
+    assert all(c.kind == "gradpress" for c in local)
+
+
 def test_parse_baselines():
     b = parse_baselines("fp16,powersgd:rank=4,start=3")
     assert [c.kind for c in b] == ["ddp", "torch-fp16", "torch-powersgd"]  # plain DDP always first
@@ -64,6 +86,10 @@ def test_parse_baselines():
     ("topk,topk", ["--configs", "twice"]),
     ("@ring", ["--configs", "no compressor spec"]),
     ("topk@ring+fast", ["--configs", "+fast", "+ef, +noef"]),
+    ("ddp:period=2/topk", ["--configs", "'ddp:period=2/topk'", "takes no parameters"]),
+    ("ddp/topk:ratoi=0.01", ["--configs", "ratoi"]),
+    ("gossip:peers=1/topk", ["--configs", "unknown algorithm 'gossip'", "ddp, localsgd"]),
+    ("localsgd:period=0/topk", ["--configs", "'period' got 0"]),
 ])
 def test_bad_config_spec_names_the_field(text, words):
     with pytest.raises(ValueError) as exc:
@@ -131,6 +157,45 @@ def test_interface_bytes_reads_this_namespace():
     assert rx >= 0 and tx >= 0
     with pytest.raises(ValueError, match="no-such-dev"):
         interface_bytes("no-such-dev")
+
+
+# ------------------------------------------------------------------ the worker, locally
+def _job(mode, config, tmp):
+    return {"mode": mode, "tag": mode, "result_dir": tmp, "workload": "digits-mlp", "params": None, "hidden": 16,
+            "samples": 256, "batch_size": 16, "lr": 0.02, "optimizer": "adam", "schedule": "cosine", "epochs": 4,
+            "seed": 0, "threads": 1, "warmup": 2, "steps": 3, "n_batches": 8, "config": config,
+            "target": 0.99, "eval_every": 5, "max_steps": 12, "time_limit": None}
+
+
+def _run_worker_mode(rank, world, mode, config, tmp):
+    from gradpress.bench import e2e_worker
+
+    return e2e_worker.MODES[mode](_job(mode, config, tmp))
+
+
+def test_worker_step_and_train_modes_on_two_local_workers(tmp_path):
+    """The fields the benchmark reads from every rank's result, from real
+    steps: gradpress through the training package's algorithm (DDP + hook),
+    train mode through its loop, data order and evaluation."""
+    cfg = parse_configs("topk:ratio=0.05@allgather")[0].to_dict()
+    a, b = run_workers(_run_worker_mode, 2, "step", cfg, str(tmp_path))
+    for key in ("warmup", "steps", "bucket_cap_mb", "buckets", "median_step_s", "step_s", "payload_bytes_per_step",
+                "payload_source", "compress_s_per_step", "comm_s_per_step", "register_s", "plan", "loss"):
+        assert key in a, key
+    assert a["steps"] == 3 and len(a["step_s"]) == 3 and a["warmup"] == 2 and a["buckets"] >= 1
+    assert 0 < a["payload_bytes_per_step"] < 0.5 * a["dense_bytes_per_step"]
+    assert {s for s, _ in a["plan"].values()} <= {"allgather", "uncompressed"} and a["strategy"] == "allgather"
+    assert a["loss"] != b["loss"]  # each rank its own batches
+    local = parse_configs("localsgd:period=2/topk:ratio=0.05@allgather")[0].to_dict()
+    a, b = run_workers(_run_worker_mode, 2, "train", local, str(tmp_path))
+    assert a["history"] == b["history"] and a["steps"] == 12 and not a["reached"]  # 0.99 is out of reach
+    assert [h["step"] for h in a["history"]] == [5, 10, 12]
+    assert a["best_metric"] == max(h["metric"] for h in a["history"]) and a["final_metric"] == a["history"][-1]["metric"]
+    assert a["train_s"] > 0 and a["label"] == "gradpress localsgd:period=2/topk:ratio=0.05@allgather"
+    assert a["buckets"] is None  # no DDP: the algorithm exchanges on its own
+    # bytes per training step: one top-5% exchange every 2 steps, well under DDP's dense gradient
+    dense = 4 * a["parameters"]
+    assert 0 < a["payload_bytes_per_step"] < 0.2 * dense
 
 
 # ------------------------------------------------------------------ real runs (root)

@@ -4,12 +4,17 @@ configurations, parsed from ``--baselines`` and ``--configs``.
 Syntax (``docs/e2e.md``):
 
 * ``--configs``: comma-separated gradpress configurations
-  ``COMPRESSOR_SPEC[@STRATEGY][+ef|+noef]``, e.g. ``topk:ratio=0.01@allgather``,
-  ``qsgd:levels=4,bucket=512@ring``, ``powersgd:rank=4,start_iter=2``,
-  ``topk:ratio=0.001@allgather+noef``.
+  ``[ALGORITHM/]COMPRESSOR_SPEC[@STRATEGY][+ef|+noef]``, e.g.
+  ``topk:ratio=0.01@allgather``, ``qsgd:levels=4,bucket=512@ring``,
+  ``powersgd:rank=4,start_iter=2``, ``topk:ratio=0.001@allgather+noef``,
+  ``localsgd:period=8/topk:ratio=0.01@allgather``, ``localsgd:period=8/``.
+  ``ALGORITHM/`` is a training algorithm spec (``gradpress algorithms``; the
+  same syntax as ``gradpress train --algorithm``) and the compressor is what
+  it exchanges; with nothing after the slash, the algorithm's default
+  compressor; without a slash, ``ddp`` (DDP with the gradpress hook).
   Commas inside a spec's parameter list stay with it (a token whose head has
   ``=`` but no ``:`` continues the previous spec); ``;`` also separates.
-  ``@STRATEGY`` is one of :func:`gradpress.comm.available` (default ``auto``);
+  ``@STRATEGY`` is one of :func:`gradpress.exchange.available` (default ``auto``);
   ``+ef`` / ``+noef`` force error feedback on / off (default: the
   compressor's own default, on for biased methods).
 * ``--baselines``: comma-separated PyTorch baselines: ``ddp`` (plain DDP, no
@@ -41,7 +46,8 @@ class RunConfig:
     """One configuration of the benchmark.
 
     ``kind``: ``ddp`` | ``torch-fp16`` | ``torch-powersgd`` | ``gradpress``.
-    ``spec``/``strategy``: gradpress compressor spec and strategy.
+    ``spec``/``strategy``: gradpress compressor spec and strategy;
+    ``algorithm``: the gradpress training algorithm that carries them.
     ``rank``/``start``: PyTorch PowerSGD rank and ``start_powerSGD_iter``.
     ``start``: for every kind, the first step at which compression is active
     (the worker warms up at least that many steps).
@@ -56,6 +62,7 @@ class RunConfig:
     start: int = 0
     single_bucket: bool = False
     error_feedback: bool | None = None
+    algorithm: str = "ddp"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -72,7 +79,7 @@ def _split_specs(text: str, option: str) -> list[str]:
             token = token.strip()
             if not token:
                 continue
-            head = token.split("@", 1)[0].split(">", 1)[0]
+            head = token.split("/", 1)[0].split("@", 1)[0].split(">", 1)[0]
             if tokens and "=" in head and ":" not in head:
                 tokens[-1] += "," + token  # continuation of the previous parameter list
             else:
@@ -88,15 +95,33 @@ def _start_iter(compressor: Any) -> int:
     return max([int(s) for s in starts if isinstance(s, int)] + [0])
 
 
+def _algorithm(token: str, option: str) -> tuple[str, str]:
+    """``ALGORITHM/REST`` -> (checked algorithm spec, REST); no slash: ``ddp``.
+    An empty compressor after the slash becomes the algorithm's default."""
+    from gradpress.train import algorithm
+
+    algo, slash, rest = token.partition("/")
+    if not slash:
+        return "ddp", token
+    try:
+        algo = algorithm.check_spec(algo.strip())
+    except ValueError as exc:
+        raise ValueError(f"{option}: configuration {token!r}: {exc}") from None
+    if not rest.split("@", 1)[0].split("+", 1)[0].strip():
+        rest = algorithm.default_compressor(algo) + rest
+    return algo, rest
+
+
 def parse_configs(text: str, option: str = "--configs") -> list[RunConfig]:
-    """gradpress configurations ``SPEC[@STRATEGY][+ef|+noef]`` (see the module doc)."""
-    from gradpress.comm import available
+    """gradpress configurations ``[ALGORITHM/]SPEC[@STRATEGY][+ef|+noef]`` (see the module doc)."""
     from gradpress.compress import create
+    from gradpress.train.algorithm import strategy_names
 
     out: list[RunConfig] = []
     for token in _split_specs(text, option):
         error_feedback: bool | None = None
-        body, plus, flag = token.rpartition("+")
+        algo, rest = _algorithm(token, option)
+        body, plus, flag = rest.rpartition("+")
         if plus:
             if flag.strip() not in ("ef", "noef"):
                 raise ValueError(f"{option}: configuration {token!r}: unknown option '+{flag.strip()}'; "
@@ -104,25 +129,26 @@ def parse_configs(text: str, option: str = "--configs") -> list[RunConfig]:
             error_feedback = flag.strip() == "ef"
             token_body = body
         else:
-            token_body = token
+            token_body = rest
         spec, _, strategy = token_body.partition("@")
         spec, strategy = spec.strip(), (strategy.strip() or "auto")
         if not spec:
-            raise ValueError(f"{option}: configuration {token!r} has no compressor spec; allowed: SPEC[@STRATEGY]")
+            raise ValueError(f"{option}: configuration {token!r} has no compressor spec; "
+                             "allowed: [ALGORITHM/]SPEC[@STRATEGY] (ALGORITHM/ alone: its default compressor)")
         try:
             compressor = create(spec)
         except ValueError as exc:
             raise ValueError(f"{option}: bad compressor spec {spec!r} in {token!r}: {exc}") from None
-        if strategy not in available():
+        if strategy not in strategy_names():
             raise ValueError(f"{option}: configuration {token!r}: unknown strategy {strategy!r}; "
-                             f"allowed: {', '.join(available())}")
+                             f"allowed: {', '.join(strategy_names())}")
         if compressor.rounds > 1 and strategy not in ("auto", "allreduce"):
             raise ValueError(f"{option}: configuration {token!r}: strategy {strategy!r} cannot carry "
                              f"{compressor.name!r} (a {compressor.rounds}-round allreduce protocol); allowed: auto, allreduce")
-        label = (f"gradpress {spec}" + ("" if strategy == "auto" else f"@{strategy}")
+        label = (f"gradpress {'' if algo == 'ddp' else algo + '/'}{spec}" + ("" if strategy == "auto" else f"@{strategy}")
                  + ("" if error_feedback is None else ("+ef" if error_feedback else "+noef")))
         out.append(RunConfig("gradpress", label, spec=spec, strategy=strategy, start=_start_iter(compressor),
-                             error_feedback=error_feedback))
+                             error_feedback=error_feedback, algorithm=algo))
     _check_unique(out, option)
     return out
 

@@ -4,20 +4,24 @@ The benchmark starts this module in every node of the emulated cluster (the
 torchrun-style variables ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``... come
 from :meth:`EmulatedCluster.run`). The job file says what to do:
 
-* ``mode="step"``: DDP with one configuration (plain, a PyTorch hook, or the
-  gradpress hook); ``warmup`` untimed steps, then ``steps`` timed steps, each
-  timed on its own (``perf_counter`` around zero_grad + forward + backward
-  + optimizer step; no barrier inside a step). Around the timed steps it
-  reads the node's interface counters (``/proc/net/dev`` of the node's own
-  network namespace: every byte of every Ethernet frame the link carried,
-  both directions) and the gradpress hook's ``stats``.
+* ``mode="step"``: one configuration (plain DDP, DDP with a PyTorch hook,
+  or a gradpress algorithm: ``ddp`` is DDP with the gradpress hook);
+  ``warmup`` untimed steps, then ``steps`` timed steps, each timed on its own
+  (``perf_counter`` around :func:`gradpress.train.loop.train_step`: zero_grad
+  + forward + backward + the algorithm's step; no barrier inside a step).
+  Around the timed steps it reads the node's interface counters
+  (``/proc/net/dev`` of the node's own network namespace: every byte of
+  every Ethernet frame the link carried, both directions) and the gradpress
+  ``stats``.
 * ``mode="compute"``: the same steps without DDP or any process group
   (world size 1); started in every node at once, so the CPU is shared as in
   the distributed runs; with ``solo``, rank 0 then waits until the other
   nodes have written their results and times the steps again, alone.
 * ``mode="train"``: train the workload with the configuration until the
   test metric reaches ``target`` (checked every ``eval_every`` steps, with
-  the clock paused while evaluating), or ``max_steps`` / ``time_limit``.
+  the clock paused while evaluating), or ``max_steps`` / ``time_limit``;
+  through the training package's loop, data order and evaluation
+  (:func:`~gradpress.train.loop.run_steps`, :func:`~gradpress.train.evaluate.evaluate`).
 
 Batches are drawn from the workload's in-memory data before the clock
 starts (the timed loop only indexes a list). Every rank writes
@@ -43,7 +47,9 @@ from typing import Any
 import torch
 
 from gradpress.bench.e2e_configs import RunConfig
-from gradpress.train import make_optimizer
+from gradpress.train.evaluate import evaluate
+from gradpress.train.loop import Tick, run_steps, shard_batches, steps_per_epoch, train_step
+from gradpress.train.optim import make_optimizer
 
 __all__ = ["main", "payload_bytes_per_step", "interface_bytes"]
 
@@ -113,23 +119,61 @@ def _batches(wl: Any, batch_size: int, count: int, rank: int, seed: int) -> list
     return out
 
 
-def _init_group() -> None:
+def _setup(job: dict[str, Any]) -> tuple[RunConfig, int, int, Any, torch.nn.Module, torch.optim.Optimizer]:
+    """Join the group; the configuration, rank, world size, workload, model, optimizer."""
     import torch.distributed as dist
 
-    dist.init_process_group("gloo")
+    if not dist.is_initialized():  # a test may run the worker inside its own group
+        dist.init_process_group("gloo")
+    wl = _build(job)
+    opt = make_optimizer(job["optimizer"], wl.model.parameters(), job["lr"])
+    return RunConfig.from_dict(job["config"]), dist.get_rank(), dist.get_world_size(), wl, wl.model, opt
 
 
-def _wrap_ddp(model: torch.nn.Module, cfg: RunConfig, seed: int):
-    """DDP around ``model`` with ``cfg``'s hook; returns (ddp, gradpress handle or None, bucket_cap_mb)."""
+def _finish(algo: Any) -> None:
+    import torch.distributed as dist
+
+    algo.close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+class _TorchDDP:
+    """A PyTorch baseline (plain DDP, or DDP with one of PyTorch's comm hooks)
+    in the training loop's algorithm interface; the bare module (no DDP) for
+    the compute-only steps."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, ddp: Any = None) -> None:
+        self.module, self.model, self.step = model, (ddp if ddp is not None else model), optimizer.step
+
+    def eval_model(self) -> torch.nn.Module:
+        return self.module
+
+    def close(self) -> None:
+        pass
+
+
+def _build_algorithm(model: torch.nn.Module, opt: torch.optim.Optimizer, cfg: RunConfig, seed: int):
+    """What runs ``cfg``: (algorithm, gradpress stats source or None, bucket_cap_mb).
+    gradpress configurations go through the training package's algorithms
+    (``ddp``: DDP + the gradpress hook); the PyTorch baselines wrap DDP with
+    PyTorch's own hooks."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     bucket_cap_mb = None
-    if cfg.single_bucket:
-        total = sum(p.numel() * p.element_size() for p in model.parameters())
-        bucket_cap_mb = math.ceil(total / 2**20) + 1  # one bucket: PowerSGD's hook on gloo needs it
-    ddp = DDP(model, init_sync=False, broadcast_buffers=False, bucket_cap_mb=bucket_cap_mb)
-    handle = None
+    if cfg.single_bucket:  # one bucket: PowerSGD's hook on gloo needs it
+        bucket_cap_mb = math.ceil(sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20) + 1
+    ddp_options = {"init_sync": False, "broadcast_buffers": False, "bucket_cap_mb": bucket_cap_mb}
+    if cfg.kind == "gradpress":
+        from gradpress.train.algorithm import create
+
+        algo = create(cfg.algorithm, model, opt, compressor=cfg.spec, strategy=cfg.strategy, seed=seed,
+                      error_feedback=cfg.error_feedback, ddp_options=ddp_options if cfg.algorithm == "ddp" else None)
+        return algo, algo, bucket_cap_mb
+    if cfg.kind not in ("ddp", "torch-fp16", "torch-powersgd"):
+        raise ValueError(f"config kind {cfg.kind!r} is not one of ddp, torch-fp16, torch-powersgd, gradpress")
+    ddp = DDP(model, **ddp_options)
     if cfg.kind == "torch-fp16":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -141,22 +185,30 @@ def _wrap_ddp(model: torch.nn.Module, cfg: RunConfig, seed: int):
                                  start_powerSGD_iter=cfg.start, min_compression_rate=2, use_error_feedback=True,
                                  warm_start=True, random_seed=seed)
         ddp.register_comm_hook(state, ps.powerSGD_hook)
-    elif cfg.kind == "gradpress":
-        import gradpress.ddp
-
-        handle = gradpress.ddp.register(ddp, cfg.spec, strategy=cfg.strategy, seed=seed,
-                                        error_feedback=cfg.error_feedback)
-    elif cfg.kind != "ddp":
-        raise ValueError(f"config kind {cfg.kind!r} is not one of ddp, torch-fp16, torch-powersgd, gradpress")
-    return ddp, handle, bucket_cap_mb
+    return _TorchDDP(model, opt, ddp), None, bucket_cap_mb
 
 
-def _buckets(ddp: Any) -> int | None:
+def _buckets(algo: Any) -> int | None:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ddp = algo.model
+    if not isinstance(ddp, DDP):
+        return None  # not DDP: an algorithm that exchanges on its own
     try:
         sizes = ddp._get_ddp_logging_data().get("rebuilt_bucket_sizes") or ddp._get_ddp_logging_data().get("bucket_sizes")
     except Exception:  # noqa: BLE001 - private API: report unknown instead of failing the run
         return None
     return len(str(sizes).split(",")) if sizes else None
+
+
+def _plan(algo: Any) -> dict[str, list[Any]]:
+    """Per tensor, [strategy, parts] of the gradpress hook's plan; an algorithm
+    without DDP reports its one strategy for every tensor."""
+    from gradpress.train.algorithm import DDPAlgorithm
+
+    if isinstance(algo, DDPAlgorithm):
+        return {k: [d.strategy, d.parts] for k, d in algo.hook.plan.decisions.items()}
+    return {"*": [algo.describe()["strategy"], 1]}
 
 
 def _write(job: dict[str, Any], rank: int, result: dict[str, Any]) -> None:
@@ -166,14 +218,6 @@ def _write(job: dict[str, Any], rank: int, result: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def _step(model: Any, opt: torch.optim.Optimizer, loss_fn: Any, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    opt.zero_grad(set_to_none=True)
-    loss = loss_fn(model(batch[0]), batch[1])
-    loss.backward()
-    opt.step()
-    return loss
-
-
 # ------------------------------------------------------------------ modes
 def run_compute(job: dict[str, Any]) -> dict[str, Any]:
     """Compute-only steps: forward + backward + optimizer, no communication."""
@@ -181,15 +225,16 @@ def run_compute(job: dict[str, Any]) -> dict[str, Any]:
     wl = _build(job)
     model = wl.model
     opt = make_optimizer(job["optimizer"], model.parameters(), job["lr"])
+    local = _TorchDDP(model, opt)
     batches = _batches(wl, job["batch_size"], job["n_batches"], rank, job["seed"])
     for i in range(job["warmup"]):
-        _step(model, opt, wl.loss, batches[i % len(batches)])
+        train_step(local, opt, wl.loss, *batches[i % len(batches)])
 
     def timed() -> list[float]:
         times = []
         for i in range(job["steps"]):
             t0 = time.perf_counter()
-            _step(model, opt, wl.loss, batches[i % len(batches)])
+            train_step(local, opt, wl.loss, *batches[i % len(batches)])
             times.append(time.perf_counter() - t0)
         return times
 
@@ -211,30 +256,25 @@ def run_compute(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_step(job: dict[str, Any]) -> dict[str, Any]:
-    """Timed DDP steps of one configuration (see the module doc)."""
+    """Timed steps of one configuration (see the module doc)."""
     import torch.distributed as dist
 
-    cfg = RunConfig.from_dict(job["config"])
-    _init_group()
-    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg, rank, world, wl, model, opt = _setup(job)
     dev = os.environ.get("GLOO_SOCKET_IFNAME")
-    wl = _build(job)
-    model = wl.model
     t_reg = time.perf_counter()
-    ddp, hook, bucket_cap_mb = _wrap_ddp(model, cfg, job["seed"])
+    algo, gp, bucket_cap_mb = _build_algorithm(model, opt, cfg, job["seed"])
     register_s = time.perf_counter() - t_reg
-    opt = make_optimizer(job["optimizer"], ddp.parameters(), job["lr"])
     batches = _batches(wl, job["batch_size"], job["n_batches"], rank, job["seed"])
     warmup = max(job["warmup"], cfg.start)
     for i in range(warmup):
-        _step(ddp, opt, wl.loss, batches[i % len(batches)])
+        train_step(algo, opt, wl.loss, *batches[i % len(batches)])
     dist.barrier()
     net0 = interface_bytes(dev) if dev else None
-    stats0 = hook.stats if hook is not None else None
+    stats0 = gp.stats if gp is not None else None
     times, losses = [], []
     for i in range(job["steps"]):
         t0 = time.perf_counter()
-        loss = _step(ddp, opt, wl.loss, batches[(warmup + i) % len(batches)])
+        loss = train_step(algo, opt, wl.loss, *batches[(warmup + i) % len(batches)])
         times.append(time.perf_counter() - t0)
         losses.append(loss.detach())
     net1 = interface_bytes(dev) if dev else None
@@ -244,123 +284,82 @@ def run_step(job: dict[str, Any]) -> dict[str, Any]:
         "step_s": times, "median_step_s": statistics.median(times), "register_s": register_s,
         "loss": [float(x) for x in losses], "parameters": sum(p.numel() for p in model.parameters()),
         "dense_bytes_per_step": sum(p.numel() * p.element_size() for p in model.parameters()),
-        "bucket_cap_mb": bucket_cap_mb, "buckets": _buckets(ddp),
+        "bucket_cap_mb": bucket_cap_mb, "buckets": _buckets(algo),
     }
     if net0 is not None and net1 is not None:
         result["link_rx_bytes_per_step"] = (net1[0] - net0[0]) / n
         result["link_tx_bytes_per_step"] = (net1[1] - net0[1]) / n
-    if hook is not None:
-        s1 = hook.stats
+    if gp is not None and stats0 is not None:
+        s1 = gp.stats
         steps = max(s1["steps"] - stats0["steps"], 1)
         result.update({
             "payload_bytes_per_step": (s1["bytes_sent"] - stats0["bytes_sent"]) / steps,
-            "payload_source": "gradpress hook stats (bytes handed to collectives)",
+            "payload_source": "gradpress stats (bytes handed to collectives)",
             "compress_s_per_step": (s1["compress_s"] - stats0["compress_s"]) / steps,
             "comm_s_per_step": (s1["comm_s"] - stats0["comm_s"]) / steps,
             "compressed_tensors": s1["compressed_tensors"], "dense_tensors": s1["dense_tensors"],
-            "strategy": hook.strategy_name,
-            "plan": {k: [d.strategy, d.parts] for k, d in hook.plan.decisions.items()},
+            "strategy": gp.describe()["strategy"], "plan": _plan(gp),
         })
-        hook.close()
     else:
         result["payload_bytes_per_step"] = payload_bytes_per_step(model, cfg)
         result["payload_source"] = "computed from the parameter shapes"
-    dist.barrier()
-    dist.destroy_process_group()
+    _finish(algo)
     return result
 
 
 def run_train(job: dict[str, Any]) -> dict[str, Any]:
-    """Train until the test metric reaches ``job['target']`` (see the module doc)."""
+    """Train until the test metric reaches ``job['target']`` (see the module doc),
+    through the training package's loop (:func:`gradpress.train.loop.run_steps`)."""
     import torch.distributed as dist
 
-    cfg = RunConfig.from_dict(job["config"])
-    _init_group()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    wl = _build(job)
-    model = wl.model
-    ddp, hook, bucket_cap_mb = _wrap_ddp(model, cfg, job["seed"])
-    opt = make_optimizer(job["optimizer"], ddp.parameters(), job["lr"])
+    cfg, rank, world, wl, model, opt = _setup(job)
+    algo, gp, bucket_cap_mb = _build_algorithm(model, opt, cfg, job["seed"])
     x, y = wl.train
-    per_rank = len(y) // world
-    bs = job["batch_size"]
-    steps_per_epoch = per_rank // bs
-    if steps_per_epoch < 1:
-        raise ValueError(f"batch_size {bs} x {world} workers exceeds the {len(y)} training samples")
-    horizon = job["epochs"] * steps_per_epoch
+    horizon = job["epochs"] * steps_per_epoch(len(y), world, job["batch_size"], job["workload"])
     max_steps = min(job["max_steps"] or horizon, horizon)
-    # every epoch's batches of this rank, drawn before the clock starts
-    batches: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for epoch in range(math.ceil(max_steps / steps_per_epoch)):
-        g = torch.Generator().manual_seed(job["seed"] * 1_000_003 + epoch)
-        order = torch.randperm(len(y), generator=g)[rank * per_rank:(rank + 1) * per_rank]
-        for b in range(steps_per_epoch):
-            idx = order[b * bs:(b + 1) * bs]
-            batches.append((x[idx].contiguous(), y[idx].contiguous()))
+    # this rank's batches (the epoch permutations, sharded), drawn before the clock starts
+    batches = list(shard_batches(x, y, seed=job["seed"], rank=rank, world=world, batch_size=job["batch_size"],
+                                 epochs=job["epochs"], count=max_steps))
     sign = 1.0 if wl.higher_is_better else -1.0
     history: list[dict[str, Any]] = []
-    reached_at: dict[str, Any] | None = None
-    dist.barrier()
-    train_s = 0.0
-    step = 0
-    while step < max_steps:
-        t0 = time.perf_counter()
-        if job["schedule"] == "cosine":
-            for group in opt.param_groups:
-                group["lr"] = job["lr"] * 0.5 * (1.0 + math.cos(math.pi * step / horizon))
-        _step(ddp, opt, wl.loss, batches[step])
-        train_s += time.perf_counter() - t0
-        step += 1
-        if step % job["eval_every"] and step != max_steps:
-            continue
-        metric = _evaluate(wl, model, rank, world)
+    clock = {"train_s": 0.0}
+
+    def after(t: Tick) -> bool:
+        clock["train_s"] += t.seconds
+        if t.step % job["eval_every"] and t.step != max_steps:
+            return False
+        metric = evaluate(wl, algo.eval_model(), rank=rank, world=world, chunk=2048)
         # all ranks agree: the metric is all-reduced; time is rank 0's, broadcast
-        t = torch.tensor([train_s], dtype=torch.float64)
-        dist.broadcast(t, 0)
-        history.append({"step": step, "seconds": float(t), "metric": metric})
+        now = torch.tensor([clock["train_s"]], dtype=torch.float64)
+        dist.broadcast(now, 0)
+        history.append({"step": t.step, "seconds": float(now), "metric": metric})
         if sign * metric >= sign * job["target"]:
-            reached_at = history[-1]
-            break
-        if job.get("time_limit") and float(t) > job["time_limit"]:
-            break
+            return True
+        return bool(job.get("time_limit") and float(now) > job["time_limit"])
+
+    dist.barrier()
+    step = run_steps(algo, opt, wl.loss, batches, lr=job["lr"], schedule=job["schedule"], horizon=horizon,
+                     after=after)
+    reached_at = history[-1] if history and sign * history[-1]["metric"] >= sign * job["target"] else None
     result = {
         "mode": "train", "rank": rank, "world_size": world, "label": cfg.label, "metric": wl.metric,
         "target": job["target"], "reached": reached_at is not None,
         "time_to_target_s": reached_at["seconds"] if reached_at else None,
         "steps_to_target": reached_at["step"] if reached_at else None,
-        "steps": step, "train_s": train_s, "final_metric": history[-1]["metric"] if history else None,
+        "steps": step, "train_s": clock["train_s"], "final_metric": history[-1]["metric"] if history else None,
         "best_metric": max((sign * h["metric"] for h in history), default=None),
-        "history": history, "bucket_cap_mb": bucket_cap_mb, "buckets": _buckets(ddp),
+        "history": history, "bucket_cap_mb": bucket_cap_mb, "buckets": _buckets(algo),
         "parameters": sum(p.numel() for p in model.parameters()),
     }
     if result["best_metric"] is not None:
         result["best_metric"] *= sign
-    if hook is not None:
-        s = hook.stats
+    if gp is not None:
+        s = gp.stats
         result["payload_bytes_per_step"] = s["bytes_sent"] / max(s["steps"], 1)
-        hook.close()
     else:
         result["payload_bytes_per_step"] = payload_bytes_per_step(model, cfg)
-    dist.barrier()
-    dist.destroy_process_group()
+    _finish(algo)
     return result
-
-
-def _evaluate(wl: Any, model: torch.nn.Module, rank: int, world: int) -> float:
-    import torch.distributed as dist
-
-    x, y = wl.test
-    idx = torch.arange(rank, len(y), world)
-    total = torch.zeros(2, dtype=torch.float64)
-    model.eval()
-    with torch.no_grad():
-        for chunk in idx.split(2048):
-            s, n = wl.score(model(x[chunk]), y[chunk])
-            total[0] += s
-            total[1] += n
-    model.train()
-    dist.all_reduce(total)
-    return float(total[0] / total[1].clamp_min(1))
 
 
 MODES = {"compute": run_compute, "step": run_step, "train": run_train}
