@@ -1,12 +1,18 @@
-"""``gradpress compare``: train the same workload with several compressors,
-one after another (same seed, same data, same workers), and report final
-metric, bytes on the wire, step time and how fast each reaches a target.
+"""``gradpress compare``: train the same workload with several algorithms
+and compressors (their cross product), one run after another (same seed,
+same data, same workers), and report final metric, bytes on the wire, step
+time and how fast each reaches a target.
+
+Algorithms (``--algorithms``, default ``ddp``) and compressors
+(``--compressors``, default: each algorithm's own default compressor) use
+the spec syntax of ``gradpress train --algorithm`` / ``--compressor``.
 
 Outputs in ``out``: ``compare.json`` (the list of training summaries, each
 with ``steps_to_target``, ``bytes_to_target``, ``delta_vs_reference`` and
 ``target`` added), ``compare.md`` (the table) and ``compare.png`` (metric vs
 step and metric vs cumulative bytes sent by rank 0, log scale). Each run's
-own files are in ``out/<n>-<compressor>/``.
+own files are in ``out/<n>-<compressor>/`` (``out/<n>-<algorithm>-<compressor>/``
+for algorithms other than ``ddp``).
 
 Strategy: unless one is given, each compressor runs on its general
 strategy (``collective``: allreduce if summable, else allgather),
@@ -15,8 +21,9 @@ fast link and leave every tensor dense.
 
 Target: ``target`` if given; otherwise 95% of the reference run's final
 metric for metrics where higher is better (accuracy), 105% for lower-is-
-better ones (bits per character). The reference is the ``none`` run if there
-is one, else the first run. A run reaches the target at its first
+better ones (bits per character). The reference is the ``ddp`` run with
+compressor ``none`` if there is one, else the first ``none`` run, else the
+first run. A run reaches the target at its first
 evaluation point at or beyond it.
 """
 
@@ -31,22 +38,23 @@ from typing import Any
 
 from gradpress import train
 
-__all__ = ["split_specs", "run", "table", "target_for", "plot", "annotate"]
+__all__ = ["split_specs", "run", "table", "target_for", "plot", "annotate", "label"]
 
 
-def split_specs(values: str | Iterable[str]) -> list[str]:
+def split_specs(values: str | Iterable[str], what: str = "compressors") -> list[str]:
     """``"none,fp16,qsgd:levels=16,bucket=512,topk:ratio=0.01"`` ->
     ``["none", "fp16", "qsgd:levels=16,bucket=512", "topk:ratio=0.01"]``.
 
     A comma starts a new spec unless the next piece is a ``key=value``
     parameter of the previous one (it has ``=`` and no ``:`` before its
     first ``>``). ``;`` always separates. A list of strings is split item by
-    item (``--compressors`` may be repeated)."""
+    item (``--compressors`` may be repeated). ``what`` names the option in
+    errors (``compressors`` or ``algorithms``)."""
     items = [values] if isinstance(values, str) else list(values)
     specs: list[str] = []
     for item in items:
         if not isinstance(item, str):
-            raise ValueError(f"compressors must be strings, got {item!r}")
+            raise ValueError(f"{what} must be strings, got {item!r}")
         for group in item.split(";"):
             current: list[str] = []
             for piece in group.split(","):
@@ -57,13 +65,14 @@ def split_specs(values: str | Iterable[str]) -> list[str]:
                 elif piece:
                     current.append(piece)
                 else:
-                    raise ValueError(f"compressors: empty entry in {item!r}")
+                    raise ValueError(f"{what}: empty entry in {item!r}")
             specs.extend(current)
     if not specs:
-        raise ValueError("compressors: give at least one compressor spec, e.g. none,fp16,topk:ratio=0.01")
+        example = "none,fp16,topk:ratio=0.01" if what == "compressors" else "ddp,localsgd:period=8"
+        raise ValueError(f"{what}: give at least one spec, e.g. {example}")
     dupes = sorted({s for s in specs if specs.count(s) > 1})
     if dupes:
-        raise ValueError(f"compressors: {', '.join(dupes)} listed more than once")
+        raise ValueError(f"{what}: {', '.join(dupes)} listed more than once")
     return specs
 
 
@@ -71,11 +80,18 @@ def _slug(spec: str) -> str:
     return re.sub(r"[^A-Za-z0-9._=-]+", "_", spec).strip("_") or "run"
 
 
+def label(s: Mapping[str, Any]) -> str:
+    """A run's name: its compressor, prefixed ``ALGORITHM/`` unless the algorithm is ``ddp``."""
+    algo = s.get("algorithm", "ddp")
+    return s["compressor"] if algo == "ddp" else f"{algo}/{s['compressor']}"
+
+
 def _reference(summaries: list[dict[str, Any]]) -> dict[str, Any]:
-    for s in summaries:
-        if s["compressor"].strip() == "none":
+    nones = [s for s in summaries if s["compressor"].strip() == "none"]
+    for s in nones:
+        if s.get("algorithm", "ddp") == "ddp":
             return s
-    return summaries[0]
+    return nones[0] if nones else summaries[0]
 
 
 def target_for(summaries: list[dict[str, Any]], target: float | None = None) -> float | None:
@@ -108,7 +124,7 @@ def annotate(summaries: list[dict[str, Any]], target: float | None) -> list[dict
         s["target"] = tgt
         s["steps_to_target"] = steps
         s["bytes_to_target"] = nbytes
-        s["reference"] = ref["compressor"]
+        s["reference"] = label(ref)
         s["delta_vs_reference"] = (None if s["final_metric"] is None or ref["final_metric"] is None
                                    else s["final_metric"] - ref["final_metric"])
         out.append(s)
@@ -129,13 +145,14 @@ def table(summaries: list[dict[str, Any]]) -> str:
     """Markdown table of annotated summaries."""
     metric = summaries[0]["metric"]
     ref = summaries[0]["reference"]
-    head = ["compressor", f"final {metric}", f"vs {ref}", "bytes/step", "ratio", "step ms", "steps to target",
+    head = ["algorithm", "compressor", f"final {metric}", f"vs {ref}", "bytes/step", "ratio", "step ms", "steps to target",
             "bytes to target"]
     rows = []
     for s in summaries:
         fm = s["final_metric"]
         d = s["delta_vs_reference"]
         rows.append([
+            f"`{s.get('algorithm', 'ddp')}`",
             f"`{s['compressor']}`",
             "-" if fm is None else f"{fm:.4f}",
             "-" if d is None else f"{d:+.4f}",
@@ -171,9 +188,9 @@ def plot(summaries: list[dict[str, Any]], path: Path) -> None:
         nbytes = [max(h["bytes_total"], 1) for h in hist]
         vals = [h["metric"] for h in hist]
         style = {"color": cmap(i % 10), "marker": "o" if len(hist) <= 40 else None, "markersize": 3, "linewidth": 1.6}
-        label = f"{s['compressor']} ({s['compression_ratio']:.0f}x)" if s["compression_ratio"] >= 1.5 else s["compressor"]
-        a1.plot(steps, vals, label=label, **style)
-        a2.plot(nbytes, vals, label=label, **style)
+        name = f"{label(s)} ({s['compression_ratio']:.0f}x)" if s["compression_ratio"] >= 1.5 else label(s)
+        a1.plot(steps, vals, label=name, **style)
+        a2.plot(nbytes, vals, label=name, **style)
     for ax in (a1, a2):
         if tgt is not None and math.isfinite(tgt):
             ax.axhline(tgt, color="0.5", linestyle="--", linewidth=1)
@@ -193,27 +210,45 @@ def plot(summaries: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-def run(compressors: str | Iterable[str], options: Mapping[str, Any] | None = None, *, out: str = "runs/compare",
-        target: float | None = None) -> list[dict[str, Any]]:
+def _plan_runs(compressors: str | Iterable[str] | None, algorithms: str | Iterable[str] | None,
+               opts: Mapping[str, Any], root: Path) -> list[Any]:
+    """Every (algorithm, compressor) pair as a validated training config."""
+    algos = split_specs(algorithms, "algorithms") if algorithms else ["ddp"]
+    specs: list[str | None] = list(split_specs(compressors)) if compressors else [None]
+    configs = []
+    for algo in algos:
+        for spec in specs:
+            per_run = dict(opts)
+            if per_run.get("strategy") is None:
+                # every eligible tensor through the compressor (allreduce if summable, else
+                # allgather): "auto" may plan compression away on a fast link
+                per_run["strategy"] = "collective"
+            cfg = train.make_config(per_run, algorithm=algo, compressor=spec)
+            name = _slug(cfg.compressor) if cfg.algorithm == "ddp" else f"{_slug(cfg.algorithm)}-{_slug(cfg.compressor)}"
+            cfg.out = str(root / f"{len(configs)}-{name}")
+            configs.append(cfg)
+    return configs
+
+
+def run(compressors: str | Iterable[str] | None, options: Mapping[str, Any] | None = None, *,
+        out: str = "runs/compare", target: float | None = None,
+        algorithms: str | Iterable[str] | None = None) -> list[dict[str, Any]]:
     """Train ``options`` (training options, as for :func:`gradpress.train.run`)
-    once per compressor; write the three files; return annotated summaries."""
-    specs = split_specs(compressors)
+    once per (algorithm, compressor) pair; write the three files; return
+    annotated summaries. ``compressors`` None: each algorithm's default;
+    ``algorithms`` None: ``ddp``."""
     opts = dict(options or {})
-    for key in ("compressor", "resume"):
+    for key in ("algorithm", "compressor", "resume"):
         if key in opts:
             raise ValueError(f"{key}: not a compare option (compare sets it per run)")
+    if not compressors and not algorithms:
+        raise ValueError("compressors: give at least one compressor or algorithm spec, e.g. "
+                         "--compressors none,fp16,topk:ratio=0.01 or --algorithms ddp,localsgd:period=8")
     if target is not None and (isinstance(target, bool) or not isinstance(target, (int, float))
                                or not math.isfinite(target)):
         raise ValueError(f"target must be a finite number, got {target!r}")
     root = Path(out)
-    configs = []
-    for i, spec in enumerate(specs):  # validate everything before training anything
-        per_run = dict(opts)
-        if per_run.get("strategy") is None:
-            # every eligible tensor through the compressor (allreduce if summable, else
-            # allgather): "auto" may plan compression away on a fast link
-            per_run["strategy"] = "collective"
-        configs.append(train.make_config(per_run, compressor=spec, out=str(root / f"{i}-{_slug(spec)}")))
+    configs = _plan_runs(compressors, algorithms, opts, root)  # validate everything before training anything
     summaries = []
     for cfg in configs:
         summaries.append(train.run(cfg))
@@ -229,7 +264,8 @@ def run(compressors: str | Iterable[str], options: Mapping[str, Any] | None = No
         "",
         f"{s0['world_size']} worker(s), {s0['steps']} steps, batch {s0['batch_size']} per worker, "
         f"{s0['optimizer']} lr {s0['lr']}, seed {s0['seed']}. Bytes are those rank 0 handed to collectives "
-        f"(strategies: {', '.join(sorted({s['strategy'] for s in result}))}).",
+        f"(strategies: {', '.join(sorted({s['strategy'] for s in result}))}; "
+        f"algorithms: {', '.join(dict.fromkeys(s.get('algorithm', 'ddp') for s in result))}).",
         f"Target {s0['metric']}: {'-' if tgt is None else f'{tgt:.4f}'} ({rule}).",
         "",
         table(result),

@@ -1,8 +1,10 @@
-"""``gradpress compare``: spec splitting, target logic, the three output files."""
+"""``gradpress compare``: spec splitting, target logic, the three output files,
+algorithms x compressors."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -26,11 +28,26 @@ def test_split_specs(text, specs):
 def test_split_specs_rejects(bad, match):
     with pytest.raises(ValueError, match=match):
         compare.split_specs(bad)
+    with pytest.raises(ValueError, match="^algorithms: "):
+        compare.split_specs(bad, "algorithms")
 
 
-def _fake(name, finals, higher=True):
+def _fake(name, finals, higher=True, algorithm=None):
     hist = [{"step": 10 * (i + 1), "bytes_total": 1000 * (i + 1), "metric": m, "loss": 1.0} for i, m in enumerate(finals)]
-    return {"compressor": name, "final_metric": finals[-1], "higher_is_better": higher, "history": hist}
+    run = {"compressor": name, "final_metric": finals[-1], "higher_is_better": higher, "history": hist}
+    if algorithm is not None:
+        run["algorithm"] = algorithm
+    return run
+
+
+def test_reference_prefers_ddp_none_and_labels_name_the_algorithm():
+    runs = [_fake("none", [0.5], algorithm="localsgd:period=4"), _fake("topk", [0.7], algorithm="ddp"),
+            _fake("none", [0.8], algorithm="ddp")]
+    out = compare.annotate(runs, None)
+    assert out[0]["reference"] == "none" and out[0]["target"] == pytest.approx(0.76)
+    assert [compare.label(r) for r in out] == ["localsgd:period=4/none", "topk", "none"]
+    only_local = compare.annotate(runs[:1] + [_fake("fp16", [0.9], algorithm="localsgd:period=4")], None)
+    assert only_local[1]["reference"] == "localsgd:period=4/none"  # no ddp/none run: the first none run
 
 
 def test_target_and_steps_to_target():
@@ -54,9 +71,10 @@ def test_compare_writes_three_files(tmp_path, capsys):
               "--no-progress", "--out", str(out)])
     assert rc == 0
     printed = capsys.readouterr().out
-    assert "| compressor" in printed and "compare.png" in printed
+    assert "| algorithm | compressor" in printed and "compare.png" in printed
     runs = json.loads((out / "compare.json").read_text())
     assert [r["compressor"] for r in runs] == ["none", "fp16", "topk:ratio=0.1"]
+    assert all(r["algorithm"] == "ddp" for r in runs)  # --algorithms left out
     assert [r["strategy"] for r in runs] == ["allreduce", "allreduce", "allgather"]
     assert all(r["seed"] == 0 and r["workload"] == "digits-mlp" and len(r["history"]) == 3 for r in runs)
     assert runs[0]["delta_vs_reference"] == 0.0 and runs[0]["steps_to_target"] is not None
@@ -74,3 +92,42 @@ def test_compare_bad_spec_trains_nothing(tmp_path, capsys):
     assert "unknown compressor 'bogus'" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
     assert cli(["compare", "--compressors", "none", "--target", "nan", "--out", str(tmp_path / "y")]) == 2
+    assert cli(["compare", "--algorithms", "ddp:x=1", "--out", str(tmp_path / "z"), "--no-progress"]) == 2
+    assert "algorithm 'ddp' takes no parameters" in capsys.readouterr().err
+    assert cli(["compare", "--out", str(tmp_path / "w"), "--no-progress"]) == 2
+    assert "give at least one compressor or algorithm spec" in capsys.readouterr().err
+    assert not (tmp_path / "z").exists() and not (tmp_path / "w").exists()
+    with pytest.raises(ValueError, match="algorithm: not a compare option"):
+        compare.run("none", {"algorithm": "ddp"}, out=str(tmp_path / "v"))
+
+
+def test_runs_are_the_cross_product_of_algorithms_and_compressors(tmp_path):
+    runs = compare._plan_runs("none,topk:ratio=0.1", "ddp;localsgd", {"workload": "digits-mlp"}, tmp_path)
+    assert [(c.algorithm, c.compressor, Path(c.out).name) for c in runs] == [
+        ("ddp", "none", "0-none"), ("ddp", "topk:ratio=0.1", "1-topk_ratio=0.1"),
+        ("localsgd:period=8", "none", "2-localsgd_period=8-none"),
+        ("localsgd:period=8", "topk:ratio=0.1", "3-localsgd_period=8-topk_ratio=0.1")]
+    assert {c.strategy for c in runs} == {"collective"}
+    defaults = compare._plan_runs(None, "localsgd:period=2,ddp", {}, tmp_path)  # each algorithm's default
+    assert [(c.algorithm, c.compressor) for c in defaults] == [("localsgd:period=2", "none"), ("ddp", "none")]
+    with pytest.raises(ValueError, match="unknown algorithm 'gossip'"):
+        compare._plan_runs(None, "ddp,gossip", {}, tmp_path)
+
+
+def test_compare_algorithms_on_two_workers(tmp_path, capsys):
+    out = tmp_path / "cmp"
+    rc = cli(["compare", "--algorithms", "ddp,localsgd:period=4", "--compressors", "none;topk:ratio=0.1",
+              "--nproc", "2", "--workload", "digits-mlp", "--hidden", "16", "--samples", "128", "--batch-size", "16",
+              "--epochs", "2", "--min-numel", "64", "--no-progress", "--out", str(out)])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "| algorithm" in printed and "| `localsgd:period=4` | `topk:ratio=0.1` |" in printed
+    runs = json.loads((out / "compare.json").read_text())
+    assert [(r["algorithm"], r["compressor"]) for r in runs] == [
+        ("ddp", "none"), ("ddp", "topk:ratio=0.1"), ("localsgd:period=4", "none"), ("localsgd:period=4", "topk:ratio=0.1")]
+    assert all(r["world_size"] == 2 and r["steps"] == 8 and r["reference"] == "none" for r in runs)
+    # ratios compare across algorithms: dense = what DDP sends; local SGD sends every 4th step
+    assert runs[0]["compression_ratio"] == pytest.approx(1.0)
+    assert runs[2]["compression_ratio"] > 3 and runs[3]["compression_ratio"] > runs[2]["compression_ratio"]
+    assert "algorithms: ddp, localsgd:period=4" in (out / "compare.md").read_text()
+    assert (out / "3-localsgd_period=4-topk_ratio=0.1" / "summary.json").exists()
