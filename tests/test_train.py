@@ -450,3 +450,38 @@ def test_algorithms_command_lists_ddp_and_the_registry(capsys):
     assert cli(["algorithms"]) == 0
     out = capsys.readouterr().out
     assert "localsgd" in out and "period=8 (integer >= 1)" in out
+
+
+def test_ddp_adapter_skips_the_optimizer_step_the_hook_dropped():
+    """--nonfinite skip: a NaN gradient drops the step on every rank, and the
+    ddp algorithm then leaves the optimizer alone (momentum untouched too)."""
+    import torch.distributed as dist
+
+    from gradpress.train.algorithm import create
+    from gradpress.train.launch import init_group
+
+    created = init_group("cpu")
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(64, 64)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        algo = create("ddp", model, opt, compressor="topk:ratio=0.1", strategy="allgather", min_numel=64,
+                      nonfinite="skip")
+        assert algo.describe() == {"algorithm": "ddp", "compressor": "topk:ratio=0.1", "strategy": "allgather",
+                                   "error_feedback": True}
+        assert algo.eval_model() is model and algo.model is not model  # forward through DDP, evaluate the module
+        x = torch.randn(4, 64)
+        before = [p.detach().clone() for p in model.parameters()]
+        algo.model(x * float("nan")).sum().backward()
+        algo.step()
+        assert algo.stats["skipped_steps"] == 1 and not opt.state
+        assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+        opt.zero_grad()
+        algo.model(x).sum().backward()
+        algo.step()
+        assert algo.stats["skipped_steps"] == 1 and opt.state
+        assert not torch.equal(before[0], model.weight)
+        algo.close()
+    finally:
+        if created:
+            dist.destroy_process_group()
