@@ -28,6 +28,7 @@ Invariants:
 from __future__ import annotations
 
 import datetime
+import time
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -80,28 +81,22 @@ class Algorithm:
         timeout: float | datetime.timedelta | None = None,
         **params: Any,
     ) -> None:
-        if not isinstance(model, torch.nn.Module):
-            raise ValueError(f"algorithm {self.name!r}: model must be a torch.nn.Module, got {type(model).__name__}")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise ValueError(f"algorithm {self.name!r}: optimizer must be a torch.optim.Optimizer, "
-                             f"got {type(optimizer).__name__}")
-        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            raise ValueError(f"algorithm {self.name!r}: pass the plain module, not a DistributedDataParallel "
-                             "(the algorithm does its own exchange)")
-        self._set_params(params)
         self.model = model
         self.optimizer = optimizer
-        self.group = own_group(process_group, timeout)
+        self.group, error = own_group(process_group, timeout)
         self.world_size = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
-        self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self._dense_per_step = sum(p.numel() * p.element_size() for _, p in self.named)
         self._steps = 0
         self._exchanges = 0
         self._last = {"bytes": 0, "dense": 0}
-        error = None
         self.engine: Synchronizer | None = None
-        try:
+        try:  # everything a rank can get wrong alone, before the agreement every rank reaches
+            if error is not None:
+                raise ValueError(error)
+            self._check_inputs(model, optimizer)
+            self._set_params(params)
+            self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+            self._dense_per_step = sum(p.numel() * p.element_size() for _, p in self.named)
             self.engine = Synchronizer(
                 create(compressor if compressor is not None else self.default_compressor),
                 params=self.exchanged_params(), group=self.group, error_feedback=error_feedback,
@@ -118,6 +113,16 @@ class Algorithm:
         self.after_broadcast()
 
     # ------------------------------------------------------------ parameters
+    def _check_inputs(self, model: Any, optimizer: Any) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise ValueError(f"algorithm {self.name!r}: model must be a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ValueError(f"algorithm {self.name!r}: optimizer must be a torch.optim.Optimizer, "
+                             f"got {type(optimizer).__name__}")
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            raise ValueError(f"algorithm {self.name!r}: pass the plain module, not a DistributedDataParallel "
+                             "(the algorithm does its own exchange)")
+
     def _set_params(self, params: Mapping[str, Any]) -> None:
         known = {p.name: p for p in self.PARAMS}
         unknown = sorted(set(params) - set(known))
@@ -182,11 +187,12 @@ class Algorithm:
         floats = [t for t in tensors if t.is_floating_point() and t.numel()]
         if not floats or self.engine is None:
             return
+        t0 = time.perf_counter()
         summed, sent = fused_allreduce([t / self.world_size for t in floats], self.group)
         for t, s in zip(floats, summed):
             t.copy_(s)
-        self.engine.stats_counter.record(sent=sent, dense=0, compress_s=0.0, comm_s=0.0, compressed=0, plain=0,
-                                         tensor_bytes={}, end_of_step=False)
+        self.engine.stats_counter.record(sent=sent, dense=0, compress_s=0.0, comm_s=time.perf_counter() - t0,
+                                         compressed=0, plain=0, tensor_bytes={}, end_of_step=False)
         self._last["bytes"] += sent
 
     @torch.no_grad()

@@ -18,6 +18,7 @@ iteration), never by ``bucket.index()``.
 from __future__ import annotations
 
 import atexit
+import functools
 import queue
 import threading
 import weakref
@@ -73,6 +74,7 @@ class GradpressHook:
         )
         self.group = process_group
         self._step = 0  # hook-side step (main thread)
+        self._deferred: FloatingPointError | None = None
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._thread = threading.Thread(target=self._worker, name="gradpress-comm", daemon=True)
         self._thread.start()
@@ -137,8 +139,19 @@ class GradpressHook:
         job = _Job(buffer, bucket.gradients(), keys, self._step, is_last, future, event)
         if is_last:
             self._step += 1
+            # runs when backward ends, after DDP's own finalization (queued before, at its first bucket)
+            torch.autograd.Variable._execution_engine.queue_callback(functools.partial(self._raise_deferred, future))
         self._queue.put(job)
         return future
+
+    def _raise_deferred(self, last: torch.futures.Future[torch.Tensor]) -> None:
+        """Re-raise a ``nonfinite='raise'`` error as the documented
+        ``FloatingPointError`` from ``loss.backward()`` (DDP would turn an
+        exception of the hook's Future into a ``RuntimeError``)."""
+        last.wait()
+        error, self._deferred = self._deferred, None
+        if error is not None:
+            raise error
 
     def _worker(self) -> None:
         while True:
@@ -151,6 +164,10 @@ class GradpressHook:
                 self.engine.sync(job.keys, job.grads, step=job.step, flat=job.buffer, end_of_step=job.is_last)
                 if job.buffer.is_cuda:
                     torch.cuda.current_stream(job.buffer.device).synchronize()
+                job.future.set_result(job.buffer)
+            except FloatingPointError as exc:  # nonfinite='raise': raised as itself when backward ends
+                job.buffer.zero_()
+                self._deferred = exc
                 job.future.set_result(job.buffer)
             except BaseException as exc:  # noqa: BLE001 - forwarded to the training thread
                 job.future.set_exception(exc)
@@ -198,6 +215,7 @@ def _upgrade_v1(state: Mapping[str, Any]) -> dict[str, Any]:
             strategies[name] = old
     config = dict(state["config"])
     config["parameters"] = [[n, list(s), d] for n, s, d in config.get("parameters", [])]
+    config.setdefault("plan_costs", None)
     return {
         **state, "config": config, "strategies": strategies,
         "feedback": {"beta": memory.get("beta", 1.0), "gamma": memory.get("gamma", 1.0), "residuals": residuals},

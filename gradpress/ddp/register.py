@@ -60,10 +60,11 @@ def register(
         raise ValueError(f"ddp_model must be torch.nn.parallel.DistributedDataParallel, got {type(ddp_model).__name__}")
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized; call dist.init_process_group first (torchrun does)")
-    group = own_group(process_group if process_group is not None else ddp_model.process_group, timeout)
+    group, error = own_group(process_group if process_group is not None else ddp_model.process_group, timeout)
     hook: GradpressHook | None = None
-    error = None
     try:
+        if error is not None:
+            raise ValueError(error)
         hook = GradpressHook(
             ddp_model.module, create(spec, **params), process_group=group, error_feedback=error_feedback,
             strategy=strategy, min_numel=min_numel, seed=seed, plan_costs=plan_costs, nonfinite=nonfinite,

@@ -115,6 +115,16 @@ class Strategy:
 
     name: ClassVar[str] = ""
     carries_prelude: ClassVar[bool] = False
+    #: position in the fixed order in which a call's strategy groups are
+    #: exchanged (every rank issues its collectives in this order)
+    order: ClassVar[int] = 100
+    #: a general strategy: ``collective`` (and ``auto``'s first candidate) is
+    #: the first general strategy, in ``order``, that can carry the compressor
+    general: ClassVar[bool] = False
+    #: one of the planner's candidates with ``auto``
+    planned: ClassVar[bool] = True
+    #: carries only summable compressors (the planner checks candidates by it)
+    summable_only: ClassVar[bool] = False
 
     def __init__(self, group: dist.ProcessGroup | None) -> None:
         self.group = group
@@ -167,17 +177,30 @@ def register_strategy(name: str) -> Callable[[type[Strategy]], type[Strategy]]:
     return deco
 
 
-def _load() -> None:
-    import importlib
+_LOADED = False
 
-    for mod in ("allreduce", "allgather", "ring", "ps"):
-        importlib.import_module(f"gradpress.exchange.{mod}")
+
+def _load() -> None:
+    """Import every module of :mod:`gradpress.exchange.strategies` (each
+    registers its strategy)."""
+    global _LOADED
+    if _LOADED:
+        return
+    _LOADED = True
+    import importlib
+    import pkgutil
+
+    import gradpress.exchange.strategies as pkg
+
+    for mod in pkgutil.iter_modules(pkg.__path__):
+        importlib.import_module(f"{pkg.__name__}.{mod.name}")
 
 
 def strategy_names() -> list[str]:
-    """The registered transports' names (no pseudo-strategies)."""
+    """The registered strategies' names in their exchange ``order`` (no
+    pseudo-strategies)."""
     _load()
-    return sorted(_STRATEGIES)
+    return sorted(_STRATEGIES, key=lambda n: (_STRATEGIES[n].order, n))
 
 
 def available() -> list[str]:

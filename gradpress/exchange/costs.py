@@ -13,7 +13,9 @@ a predicted time (``Strategy.predict``).
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -21,7 +23,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["Fit", "CostModel", "FIELDS", "COMM_PRIMITIVES"]
+__all__ = ["Fit", "CostModel", "FIELDS", "COMM_PRIMITIVES", "COSTS_FORMAT", "load_costs"]
+
+COSTS_FORMAT = "gradpress-costs/1"
 
 COMM_PRIMITIVES = ("allreduce", "allgather", "broadcast", "p2p")
 FIELDS = (*COMM_PRIMITIVES, "encode", "decode", "wire", "root_wire")
@@ -92,9 +96,12 @@ class CostModel:
     @classmethod
     def from_mapping(cls, costs: Mapping[str, Any]) -> CostModel:
         """From ``{field: Fit or (overhead, a, b)}``; ``root_wire`` defaults
-        to ``wire``."""
+        to ``wire``. A mapping written by :meth:`to_json` (with ``format``)
+        is accepted too."""
         if isinstance(costs, CostModel):
             return costs
+        if isinstance(costs, Mapping) and costs.get("format") == COSTS_FORMAT:
+            costs = costs.get("fits", {})
         if not isinstance(costs, Mapping):
             raise ValueError(f"plan_costs must be a mapping of {', '.join(FIELDS)} to (overhead, a, b), got {costs!r}")
         unknown = sorted(set(costs) - set(FIELDS))
@@ -107,6 +114,15 @@ class CostModel:
             raise ValueError(f"plan_costs: missing field {missing[0]!r}; required: {', '.join(FIELDS)}")
         return cls(**{f: Fit.coerce(values[f], f) for f in FIELDS})
 
+    def fits(self) -> dict[str, list[float]]:
+        """``{field: [overhead, a, b]}`` (plain numbers: JSON, configuration checks)."""
+        return {f: [getattr(self, f).overhead, getattr(self, f).a, getattr(self, f).b] for f in FIELDS}
+
+    def to_json(self, **about: Any) -> dict[str, Any]:
+        """A JSON-ready mapping; ``about`` records what was measured
+        (compressor spec, world size, device, date)."""
+        return {"format": COSTS_FORMAT, **about, "fits": self.fits()}
+
     def to_tensor(self) -> torch.Tensor:
         return torch.tensor([v for f in FIELDS for v in (getattr(self, f).overhead, getattr(self, f).a, getattr(self, f).b)], dtype=torch.float64)
 
@@ -114,3 +130,27 @@ class CostModel:
     def from_tensor(cls, t: torch.Tensor) -> CostModel:
         v = t.tolist()
         return cls(**{f: Fit(v[3 * i], v[3 * i + 1], v[3 * i + 2]) for i, f in enumerate(FIELDS)})
+
+
+def load_costs(path: str | os.PathLike[str], *, compressor: str | None = None, world_size: int | None = None) -> CostModel:
+    """Read a cost file written by ``gradpress bench plan --out FILE``.
+
+    Refuses, naming both values, a file measured for another compressor or
+    world size than ``compressor`` / ``world_size`` (when given): encode and
+    decode costs are the compressor's, collective costs the group's."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"plan_costs: file {str(path)!r} does not exist") from None
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"plan_costs: cannot read {str(path)!r} as a gradpress cost file: {exc}") from None
+    if not isinstance(data, Mapping) or data.get("format") != COSTS_FORMAT:
+        raise ValueError(f"plan_costs: {str(path)!r} is not a gradpress cost file (format {COSTS_FORMAT!r}); "
+                         "write one with: gradpress bench plan --out FILE")
+    for name, mine in (("compressor", compressor), ("world_size", world_size)):
+        theirs = data.get(name)
+        if mine is not None and theirs is not None and theirs != mine:
+            raise ValueError(f"plan_costs: {str(path)!r} was measured with {name} {theirs!r}, this run has {mine!r}; "
+                             "measure again with: gradpress bench plan")
+    return CostModel.from_mapping(data)

@@ -16,7 +16,7 @@ leaves uncompressed go through one fused plain allreduce (the prelude,
 which also carries one NaN/Inf flag per tensor, and rides inside the
 allreduce strategy's own collective when it can); the others are
 error-compensated (whole), cut into their partitions, grouped by strategy
-and exchanged strategy by strategy in a fixed order; the residuals are
+and exchanged strategy by strategy in a fixed order (``Strategy.order``); the residuals are
 staged; the averages are written back. A step may span several calls (the
 DDP hook's buckets): ``end_of_step=True`` on the last commits the step.
 
@@ -37,18 +37,16 @@ import torch
 import torch.distributed as dist
 
 from gradpress.compress import Compressor, Context, create
+from gradpress.compress.base import all_finite
 from gradpress.exchange.base import ExchangeResult, Prelude, Strategy
-from gradpress.exchange.feedback import RING, ROOT, WORKER, Feedback
+from gradpress.exchange.feedback import WORKER, Feedback
 from gradpress.exchange.nonfinite import NONFINITE_MODES, StepGuard, local_flags
 from gradpress.exchange.planner import Decision, Plan
 from gradpress.exchange.plans import StrategyChoice
 from gradpress.exchange.stats import ExchangeStats
 from gradpress.transport.collectives import fused_allreduce
 
-__all__ = ["Synchronizer", "STRATEGY_ORDER", "ParamSpec"]
-
-#: order in which a call's strategy groups are exchanged (same on every rank)
-STRATEGY_ORDER = ("allreduce", "allgather", "ring", "ps")
+__all__ = ["Synchronizer", "ParamSpec"]
 
 #: (key, shape, dtype) of every tensor the engine will see
 ParamSpec = tuple[str, Sequence[int], torch.dtype]
@@ -144,6 +142,7 @@ class Synchronizer:
             "nonfinite": self.nonfinite,
             "seed": self.seed,
             "world_size": self.world_size,
+            "plan_costs": self.choice.injected,
             "parameters": [list(p) for p in self.params],
         }
 
@@ -190,6 +189,9 @@ class Synchronizer:
         prelude = Prelude([*plain, local_flags(tensors, flat)], on_summed)
         comp_s, comm_s, sent, comp_bytes, stopped = self._exchange(keys, tensors, comp_idx, decisions, step, prelude)
         tensor_bytes.update(comp_bytes)
+        if not stopped:
+            overflow = torch.stack([~all_finite(tensors[i]) for i in comp_idx]) & ~outcome["bad"][comp_idx]
+            stopped = self.guard.observe_results(overflow, [keys[i] for i in comp_idx], step, _zero(tensors, flat))
         if not stopped and self.nonfinite == "propagate":
             for i in comp_idx:  # every rank sees the NaN, so every rank's GradScaler skips alike
                 tensors[i].masked_fill_(outcome["bad"][i], float("nan"))
@@ -251,10 +253,11 @@ class Synchronizer:
             else:
                 for k, part in enumerate(torch.tensor_split(p.reshape(-1), d.parts)):
                     groups.setdefault(d.strategy, []).append((pos, part, self._ctx(f"{key}#{k}", step), None))
-        order = [name for name in STRATEGY_ORDER if name in groups]
-        missing = [name for name in order if name not in self.strategies]
+        missing = [name for name in groups if name not in self.strategies]
         if missing:
             raise RuntimeError(f"plan uses strategy {missing[0]!r}, which this engine cannot use with {self.compressor.name!r}")
+        # the strategies' fixed order: every rank issues the same collectives in the same order
+        order = sorted(groups, key=lambda name: (self.strategies[name].order, name))
         comp_s, comm_s, sent = time.perf_counter() - t0, 0.0, 0
         pending: Prelude | None = prelude
         if not self.strategies[order[0]].carries_prelude:
@@ -322,7 +325,7 @@ class Synchronizer:
         out = {
             "residuals": self.feedback.nbytes(WORKER),
             "compressor": _tensor_bytes(self.compressor.state_dict()),
-            "strategies": self.feedback.nbytes(RING) + self.feedback.nbytes(ROOT),
+            "strategies": self.feedback.nbytes() - self.feedback.nbytes(WORKER),
         }
         out["total"] = sum(out.values())
         return out

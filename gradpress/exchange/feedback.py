@@ -4,7 +4,7 @@ Residual memory (Seide et al. 2014, "1-bit SGD"; Karimireddy et al. 2019,
 "Error Feedback Fixes SignSGD"): ``p = beta * e + gamma * g``; send ``C(p)``;
 ``e <- p - D(C(p))``. The same store keeps the residuals of the strategies
 that re-compress on the way, under their own namespace
-(:func:`Feedback.key`): a compressed ring's per-position hop residuals
+(:func:`namespace`, :meth:`Feedback.key`): a compressed ring's per-position hop residuals
 (Comprex; HiPress Ring) and a parameter-server root's re-compression
 residuals (HiPress CaSync-PS).
 
@@ -32,15 +32,27 @@ import torch
 
 from gradpress.compress.base import all_finite
 
-__all__ = ["Feedback", "WORKER", "RING", "ROOT"]
+__all__ = ["Feedback", "WORKER", "namespace"]
 
-#: namespaces of the store: the worker's own residual, ring hop residuals, PS root residuals
-WORKER, RING, ROOT = "", "ring", "root"
+#: the worker's own residuals: keyed by the tensor key itself
+WORKER = ""
+_NAMESPACES: set[str] = set()
+
+
+def namespace(name: str) -> str:
+    """Declare a strategy's residual namespace (``"ring"``, ``"root"``) and
+    return it; its keys are ``name/key``."""
+    if not name or "/" in name:
+        raise ValueError(f"a residual namespace is a non-empty name without '/', got {name!r}")
+    _NAMESPACES.add(name)
+    return name
 
 
 class Feedback:
-    """Residuals keyed by namespace and stable tensor key (parameter name,
-    ``name#k`` for the k-th partition)."""
+    """Residuals keyed by namespace and stable tensor key: the worker's by
+    parameter name (whole, even when the plan partitions the tensor), the
+    strategies' by the key they exchanged (``name#k`` for the k-th
+    partition, ``name#k#ps`` at a PS root)."""
 
     def __init__(self, beta: float = 1.0, gamma: float = 1.0) -> None:
         self.beta = float(beta)
@@ -85,10 +97,6 @@ class Feedback:
             self._keep(key, residual, ok_step)
         self._pending.clear()
 
-    def discard(self) -> None:
-        """Drop every staged residual (an exchange that failed half-way)."""
-        self._pending.clear()
-
     def _keep(self, key: str, new: torch.Tensor, step_ok: torch.Tensor) -> None:
         ok = step_ok.to(new.device) & all_finite(new)
         old = self.residuals.get(key)
@@ -105,7 +113,7 @@ class Feedback:
     def namespace(self, namespace: str) -> dict[str, torch.Tensor]:
         """The residuals of one namespace, by tensor key (a view for reading)."""
         if not namespace:
-            others = tuple(f"{ns}/" for ns in (RING, ROOT))
+            others = tuple(f"{ns}/" for ns in _NAMESPACES)
             return {k: v for k, v in self.residuals.items() if not k.startswith(others)}
         prefix = namespace + "/"
         return {k[len(prefix):]: v for k, v in self.residuals.items() if k.startswith(prefix)}

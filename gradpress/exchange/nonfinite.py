@@ -16,6 +16,10 @@ How every rank learns the same thing: one flag per tensor (1 where this
 rank's tensor is not finite) rides in the plain allreduce of the call, so the
 sums tell every rank which tensors are bad anywhere. When nothing is
 compressed, a NaN/Inf survives the plain sum, so the result itself tells.
+Finite inputs whose exchange overflows (an fp16 sum of N values near 65504)
+give a non-finite average that is identical on every rank (every rank
+decodes the same bytes): the averages of compressed tensors are checked too
+(one ``aminmax`` read each) and such a step is treated like a bad input.
 Flags stay tensors on the hot path (no host sync) except in ``skip`` and
 ``raise`` modes, which must branch: one sync per call there.
 """
@@ -86,6 +90,24 @@ class StepGuard:
         self._note(any_bad)
         if self.mode != "propagate" and bool(any_bad):
             self._drop([k for k, t in zip(keys, tensors) if not bool(all_finite(t))], step, zero)
+
+    def observe_results(self, flags: torch.Tensor, keys: list[str], step: int, zero: Callable[[], None]) -> bool:
+        """Given per-tensor flags of averages that came out non-finite from
+        finite inputs (an overflow in the exchange: fp16 sums near 65504),
+        identical on every rank (every rank decoded the same bytes), apply
+        the mode as for a bad input; True when the call is dropped."""
+        self._note(flags.any())
+        if self.mode != "propagate" and bool(flags.any()):
+            if self.mode == "raise":
+                names = ", ".join(repr(k) for k, b in zip(keys, flags.tolist()) if b)
+                raise FloatingPointError(
+                    f"gradpress: non-finite average (NaN/Inf) of finite gradients in {names} at step {step}: the "
+                    "exchange overflowed (e.g. an fp16 sum beyond 65504; nonfinite='raise'; use 'skip' to drop such "
+                    "steps, or a compressor with more range)"
+                )
+            zero()
+            return True
+        return False
 
     @staticmethod
     def not_finite(t: torch.Tensor) -> torch.Tensor:

@@ -30,11 +30,15 @@ elements of e bytes on N workers, with ``m = d / K`` elements per partition:
   part). Summable: the root adds payloads (no decode/re-encode), ``c' = c``.
 
 Per tensor the cheapest option wins; a compressed option is chosen only when
-it beats uncompressed (ties go to uncompressed, then to the order above).
-Overheads shared between tensors of a bucket (one fused message per strategy
-and bucket) are charged per tensor, which favours leaving small tensors
-uncompressed. The fit is made on rank 0 and broadcast, so every rank builds
-the identical plan from identical numbers.
+it predicts at least :data:`MIN_GAIN` (10%) less time than uncompressed
+(ties among compressed options go to the order above), so a near tie never
+flips with measurement noise. Overheads shared between tensors of a bucket
+(one fused message per strategy and bucket) are charged per tensor, which
+favours leaving small tensors uncompressed. The fit is made on rank 0 and
+broadcast, and rank 0's plan is broadcast too: every rank uses the identical
+plan. A plan is a plain object: :meth:`Plan.to_json` holds the fitted cost
+model and, per tensor, the decision, its reason and every option's predicted
+time.
 """
 
 from __future__ import annotations
@@ -44,15 +48,15 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from gradpress.exchange.base import strategy_class
+from gradpress.exchange.base import strategy_class, strategy_names
 from gradpress.exchange.costs import CostModel
 
 __all__ = ["Decision", "Plan", "Planner", "OPTIONS", "log_plan"]
 
 log = logging.getLogger("gradpress.plan")
 
-#: decision names, in tie-break order
-OPTIONS = ("uncompressed", "allreduce", "allgather", "ring", "ps")
+#: decision names, in tie-break order: uncompressed, then every strategy in exchange order
+OPTIONS = ("uncompressed", *strategy_names())
 
 
 @dataclass(frozen=True)
@@ -76,9 +80,12 @@ class Decision:
 class Plan:
     """Decisions for every parameter; ``table()`` renders them."""
 
-    def __init__(self, decisions: Mapping[str, Decision], source: str = "") -> None:
+    def __init__(self, decisions: Mapping[str, Decision], source: str = "",
+                 cost_model: CostModel | None = None) -> None:
         self.decisions: dict[str, Decision] = dict(decisions)
         self.source = source
+        #: the fitted costs the decisions come from (None for forced/default plans)
+        self.cost_model = cost_model
 
     def __getitem__(self, key: str) -> Decision:
         return self.decisions[key]
@@ -108,25 +115,56 @@ class Plan:
         return out
 
     def to_dict(self) -> dict[str, Any]:
+        """The decisions only (what a checkpoint needs: the partitions its residuals are keyed by)."""
         return {k: {"strategy": d.strategy, "parts": d.parts} for k, d in self.decisions.items()}
+
+    def to_json(self) -> dict[str, Any]:
+        """Everything, JSON-ready: the source, the fitted cost model, and per
+        tensor the decision, its reason and the predicted seconds of every
+        option."""
+        return {
+            "source": self.source,
+            "cost_model": self.cost_model.fits() if self.cost_model is not None else None,
+            "decisions": {k: {"numel": d.numel, "strategy": d.strategy, "parts": d.parts, "predicted_s": d.predicted_s,
+                              "costs": dict(d.costs), "reason": d.reason} for k, d in self.decisions.items()},
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Plan:
+        return cls({k: Decision(k, int(v["numel"]), v["strategy"], int(v["parts"]), float(v["predicted_s"]),
+                                {o: float(c) for o, c in v["costs"].items()}, v["reason"])
+                    for k, v in data["decisions"].items()}, data.get("source", ""),
+                   CostModel.from_mapping(data["cost_model"]) if data.get("cost_model") else None)
 
     def __repr__(self) -> str:
         return f"<Plan {self.summary()}>"
 
 
+#: a compressed option must predict at least this fraction less time than
+#: uncompressed to be chosen: near ties stay dense, so noise in the
+#: measurements cannot flip a decision from one run to the next
+MIN_GAIN = 0.1
+
+
 class Planner:
     """Chooses per tensor among ``candidates`` (subset of :data:`OPTIONS`
-    minus uncompressed) with a :class:`CostModel`."""
+    minus uncompressed) with a :class:`CostModel`; compression only when it
+    predicts at least ``min_gain`` (a fraction) less time than uncompressed."""
 
-    def __init__(self, costs: CostModel, world_size: int, summable: bool, candidates: Iterable[str]) -> None:
+    def __init__(self, costs: CostModel, world_size: int, summable: bool, candidates: Iterable[str],
+                 min_gain: float = MIN_GAIN) -> None:
+        if not isinstance(min_gain, (int, float)) or isinstance(min_gain, bool) or not 0 <= min_gain < 1:
+            raise ValueError(f"min_gain must be a number in [0, 1), got {min_gain!r}")
+        self.min_gain = float(min_gain)
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
         cands = tuple(candidates)
         bad = [c for c in cands if c not in OPTIONS[1:]]
         if bad:
             raise ValueError(f"planner candidate {bad[0]!r} is not a strategy; allowed: {', '.join(OPTIONS[1:])}")
-        if "allreduce" in cands and not summable:
-            raise ValueError("planner candidate 'allreduce' needs a summable compressor")
+        needs = [c for c in cands if strategy_class(c).summable_only and not summable]
+        if needs:
+            raise ValueError(f"planner candidate {needs[0]!r} needs a summable compressor")
         self.costs = costs
         self.world_size = world_size
         self.summable = summable
@@ -155,15 +193,21 @@ class Planner:
             return Decision(key, numel, "uncompressed", 1, 0.0, {}, reason or "rule")
         costs = self.option_costs(numel, elem_size)
         best = "uncompressed"
-        for opt in OPTIONS:
-            if opt in costs and costs[opt][0] < costs[best][0] - 1e-15:
+        for opt in OPTIONS[1:]:
+            if opt in costs and (best == "uncompressed" or costs[opt][0] < costs[best][0] - 1e-15):
                 best = opt
+        flat = costs["uncompressed"][0]
+        reason = "cost model"
+        if best != "uncompressed" and not costs[best][0] < flat * (1.0 - self.min_gain):
+            reason = f"{best} gains < {self.min_gain:.0%}" if costs[best][0] < flat else "cost model"
+            best = "uncompressed"
         parts = min(costs[best][1], max(1, numel))
-        return Decision(key, numel, best, parts, costs[best][0], {k: v[0] for k, v in costs.items()}, "cost model")
+        return Decision(key, numel, best, parts, costs[best][0], {k: v[0] for k, v in costs.items()}, reason)
 
     def plan(self, params: Iterable[tuple[str, int, int, bool]], source: str = "cost model") -> Plan:
         """``params``: (key, numel, element size, eligible) per parameter."""
-        return Plan({k: self.decide(k, n, e, ok, "" if ok else "1-D or below min_numel") for k, n, e, ok in params}, source)
+        return Plan({k: self.decide(k, n, e, ok, "" if ok else "1-D or below min_numel") for k, n, e, ok in params},
+                    source, self.costs)
 
 
 def log_plan(plan: Plan, rank: int) -> None:

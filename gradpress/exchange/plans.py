@@ -10,7 +10,10 @@ compressor (the one place that decides it):
   summable, else allgather; every eligible tensor compressed;
 * ``auto`` plans per tensor among the general strategy, ring and ps (those
   that can carry the compressor) with a cost model measured on the live group
-  (:mod:`gradpress.exchange.probe`) or injected. A multi-round protocol
+  (:mod:`gradpress.exchange.probe`) or injected (a :class:`CostModel`, a
+  mapping of its fields, or the path of a file written by ``gradpress bench
+  plan``). It may keep tensors dense when compression does not pay on this
+  network. A multi-round protocol
   (PowerSGD) decides per tensor itself whether to compress: ``auto`` is
   allreduce for it. An identity compressor (``none``) has nothing to
   compress: its tensors join the plain allreduce.
@@ -21,6 +24,7 @@ Eligible: more than one dimension and at least ``min_numel`` elements.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -28,10 +32,11 @@ import torch
 import torch.distributed as dist
 
 from gradpress.compress.base import Compressor
-from gradpress.exchange.base import Strategy, available, get_strategy
-from gradpress.exchange.costs import CostModel
+from gradpress.exchange.base import Strategy, available, get_strategy, strategy_class, strategy_names
+from gradpress.exchange.costs import CostModel, load_costs
 from gradpress.exchange.planner import Decision, Plan, Planner, log_plan
 from gradpress.transport.groups import device_of
+from gradpress.transport.p2p import global_rank
 
 __all__ = ["StrategyChoice"]
 
@@ -55,14 +60,21 @@ class StrategyChoice:
                 self.strategies[name] = strat
         if plan_costs is not None and strategy != "auto":
             raise ValueError(f"plan_costs is only used with strategy 'auto', got strategy {strategy!r}")
+        if isinstance(plan_costs, (str, os.PathLike)):
+            plan_costs = load_costs(plan_costs, compressor=compressor.spec(), world_size=self.world_size)
         #: the cost model the plan came from (None until one is measured or injected)
         self.cost_model: CostModel | None = CostModel.from_mapping(plan_costs) if plan_costs is not None else None
+        #: the injected cost model (part of the configuration every rank must agree on)
+        self.injected: dict[str, list[float]] | None = self.cost_model.fits() if self.cost_model is not None else None
 
     @property
     def general(self) -> str:
-        """The strategy any compressor can use: allreduce if its packets are
-        summable, else allgather."""
-        return "allreduce" if self.compressor.is_summable else "allgather"
+        """The first general strategy (in exchange order) that can carry the
+        compressor: allreduce if its packets are summable, else allgather."""
+        for name in strategy_names():
+            if strategy_class(name).general and get_strategy(name, self.group).supports(self.compressor) is None:
+                return name
+        raise ValueError(f"no general strategy can carry compressor {self.compressor.spec()!r}")
 
     @property
     def forced(self) -> Strategy | None:
@@ -88,7 +100,8 @@ class StrategyChoice:
             return [self.name]
         if self.compressor.identity:
             return []
-        return [self.general, "ring", "ps"]
+        general = self.general
+        return [general, *(n for n in strategy_names() if strategy_class(n).planned and not strategy_class(n).general)]
 
     def eligible(self, shape: list[int]) -> bool:
         return len(shape) > 1 and math.prod(shape) >= self.min_numel
@@ -131,7 +144,12 @@ class StrategyChoice:
         else:
             model = CostModel.from_mapping(costs)
             source = "injected costs"
-        plan = self._planner(model).plan(self._plan_params(params), source)
+        plan = self._planner(model).plan(self._plan_params(params), source) if rank == 0 else None
+        if self.world_size > 1:  # rank 0's plan is everyone's: ranks can never disagree
+            box = [plan.to_json() if plan is not None else None]
+            dist.broadcast_object_list(box, src=global_rank(self.group, 0), group=self.group)
+            plan = Plan.from_json(box[0])
+        assert plan is not None
         self.cost_model = model
         log_plan(plan, rank)
         return plan

@@ -1,9 +1,13 @@
 """Measure the live group and fit the cost model (:mod:`gradpress.exchange.costs`).
 
-The primitives are timed on the group (every rank takes part), the
-compressor on rank 0 only; rank 0 fits and broadcasts the fit, so every rank
-builds the identical plan from identical numbers. A second or so on
-loopback.
+Every rank times the primitives on the group and the compressor; the
+per-point maximum over ranks is fitted on rank 0, which broadcasts the fit,
+so every rank builds the identical plan from identical numbers. Repeated
+timings and their median keep one noisy sample from deciding; the planner's
+minimum gain (:class:`~gradpress.exchange.planner.Planner`) keeps a near tie
+from flipping a decision between runs. For plans that are identical from run
+to run, fit once (``gradpress bench plan --out costs.json``) and pass the
+file as ``plan_costs``. A second or so on loopback.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import copy
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -18,7 +23,7 @@ import torch.distributed as dist
 
 from gradpress.compress.base import Compressor, Context
 from gradpress.exchange.costs import FIELDS, CostModel, Fit
-from gradpress.exchange.recompress import densified
+from gradpress.exchange.strategies.recompress import densified
 from gradpress.transport.p2p import exchange_bytes, global_rank
 
 __all__ = ["measure"]
@@ -46,15 +51,25 @@ def measure(
     device: torch.device | str = "cpu",
     comm_sizes: tuple[int, ...] = (1 << 10, 1 << 15, 1 << 18, 1 << 20),
     compute_sizes: tuple[int, ...] = (1 << 10, 1 << 14, 1 << 17, 1 << 19),
-    reps: int = 3,
+    reps: int = 5,
+    timer: Callable[[Callable[[], Any], int], float] | None = None,
 ) -> CostModel:
-    """Time the primitives on ``group`` (every rank takes part) and the
-    compressor (rank 0 only), fit on rank 0 and broadcast the fit: every rank
-    returns the identical :class:`CostModel`. A second or so on loopback."""
+    """Time the primitives and the compressor on every rank of ``group``.
+
+    Every point is the median of ``reps`` repetitions after a warm-up; the
+    per-point maximum over ranks (the slowest rank bounds a synchronous
+    step) is fitted on rank 0 and the fit broadcast: every rank returns the
+    identical :class:`CostModel`, so ranks can never build different plans.
+    The compressor is probed on a copy (its state stays as it was) with a
+    private generator (the caller's random streams are untouched).
+    ``timer(fn, reps)`` replaces the clock (tests). About a second on
+    loopback."""
+    timer = timer or _timed
     device = torch.device(device)
     n = dist.get_world_size(group)
     rank = dist.get_rank(group)
-    pts: dict[str, tuple[list[float], list[float]]] = {f: ([], []) for f in FIELDS}
+    points: list[tuple[str, float]] = []  # (field, x) in a fixed order on every rank
+    times: list[float] = []
     for size in comm_sizes:
         x = torch.zeros(size // 4, dtype=torch.float32, device=device)
         out = [torch.empty_like(x) for _ in range(n)]
@@ -70,26 +85,31 @@ def measure(
         for name, fn in prims.items():
             if n == 1 and name == "p2p":
                 continue
-            t = _timed(fn, reps)
-            pts[name][0].append(float(size))
-            pts[name][1].append(t)
+            points.append((name, float(size)))
+            times.append(timer(fn, reps))
+    probe = copy.deepcopy(compressor)  # stateful compressors keep per-key state sized by the first call
+    root = densified(probe, n)
+    gen = torch.Generator(device=device).manual_seed(0)
+    for size in compute_sizes:
+        x = torch.randn(size, device=device, generator=gen)
+        ctx = Context(key=f"__gradpress_plan__{size}", step=0, rank=rank, world_size=n)
+        pk = probe.encode(x, ctx)
+        points += [("encode", float(size)), ("decode", float(size)), ("wire", float(size)), ("root_wire", float(size))]
+        times += [
+            timer(lambda x=x, ctx=ctx: (probe.encode(x, ctx), _sync(device)), reps),
+            timer(lambda pk=pk: (probe.decode(pk), _sync(device)), reps),
+            float(pk.nbytes),
+            float(root.encode(x, ctx).nbytes),
+        ]
+    worst = torch.tensor(times, dtype=torch.float64)
+    if n > 1:
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
     params = torch.zeros(3 * len(FIELDS), dtype=torch.float64)
     if rank == 0:
-        # probe a copy: stateful compressors keep per-key state sized by the first call
-        compressor = copy.deepcopy(compressor)
-        root = densified(compressor, n)
-        for size in compute_sizes:
-            x = torch.randn(size, device=device)
-            ctx = Context(key=f"__gradpress_plan__{size}", step=0, rank=0, world_size=n)
-            pk = compressor.encode(x, ctx)
-            pts["encode"][0].append(float(size))
-            pts["encode"][1].append(_timed(lambda x=x, ctx=ctx: (compressor.encode(x, ctx), _sync(device)), reps))
-            pts["decode"][0].append(float(size))
-            pts["decode"][1].append(_timed(lambda pk=pk: (compressor.decode(pk), _sync(device)), reps))
-            pts["wire"][0].append(float(size))
-            pts["wire"][1].append(float(pk.nbytes))
-            pts["root_wire"][0].append(float(size))
-            pts["root_wire"][1].append(float(root.encode(x, ctx).nbytes))
+        pts: dict[str, tuple[list[float], list[float]]] = {f: ([], []) for f in FIELDS}
+        for (field, x), t in zip(points, worst.tolist()):
+            pts[field][0].append(x)
+            pts[field][1].append(t)
         fits = {}
         for f in FIELDS:
             xs, ts = pts[f]
@@ -103,16 +123,6 @@ def measure(
     if n > 1:
         dist.broadcast(params, global_rank(group, 0), group=group)
     return CostModel.from_tensor(params)
-
-
-def _linear(xs: list[float], ys: list[float]) -> Fit:
-    """Ordinary least squares ``a + b x`` (sizes are exact, no weighting)."""
-    k = len(xs)
-    mx, my = sum(xs) / k, sum(ys) / k
-    sxx = sum((x - mx) ** 2 for x in xs)
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
-    b = max(b, 0.0)
-    return Fit(0.0, my - b * mx, b)
 
 
 def _linear(xs: list[float], ys: list[float]) -> Fit:

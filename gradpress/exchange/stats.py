@@ -78,12 +78,6 @@ class ExchangeStats:
                 s["tensor_bytes"] = dict(cur["tensor_bytes"])
                 self._cur = _fresh_step()
 
-    def add_dense(self, dense: int) -> None:
-        """Count ``dense`` bytes that plain DDP would have sent in a step
-        where this engine sent nothing (an algorithm's local step)."""
-        with self._lock:
-            self._totals["dense_bytes"] += dense
-
     def flag_step(self, bad: torch.Tensor) -> None:
         """Remember a step's NaN/Inf flag (0-d bool tensor, folded when read)."""
         with self._lock:

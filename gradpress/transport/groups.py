@@ -40,11 +40,20 @@ def timeout_of(group: dist.ProcessGroup | None, timeout: float | datetime.timede
         return None
 
 
-def own_group(base: dist.ProcessGroup | None, timeout: float | datetime.timedelta | None = None) -> dist.ProcessGroup:
+def own_group(base: dist.ProcessGroup | None,
+              timeout: float | datetime.timedelta | None = None) -> tuple[dist.ProcessGroup, str | None]:
     """A new group over the ranks of ``base`` (default: the world), same
-    backend. Collective: every rank of the world calls it."""
+    backend, and the error message of an invalid ``timeout`` (None when
+    valid). Collective: every rank of the world calls it, so a rank with a
+    bad ``timeout`` still joins (with the base group's timeout) and reports
+    its error through the caller's agreement step instead of leaving the
+    others waiting."""
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized; call dist.init_process_group first (torchrun does)")
     base_group = base if base is not None else dist.group.WORLD
+    try:
+        chosen, error = timeout_of(base_group, timeout), None
+    except ValueError as exc:
+        chosen, error = timeout_of(base_group, None), str(exc)
     ranks = dist.get_process_group_ranks(base_group)
-    return dist.new_group(ranks=ranks, backend=dist.get_backend(base_group), timeout=timeout_of(base_group, timeout))
+    return dist.new_group(ranks=ranks, backend=dist.get_backend(base_group), timeout=chosen), error

@@ -48,12 +48,15 @@ import torch
 from gradpress.compress.base import Compressor, Context, Packet
 from gradpress.exchange.base import ExchangeResult, Prelude, Strategy, register_strategy
 from gradpress.exchange.costs import CostModel
-from gradpress.exchange.feedback import RING, Feedback
-from gradpress.exchange.recompress import template, unsupported_reason
+from gradpress.exchange.feedback import Feedback, namespace
+from gradpress.exchange.strategies.recompress import template, unsupported_reason
 from gradpress.transport import wire
 from gradpress.transport.p2p import exchange_bytes
 
 __all__ = ["Ring", "chunk_bounds"]
+
+#: where the hop residuals live in the engine's feedback store
+RING = namespace("ring")
 
 
 def chunk_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
@@ -72,6 +75,8 @@ def chunk_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
 @register_strategy("ring")
 class Ring(Strategy):
     """Compressed ring allreduce; see the module docstring."""
+
+    order = 2
 
     def __init__(self, group: Any) -> None:
         super().__init__(group)

@@ -6,7 +6,7 @@ packet is decoded with the local packet's metadata, which every rank shares
 
 The engine's prelude (uncompressed tensors, NaN/Inf flags) rides in the same
 fused collective. Multi-round compressors (PowerSGD: P then Q) are summable
-too; their rounds are driven by :mod:`gradpress.exchange.rounds` behind the
+too; their rounds are driven by :mod:`gradpress.exchange.strategies.rounds` behind the
 same contract, the prelude riding in the first round.
 """
 
@@ -20,13 +20,16 @@ from gradpress.compress.base import Compressor, Context, Packet
 from gradpress.exchange.base import ExchangeResult, Prelude, Strategy, encode_local, register_strategy
 from gradpress.exchange.costs import CostModel
 from gradpress.exchange.feedback import Feedback
-from gradpress.exchange.rounds import run_rounds
+from gradpress.exchange.strategies.rounds import run_rounds
 from gradpress.transport.collectives import fused_allreduce
 
 
 @register_strategy("allreduce")
 class Allreduce(Strategy):
     carries_prelude = True
+    order = 0
+    general = True
+    summable_only = True
 
     def supports(self, compressor: Compressor) -> str | None:
         if not compressor.is_summable:

@@ -25,6 +25,9 @@ from gradpress.transport.collectives import allgather_bytes
 
 @register_strategy("allgather")
 class Allgather(Strategy):
+    order = 1
+    general = True
+
     @classmethod
     def predict(cls, costs: CostModel, numel: int, world_size: int, summable: bool) -> tuple[float, int]:
         """``ENC(d) + AG(c(d)) + N DEC(d)``."""

@@ -15,7 +15,7 @@ partitions land on different ranks). Per call:
    sum is the average and fp16 does not overflow); the others decode, average
    and re-encode with a residual of the root's own (kept only with error
    feedback, in the engine's feedback store under the ``root`` namespace)
-   using :func:`~gradpress.exchange.recompress.densified`: for sparse
+   using :func:`~gradpress.exchange.strategies.recompress.densified`: for sparse
    methods density ``ratio * N`` capped at 1, since the sum of N top-k packets
    has up to N k non-zeros; other compressors re-encode as they are;
 3. each root broadcasts its re-encoded bytes (one broadcast per root that owns
@@ -39,17 +39,22 @@ import torch.distributed as dist
 from gradpress.compress.base import Compressor, Context, Packet
 from gradpress.exchange.base import ExchangeResult, Prelude, Strategy, aggregate, encode_local, register_strategy
 from gradpress.exchange.costs import CostModel
-from gradpress.exchange.feedback import ROOT, Feedback
-from gradpress.exchange.recompress import densified, recompress, template, unsupported_reason
+from gradpress.exchange.feedback import Feedback, namespace
+from gradpress.exchange.strategies.recompress import densified, recompress, template, unsupported_reason
 from gradpress.transport import wire
 from gradpress.transport.p2p import exchange_bytes, global_rank
 
 __all__ = ["ParameterServer"]
 
+#: where the roots' re-compression residuals live in the engine's feedback store
+ROOT = namespace("root")
+
 
 @register_strategy("ps")
 class ParameterServer(Strategy):
     """Sharded parameter server; see the module docstring."""
+
+    order = 3
 
     def __init__(self, group: Any) -> None:
         super().__init__(group)
