@@ -180,3 +180,32 @@ def test_registry_lists_and_validates() -> None:
         algorithms.parse("localsgd:perod=2")
     with pytest.raises(ValueError, match="do not compose"):
         algorithms.parse("localsgd>localsgd")
+
+
+def _through_the_training_adapter(rank: int, world: int) -> dict:
+    """The two providers the training loop builds (``gradpress.train``'s
+    algorithm adapter): ``ddp`` (DistributedDataParallel + the hook) and
+    ``localsgd:period=1``, on the same float64 data."""
+    from gradpress.train.algorithm import create
+
+    out = {}
+    for spec in ("ddp", "localsgd:period=1"):
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        algo = create(spec, model, opt, compressor="none", strategy="collective")
+        for step in range(STEPS):
+            opt.zero_grad()
+            x, y = batch(rank, step)
+            torch.nn.functional.mse_loss(algo.model(x), y).backward()
+            algo.step()
+        out[spec] = torch.cat([p.detach().reshape(-1) for p in algo.eval_model().parameters()])
+        algo.close()
+    return out
+
+
+def test_training_adapter_localsgd_period_one_equals_ddp_sgd() -> None:
+    res = run_workers(_through_the_training_adapter, WORLD)
+    for r in res:
+        assert torch.allclose(r["ddp"], r["localsgd:period=1"], rtol=0, atol=1e-12), \
+            (r["ddp"] - r["localsgd:period=1"]).abs().max()
+    assert torch.equal(res[0]["localsgd:period=1"], res[1]["localsgd:period=1"])
