@@ -1,4 +1,5 @@
-"""``localsgd:period=H``: local SGD, parameters averaged every H steps.
+"""``localsgd:period=H``: local SGD, parameters averaged every H steps;
+``postlocalsgd:period=H,switch=N,warmup=W``: the same after N synchronous steps.
 
 Local SGD / periodic model averaging (Stich 2019, "Local SGD Converges Fast
 and Communicates Little"; Lin et al. 2020, "Don't Use Large Mini-Batches,
@@ -11,11 +12,25 @@ there. Floating buffers (BatchNorm statistics) are averaged plain at the
 same time. The local optimizer's own state (momentum, Adam moments) stays
 local, as in the papers.
 
+Two schedules from Lin et al. 2020, selected by the name ``postlocalsgd``
+(as PyTorch names its ``PostLocalSGDOptimizer``); ``localsgd`` is the
+same class with both off:
+
+* ``switch=N`` (post-local SGD): the first N steps are synchronous, exactly
+  as DDP: the *gradients* are averaged through the engine (keys
+  ``grad:<name>``, compressed like the deltas, their own residuals) before
+  every optimizer step, so parameters and optimizer state stay identical on
+  every rank; local SGD starts at step N + 1 from that common point.
+* ``warmup=W``: after the switch, the period grows linearly from 1 to H
+  over W steps (period ``1 + floor((H - 1) * min(s, W) / W)`` at the s-th
+  local step), instead of jumping to H.
+
 Invariants: after every synchronization all replicas hold bit-identical
 parameters (the engine's average is bit-identical on every rank and the
-anchor is common). With H = 1, no compression and plain SGD the parameters
-equal synchronous DDP SGD's up to rounding (x - lr g vs. the average of
-deltas): the test checks it in float64.
+anchor is common); during the first ``switch`` steps they also hold
+bit-identical optimizer state. With H = 1, no compression and plain SGD the
+parameters equal synchronous DDP SGD's up to rounding (x - lr g vs. the
+average of deltas): the test checks it in float64.
 """
 
 from __future__ import annotations
@@ -29,6 +44,8 @@ from gradpress.algorithms.base import Algorithm
 from gradpress.algorithms.registry import register
 from gradpress.compress.base import Param
 
+GRAD = "grad:"
+
 
 @register
 class LocalSGD(Algorithm):
@@ -37,15 +54,57 @@ class LocalSGD(Algorithm):
         Param("period", int, 8, "integer >= 1", lambda v: v >= 1, "local steps between averages (H)"),
     )
     summary = "local SGD: H local optimizer steps, then the (compressed) parameter delta is averaged"
+    #: post-local SGD: synchronous steps first (``postlocalsgd`` makes them parameters)
+    switch = 0
+    #: steps over which the period grows from 1 to H after the switch
+    warmup = 0
+
+    def exchanged_params(self) -> list[tuple[str, torch.Size, torch.dtype]]:
+        own = super().exchanged_params()
+        if self.switch:
+            own += [(GRAD + n, shape, dtype) for n, shape, dtype in own]
+        return own
 
     def after_broadcast(self) -> None:
         #: the parameters every rank agreed on at the last synchronization
         self.anchor = [p.detach().clone() for _, p in self.named]
+        #: local steps since the last average (or since the switch)
+        self.since = 0
+
+    def current_period(self) -> int:
+        """The period in force at the current local step (warm-up aware)."""
+        period, warmup = self.period, self.warmup  # type: ignore[attr-defined]
+        if not warmup:
+            return period
+        s = min(self._steps - self.switch, warmup)
+        return 1 + (period - 1) * s // warmup
 
     def step(self) -> None:
+        if self._steps < self.switch:
+            self.synchronous_step()
+            return
         self.local_step()
-        if self._steps % self.period == 0:  # type: ignore[attr-defined]
+        self.since += 1
+        if self.since >= self.current_period():
             self.average()
+
+    @torch.no_grad()
+    def synchronous_step(self) -> None:
+        """DDP's step: average the gradients, then the (identical) optimizer step."""
+        params = [p for _, p in self.named]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        self._last["bytes"] = 0
+        self.sync(grads, keys=[GRAD + n for n, _ in self.named])
+        for p, g in zip(params, grads):
+            if p.grad is None:
+                p.grad = g
+        self.average_plain(list(self.model.buffers()))
+        sent = self._last["bytes"]
+        self.local_step()
+        self._last["bytes"] = sent
+        if self._steps == self.switch:
+            for a, p in zip(self.anchor, params):
+                a.copy_(p)
 
     @torch.no_grad()
     def average(self) -> None:
@@ -58,9 +117,10 @@ class LocalSGD(Algorithm):
             a.add_(d)
             p.copy_(a)
         self.average_plain(list(self.model.buffers()))
+        self.since = 0
 
     def extra_state(self) -> dict[str, Any]:
-        return {"anchor": [a.clone() for a in self.anchor]}
+        return {"anchor": [a.clone() for a in self.anchor], "since": self.since}
 
     def load_extra_state(self, state: Mapping[str, Any]) -> None:
         anchor = state.get("anchor")
@@ -68,3 +128,18 @@ class LocalSGD(Algorithm):
             raise ValueError("localsgd state: anchor missing or of another model")
         for a, saved in zip(self.anchor, anchor):
             a.copy_(saved)
+        self.since = int(state.get("since", self._steps % self.period))
+
+
+@register
+class PostLocalSGD(LocalSGD):
+    name = "postlocalsgd"
+    PARAMS = (
+        *LocalSGD.PARAMS,
+        Param("switch", int, 100, "integer >= 0", lambda v: v >= 0,
+              "the first N steps are synchronous (gradients averaged, as DDP), then local SGD"),
+        Param("warmup", int, 0, "integer >= 0", lambda v: v >= 0,
+              "after the switch the period grows linearly from 1 to H over this many steps"),
+    )
+    summary = ("post-local SGD: synchronous (DDP) for the first N steps, then local SGD with period H "
+               "(optionally warmed up from 1 to H)")

@@ -1,0 +1,113 @@
+"""``diloco:period=H,outer_lr=0.7,outer_momentum=0.9``: DiLoCo, an outer
+Nesterov step on the averaged (compressed) parameter change every H steps.
+
+DiLoCo (Douillard et al. 2023, "DiLoCo: Distributed Low-Communication
+Training of Language Models"): every worker runs H steps of its own inner
+optimizer (the one the user gives: AdamW in the paper, any
+``torch.optim.Optimizer`` here) from the common *outer* parameters
+``theta``; the *outer gradient* ``Delta_i = theta - x_i`` is averaged over
+the workers and fed to an outer optimizer, SGD with Nesterov momentum
+(lr 0.7, momentum 0.9, H = 500 in the paper): ``theta <- outer_step(theta,
+mean Delta)``; every worker restarts from the new ``theta``. The inner
+optimizer's state stays local, as in the paper.
+
+The outer gradient travels through the exchange engine like every other
+exchange in gradpress, so any registered compressor shrinks it further,
+with error feedback (``compressor="topk:ratio=0.05"``; the residuals live in
+the engine, keyed by parameter name, and survive across synchronizations and
+``state_dict``). Floating buffers (BatchNorm statistics) are averaged plain
+at each synchronization.
+
+Invariants: ``theta`` and the outer optimizer's momentum are bit-identical on
+every rank at all times (the engine's average is bit-identical on every
+rank and the outer step is deterministic), so right after every
+synchronization all replicas hold bit-identical parameters. With
+``outer_lr=1, outer_momentum=0, nesterov=false`` DiLoCo is local SGD:
+``theta - mean(theta - x_i) = mean(x_i)`` up to rounding (tested in float64).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from gradpress.algorithms.base import Algorithm
+from gradpress.algorithms.registry import register
+from gradpress.compress.base import Param
+
+PARAMS = (
+    Param("period", int, 100, "integer >= 1", lambda v: v >= 1, "inner steps between outer steps (H; 500 in the paper)"),
+    Param("outer_lr", float, 0.7, "number > 0", lambda v: v > 0, "outer SGD learning rate"),
+    Param("outer_momentum", float, 0.9, "number in [0, 1)", lambda v: 0 <= v < 1, "outer SGD momentum"),
+    Param("nesterov", bool, True, "true or false (true needs outer_momentum > 0)", None, "Nesterov outer momentum"),
+)
+
+
+@register
+class DiLoCo(Algorithm):
+    name = "diloco"
+    PARAMS = PARAMS
+    summary = ("DiLoCo: H inner optimizer steps, then an outer Nesterov SGD step on the averaged "
+               "(compressed, error-compensated) parameter change")
+
+    def setup(self) -> None:
+        if self.nesterov and self.outer_momentum == 0:  # type: ignore[attr-defined]
+            raise ValueError(f"algorithm {self.name!r}: parameter 'nesterov' is true but 'outer_momentum' is 0 "
+                             "(Nesterov needs momentum); allowed: nesterov=false with outer_momentum=0, "
+                             "or outer_momentum > 0")
+
+    def after_broadcast(self) -> None:
+        #: the outer parameters theta, identical on every rank
+        self.anchor = [p.detach().clone() for _, p in self.named]
+        self.outer = torch.optim.SGD(self.anchor, lr=self.outer_lr,  # type: ignore[attr-defined]
+                                     momentum=self.outer_momentum,  # type: ignore[attr-defined]
+                                     nesterov=self.nesterov)  # type: ignore[attr-defined]
+
+    def step(self) -> None:
+        self.local_step()
+        if self._steps % self.period == 0:  # type: ignore[attr-defined]
+            self.outer_step(range(len(self.named)))
+            self.average_plain(list(self.model.buffers()))
+
+    @torch.no_grad()
+    def outer_gradient(self, idx: Sequence[int]) -> list[torch.Tensor]:
+        """``theta - x`` for the parameters ``idx`` (fresh tensors)."""
+        return [self.anchor[i] - self.named[i][1].detach() for i in idx]
+
+    @torch.no_grad()
+    def apply_outer(self, idx: Sequence[int], mean_delta: Sequence[torch.Tensor]) -> None:
+        """The outer optimizer step on ``theta[idx]`` with the averaged outer
+        gradient (the other parameters and their momentum are untouched)."""
+        for i, d in zip(idx, mean_delta):
+            self.anchor[i].grad = d
+        self.outer.step()
+        for i in idx:
+            self.anchor[i].grad = None
+
+    @torch.no_grad()
+    def outer_step(self, idx: Sequence[int]) -> None:
+        """Average the outer gradient of ``idx`` through the engine, step
+        ``theta`` and restart those parameters from it."""
+        idx = list(idx)
+        deltas = self.outer_gradient(idx)
+        self.sync(deltas, keys=[self.named[i][0] for i in idx])
+        self.apply_outer(idx, deltas)
+        for i in idx:
+            self.named[i][1].copy_(self.anchor[i])
+
+    def extra_state(self) -> dict[str, Any]:
+        return {"anchor": [a.clone() for a in self.anchor], "outer": copy.deepcopy(self.outer.state_dict())}
+
+    def load_extra_state(self, state: Mapping[str, Any]) -> None:
+        anchor = state.get("anchor")
+        if anchor is None or len(anchor) != len(self.anchor) or "outer" not in state:
+            raise ValueError(f"{self.name} state: outer parameters or outer optimizer missing, or of another model")
+        for a, saved in zip(self.anchor, anchor):
+            if a.shape != saved.shape:
+                raise ValueError(f"{self.name} state: outer parameter of shape {tuple(saved.shape)}, "
+                                 f"model has {tuple(a.shape)}")
+            a.copy_(saved)
+        self.outer.load_state_dict(state["outer"])

@@ -1,0 +1,275 @@
+"""``lsgd:tau=8,c=0.1``: Leader SGD, workers pulled toward the worker with
+the lowest running training loss.
+
+LSGD (Teng et al. 2019, "Leader Stochastic Gradient Descent for Distributed
+Training of Deep Learning Models"): workers train locally; every ``tau``
+steps they share their running training loss (its mean since the last
+election), the worker with the lowest one is the leader (ties: the lowest
+rank; a NaN loss never leads unless every loss is NaN), the leader sends its
+parameters and every worker moves ``x <- (1 - c) x + c x_leader``. Pulling
+toward the best worker instead of the average (as local SGD or EASGD do)
+keeps the workers exploring while dragging them out of worse regions.
+
+Multi-leader variant (``groups=G``): ranks form G consecutive groups; every
+``tau`` steps each group's *local* leader pulls its group with ``c_local``
+(one broadcast inside the group: fast links, e.g. one machine), and every
+``tau_global`` steps the *global* leader pulls everyone with ``c_global``;
+when both are due, ``x <- x + c_local (x_l - x) + c_global (x_g - x)``.
+
+The global leader's parameters travel dense (one broadcast) with the
+default compressor; with another compressor they go through the exchange
+engine with error feedback: every rank keeps ``ref``, the compressed image
+of the leaders' parameters (bit-identical on every rank), the leader
+contributes ``N (x_leader - ref)`` and the others nothing to one engine
+average, ``ref`` adds the result, and workers pull toward ``ref``.
+
+The training loss: ``step(loss)`` takes it, or, when the loop calls
+``step()`` without it (``gradpress train``), it is captured from
+``loss.backward()``: in training mode the model's output is tagged (a
+``torch.Tensor`` subclass, values and autograd unchanged) so that the
+scalar computed from it reports itself when ``backward()`` is called on it.
+
+Invariants: every rank elects the same leaders (one allgather of the running
+losses; every rank decides from the same vector); a worker with ``c = 1``
+holds the leader's parameters bit for bit after the pull; ``eval_model()``
+(collective) is the last global leader's current model on every rank.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gradpress.algorithms.base import Algorithm
+from gradpress.algorithms.registry import register
+from gradpress.compress.base import Param
+from gradpress.transport.groups import device_of, timeout_of
+from gradpress.transport.p2p import global_rank
+
+
+def _unit(v: float) -> bool:
+    return 0 < v <= 1
+
+
+def _probe_class(sink: Any) -> type[torch.Tensor]:
+    """A tensor subclass whose ``backward()`` (and ``torch.autograd.backward``)
+    hands its scalar to ``sink`` first; results that leave autograd
+    (``detach``, no-grad ops) come back as plain tensors."""
+
+    class LossProbe(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
+            if func is torch.Tensor.backward or func is torch.autograd.backward:
+                root = args[0] if args else (kwargs or {}).get("tensors")
+                if isinstance(root, torch.Tensor) and root.numel() == 1:
+                    sink(root)
+            out = super().__torch_function__(func, types, args, kwargs or {})
+            if isinstance(out, LossProbe) and not out.requires_grad:
+                return out.as_subclass(torch.Tensor)
+            return out
+
+    return LossProbe
+
+
+@register
+class LSGD(Algorithm):
+    name = "lsgd"
+    PARAMS = (
+        Param("tau", int, 8, "integer >= 1", lambda v: v >= 1, "steps between leader elections and pulls"),
+        Param("c", float, 0.1, "number in (0, 1]", _unit, "pull strength toward the leader (one group)"),
+        Param("groups", int, 1, "integer >= 1 dividing the world size", lambda v: v >= 1,
+              "groups of consecutive ranks, each with a local leader"),
+        Param("c_local", float, 0.1, "number in (0, 1]", _unit, "pull toward the group's leader (groups > 1)"),
+        Param("c_global", float, 0.1, "number in (0, 1]", _unit, "pull toward the global leader (groups > 1)"),
+        Param("tau_global", int, 32, "integer >= 1", lambda v: v >= 1,
+              "steps between global leader pulls (groups > 1)"),
+    )
+    summary = ("leader SGD: every tau steps the worker with the lowest running loss is the leader and "
+               "every worker moves x <- (1 - c) x + c x_leader (optional local and global leaders)")
+
+    def setup(self) -> None:
+        groups = self.groups  # type: ignore[attr-defined]
+        if self.world_size % groups:
+            raise ValueError(f"algorithm {self.name!r}: parameter 'groups' got {groups}; allowed: a divisor "
+                             f"of the world size {self.world_size}")
+        self.compressed = not self.compressor.identity
+        self._probe = _probe_class(self.observe)
+        #: losses seen in this step (sum, count) and step means since the election (sum, count);
+        #: sums stay on the loss's device (no host sync per step)
+        self._seen: list[Any] = [None, 0]
+        self._window: list[Any] = [None, 0]
+        #: leader ranks (group ranks) of the last election: global, then each group's; losses seen
+        self.leaders = {"global": 0, "local": [g * (self.world_size // groups) for g in range(groups)]}
+        self.last_losses = torch.full((self.world_size,), math.nan, dtype=torch.float64)
+
+    def after_broadcast(self) -> None:
+        size = self.world_size // self.groups  # type: ignore[attr-defined]
+        self._hook = self.model.register_forward_hook(self._tag)
+        self.subgroup: dist.ProcessGroup | None = None
+        if self.groups > 1:  # type: ignore[attr-defined]
+            ranks = dist.get_process_group_ranks(self.group)
+            for g in range(self.groups):  # type: ignore[attr-defined]  # every rank creates every group
+                sub = dist.new_group(ranks=ranks[g * size:(g + 1) * size], backend=dist.get_backend(self.group),
+                                     timeout=timeout_of(self.group, None))
+                if self.rank in range(g * size, (g + 1) * size):
+                    self.subgroup = sub
+        self.ref = [p.detach().clone() for _, p in self.named] if self.compressed else []
+        self._eval: torch.nn.Module | None = None
+
+    # ------------------------------------------------------------------ loss
+    def _tag(self, module: torch.nn.Module, inputs: Any, output: Any) -> Any:
+        if module.training and torch.is_grad_enabled() and type(output) is torch.Tensor:
+            return output.as_subclass(self._probe)
+        return None
+
+    def observe(self, loss: torch.Tensor) -> None:
+        """Count one training loss of this step (gradient accumulation: several)."""
+        value = loss.detach().reshape(()).to(torch.float64)
+        self._seen[0] = value if self._seen[0] is None else self._seen[0] + value
+        self._seen[1] += 1
+
+    def step(self, loss: torch.Tensor | None = None) -> None:
+        """After ``loss.backward()``: the local step; every ``tau`` steps the
+        election and the pull. ``loss``: this step's training loss (else the
+        one captured from ``backward()``)."""
+        if loss is not None:
+            self._seen = [None, 0]
+            self.observe(loss)
+        if not self._seen[1]:
+            raise RuntimeError(f"algorithm {self.name!r} needs the training loss: call step(loss), or compute "
+                               "the loss from the model's output in training mode and call backward() on it")
+        mean = self._seen[0] / self._seen[1]
+        self._window = [mean if self._window[0] is None else self._window[0] + mean, self._window[1] + 1]
+        self._seen = [None, 0]
+        self.local_step()
+        t, groups = self._steps, self.groups  # type: ignore[attr-defined]
+        if groups == 1:
+            due_local, due_global = False, t % self.tau == 0  # type: ignore[attr-defined]
+        else:
+            due_local, due_global = t % self.tau == 0, t % self.tau_global == 0  # type: ignore[attr-defined]
+        if due_local or due_global:
+            self.pull(due_local, due_global)
+
+    # ---------------------------------------------------------------- leaders
+    def elect(self) -> torch.Tensor:
+        """Gather every rank's running loss (one allgather); set ``leaders``."""
+        device = device_of(self.group)
+        mine = (self._window[0] / self._window[1] if self._window[1] else torch.tensor(math.nan, dtype=torch.float64))
+        self._window = [None, 0]
+        losses = [torch.zeros((), dtype=torch.float64, device=device) for _ in range(self.world_size)]
+        dist.all_gather(losses, mine.reshape(()).to(device), group=self.group)
+        self._count(8)
+        values = [float(v) for v in losses]
+        key = [(v if not math.isnan(v) else math.inf, r) for r, v in enumerate(values)]
+        size = self.world_size // self.groups  # type: ignore[attr-defined]
+        self.leaders = {"global": min(key)[1],
+                        "local": [min(key[g * size:(g + 1) * size])[1] for g in range(self.groups)]}  # type: ignore[attr-defined]
+        self.last_losses = torch.tensor(values, dtype=torch.float64)
+        return self.last_losses
+
+    def _count(self, sent: int, end_of_step: bool = False) -> None:
+        assert self.engine is not None
+        self.engine.stats_counter.record(sent=sent, dense=0, compress_s=0.0, comm_s=0.0, compressed=0, plain=0,
+                                         tensor_bytes={}, end_of_step=end_of_step)
+        self._last["bytes"] += sent
+
+    def broadcast_params(self, src: int, group: dist.ProcessGroup, count: bool = True) -> list[torch.Tensor]:
+        """Rank ``src``'s (group rank of ``self.group``) parameters, on every rank of ``group``."""
+        params = [p.detach() for _, p in self.named]
+        out = [p.clone() for p in params]
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, p in enumerate(out):
+            by_dtype.setdefault(p.dtype, []).append(i)
+        for idx in by_dtype.values():
+            flat = torch.cat([out[i].reshape(-1) for i in idx])
+            dist.broadcast(flat, global_rank(self.group, src), group=group)
+            if count:
+                self._count(flat.numel() * flat.element_size())
+            offset = 0
+            for i in idx:
+                out[i].copy_(flat[offset:offset + out[i].numel()].view_as(out[i]))
+                offset += out[i].numel()
+        return out
+
+    @torch.no_grad()
+    def global_leader_params(self, src: int) -> list[torch.Tensor]:
+        """The global leader's parameters: a broadcast, or (compressed) the
+        engine average to which only the leader contributes, added to ``ref``."""
+        if not self.compressed:
+            return self.broadcast_params(src, self.group)
+        n = self.world_size
+        lead = self.rank == src
+        diffs = [(p.detach() - r) * n if lead else torch.zeros_like(r) for (_, p), r in zip(self.named, self.ref)]
+        self.sync(diffs)
+        for r, d in zip(self.ref, diffs):
+            r.add_(d)
+        return self.ref
+
+    @torch.no_grad()
+    def pull(self, due_local: bool, due_global: bool) -> None:
+        """Elect, fetch the leaders' parameters, move every worker toward them."""
+        self.elect()
+        targets: list[tuple[float, list[torch.Tensor]]] = []
+        if due_global:
+            c = self.c if self.groups == 1 else self.c_global  # type: ignore[attr-defined]
+            targets.append((c, self.global_leader_params(self.leaders["global"])))
+        if due_local:
+            assert self.subgroup is not None
+            src = self.leaders["local"][self.rank // (self.world_size // self.groups)]  # type: ignore[attr-defined]
+            targets.append((self.c_local, self.broadcast_params(src, self.subgroup)))  # type: ignore[attr-defined]
+        for i, (_, p) in enumerate(self.named):
+            if len(targets) == 1:
+                p.lerp_(targets[0][1][i], targets[0][0])  # weight 1: exactly the leader's
+            else:
+                x = p.detach().clone()
+                for c, target in targets:
+                    p.add_(target[i] - x, alpha=c)
+        if not (self.compressed and due_global):  # no engine call closed this exchange
+            self._exchanges += 1
+            self._count(0, end_of_step=True)
+
+    # ------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def eval_model(self) -> torch.nn.Module:
+        """The last global leader's current model, on every rank (collective;
+        this broadcast is evaluation, not training, and is not counted)."""
+        if self.world_size == 1:
+            return self.model
+        if self._eval is None:
+            self._hook.remove()
+            self._eval = copy.deepcopy(self.model)
+            self._hook = self.model.register_forward_hook(self._tag)
+        params = self.broadcast_params(self.leaders["global"], self.group, count=False)
+        for p, src in zip([q for q in self._eval.parameters() if q.requires_grad], params):
+            p.copy_(src)
+        for mine, theirs in zip(self._eval.buffers(), self.model.buffers()):
+            mine.copy_(theirs)
+        return self._eval
+
+    # ------------------------------------------------------------------ state
+    def extra_state(self) -> dict[str, Any]:
+        window = torch.zeros(2, dtype=torch.float64)
+        if self._window[1]:
+            window[0], window[1] = self._window[0].cpu(), self._window[1]
+        return {"window": window, "leaders": {"global": self.leaders["global"],
+                                                             "local": list(self.leaders["local"])},
+                "last_losses": self.last_losses.clone(), "ref": [r.clone() for r in self.ref]}
+
+    def load_extra_state(self, state: Mapping[str, Any]) -> None:
+        if "window" not in state or len(state.get("ref", [])) != len(self.ref):
+            raise ValueError("lsgd state: running loss or leader copy missing, or of another model")
+        window = state["window"]
+        device = next(iter(self.model.parameters())).device
+        self._window = [window[0].to(device), int(window[1])] if int(window[1]) else [None, 0]
+        self.leaders = {"global": int(state["leaders"]["global"]), "local": [int(v) for v in state["leaders"]["local"]]}
+        self.last_losses = state["last_losses"].clone()
+        for r, saved in zip(self.ref, state["ref"]):
+            r.copy_(saved)
+
+    def close(self) -> None:
+        self._hook.remove()

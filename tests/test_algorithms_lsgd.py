@@ -1,0 +1,198 @@
+"""Leader SGD on 2 and 4 gloo workers against a float64 reference the test
+computes itself (Teng et al. 2019: every tau steps the worker with the lowest
+mean training loss since the last election leads, ties to the lowest rank;
+x <- (1 - c) x + c x_leader): same leader on every rank, c = 1 copies the
+leader exactly, the loss is captured from backward() or given to step(),
+compressed leader broadcasts with residuals, bit-identical resume."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+import torch.distributed as dist
+from distributed import run_workers
+from test_algorithms import LR, loss_of, make_model
+
+import gradpress.algorithms as algorithms
+
+STEPS = 9
+
+
+def flat(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def reference(world: int, steps: int, tau: int, c: float, groups: int = 1, c_local: float = 0.0,
+              c_global: float = 0.0, tau_global: int = 1) -> tuple[list[torch.Tensor], list[tuple[int, list[int]]]]:
+    """Final parameters of every worker and the leaders of every election
+    (global, then each group's)."""
+    models = [make_model() for _ in range(world)]
+    window: list[list[float]] = [[] for _ in range(world)]
+    size = world // groups
+    leaders = []
+    for s in range(steps):
+        t = s + 1
+        for rank, m in enumerate(models):
+            m.zero_grad()
+            loss = loss_of(m, rank, s)
+            loss.backward()
+            window[rank].append(float(loss.detach()))
+            with torch.no_grad():
+                for p in m.parameters():
+                    p -= LR * p.grad
+        due_local = groups > 1 and t % tau == 0
+        due_global = t % tau == 0 if groups == 1 else t % tau_global == 0
+        if not (due_local or due_global):
+            continue
+        means = [(sum(w) / len(w), r) for r, w in enumerate(window)]
+        window = [[] for _ in range(world)]
+        lead = min(means)[1]
+        local = [min(means[g * size:(g + 1) * size])[1] for g in range(groups)]
+        leaders.append((lead, local))
+        before = [flat(m) for m in models]
+        for rank, m in enumerate(models):
+            x = before[rank]
+            if groups == 1:
+                new = (1 - c) * x + c * before[lead]
+            else:
+                new = x.clone()
+                if due_global:
+                    new += c_global * (before[lead] - x)
+                if due_local:
+                    new += c_local * (before[local[rank // size]] - x)
+            with torch.no_grad():
+                torch.nn.utils.vector_to_parameters(new, m.parameters())
+    return [flat(m) for m in models], leaders
+
+
+def build(rank: int, spec: str, **kw):  # noqa: ANN003, ANN201
+    model = make_model()
+    if rank:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(float(rank))
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    return model, opt, algorithms.create(spec, model, opt, **kw)
+
+
+def train(rank: int, model, opt, algo, start: int, stop: int, explicit: bool = False) -> dict:  # noqa: ANN001
+    params, leaders = [], []
+    for step in range(start, stop):
+        opt.zero_grad()
+        loss = loss_of(model, rank, step)
+        loss.backward()
+        algo.step(loss.detach() if explicit else None)
+        params.append(flat(model))
+        leaders.append((algo.leaders["global"], list(algo.leaders["local"])))
+    return {"params": params, "leaders": leaders}
+
+
+def _worker(rank: int, world: int) -> dict:
+    out: dict = {}
+    model, opt, algo = build(rank, "lsgd:tau=3,c=0.5")
+    out["probe"] = train(rank, model, opt, algo, 0, STEPS)
+    out["stats"] = algo.stats
+    out["eval"] = flat(algo.eval_model())
+    out["own"] = flat(model)
+    out["eval_leader"] = algo.leaders["global"]
+    model, opt, algo = build(rank, "lsgd:tau=3,c=0.5")
+    out["explicit"] = train(rank, model, opt, algo, 0, STEPS, explicit=True)
+    model, opt, algo = build(rank, "lsgd:tau=2,c=1")
+    out["copy"] = train(rank, model, opt, algo, 0, STEPS)
+    # compressed leader broadcast: residuals, the leader copy agrees on every rank, resume mid-window
+    spec, kw = "lsgd:tau=2,c=0.5", {"compressor": "topk:ratio=0.2", "min_numel": 64}
+    model, opt, algo = build(rank, spec, **kw)
+    first = train(rank, model, opt, algo, 0, 5)["params"]
+    buf = io.BytesIO()
+    torch.save({"algo": algo.state_dict(), "model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    straight = train(rank, model, opt, algo, 5, STEPS)["params"]
+    out["ref_copy"] = torch.cat([r.reshape(-1) for r in algo.ref])
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    model, opt, algo = build(rank, spec, **kw)
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    algo.load_state_dict(saved["algo"])
+    again = train(rank, model, opt, algo, 5, STEPS)["params"]
+    out["compressed"] = {"first": first, "straight": straight, "again": again, "saved": saved["algo"],
+                         "stats": algo.stats}
+    try:
+        build(rank, "lsgd:groups=3")
+        out["groups_error"] = None
+    except ValueError as exc:
+        out["groups_error"] = str(exc)
+    dist.barrier()
+    return out
+
+
+def _worker4(rank: int, world: int) -> dict:
+    model, opt, algo = build(rank, "lsgd:tau=2,groups=2,c_local=0.5,c_global=0.25,tau_global=4")
+    return train(rank, model, opt, algo, 0, 8)
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    return run_workers(_worker, 2)
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.allclose(a, b, rtol=0, atol=1e-12)
+
+
+def test_same_leader_on_every_rank_and_the_reference_pull(results: list[dict]) -> None:
+    ref, leaders = reference(2, STEPS, 3, 0.5)
+    assert len(leaders) == 3 and len({lead for lead, _ in leaders}) == 2, leaders  # both ranks lead at times
+    for rank, res in enumerate(results):
+        assert close(res["probe"]["params"][-1], ref[rank]), (res["probe"]["params"][-1] - ref[rank]).abs().max()
+        got = [res["probe"]["leaders"][t - 1] for t in (3, 6, 9)]
+        assert got == [(lead, local) for lead, local in leaders]
+    assert results[0]["probe"]["leaders"] == results[1]["probe"]["leaders"]
+
+
+def test_loss_given_to_step_equals_the_loss_captured_from_backward(results: list[dict]) -> None:
+    for res in results:
+        for a, b in zip(res["probe"]["params"], res["explicit"]["params"]):
+            assert torch.equal(a, b)
+
+
+def test_pull_strength_one_copies_the_leader_exactly(results: list[dict]) -> None:
+    for t in range(2, STEPS + 1, 2):
+        assert torch.equal(results[0]["copy"]["params"][t - 1], results[1]["copy"]["params"][t - 1]), t
+    assert not torch.equal(results[0]["copy"]["params"][0], results[1]["copy"]["params"][0])  # local between
+
+
+def test_stats_and_evaluation_model(results: list[dict]) -> None:
+    s = results[0]["stats"]
+    model_bytes = sum(p.numel() * p.element_size() for p in make_model().parameters())
+    # 3 elections: one 8-byte loss in the allgather and one dense broadcast of the leader's parameters
+    assert s["exchanges"] == 3 and s["bytes_sent"] == 3 * (8 + model_bytes)
+    assert s["dense_bytes"] == STEPS * model_bytes
+    assert torch.equal(results[0]["eval"], results[1]["eval"])  # every rank evaluates the leader's model
+    leader = results[0]["eval_leader"]
+    assert torch.equal(results[0]["eval"], results[leader]["own"])
+
+
+def test_compressed_leader_broadcast_keeps_residuals_and_resumes_exactly(results: list[dict]) -> None:
+    for res in results:
+        r = res["compressed"]
+        residuals = r["saved"]["exchange"]["feedback"]["residuals"]
+        assert residuals and any(v.abs().sum() > 0 for v in residuals.values())
+        for a, b in zip(r["straight"], r["again"]):
+            assert torch.equal(a, b)
+        assert r["stats"]["ratio"] > 1.5
+    assert torch.equal(results[0]["ref_copy"], results[1]["ref_copy"])  # the leader copy agrees
+
+
+def test_groups_must_divide_the_world(results: list[dict]) -> None:
+    for res in results:
+        assert "parameter 'groups' got 3; allowed: a divisor of the world size 2" in res["groups_error"]
+
+
+def test_local_and_global_leaders_on_four_workers() -> None:
+    res = run_workers(_worker4, 4)
+    ref, leaders = reference(4, 8, 2, 0.0, groups=2, c_local=0.5, c_global=0.25, tau_global=4)
+    for rank in range(4):
+        assert close(res[rank]["params"][-1], ref[rank]), (res[rank]["params"][-1] - ref[rank]).abs().max()
+        assert [res[rank]["leaders"][t - 1] for t in (2, 4, 6, 8)] == leaders
