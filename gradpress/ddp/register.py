@@ -26,7 +26,7 @@ def register(
     spec: str | Compressor = "none",
     *,
     error_feedback: bool | None = None,
-    strategy: str = "auto",
+    strategy: str = "collective",
     min_numel: int = 1024,
     seed: int = 0,
     process_group: dist.ProcessGroup | None = None,
@@ -39,15 +39,18 @@ def register(
 
     ``spec``: a compressor spec (``"topk:ratio=0.01"``) or instance; extra
     keywords are compressor parameters. ``error_feedback``: None uses the
-    compressor's default (on for biased methods). ``strategy``: ``auto``
-    (per-tensor plan from a cost model measured on the live group, see
-    :mod:`gradpress.exchange.planner`; ``handle.plan.table()`` shows it) or
-    a name from ``gradpress.exchange.available()`` forced for every eligible
-    tensor, or ``collective`` (allreduce for summable compressors, allgather
-    otherwise: every eligible tensor compressed whatever the link).
+    compressor's default (on for biased methods). ``strategy``:
+    ``collective`` (the default: the named compressor on every eligible
+    tensor, by allreduce when its packets are summable, else allgather), a
+    name from ``gradpress.exchange.available()`` forced for every eligible
+    tensor, or ``auto`` (opt-in: a per-tensor plan from a cost model measured
+    on the live group, see :mod:`gradpress.exchange.planner`;
+    ``handle.plan.table()`` shows it; it may keep tensors dense when
+    compression does not pay on this network).
     ``plan_costs``: inject the cost model for ``auto`` instead of measuring
-    (a :class:`~gradpress.exchange.costs.CostModel` or a mapping of its
-    fields to ``(overhead, a, b)``). Tensors with fewer than ``min_numel``
+    (a :class:`~gradpress.exchange.costs.CostModel`, a mapping of its
+    fields to ``(overhead, a, b)``, or the path of a file written by
+    ``gradpress bench plan``): the same inputs then give the same plan. Tensors with fewer than ``min_numel``
     elements and 1-D tensors go through one fused plain allreduce. ``seed``
     derives shared randomness. Every rank must call this with the same
     arguments: a mismatch raises ``ValueError`` on every rank.

@@ -59,9 +59,10 @@ class Synchronizer:
 
     ``params``: every tensor it will be asked to average (key, shape,
     dtype); the plan is made for them and they are part of the configuration
-    all ranks must agree on. ``strategy``: ``auto`` (planner),
-    ``collective`` (allreduce if summable, else allgather) or a strategy
-    name. ``error_feedback``: None uses the compressor's default.
+    all ranks must agree on. ``strategy``: ``collective`` (the default:
+    allreduce if summable, else allgather, every eligible tensor
+    compressed), a strategy name, or ``auto`` (the planner; call
+    :meth:`replan` on every rank to measure). ``error_feedback``: None uses the compressor's default.
     ``nonfinite``: ``propagate`` | ``skip`` | ``raise``.
     """
 
@@ -72,7 +73,7 @@ class Synchronizer:
         params: Sequence[ParamSpec],
         group: dist.ProcessGroup | None = None,
         error_feedback: bool | None = None,
-        strategy: str = "auto",
+        strategy: str = "collective",
         min_numel: int = 1024,
         seed: int = 0,
         nonfinite: str = "propagate",
