@@ -88,7 +88,7 @@ def test_parse_baselines():
     ("topk@ring+fast", ["--configs", "+fast", "+ef, +noef"]),
     ("ddp:period=2/topk", ["--configs", "'ddp:period=2/topk'", "takes no parameters"]),
     ("ddp/topk:ratoi=0.01", ["--configs", "ratoi"]),
-    ("gossip:peers=1/topk", ["--configs", "unknown algorithm 'gossip'", "ddp, localsgd"]),
+    ("nosuch:peers=1/topk", ["--configs", "unknown algorithm 'nosuch'", "allowed: ddp, ", "localsgd"]),
     ("localsgd:period=0/topk", ["--configs", "'period' got 0"]),
 ])
 def test_bad_config_spec_names_the_field(text, words):

