@@ -207,3 +207,15 @@ def test_version_one_hook_state_loads() -> None:
     for res in run_workers(_old_state, 2):
         assert res["ring_keys"] > 0 and res["same"] and res["step"] == 3
         assert "not a gradpress hook state dict" in res["garbage"]
+
+
+def test_bench_plan_writes_a_cost_file_register_reuses(tmp_path) -> None:  # noqa: ANN001
+    from gradpress.cli import main as cli
+
+    out = tmp_path / "costs.json"
+    assert cli(["bench", "plan", "--compressor", "topk:ratio=0.1", "--nproc", "2", "--reps", "1",
+                "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["compressor"] == "topk:ratio=0.1" and data["world_size"] == 2 and set(data["fits"]) == set(FIELDS)
+    assert load_costs(out, compressor="topk:ratio=0.1", world_size=2).fits() == data["fits"]
+    assert cli(["bench", "plan", "--compressor", "topk:ratio=7", "--out", str(out)]) == 2  # bad spec: one line, exit 2
