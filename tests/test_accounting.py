@@ -1,0 +1,253 @@
+"""Independent byte accounting (gloo, 2 and 3 workers).
+
+Inside each worker a shim wraps the ``torch.distributed`` calls gradpress
+makes (``all_reduce``, ``all_gather``, ``all_gather_into_tensor``,
+``all_gather_single``, ``broadcast``, ``isend``, ``send``) and sums the bytes
+this rank hands over: the whole buffer of an allreduce, this rank's
+contribution to an allgather (so size exchanges and padding count), a
+broadcast's buffer on its source, every point-to-point send (size prefixes
+included). ``stats["bytes_sent"]`` and ``stats["last_step_bytes"]`` must
+equal that count exactly, step by step, for every strategy (fixed- and
+variable-size packets, summable or not, multi-round PowerSGD, partitioned
+tensors under ``auto``), for the uncompressed path, for the DDP hook (several
+buckets a step) and for an algorithm (compressed deltas plus plain buffers).
+The count is made outside gradpress: a byte left out of the figure (the plain
+allreduce of small tensors and NaN/Inf flags, a size exchange) or counted
+twice fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.distributed as dist
+from distributed import run_workers
+
+import gradpress
+import gradpress.algorithms as algorithms
+from gradpress.exchange import Synchronizer
+
+pytestmark = pytest.mark.mutants
+
+SHAPES = {"w": (33, 10), "v": (9, 7), "u": (4, 4), "b": (5,)}
+STEPS = 3
+#: a slow link on which the planner partitions large tensors over the PS (name#k)
+PS_LINK = {
+    "allreduce": (2e-4, 2e-4, 1e-6), "allgather": (2e-4, 2e-4, 4e-6), "broadcast": (5e-5, 5e-5, 1e-8),
+    "p2p": (2e-4, 2e-4, 1e-6), "encode": (1e-5, 1e-5, 1e-9), "decode": (1e-5, 1e-5, 1e-9),
+    "wire": (0.0, 0.0, 1.0), "root_wire": (0.0, 0.0, 1.0),
+}
+
+#: (strategy, spec, extra engine keywords)
+CASES = [
+    ("collective", "none", {}),  # nothing compressed: the dense path
+    ("allreduce", "none", {}),
+    ("allreduce", "fp16", {}),
+    ("allreduce", "randomk:ratio=0.3", {}),
+    ("allreduce", "powersgd:rank=2,start_iter=1", {}),
+    ("allgather", "topk:ratio=0.1", {}),
+    ("allgather", "threshold:tau=0.8", {}),  # variable size: size exchange and padding
+    ("allgather", "qsgd:levels=4,bucket=16", {}),
+    ("allgather", "signsgd", {}),
+    ("allgather", "dgc:ratio=0.1", {}),
+    ("ring", "none", {}),
+    ("ring", "fp16", {}),
+    ("ring", "topk:ratio=0.1", {}),
+    ("ring", "threshold:tau=0.8", {}),
+    ("ps", "none", {}),
+    ("ps", "fp16", {}),
+    ("ps", "topk:ratio=0.1", {}),
+    ("ps", "threshold:tau=0.8", {}),
+    ("auto", "topk:ratio=0.1", {"plan_costs": PS_LINK}),
+]
+
+_WRAPPED = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "broadcast", "isend", "send")
+
+
+class Shim:
+    """Counts the bytes this rank hands to ``torch.distributed``."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.calls: dict[str, int] = {}
+
+    @staticmethod
+    def _nbytes(t: torch.Tensor) -> int:
+        return t.numel() * t.element_size()
+
+    def _count(self, name: str, nbytes: int) -> None:
+        self.bytes += nbytes
+        self.calls[name] = self.calls.get(name, 0) + 1
+
+    @contextlib.contextmanager
+    def installed(self):  # noqa: ANN201
+        originals = {name: getattr(dist, name) for name in _WRAPPED if hasattr(dist, name)}
+
+        def wrap(name, fn):  # noqa: ANN001, ANN202
+            def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+                if name in ("all_reduce", "isend", "send"):
+                    self._count(name, self._nbytes(args[0] if args else kwargs["tensor"]))
+                elif name == "all_gather":
+                    self._count(name, self._nbytes(args[1] if len(args) > 1 else kwargs["tensor"]))
+                elif name in ("all_gather_into_tensor", "all_gather_single"):
+                    self._count(name, self._nbytes(args[1] if len(args) > 1 else kwargs["input_tensor"]))
+                elif name == "broadcast":
+                    src = args[1] if len(args) > 1 else kwargs.get("src")
+                    tensor = args[0] if args else kwargs["tensor"]
+                    if src == dist.get_rank():
+                        self._count(name, self._nbytes(tensor))
+                return fn(*args, **kwargs)
+            return counted
+
+        for name, fn in originals.items():
+            setattr(dist, name, wrap(name, fn))
+        try:
+            yield self
+        finally:
+            for name, fn in originals.items():
+                setattr(dist, name, fn)
+
+
+def grads(rank: int, step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return {k: torch.randn(s, generator=g) for k, s in SHAPES.items()}
+
+
+def _engine(rank: int, world: int, strategy: str, spec: str, kw: dict) -> dict:
+    engine = Synchronizer(spec, params=[(k, s, torch.float32) for k, s in SHAPES.items()], strategy=strategy,
+                          min_numel=16, **kw)
+    shim = Shim()
+    per_step = []
+    keys = list(SHAPES)
+    with shim.installed():
+        for step in range(STEPS):
+            before = shim.bytes
+            g = grads(rank, step)
+            # two calls per step (as two DDP buckets): the step closes with the second
+            engine.sync(keys[:2], [g[k] for k in keys[:2]], step=step, end_of_step=False)
+            engine.sync(keys[2:], [g[k] for k in keys[2:]], step=step, end_of_step=True)
+            per_step.append((shim.bytes - before, engine.stats["last_step_bytes"]))
+    return {"per_step": per_step, "total": shim.bytes, "stats": engine.stats, "calls": shim.calls,
+            "plan": engine.plan.to_dict()}
+
+
+class _Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(13, 37)
+        self.b = torch.nn.Linear(37, 29)
+        self.c = torch.nn.Linear(29, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
+def _hook(rank: int, world: int, spec: str, strategy: str) -> dict:
+    ddp = torch.nn.parallel.DistributedDataParallel(_Net(), bucket_cap_mb=0.002)  # several buckets
+    hook = gradpress.ddp.register(ddp, spec, strategy=strategy, min_numel=64)
+    shim = Shim()
+    per_step = []
+    with shim.installed():
+        for step in range(STEPS):
+            before = shim.bytes
+            ddp.zero_grad()
+            x = torch.randn(8, 13, generator=torch.Generator().manual_seed(step * 10 + rank))
+            ddp(x).pow(2).mean().backward()
+            per_step.append((shim.bytes - before, hook.stats["last_step_bytes"]))
+    stats = hook.stats
+    hook.close()
+    return {"per_step": per_step, "total": shim.bytes, "stats": stats}
+
+
+def _algorithm(rank: int, world: int, spec: str, compressor: str) -> dict:
+    model = torch.nn.Sequential(torch.nn.Linear(6, 40), torch.nn.BatchNorm1d(40), torch.nn.Linear(40, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    algo = algorithms.create(spec, model, opt, compressor=compressor, min_numel=64)
+    shim = Shim()
+    per_step = []
+    with shim.installed():
+        for step in range(4):
+            before = shim.bytes
+            opt.zero_grad()
+            x = torch.randn(16, 6, generator=torch.Generator().manual_seed(step * 10 + rank))
+            model(x).pow(2).mean().backward()
+            algo.step()
+            per_step.append((shim.bytes - before, algo.stats["last_step_bytes"]))
+    stats = algo.stats
+    algo.close() if hasattr(algo, "close") else None
+    return {"per_step": per_step, "total": shim.bytes, "stats": stats}
+
+
+def _worker(rank: int, world: int) -> dict:
+    out: dict = {}
+    for strategy, spec, kw in CASES:
+        out[(strategy, spec)] = _engine(rank, world, strategy, spec, kw)
+    for spec, strategy in (("none", "collective"), ("topk:ratio=0.05", "collective"), ("qsgd", "ring"),
+                           ("topk:ratio=0.05", "ps")):
+        out[("hook", spec, strategy)] = _hook(rank, world, spec, strategy)
+    for spec, compressor in (("localsgd:period=2", "topk:ratio=0.1"), ("diloco:period=2", "none")):
+        out[("algorithm", spec, compressor)] = _algorithm(rank, world, spec, compressor)
+    dist.barrier()
+    return out
+
+
+_CACHE: dict[int, list[dict]] = {}
+
+
+@pytest.fixture(scope="module", params=[2, 3])
+def world_results(request) -> tuple[int, list[dict]]:  # noqa: ANN001
+    if request.param not in _CACHE:
+        _CACHE[request.param] = run_workers(_worker, request.param)
+    return request.param, _CACHE[request.param]
+
+
+def _check(res: dict, what: object) -> None:
+    for step, (counted, reported) in enumerate(res["per_step"]):
+        assert counted > 0, (what, step, "nothing was handed over")
+        assert reported == counted, (what, step, f"stats say {reported} bytes, the collectives were handed {counted}")
+    assert res["stats"]["bytes_sent"] == res["total"], (what, res["stats"]["bytes_sent"], res["total"])
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}")
+def test_engine_bytes_equal_what_collectives_were_handed(world_results, case) -> None:  # noqa: ANN001
+    world, res = world_results
+    strategy, spec, _ = case
+    for r in range(world):
+        _check(res[r][(strategy, spec)], (case, r))
+    if strategy == "auto":
+        parts = {d["parts"] for d in res[0][(strategy, spec)]["plan"].values()}
+        assert max(parts) > 1, "the planner did not partition: name#k pieces are not covered"
+
+
+def test_variable_size_packets_pay_for_their_size_exchange(world_results) -> None:  # noqa: ANN001
+    """The size exchange of variable-size packets is a collective of its own
+    (one int64 per rank gathered), and it is in the count."""
+    world, res = world_results
+    calls = res[0][("allgather", "threshold:tau=0.8")]["calls"]
+    assert calls.get("all_gather", 0) >= STEPS, calls
+
+
+@pytest.mark.parametrize("what", [("hook", "none", "collective"), ("hook", "topk:ratio=0.05", "collective"),
+                                  ("hook", "qsgd", "ring"), ("hook", "topk:ratio=0.05", "ps")],
+                         ids=lambda w: f"{w[1]}-{w[2]}")
+def test_hook_bytes_equal_what_collectives_were_handed(world_results, what) -> None:  # noqa: ANN001
+    world, res = world_results
+    for r in range(world):
+        _check(res[r][what], (what, r))
+
+
+@pytest.mark.parametrize("what", [("algorithm", "localsgd:period=2", "topk:ratio=0.1"),
+                                  ("algorithm", "diloco:period=2", "none")], ids=lambda w: w[1])
+def test_algorithm_bytes_equal_what_collectives_were_handed(world_results, what) -> None:  # noqa: ANN001
+    """Local steps hand over nothing (0 both ways); exchange steps count the
+    compressed deltas and the plain BatchNorm statistics."""
+    world, res = world_results
+    for r in range(world):
+        r_res = res[r][what]
+        for step, (counted, reported) in enumerate(r_res["per_step"]):
+            assert reported == counted, (what, r, step, reported, counted)
+        assert any(c > 0 for c, _ in r_res["per_step"]) and any(c == 0 for c, _ in r_res["per_step"])
+        assert r_res["stats"]["bytes_sent"] == r_res["total"], (what, r)

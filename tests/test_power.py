@@ -1,0 +1,189 @@
+"""Unbiasedness with statistical power: E[decode(encode(x))] = x checked so
+that a 2% bias on any coordinate fails.
+
+Each test takes the per-coordinate variance from the method's own definition
+(QSGD: a Bernoulli rounding between two levels one step ``norm / s`` apart,
+variance ``step^2 f (1 - f)``; natural compression: ``(2^(e+1) - |x|)(|x| -
+2^e)``; TernGrad without clipping: ``|x| (max - |x|)``; dithering with the
+infinity norm: ``norm^2 (hi - y)(y - lo)``; scaled random-k: ``x^2 (d / k -
+1)``), not from the draws. The tolerance is ``Z = 5`` standard errors of the
+mean over ``n`` samples per coordinate (a false alarm has probability below
+6e-7 per coordinate), plus fp32 rounding; ``n`` is chosen, and checked by the
+test itself, so that ``(Z + Z_POWER) * sigma / sqrt(n) <= 2% * |x|`` on
+every coordinate: a 2% bias on any coordinate lands outside the tolerance
+with probability at least 0.9987 (``Z_POWER = 3``).
+
+Samples per coordinate come cheaply from large tensors made of many copies
+of one short vector (one QSGD bucket, one base vector): every copy is an
+independent draw of the same coordinate (random-k's copies are drawn without
+replacement, negatively correlated, so the independent variance bounds the
+mean's). Large-tensor shapes have ``ratio * d`` not an integer. Tiny tensors
+(where ``ceil(ratio * d)`` differs most from ``ratio * d``) are checked
+exactly where the method is deterministic given its randomness (random-k's
+kept values are ``x * d / k``) and statistically with the detectable bias
+stated in the test.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from gradpress.compress import Context
+from gradpress.compressors import create
+
+pytestmark = pytest.mark.mutants
+
+Z = 5.0
+Z_POWER = 3.0
+BIAS = 0.02
+F64 = torch.float64
+
+
+def _ctx(i: int) -> Context:
+    return Context(key="power", step=i, rank=i % 3, world_size=3, seed=11)
+
+
+def _mean_of_copies(spec: str, base: torch.Tensor, copies: int, draws: int) -> torch.Tensor:
+    comp = create(spec)
+    x = base.float().repeat(copies)
+    acc = torch.zeros(base.numel(), dtype=F64)
+    for i in range(draws):
+        acc += comp.decode(comp.encode(x, _ctx(i))).double().view(copies, -1).sum(0)
+    return acc / (draws * copies)
+
+
+def powered(spec: str, base: torch.Tensor, sigma: torch.Tensor, copies: int) -> None:
+    """Draw until every coordinate has the samples a 2% bias needs, then
+    check the mean against the tolerance; ``sigma``: per-coordinate standard
+    deviation of one sample, from the method's definition."""
+    x = base.float().double()
+    nonzero = x.abs() > 0
+    need = ((Z + Z_POWER) * sigma[nonzero] / (BIAS * x.abs()[nonzero])).pow(2).max().item()
+    draws = max(1, math.ceil(need / copies))
+    n = draws * copies
+    se = sigma / math.sqrt(n)
+    assert bool(((Z + Z_POWER) * se[nonzero] <= BIAS * x.abs()[nonzero]).all())  # the test has its power
+    mean = _mean_of_copies(spec, base, copies, draws)
+    tol = Z * se + 1e-6 * x.abs() + 1e-30
+    bad = (mean - x).abs() > tol
+    assert not bad.any(), (spec, x[bad], mean[bad], tol[bad], f"relative bias {((mean - x) / x)[bad]}")
+
+
+def test_qsgd_every_coordinate_within_two_percent() -> None:
+    """QSGD (s = 4, buckets of 8): 8192 copies of one bucket per draw;
+    detectable bias 2% of |x| on every coordinate (e.g. rounding up with
+    probability f + 0.1 f (1 - f) instead of f is 4-6% on these
+    coordinates)."""
+    s, b = 4, 8
+    base = torch.tensor([3.0, -2.5, 2.0, -1.7, 1.5, -1.2, 1.1, -0.9])
+    v = base.double()
+    step = v.norm() / s
+    y = s * v.abs() / v.norm()
+    f = y - y.floor()
+    powered(f"qsgd:levels={s},bucket={b}", base, step * (f * (1 - f)).sqrt(), copies=8192)
+
+
+def test_natural_every_coordinate_within_two_percent() -> None:
+    """Natural compression: stochastic rounding to the neighbouring powers of
+    two; detectable bias 2% on every coordinate."""
+    base = torch.tensor([3.0, -2.5, 1.3, -0.7, 0.45, -5.5, 0.11, 1.9, 7.0])
+    a = base.double().abs()
+    lo = torch.exp2(torch.floor(torch.log2(a)))
+    powered("natural", base, ((2 * lo - a) * (a - lo)).clamp_min(0).sqrt(), copies=4096)
+
+
+def test_terngrad_every_coordinate_within_two_percent() -> None:
+    """TernGrad without clipping: max * sign * Bernoulli(|x| / max);
+    coordinates between 0.5 and 1 of the maximum (|x| = max is exact);
+    detectable bias 2% on every coordinate."""
+    base = torch.tensor([1.0, -0.9, 0.75, -0.6, 0.55, -0.8, 0.66])
+    a = base.double().abs()
+    powered("terngrad:clip=0", base, (a * (a.max() - a)).sqrt(), copies=8192)
+
+
+@pytest.mark.parametrize("natural", [False, True])
+def test_dithering_every_coordinate_within_two_percent(natural: bool) -> None:
+    """Random dithering with the infinity norm (y = |x| / max), 4 levels,
+    standard or natural; detectable bias 2% on every coordinate."""
+    s = 4
+    base = torch.tensor([1.0, -0.9, 0.7, -0.6, 0.45, -0.8, 0.35, 0.55])
+    a = base.double().abs()
+    norm = a.max()
+    y = a / norm
+    if natural:
+        levels = torch.tensor([0.0] + [2.0 ** (k - s) for k in range(1, s + 1)], dtype=F64)
+    else:
+        levels = torch.arange(s + 1, dtype=F64) / s
+    lo = torch.stack([levels[levels <= v].max() for v in y])
+    hi = torch.stack([levels[levels >= v].min() for v in y])
+    spec = f"dithering:levels={s},p=inf,natural={'true' if natural else 'false'}"
+    powered(spec, base, norm * ((hi - y) * (y - lo)).clamp_min(0).sqrt(), copies=4096)
+
+
+def test_randomk_large_tensor_every_coordinate_within_two_percent() -> None:
+    """Scaled random-k on d = 7 * 4097 = 28679 entries, ratio 0.3 (ratio * d =
+    8603.7, not an integer): each copy's coordinate is x * d / k with
+    probability k / d; detectable bias 2% on every coordinate (a selection
+    that favours some positions, or a wrong scale, fails)."""
+    base = torch.tensor([1.0, -2.0, 0.5, 3.0, -0.25, 1.5, -1.25])
+    copies = 4097
+    d = base.numel() * copies
+    k = math.ceil(0.3 * d)
+    assert 0.3 * d != int(0.3 * d)
+    powered("randomk:ratio=0.3,scale=true", base, base.double().abs() * math.sqrt(d / k - 1), copies=copies)
+
+
+@pytest.mark.parametrize("shape, ratio", [((7,), 0.3), ((3, 5), 0.1), ((1,), 0.5), ((2, 3), 0.45), ((11,), 0.19)])
+def test_randomk_tiny_kept_values_are_scaled_by_d_over_k(shape: tuple[int, ...], ratio: float) -> None:
+    """Tiny tensors with ratio * d not an integer (k = ceil(ratio * d)): every
+    kept value is x * d / k to fp32 rounding (scaling by 1 / ratio instead is 43% off
+    for d = 7, ratio = 0.3), k entries are kept, the others are zero."""
+    d = math.prod(shape)
+    k = min(d, max(1, math.ceil(ratio * d)))
+    x = (torch.arange(1, d + 1, dtype=torch.float32) * 0.37 - 1.1).reshape(shape)
+    comp = create(f"randomk:ratio={ratio},scale=true")
+    for i in range(50):
+        out = comp.decode(comp.encode(x, _ctx(i)))
+        kept = out != 0
+        assert int(kept.sum()) == k, (shape, ratio, int(kept.sum()), k)
+        expected = x.double() * d / k
+        # exact up to the fp32 product's rounding (2 ulps)
+        assert torch.allclose(out[kept].double(), expected[kept], rtol=2.0**-22, atol=0), (shape, ratio, out[kept])
+
+
+def test_randomk_tiny_tensor_is_unbiased_statistically() -> None:
+    """d = 7, ratio 0.3 (k = 3), 12000 draws: per coordinate sigma = |x|
+    sqrt(d / k - 1) = 1.15 |x|; detectable bias (Z + Z_POWER) * 1.15 /
+    sqrt(12000) = 8.4% on every coordinate (this is where a ceil-blind
+    scale would be 43% off, and where a selection skewed toward some
+    positions shows)."""
+    base = torch.tensor([1.0, -2.0, 0.5, 3.0, -0.25, 1.5, -1.25])
+    d, k, draws = 7, 3, 12000
+    comp = create("randomk:ratio=0.3,scale=true")
+    acc = torch.zeros(d, dtype=F64)
+    for i in range(draws):
+        acc += comp.decode(comp.encode(base, _ctx(i))).double()
+    x = base.double()
+    se = x.abs() * math.sqrt(d / k - 1) / math.sqrt(draws)
+    assert bool(((Z + Z_POWER) * se <= 0.085 * x.abs()).all())  # the stated detectable bias holds
+    assert bool(((acc / draws - x).abs() <= Z * se + 1e-6 * x.abs()).all()), (acc / draws, x)
+
+
+def test_qsgd_tiny_single_bucket_is_unbiased() -> None:
+    """QSGD on a 5-entry tensor (one bucket, s = 2), 6000 draws: detectable
+    bias (Z + Z_POWER) * sigma / sqrt(6000) per coordinate, which the test
+    computes and requires to be at most 10% of |x|."""
+    s = 2
+    base = torch.tensor([1.0, -0.8, 0.7, -0.9, 0.6])
+    v = base.double()
+    y = s * v.abs() / v.norm()
+    f = y - y.floor()
+    sigma = v.norm() / s * (f * (1 - f)).sqrt()
+    draws = 6000
+    se = sigma / math.sqrt(draws)
+    assert bool(((Z + Z_POWER) * se <= 0.10 * v.abs()).all())
+    mean = _mean_of_copies(f"qsgd:levels={s},bucket=0", base, 1, draws)
+    assert bool(((mean - v).abs() <= Z * se + 1e-6 * v.abs()).all()), (mean, v)
