@@ -27,7 +27,8 @@ rank, so every rank issues the same collectives in the same order.
 Staleness bound: an outer gradient is applied exactly T steps after it was
 taken (T < H, so a fragment's merge always precedes its next launch); a
 worker's fragment is never more than H + T inner steps away from the last
-outer parameters it merged.
+outer parameters it merged. ``stats`` count an exchange's bytes when it is
+merged (independent of the thread's timing).
 
 Invariants: ``theta`` and the outer momentum are bit-identical on every rank
 (the averages are); with A = 0 the merged fragment is bit-identical on
@@ -96,6 +97,8 @@ class StreamingDiLoCo(DiLoCo):
         self.launch_at = {((f + 1) * period // frags) % period: f for f in range(frags)}
         self.pending: collections.deque[dict[str, Any]] = collections.deque()
         self.pool: concurrent.futures.ThreadPoolExecutor | None = None
+        #: bytes of the merged exchanges (what ``stats`` reports: independent of the thread's timing)
+        self.merged_bytes = 0
 
     def step(self) -> None:
         self.local_step()
@@ -159,9 +162,21 @@ class StreamingDiLoCo(DiLoCo):
         for b, avg in zip(self._float_buffers(), item["buffers"]):
             b.copy_(avg)
         self._last["bytes"] += item["bytes"]
+        self.merged_bytes += item["bytes"]
 
     def _float_buffers(self) -> list[torch.Tensor]:
         return [b for b in self.model.buffers() if b.is_floating_point() and b.numel()]
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        """As every algorithm's, but ``bytes_sent`` and ``exchanges`` count
+        the merged exchanges only, so they do not depend on how far the
+        exchange thread has got."""
+        out = super().stats
+        out["bytes_sent"] = self.merged_bytes
+        out["exchanges"] = self._exchanges - len(self.pending)
+        out["ratio"] = out["dense_bytes"] / out["bytes_sent"] if out["bytes_sent"] else 1.0
+        return out
 
     # ------------------------------------------------------------------ state
     def drain(self) -> None:
@@ -181,10 +196,11 @@ class StreamingDiLoCo(DiLoCo):
         pending = [{"fragment": it["fragment"], "due": it["due"], "exchange": it["exchange"], "bytes": it["bytes"],
                     "deltas": [d.clone() for d in it["deltas"]], "buffers": [b.clone() for b in it["buffers"]]}
                    for it in self.pending]
-        return {**super().extra_state(), "pending": pending}
+        return {**super().extra_state(), "pending": pending, "merged_bytes": self.merged_bytes}
 
     def load_extra_state(self, state: Mapping[str, Any]) -> None:
         super().load_extra_state(state)
+        self.merged_bytes = int(state.get("merged_bytes", 0))
         self.pending.clear()
         for it in state.get("pending", []):
             idx = self.frags[int(it["fragment"])]
