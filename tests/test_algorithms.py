@@ -147,7 +147,7 @@ def test_stats_speak_the_hooks_vocabulary(results: list[dict]) -> None:
             # dense exchange: the parameters (one fused plain allreduce per exchange) and nothing else
             assert s["bytes_sent"] == (STEPS // period) * model_bytes
         assert four["ratio"] == pytest.approx(4.0)
-        assert res[("none", 4)]["describe"] == {"algorithm": "localsgd:period=4", "compressor": "none",
+        assert res[("none", 4)]["describe"] == {"algorithm": "localsgd:period=4,optimizer_state=auto", "compressor": "none",
                                                "strategy": "allreduce", "error_feedback": False}
 
 
@@ -209,3 +209,31 @@ def test_training_adapter_localsgd_period_one_equals_ddp_sgd() -> None:
         assert torch.allclose(r["ddp"], r["localsgd:period=1"], rtol=0, atol=1e-12), \
             (r["ddp"] - r["localsgd:period=1"]).abs().max()
     assert torch.equal(res[0]["localsgd:period=1"], res[1]["localsgd:period=1"])
+
+
+def _optimizer_state_and_consensus(rank: int, world: int) -> dict:
+    out = {}
+    for mode in ("auto", "local"):
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+        algo = algorithms.create(f"localsgd:period=3,optimizer_state={mode}", model, opt)
+        for step in range(5):  # a sync after step 3, then two local steps
+            opt.zero_grad()
+            loss_of(model, rank, step).backward()
+            algo.step()
+            if step == 2:
+                out[(mode, "momentum")] = torch.cat([s["momentum_buffer"].reshape(-1) for s in opt.state.values()])
+        out[(mode, "local")] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        out[(mode, "eval")] = torch.cat([p.detach().reshape(-1) for p in algo.eval_model().parameters()])
+    return out
+
+
+def test_optimizer_state_averaged_when_uncompressed_and_consensus_evaluated() -> None:
+    res = run_workers(_optimizer_state_and_consensus, WORLD)
+    assert torch.equal(res[0][("auto", "momentum")], res[1][("auto", "momentum")])  # averaged at the sync
+    assert not torch.equal(res[0][("local", "momentum")], res[1][("local", "momentum")])  # the papers' form
+    for mode in ("auto", "local"):
+        assert not torch.equal(res[0][(mode, "local")], res[1][(mode, "local")])  # mid-period: replicas differ
+        mean = (res[0][(mode, "local")] + res[1][(mode, "local")]) / 2
+        for r in res:
+            assert torch.allclose(r[(mode, "eval")], mean, rtol=0, atol=1e-12)  # evaluated: their average

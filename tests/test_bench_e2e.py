@@ -63,10 +63,10 @@ def test_parse_configs_with_an_algorithm():
         parse_configs("ddp/topk,topk")
     local = parse_configs("localsgd:period=8/qsgd:levels=4,bucket=512@allgather,localsgd/,localsgd:period=2/+ef")
     assert [(c.algorithm, c.spec, c.strategy, c.error_feedback, c.label) for c in local] == [
-        ("localsgd:period=8", "qsgd:levels=4,bucket=512", "allgather", None,
-         "gradpress localsgd:period=8/qsgd:levels=4,bucket=512@allgather"),
-        ("localsgd:period=8", "none", "auto", None, "gradpress localsgd:period=8/none"),  # its default compressor
-        ("localsgd:period=2", "none", "auto", True, "gradpress localsgd:period=2/none+ef")]
+        ("localsgd:period=8,optimizer_state=auto", "qsgd:levels=4,bucket=512", "allgather", None,
+         "gradpress localsgd:period=8,optimizer_state=auto/qsgd:levels=4,bucket=512@allgather"),
+        ("localsgd:period=8,optimizer_state=auto", "none", "auto", None, "gradpress localsgd:period=8,optimizer_state=auto/none"),  # its default compressor
+        ("localsgd:period=2,optimizer_state=auto", "none", "auto", True, "gradpress localsgd:period=2,optimizer_state=auto/none+ef")]
     assert all(c.kind == "gradpress" for c in local)
 
 
@@ -191,7 +191,7 @@ def test_worker_step_and_train_modes_on_two_local_workers(tmp_path):
     assert a["history"] == b["history"] and a["steps"] == 12 and not a["reached"]  # 0.99 is out of reach
     assert [h["step"] for h in a["history"]] == [5, 10, 12]
     assert a["best_metric"] == max(h["metric"] for h in a["history"]) and a["final_metric"] == a["history"][-1]["metric"]
-    assert a["train_s"] > 0 and a["label"] == "gradpress localsgd:period=2/topk:ratio=0.05@allgather"
+    assert a["train_s"] > 0 and a["label"] == "gradpress localsgd:period=2,optimizer_state=auto/topk:ratio=0.05@allgather"
     assert a["buckets"] is None  # no DDP: the algorithm exchanges on its own
     # bytes per training step: one top-5% exchange every 2 steps, well under DDP's dense gradient
     dense = 4 * a["parameters"]

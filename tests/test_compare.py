@@ -105,11 +105,11 @@ def test_runs_are_the_cross_product_of_algorithms_and_compressors(tmp_path):
     runs = compare._plan_runs("none,topk:ratio=0.1", "ddp;localsgd", {"workload": "digits-mlp"}, tmp_path)
     assert [(c.algorithm, c.compressor, Path(c.out).name) for c in runs] == [
         ("ddp", "none", "0-none"), ("ddp", "topk:ratio=0.1", "1-topk_ratio=0.1"),
-        ("localsgd:period=8", "none", "2-localsgd_period=8-none"),
-        ("localsgd:period=8", "topk:ratio=0.1", "3-localsgd_period=8-topk_ratio=0.1")]
+        ("localsgd:period=8,optimizer_state=auto", "none", "2-localsgd_period=8_optimizer_state=auto-none"),
+        ("localsgd:period=8,optimizer_state=auto", "topk:ratio=0.1", "3-localsgd_period=8_optimizer_state=auto-topk_ratio=0.1")]
     assert {c.strategy for c in runs} == {"collective"}
     defaults = compare._plan_runs(None, "localsgd:period=2,ddp", {}, tmp_path)  # each algorithm's default
-    assert [(c.algorithm, c.compressor) for c in defaults] == [("localsgd:period=2", "none"), ("ddp", "none")]
+    assert [(c.algorithm, c.compressor) for c in defaults] == [("localsgd:period=2,optimizer_state=auto", "none"), ("ddp", "none")]
     with pytest.raises(ValueError, match="unknown algorithm 'nosuch'"):
         compare._plan_runs(None, "ddp,nosuch", {}, tmp_path)
 
@@ -121,13 +121,14 @@ def test_compare_algorithms_on_two_workers(tmp_path, capsys):
               "--epochs", "2", "--min-numel", "64", "--no-progress", "--out", str(out)])
     assert rc == 0
     printed = capsys.readouterr().out
-    assert "| algorithm" in printed and "| `localsgd:period=4` | `topk:ratio=0.1` |" in printed
+    assert "| algorithm" in printed and "| `localsgd:period=4,optimizer_state=auto` | `topk:ratio=0.1` |" in printed
     runs = json.loads((out / "compare.json").read_text())
     assert [(r["algorithm"], r["compressor"]) for r in runs] == [
-        ("ddp", "none"), ("ddp", "topk:ratio=0.1"), ("localsgd:period=4", "none"), ("localsgd:period=4", "topk:ratio=0.1")]
+        ("ddp", "none"), ("ddp", "topk:ratio=0.1"), ("localsgd:period=4,optimizer_state=auto", "none"), ("localsgd:period=4,optimizer_state=auto", "topk:ratio=0.1")]
     assert all(r["world_size"] == 2 and r["steps"] == 8 and r["reference"] == "none" for r in runs)
-    # ratios compare across algorithms: dense = what DDP sends; local SGD sends every 4th step
+    # ratios compare across algorithms: dense = what DDP sends; local SGD sends every 4th step: uncompressed,
+    # the parameters and Adam's two moments (optimizer_state=auto averages them), compressed the top-k deltas
     assert runs[0]["compression_ratio"] == pytest.approx(1.0)
-    assert runs[2]["compression_ratio"] > 3 and runs[3]["compression_ratio"] > runs[2]["compression_ratio"]
-    assert "algorithms: ddp, localsgd:period=4" in (out / "compare.md").read_text()
-    assert (out / "3-localsgd_period=4-topk_ratio=0.1" / "summary.json").exists()
+    assert runs[2]["compression_ratio"] == pytest.approx(4 / 3, rel=0.1) and runs[3]["compression_ratio"] > 3
+    assert "algorithms: ddp, localsgd:period=4,optimizer_state=auto" in (out / "compare.md").read_text()
+    assert (out / "3-localsgd_period=4_optimizer_state=auto-topk_ratio=0.1" / "summary.json").exists()

@@ -413,17 +413,17 @@ def test_localsgd_trains_on_two_workers_and_resumes_exactly_mid_period(tmp_path,
     """A registered algorithm through train: its default compressor, its
     summary fields, and exact resume from a checkpoint taken between two
     averagings (replicas differ: each rank's model and optimizer are saved)."""
-    assert train.make_config({"algorithm": "localsgd"}).algorithm == "localsgd:period=8"  # canonical spec
+    assert train.make_config({"algorithm": "localsgd"}).algorithm == "localsgd:period=8,optimizer_state=auto"  # canonical spec
     assert train.make_config({"algorithm": "localsgd"}).compressor == "none"  # its default compressor
     common = ["train", "--nproc", "2", "--workload", "digits-mlp", "--hidden", "16", "--samples", "256",
               "--batch-size", "16", "--epochs", "2", "--algorithm", "localsgd:period=3", "--compressor",
               "topk:ratio=0.1", "--strategy", "allgather", "--min-numel", "64", "--log-every", "1", "--no-progress"]
     full, part = tmp_path / "full", tmp_path / "part"
     assert cli([*common, "--out", str(full)]) == 0
-    assert "digits-mlp / localsgd:period=3 / topk:ratio=0.1 on 2 worker(s): 16 steps" in capsys.readouterr().out
+    assert "digits-mlp / localsgd:period=3,optimizer_state=auto / topk:ratio=0.1 on 2 worker(s): 16 steps" in capsys.readouterr().out
     s = json.loads((full / "summary.json").read_text())
     assert (s["algorithm"], s["compressor"], s["strategy"], s["error_feedback"]) == (
-        "localsgd:period=3", "topk:ratio=0.1", "allgather", True)
+        "localsgd:period=3,optimizer_state=auto", "topk:ratio=0.1", "allgather", True)
     # 5 averagings of top-10% deltas in 16 steps vs. DDP's dense gradient every step
     assert s["steps"] == 16 and s["compression_ratio"] > 10 and s["bytes_total"] > 0
     assert cli([*common, "--out", str(part), "--steps", "8"]) == 0  # 8 steps per epoch: 8 % 3 = 2 local steps
@@ -435,7 +435,7 @@ def test_localsgd_trains_on_two_workers_and_resumes_exactly_mid_period(tmp_path,
     assert [r.get("metric") for r in _rows(full)] == [r.get("metric") for r in _rows(part)]
     assert json.loads((part / "summary.json").read_text())["bytes_total"] == s["bytes_total"]
     assert cli([*common, "--out", str(part), "--resume", "--algorithm", "localsgd:period=4"]) == 2
-    assert "algorithm: checkpoint has 'localsgd:period=3', this run has 'localsgd:period=4'" in capsys.readouterr().err
+    assert "algorithm: checkpoint has 'localsgd:period=3,optimizer_state=auto', this run has 'localsgd:period=4,optimizer_state=auto'" in capsys.readouterr().err
 
 
 def test_algorithms_command_lists_ddp_and_the_registry(capsys):

@@ -27,6 +27,7 @@ Invariants:
 
 from __future__ import annotations
 
+import copy
 import datetime
 import time
 from collections.abc import Mapping
@@ -89,6 +90,7 @@ class Algorithm:
         self._steps = 0
         self._exchanges = 0
         self._last = {"bytes": 0, "dense": 0}
+        self._consensus: torch.nn.Module | None = None
         self.engine: Synchronizer | None = None
         try:  # everything a rank can get wrong alone, before the agreement every rank reaches
             if error is not None:
@@ -156,8 +158,29 @@ class Algorithm:
         raise NotImplementedError
 
     def eval_model(self) -> torch.nn.Module:
-        """The model to evaluate (gossip methods: a consensus copy)."""
+        """The model to evaluate; algorithms whose replicas drift between
+        synchronizations return :meth:`consensus_model`."""
         return self.model
+
+    @torch.no_grad()
+    def consensus_model(self) -> torch.nn.Module:
+        """A copy of the model holding the average over ranks of the current
+        parameters and floating buffers (collective; the local state is not
+        touched). Evaluation traffic: not counted in ``stats``, as DDP's
+        evaluation is not."""
+        if self.world_size == 1:
+            return self.model
+        if self._consensus is None:
+            self._consensus = copy.deepcopy(self.model)
+            for p in self._consensus.parameters():
+                p.requires_grad_(False)
+                p.grad = None
+        src = [p.detach() for p in self.model.parameters()] + [b for b in self.model.buffers() if b.is_floating_point()]
+        dst = list(self._consensus.parameters()) + [b for b in self._consensus.buffers() if b.is_floating_point()]
+        summed, _ = fused_allreduce([t / self.world_size for t in src], self.group)
+        for d, s in zip(dst, summed):
+            d.copy_(s)
+        return self._consensus
 
     def extra_state(self) -> dict[str, Any]:
         return {}
