@@ -8,11 +8,9 @@ replicas, falling losses, identical plans).
 from __future__ import annotations
 
 import functools
-import time
 
 import pytest
 import torch
-import torch.distributed as dist
 from distributed import run_workers
 
 import gradpress
@@ -180,12 +178,9 @@ def _worker(rank: int, world: int) -> dict:
             for strategy in ("ring", "ps"):
                 out[("train", spec, strategy)] = _train(rank, world, spec, strategy)
     if world == 2:
-        # live measurement at registration: identical plan on every rank, quick
+        # live measurement at registration: identical plan on every rank
         model = torch.nn.parallel.DistributedDataParallel(_Net())
-        dist.barrier()
-        t = time.perf_counter()
         hook = gradpress.ddp.register(model, "topk:ratio=0.01", strategy="auto", min_numel=16)
-        out["measure_s"] = time.perf_counter() - t
         out["measured_plan"] = hook.plan.to_dict()
         out["measured_table"] = hook.plan.table()
         out["cost_model"] = hook.cost_model.to_tensor()
@@ -222,7 +217,55 @@ def test_direct_exact_and_identical(results):
         elif spec in ("fp16",):
             assert r0["err"] < 5e-3, key
         else:
-            assert r0["err"] < 50, key  # lossy but finite and of the right scale
+            _check_lossy(world, name, spec, bucket, r0["avg"])
+
+
+def _ref_direct(world: int, name: str, ratio: float, bucket: int) -> list[torch.Tensor]:
+    """Top-k through the ring or the PS, residuals starting at zero, by the
+    strategies' definitions (float64; see tests/test_references.py)."""
+    from test_references import chunks, ref_topk
+
+    xs = [[t.double() for t in rank_tensors(r, bucket)] for r in range(world)]
+    out = []
+    for i in range(len(SHAPES)):
+        if name == "ps":  # each rank sends top-k; the root re-sparsifies the mean at density ratio * N
+            mean = sum(ref_topk(xs[r][i], ratio) for r in range(world)) / world
+            out.append(ref_topk(mean, min(1.0, ratio * world)))
+            continue
+        flats = [xs[r][i].reshape(-1) / world for r in range(world)]
+        res = torch.zeros_like(flats[0])
+        for c, (a, b) in enumerate(chunks(flats[0].numel(), world)):
+            acc = None
+            for j in range(world):  # chunk c starts at rank c and is re-compressed at every hop
+                value = flats[(c + j) % world][a:b] if acc is None else acc + flats[(c + j) % world][a:b]
+                acc = ref_topk(value, ratio)
+            res[a:b] = acc
+        out.append(res.reshape(xs[0][i].shape))
+    return out
+
+
+def _check_lossy(world: int, name: str, spec: str, bucket: int, avg: list[torch.Tensor]) -> None:
+    """Lossy results checked against what the method must give, not "the
+    right scale": top-k against its float64 reference; random-k (shared
+    indices, summable) equal to the exact average wherever it kept an
+    entry, on at least ceil(0.3 n) entries per piece; QSGD (unbiased, no
+    reference) projected on the exact average within 25% of it (all zeros,
+    the negated mean or the sum instead of the mean fail)."""
+    exact = [sum(rank_tensors(r, bucket)[i] for r in range(world)) / world for i in range(len(SHAPES))]
+    if spec.startswith("topk"):
+        ref = _ref_direct(world, name, float(spec.split("=")[1]), bucket)
+        for a, e in zip(avg, ref):
+            assert torch.allclose(a.double(), e, rtol=0, atol=1e-5), (name, spec, bucket, float((a - e).abs().max()))
+    elif spec.startswith("randomk"):
+        for a, e in zip(avg, exact):
+            kept = a != 0
+            assert int(kept.sum()) >= 0.3 * a.numel() - world, (name, spec, int(kept.sum()), a.numel())
+            assert torch.allclose(a[kept], e[kept], rtol=1e-5, atol=1e-6), (name, spec, bucket)
+    else:
+        a = torch.cat([t.reshape(-1).double() for t in avg])
+        e = torch.cat([t.reshape(-1).double() for t in exact])
+        proj = float(a @ e / (e @ e))
+        assert 0.75 < proj < 1.25, (name, spec, bucket, proj)
 
 
 def test_lossy_compression_sends_fewer_bytes(results):
@@ -266,12 +309,13 @@ def test_training_falls_and_replicas_agree(results):
         assert res[0][key]["strategy_state"], key
 
 
-def test_measured_plan_identical_and_quick():
+def test_measured_plan_identical():
+    """How long measuring takes is a benchmark's business (gradpress bench
+    plan), not a unit test's: no wall-clock bound here."""
     world, res = 2, _results(2)
     assert all(torch.equal(res[r]["cost_model"], res[0]["cost_model"]) for r in range(world))
     assert all(res[r]["measured_plan"] == res[0]["measured_plan"] for r in range(world))
     assert "b.weight" in res[0]["measured_table"]
-    assert res[0]["measure_s"] < 10, res[0]["measure_s"]
 
 
 def test_resume_restores_strategy_residuals():
