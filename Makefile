@@ -2,7 +2,7 @@ PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: setup test demo lint
+.PHONY: setup test demo lint mutants timing
 
 # torch first, pinned, when absent: an unpinned install pulls a multi-GB CUDA build
 setup:
@@ -10,10 +10,20 @@ setup:
 	@$(PIP) install -q -e ".[dev]"
 
 test: setup
-	$(PYTHON) -m pytest -q tests
+	$(PYTHON) -m pytest -q -m "not timing" tests
 
 demo: setup
 	$(PYTHON) -m gradpress.demo
 
 lint: setup
 	$(PYTHON) -m ruff check gradpress tests
+
+# sampled mutation testing of the core modules (cosmic-ray, on a copy of the tree; ~30 min on 2 cores;
+# report in bench-results/mutants-report.md, see docs/testing.md); not part of `make test`
+mutants: setup
+	@$(PIP) install -q -e ".[mutants]"
+	$(PYTHON) tests/mutants.py --report bench-results/mutants-report.md
+
+# tests that assert wall-clock speed (emulated link goodput): benchmarks, not unit tests
+timing: setup
+	$(PYTHON) -m pytest -q -m timing tests

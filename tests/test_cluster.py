@@ -133,6 +133,7 @@ def test_support_check_passes_as_root():
 
 
 @needs_root
+@pytest.mark.timing  # asserts goodput within 25% of the shaped rate: a benchmark (make timing)
 def test_goodput_training_and_teardown(tmp_path):
     veths = _veth_count()
     prefix = _unique_prefix()
@@ -184,6 +185,7 @@ def test_goodput_training_and_teardown(tmp_path):
 
 
 @needs_root
+@pytest.mark.timing  # asserts measured rates: a benchmark (make timing)
 def test_incast_is_limited_by_the_switch_port():
     """Two senders into one node share its switch->node link (the hub-side tbf):
     their aggregate, over the time both were sending, stays at the rate (it
@@ -226,9 +228,8 @@ def test_names_taken_is_a_clear_error():
 @needs_root
 def test_run_timeout_kills_and_tears_down():
     with EmulatedCluster(2, "10mbit", prefix=_unique_prefix()) as c:
-        t0 = time.monotonic()
         result = c.run(["sleep", "30"], timeout=0.5, stream_rank0=False, kill_grace=1)
-        assert time.monotonic() - t0 < 10 and result.timed_out and result.exit_code == 124
+        assert result.timed_out and result.exit_code == 124
         tag = c.tag
     assert _leftovers(tag) == []
 

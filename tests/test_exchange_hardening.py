@@ -7,7 +7,6 @@ type, old hook states load."""
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 import torch
@@ -52,10 +51,8 @@ def _agreement(rank: int, world: int, tmp: str) -> dict:
     out["inject_vs_measure"] = _registration_error(
         lambda: gradpress.ddp.register(DDP(model()), "topk:ratio=0.1", strategy="auto", min_numel=16, **kw))
     # 6. an invalid timeout on one rank fails on every rank, quickly
-    t = time.perf_counter()
     out["timeout"] = _registration_error(lambda: gradpress.ddp.register(DDP(model()), "topk:ratio=0.1",
                                                                          timeout=-1 if rank == 1 else 30))
-    out["timeout_s"] = time.perf_counter() - t
     # 14.2: ranks that measured different timings still use rank 0's plan (fit of the max, broadcast)
     engine = Synchronizer("topk:ratio=0.1", params=[("w", (64, 40), torch.float32), ("v", (4, 64), torch.float32)],
                           group=None, strategy="auto", min_numel=16)
@@ -98,7 +95,8 @@ def test_plan_costs_are_part_of_the_configuration_check(agreement: list[dict]) -
 def test_invalid_timeout_on_one_rank_fails_on_every_rank(agreement: list[dict]) -> None:
     for res in agreement:
         assert res["timeout"] and "rank 1" in res["timeout"] and "timeout must be a positive number" in res["timeout"]
-        assert res["timeout_s"] < 20, "the other rank waited out a process-group timeout"
+        # no wall-clock bound: a rank that had waited out the group's timeout would fail with a
+        # timeout error, not with this ValueError naming rank 1's bad value
 
 
 def test_every_rank_uses_rank_zeros_plan(agreement: list[dict]) -> None:

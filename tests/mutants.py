@@ -1,0 +1,197 @@
+"""``make mutants``: sampled mutation testing of the core modules with cosmic-ray.
+
+Never touches the working tree: the files git knows (tracked and untracked
+but not ignored) are copied to a temporary directory, and cosmic-ray mutates
+and restores files there. One cosmic-ray session per group of modules, each
+run against the fast tests that cover it (marked ``mutants``): multi-process
+tests cost tens of seconds per mutant on 2 cores, so each group draws a fixed
+sample of its mutants (seeded: the same sample on every run of the same
+code) and marks the rest skipped. Writes a markdown report (score per module
+and the diff of every survivor) to ``--report``.
+
+Usage: python tests/mutants.py [--report FILE] [--scale X] [--group NAME ...]
+``--scale`` multiplies every sample size (0.5 for a quicker look).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PYTEST = f"{sys.executable} -m pytest -x -q -p no:cacheprovider -o addopts= --timeout=900"
+
+#: name -> (modules, tests, sampled mutants)
+GROUPS: dict[str, tuple[list[str], list[str], int]] = {
+    "feedback": (["gradpress/exchange/feedback.py"],
+                 ["tests/test_references.py", "tests/test_config_fields.py"], 6),
+    "engine": (["gradpress/exchange/engine.py", "gradpress/exchange/base.py"],
+               ["tests/test_references.py", "tests/test_accounting.py", "tests/test_config_fields.py"], 8),
+    "strategies": ([f"gradpress/exchange/strategies/{m}.py" for m in ("allreduce", "allgather", "ring", "ps",
+                                                                      "recompress", "rounds")],
+                   ["tests/test_references.py", "tests/test_accounting.py", "tests/test_config_fields.py"], 10),
+    "accounting": (["gradpress/transport/wire.py", "gradpress/transport/collectives.py",
+                    "gradpress/transport/p2p.py", "gradpress/exchange/stats.py"],
+                   ["tests/test_wire.py", "tests/test_accounting.py"], 8),
+    "spec": (["gradpress/compress/spec.py", "gradpress/compress/registry.py"],
+             ["tests/test_compressors.py"], 25),
+    "quantizers": ([f"gradpress/compress/{m}.py" for m in ("qsgd", "natural", "randomk", "terngrad", "dithering")],
+                   ["tests/test_power.py", "tests/test_unbiased.py", "tests/test_compressors.py"], 25),
+}
+#: binary operators that never occur in these modules' arithmetic on tensors and floats: replacing
+#: ``+`` by ``<<`` or ``%`` only gives type errors (incompetent mutants), never a plausible bug
+EXCLUDED_OPERATORS = [
+    "core/ReplaceBinaryOperator_.*_(LShift|RShift|BitOr|BitXor|BitAnd|FloorDiv|Pow|Mod)$",
+    "core/ReplaceBinaryOperator_(LShift|RShift|BitOr|BitXor|BitAnd|FloorDiv|Pow|Mod)_",
+]
+
+
+def tool(name: str) -> str:
+    """A console script of this interpreter's environment (also when its bin/ is not on PATH)."""
+    return shutil.which(name) or str(Path(sys.executable).parent / name)
+
+
+def copy_tree(dst: Path) -> None:
+    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"], cwd=ROOT,
+                           check=True, capture_output=True).stdout.decode().split("\0")
+    for f in files:
+        if f and (ROOT / f).is_file():
+            (dst / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / f, dst / f)
+
+
+def write_config(path: Path, modules: list[str], tests: list[str]) -> None:
+    lines = [
+        "[cosmic-ray]",
+        f"module-path = {json.dumps(modules)}",
+        "timeout = 900.0",
+        "excluded-modules = []",
+        f"test-command = {json.dumps(PYTEST + ' ' + ' '.join(tests))}",
+        "",
+        "[cosmic-ray.distributor]",
+        'name = "local"',
+        "",
+        "[cosmic-ray.filters.operators-filter]",
+        f"exclude-operators = {json.dumps(EXCLUDED_OPERATORS)}",
+        "",
+    ]
+    path.write_text("\n".join(lines))
+
+
+def sample(session: Path, keep: int, seed: str) -> tuple[int, int]:
+    """Mark all but ``keep`` pending work items (a seeded random choice) skipped."""
+    from cosmic_ray.work_db import use_db
+    from cosmic_ray.work_item import WorkerOutcome, WorkResult
+
+    with use_db(str(session)) as db:
+        pending = sorted(db.pending_work_items, key=lambda w: w.job_id)
+        rng = random.Random(seed)
+        chosen = set(w.job_id for w in rng.sample(pending, min(keep, len(pending))))
+        for w in pending:
+            if w.job_id not in chosen:
+                db.set_result(w.job_id, WorkResult(worker_outcome=WorkerOutcome.SKIPPED, output="not sampled"))
+        return len(pending), len(chosen)
+
+
+def results(session: Path) -> list[dict]:
+    con = sqlite3.connect(session)
+    rows = con.execute(
+        "SELECT m.module_path, m.operator_name, m.occurrence, m.start_pos_row, r.worker_outcome, r.test_outcome, "
+        "r.diff FROM mutation_specs m JOIN work_results r ON m.job_id = r.job_id"
+    ).fetchall()
+    con.close()
+    out = [dict(zip(("module", "operator", "occurrence", "line", "worker", "test", "diff"), r)) for r in rows]
+    for r in out:  # enums are stored by name
+        r["worker"] = (r["worker"] or "").lower()
+        r["test"] = (r["test"] or "").lower()
+    return out
+
+
+def run_group(work: Path, name: str, modules: list[str], tests: list[str], keep: int) -> dict:
+    cfg, session = work / f"mutants-{name}.toml", work / f"mutants-{name}.sqlite"
+    write_config(cfg, modules, tests)
+    env = dict(os.environ, PYTHONPATH=str(work))
+    subprocess.run([tool("cosmic-ray"), "init", str(cfg), str(session), "--force"], cwd=work, check=True, env=env)
+    subprocess.run([tool("cr-filter-operators"), str(session), str(cfg)], cwd=work, check=True, env=env)
+    total, chosen = sample(session, keep, seed=f"gradpress-{name}")
+    t0 = time.time()
+    subprocess.run([tool("cosmic-ray"), "exec", str(cfg), str(session)], cwd=work, check=True, env=env)
+    rows = [r for r in results(session) if r["worker"] != "skipped"]
+    return {"name": name, "modules": modules, "tests": tests, "candidates": total, "sampled": chosen,
+            "seconds": round(time.time() - t0), "rows": rows}
+
+
+def score(rows: list[dict]) -> tuple[int, int, int, str]:
+    killed = sum(1 for r in rows if r["test"] == "killed")
+    survived = sum(1 for r in rows if r["test"] == "survived")
+    other = len(rows) - killed - survived
+    pct = f"{100 * killed / (killed + survived):.0f}%" if killed + survived else "n/a"
+    return killed, survived, other, pct
+
+
+def report(groups: list[dict]) -> str:
+    out = ["| group | modules | tests | mutants (candidates) | sampled | killed | survived | incompetent | score | time |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    all_rows = []
+    for g in groups:
+        k, s, o, pct = score(g["rows"])
+        all_rows += g["rows"]
+        out.append(f"| {g['name']} | {', '.join(Path(m).name for m in g['modules'])} | "
+                   f"{', '.join(Path(t).name for t in g['tests'])} | {g['candidates']} | {g['sampled']} | {k} | {s} | "
+                   f"{o} | {pct} | {g['seconds']} s |")
+    k, s, o, pct = score(all_rows)
+    out.append(f"| **all** | | | | {len(all_rows)} | {k} | {s} | {o} | **{pct}** | "
+               f"{sum(g['seconds'] for g in groups)} s |")
+    out += ["", "Per module:", "", "| module | killed | survived | score |", "|---|---|---|---|"]
+    for module in sorted({r["module"] for r in all_rows}):
+        k, s, o, pct = score([r for r in all_rows if r["module"] == module])
+        out.append(f"| {module} | {k} | {s} | {pct} |")
+    survivors = [r for r in all_rows if r["test"] == "survived"]
+    out += ["", f"Survivors ({len(survivors)}):", ""]
+    for r in survivors:
+        out += [f"- `{r['module']}` line {r['line'] + 1}, {r['operator']} #{r['occurrence']}:", "", "```diff",
+                (r["diff"] or "").strip(), "```", ""]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--report", default="bench-results/mutants-report.md")
+    parser.add_argument("--scale", type=float, default=1.0)
+    parser.add_argument("--group", action="append", choices=sorted(GROUPS))
+    parser.add_argument("--keep", help="keep the work directory (its sessions) at this path")
+    args = parser.parse_args(argv)
+    if not Path(tool("cosmic-ray")).exists():
+        print("cosmic-ray is not installed: pip install -e '.[mutants]'", file=sys.stderr)
+        return 2
+    Path(args.report).parent.mkdir(parents=True, exist_ok=True)
+    work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="gradpress-mutants-"))
+    work.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    try:
+        copy_tree(work)
+        done = []
+        for name in args.group or list(GROUPS):
+            modules, tests, keep = GROUPS[name]
+            done.append(run_group(work, name, modules, tests, max(1, round(keep * args.scale))))
+            Path(args.report).write_text(report(done) + "\n")
+        text = report(done) + f"\n\nTotal wall time: {round(time.time() - t0)} s.\n"
+        Path(args.report).write_text(text)
+        print(text)
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
