@@ -1,0 +1,232 @@
+"""``sgp:peers=1,overlap=0,gamma=1.0``: Stochastic Gradient Push.
+
+Assran, Loizou, Ballas, Rabbat 2019, "Stochastic Gradient Push for
+Distributed Deep Learning" (ICML), Algorithm 1 (and its overlap variant,
+Algorithm 3): PushSum gossip on the time-varying directed exponential graph
+(:func:`gradpress.algorithms.topology.sgp_peers`). Node i keeps a numerator
+x_i and a PushSum weight w_i (float64, 1 at the start); the model holds the
+de-biased z_i = x_i / w_i, at which the gradient is taken. One step:
+
+    x_i <- x_i + (optimizer step on z_i)           # x - lr * g(z) for SGD
+    send gamma/(k+1) of (x_i, w_i) to each of the k out-peers of round t,
+    keep the rest; absorb what arrived from round t - overlap
+    z_i <- x_i / w_i
+
+(The optimizer runs on z, as the reference implementation's runs on the
+numerator; weight decay therefore decays z.) ``overlap = tau``: messages are
+absorbed exactly tau steps after they are sent (non-blocking sends and
+receives posted at round t, waited on at t + tau), so communication overlaps
+tau steps of computation; PushSum keeps the average exact whatever the delay.
+``gamma`` < 1 mixes lazily (P_gamma = (1 - gamma) I + gamma P, still column
+stochastic); 1 is SGP itself.
+
+Invariant (PushSum): the sums over nodes of x and of w, counting messages in
+flight, are preserved by every gossip round exactly (without compression;
+the test checks it in float64), so sum_i z_i w_i / sum_i w_i moves only by
+the gradient steps, and z_i converges to the average of the x_i.
+
+Compression (a choice where the paper is silent): pushing Q(x) would move
+mass the receiver cannot de-bias, so each directed edge e = (i -> j) keeps a
+*public copy* x^_e, the same on both ends (initially the common x_0):
+the sender sends q = Q(x_i - x^_e), both ends do x^_e <- x^_e + D(q), the
+sender gives away gamma/(k+1) x^_e and the receiver absorbs exactly that
+(CHOCO-SGD's copies, Koloskova et al. 2019, per edge: Taheri et al. 2020,
+"Quantized decentralized stochastic learning over directed graphs", does this
+with one copy per node on a static graph). Mass is conserved exactly for any
+compressor; the copies track x only for a contractive Q, so the compressors
+of :mod:`gradpress.algorithms.gossip_codec` are accepted (unbiased ones as
+Q/(1 + omega)); gamma < 1 damps, as in CHOCO. The weights w travel exact
+(8 bytes per message). Memory: one copy per out- and per in-offset (2 L
+models, L = floor(log2(n - 1)) + 1) besides x.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from gradpress.algorithms.gossip import GossipAlgorithm, Posted
+from gradpress.algorithms.gossip_codec import Codec
+from gradpress.algorithms.registry import register
+from gradpress.algorithms.topology import exponential_offsets, sgp_offsets
+from gradpress.compress.base import Param
+
+
+class _Round:
+    """The messages of one round until they are absorbed: posted (waiting),
+    or received and decoded (after a checkpoint drained them)."""
+
+    def __init__(self, round_: int, offsets: list[int], posted: Posted | None, templates: list[Any]) -> None:
+        self.round, self.offsets, self.posted, self.templates = round_, offsets, posted, templates
+        self.decoded: dict[int, tuple[list[torch.Tensor], torch.Tensor]] | None = None
+
+    def receive(self, algo: SGP) -> dict[int, tuple[list[torch.Tensor], torch.Tensor]]:
+        """(values, weight share) per in-offset, decoded."""
+        if self.decoded is None:
+            assert self.posted is not None
+            bufs = self.posted.wait()
+            self.decoded = {}
+            for o in self.offsets:
+                values, scalars = algo.codec.decode(bufs[(algo.rank - o) % algo.world_size], self.templates)
+                self.decoded[o] = ([v.clone() for v in values], scalars[0].clone())
+            self.templates = []
+        return self.decoded
+
+
+@register
+class SGP(GossipAlgorithm):
+    name = "sgp"
+    PARAMS = (
+        Param("peers", int, 1, "integer >= 1 (at most floor(log2(n - 1)) + 1 on n workers)", lambda v: v >= 1,
+              "out-neighbours per round on the directed exponential graph"),
+        Param("overlap", int, 0, "0 <= overlap <= 64", lambda v: 0 <= v <= 64,
+              "steps after which a message is absorbed (0: synchronous)"),
+        Param("gamma", float, 1.0, "0 < gamma <= 1", lambda v: 0 < v <= 1,
+              "mixing step: P_gamma = (1 - gamma) I + gamma P (1: SGP)"),
+    )
+    summary = ("Stochastic Gradient Push (Assran et al. 2019): PushSum on the time-varying directed exponential "
+               "graph, optional overlap and compressed pushes through per-edge public copies")
+
+    def setup_gossip(self) -> None:
+        offs = exponential_offsets(self.world_size)
+        if self.world_size > 1 and self.peers > len(offs):  # type: ignore[attr-defined]
+            raise ValueError(f"algorithm 'sgp': parameter 'peers' got {self.peers}; allowed: 1 <= peers <= "  # type: ignore[attr-defined]
+                             f"{len(offs)} on {self.world_size} workers (distinct offsets {offs})")
+
+    def init_state(self) -> None:
+        with torch.no_grad():
+            self.x = [p.detach().clone() for p in self.params]
+        self.w = torch.ones((), dtype=torch.float64, device=self.comm_device)
+        offs = exponential_offsets(self.world_size) if self.world_size > 1 else []
+        copies = self.codec.any_compressed
+        self.out_copy = {o: self._copies() for o in offs} if copies else {}
+        self.in_copy = {o: self._copies() for o in offs} if copies else {}
+        self.inflight: deque[_Round] = deque()
+
+    def _copies(self) -> list[torch.Tensor | None]:
+        return [x.clone() if c else None for x, c in zip(self.x, self.codec.compressed)]
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> None:
+        before = [p.detach().clone() for p in self.params]
+        self.local_step()
+        t = self._steps - 1
+        with torch.no_grad():
+            for x, p, b in zip(self.x, self.params, before):
+                x.add_(p.detach() - b)
+            if self.world_size > 1:
+                t0 = self.clock()
+                offs, sends, packets = self._push(t)
+                t1 = self.clock()
+                expect = {(self.rank - o) % self.world_size: self.expected_size(next(iter(sends.values())))
+                          for o in offs}
+                posted = Posted(self, t, sends, expect)
+                self.inflight.append(_Round(t, offs, posted, Codec.light(packets)))
+                self._pending_sends.append(posted)
+                while self.inflight and self.inflight[0].round <= t - self.overlap:  # type: ignore[attr-defined]
+                    self._absorb(self.inflight.popleft())
+                self.account(posted.sent, t1 - t0, self.clock() - t1, self.payload_bytes(self.codec.keys, packets))
+            for p, x in zip(self.params, self.x):
+                p.copy_(x / self.w)
+
+    def _push(self, t: int) -> tuple[list[int], dict[int, torch.Tensor], list[Any]]:
+        """Give away gamma/(k+1) of (x, w) per out-peer of round ``t``:
+        the offsets, the buffer per peer, this rank's packets (templates)."""
+        offs = sgp_offsets(t, self.world_size, self.peers)  # type: ignore[attr-defined]
+        a = self.gamma / (self.peers + 1)  # type: ignore[attr-defined]
+        keep = 1.0 - len(offs) * a
+        w_share = self.w * a
+        sends: dict[int, torch.Tensor] = {}
+        packets: list[Any] = []
+        if not self.codec.any_compressed:
+            buf, packets = self.codec.encode([x * a for x in self.x], t, [w_share])
+            sends = {(self.rank + o) % self.world_size: buf for o in offs}
+            for x in self.x:
+                x.mul_(keep)
+        else:
+            shares = [x * a if not c else None for x, c in zip(self.x, self.codec.compressed)]
+            gone: list[torch.Tensor | None] = [None] * len(self.x)
+            for o in offs:
+                copies = self.out_copy[o]
+                diffs = [x - e if e is not None else s for x, e, s in zip(self.x, copies, shares)]
+                buf, packets = self.codec.encode(diffs, t, [w_share])  # type: ignore[arg-type]
+                for i, e in enumerate(copies):
+                    if e is not None:
+                        e.add_(self.codec.decode_one(i, packets[i]))
+                        gone[i] = e * a if gone[i] is None else gone[i].add_(e, alpha=a)  # type: ignore[union-attr]
+                sends[(self.rank + o) % self.world_size] = buf
+            for x, g, c in zip(self.x, gone, self.codec.compressed):
+                if c:
+                    x.sub_(g)  # type: ignore[arg-type]
+                else:
+                    x.mul_(keep)
+        self.w.mul_(keep)
+        return offs, sends, packets
+
+    def _absorb(self, rnd: _Round) -> None:
+        a = self.gamma / (self.peers + 1)  # type: ignore[attr-defined]
+        for o, (values, w_share) in rnd.receive(self).items():
+            copies = self.in_copy.get(o)
+            for i, (x, v) in enumerate(zip(self.x, values)):
+                if self.codec.compressed[i]:
+                    e = copies[i]  # type: ignore[index]
+                    e.add_(v)  # type: ignore[union-attr]
+                    x.add_(e, alpha=a)  # type: ignore[arg-type]
+                else:
+                    x.add_(v)
+            self.w.add_(w_share.to(self.w.device))
+        while self._pending_sends and self._pending_sends[0].round <= rnd.round:
+            self._pending_sends.popleft().finish_sends()
+
+    # ----------------------------------------------------------------- state
+    def after_broadcast(self) -> None:
+        self._pending_sends: deque[Posted] = deque()
+        super().after_broadcast()
+
+    def extra_state(self) -> dict[str, Any]:
+        """x, w, the edge copies and the messages in flight (received and
+        decoded now: every rank checkpoints at the same step, so their
+        senders posted them already)."""
+        inflight = []
+        for rnd in self.inflight:
+            dec = rnd.receive(self)
+            inflight.append({"round": rnd.round, "offsets": list(rnd.offsets),
+                             "values": {str(o): [v.clone() for v in dec[o][0]] for o in rnd.offsets},
+                             "weights": {str(o): dec[o][1].clone() for o in rnd.offsets}})
+        return {"x": [x.clone() for x in self.x], "w": self.w.clone(),
+                "out_copy": {str(o): [c for c in cs if c is not None] for o, cs in self.out_copy.items()},
+                "in_copy": {str(o): [c for c in cs if c is not None] for o, cs in self.in_copy.items()},
+                "inflight": inflight}
+
+    def load_extra_state(self, state: Mapping[str, Any]) -> None:
+        if "x" not in state or len(state["x"]) != len(self.x):
+            raise ValueError("sgp state: numerators x missing or of another model")
+        for x, s in zip(self.x, state["x"]):
+            x.copy_(s)
+        self.w.copy_(state["w"])
+        for name, mine in (("out_copy", self.out_copy), ("in_copy", self.in_copy)):
+            saved = state.get(name, {})
+            if sorted(saved) != sorted(str(o) for o in mine):
+                raise ValueError(f"sgp state: {name} has offsets {sorted(saved)}, this run {sorted(mine)}")
+            for o, cs in mine.items():
+                for c, s in zip([c for c in cs if c is not None], saved[str(o)]):
+                    c.copy_(s)
+        self.inflight.clear()
+        self._pending_sends.clear()
+        for rec in state.get("inflight", []):
+            rnd = _Round(int(rec["round"]), [int(o) for o in rec["offsets"]], None, [])
+            rnd.decoded = {int(o): ([v.clone() for v in rec["values"][o]], rec["weights"][o].clone())
+                           for o in rec["values"]}
+            self.inflight.append(rnd)
+        with torch.no_grad():
+            for p, x in zip(self.params, self.x):
+                p.copy_(x / self.w)
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        out = super().stats
+        out["push_sum_weight"] = float(self.w)
+        return out
