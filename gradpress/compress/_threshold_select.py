@@ -12,6 +12,11 @@ section 5, which compares estimators by the achieved/target density ratio).
 * :class:`QualityMeter`: per-call achieved/target density and its running mean.
 * :class:`ThresholdSparsifier`: base class; a subclass implements
   ``_threshold(a, k, ctx)`` returning a 0-d tensor threshold on ``a = |x|``.
+  A subclass that sets ``guarded = True`` and has a ``correction`` parameter
+  gets the density correction of :mod:`gradpress.compress._density` around
+  its estimate when ``correction=adaptive``: a per-key scale learned from
+  the previous calls and an in-call search when the count misses
+  ``[0.8 k, 1.25 k]`` (``last_passes`` counts its extra counting passes).
 
 Packet: ``[values (input dtype), indices (int32)]``, variable size
 (``variable_size=True``), ``values_index=0`` so a quantizer can follow
@@ -25,6 +30,7 @@ from typing import Any
 
 import torch
 
+from gradpress.compress._density import ThresholdScale, in_band, refine
 from gradpress.compress.base import Compressor, Context, Packet
 from gradpress.compress.topk import kept_count, scatter_sparse
 
@@ -173,14 +179,26 @@ class ThresholdSparsifier(QualityMixin, Compressor):
     #: whether ``_threshold`` reads ``a = |x|`` (else it gets None and no
     #: full-size |x| is made)
     needs_abs = True
+    #: whether ``correction=adaptive`` wraps ``_threshold`` in the density
+    #: correction of :mod:`gradpress.compress._density` (the subclass
+    #: declares the ``correction`` parameter)
+    guarded = False
 
     def __init__(self, **params: Any) -> None:
         super().__init__(**params)
         self._meter = QualityMeter()
+        self._scale = ThresholdScale()
+        #: counting passes the density correction spent on the last call
+        self.last_passes = 0
 
     #: the :class:`BlockMax` of the current call (None without blocks), for
     #: counting passes in ``_threshold`` without a full-size mask
     _blocks: BlockMax | None = None
+
+    @property
+    def corrected(self) -> bool:
+        """Whether the density correction runs (``correction=adaptive``)."""
+        return self.guarded and getattr(self, "correction", "none") == "adaptive"
 
     def _count(self, a: torch.Tensor | None, thr: torch.Tensor | float) -> int:
         """Entries the selection at ``thr`` keeps (one host read)."""
@@ -204,17 +222,45 @@ class ThresholdSparsifier(QualityMixin, Compressor):
         k = kept_count(d, self.ratio)
         blocks = BlockMax(xw) if use_blocks(self.ratio) and k < d else None
         a = xw.abs() if blocks is None or self.needs_abs else None
+        self.last_passes = 0
         if k >= d:  # keep everything (tiny tensors)
             thr = torch.zeros((), dtype=xw.dtype, device=xw.device)
+            values, idx = select_above(flat, a, thr, blocks)
         else:
             self._blocks = blocks
             try:
-                thr = self._threshold(xw, a, k, ctx)
+                estimate = self._threshold(xw, a, k, ctx)
+                if self.corrected:
+                    values, idx = self._corrected_select(flat, xw, a, blocks, estimate, k, ctx.key)
+                else:
+                    values, idx = select_above(flat, a, estimate, blocks)
             finally:
                 self._blocks = None
-        values, idx = select_above(flat, a, thr, blocks)
         self._meter.update(idx.numel(), k)
         return Packet([values, idx], x.shape, x.dtype)
+
+    def _corrected_select(self, flat: torch.Tensor, xw: torch.Tensor, a: torch.Tensor | None,
+                          blocks: BlockMax | None, estimate: torch.Tensor, k: int,
+                          key: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Selection at ``scale[key] * estimate``, searched again when its
+        count misses the band; the scale learns from the threshold kept."""
+        thr = estimate * self._scale.get(key)
+        values, idx = select_above(flat, a, thr, blocks)
+        slope = None
+        if not in_band(idx.numel(), k):
+
+            def top() -> torch.Tensor:
+                if blocks is not None:
+                    return blocks.abs_max()
+                return a.max() if a is not None else xw.abs().max()
+
+            found, _, spent, slope = refine(lambda t: self._count(a, t), thr, idx.numel(), k, top)
+            self.last_passes = spent
+            if found is not thr:
+                thr = found
+                values, idx = select_above(flat, a, thr, blocks)
+        self._scale.learn(key, estimate, thr, idx.numel(), k, slope)
+        return values, idx
 
     def decode(self, packet: Packet) -> torch.Tensor:
         values, indices = packet.tensors[0], packet.tensors[1]
@@ -226,7 +272,11 @@ class ThresholdSparsifier(QualityMixin, Compressor):
         return k * (torch.empty(0, dtype=dtype).element_size() + 4)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"quality": self._meter.state_dict()}
+        state: dict[str, Any] = {"quality": self._meter.state_dict()}
+        if self.guarded:
+            state["correction"] = self._scale.state_dict()
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self._meter.load_state_dict(state.get("quality", {}))
+        self._scale.load_state_dict(state.get("correction", {}))
