@@ -43,7 +43,7 @@ GROUPS: dict[str, tuple[list[str], list[str], int]] = {
                     "gradpress/transport/p2p.py", "gradpress/exchange/stats.py"],
                    ["tests/test_wire.py", "tests/test_accounting.py"], 8),
     "spec": (["gradpress/compress/spec.py", "gradpress/compress/registry.py"],
-             ["tests/test_compressors.py"], 25),
+             ["tests/test_spec_registry.py", "tests/test_compressors.py"], 25),
     "quantizers": ([f"gradpress/compress/{m}.py" for m in ("qsgd", "natural", "randomk", "terngrad", "dithering")],
                    ["tests/test_power.py", "tests/test_unbiased.py", "tests/test_compressors.py"], 25),
 }

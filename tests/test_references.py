@@ -540,3 +540,20 @@ def test_algorithm_matches_float64_reference(world_results, spec: str, compresso
         assert any(float(v.abs().max()) > 0 for v in stored.values())
         for key, value in ex.resid[r].items():
             assert torch.allclose(stored[key], value, rtol=0, atol=1e-11), (spec, key)
+
+
+@pytest.mark.parametrize("beta, gamma", [(1.0, 1.0), (0.5, 1.0), (2.0, 1.0), (1.0, 0.25), (0.9, 3.0)])
+def test_feedback_compensates_with_beta_and_gamma(beta: float, gamma: float) -> None:
+    """``p = beta * e + gamma * g`` (Karimireddy et al.'s general form), for
+    beta below, at and above 1: the store's one formula, in process."""
+    from gradpress.exchange.feedback import Feedback
+
+    fb = Feedback(beta=beta, gamma=gamma)
+    g = torch.arange(6, dtype=F64).reshape(2, 3) - 2.5
+    e = torch.linspace(-1, 1, 6, dtype=F64).reshape(2, 3)
+    assert torch.equal(fb.compensate("k", g), gamma * g)  # no residual yet
+    fb.stage("k", e.clone())
+    fb.commit()
+    p = fb.compensate("k", g)
+    assert torch.allclose(p, beta * e + gamma * g, rtol=0, atol=1e-15)
+    assert p is not g and torch.equal(g, torch.arange(6, dtype=F64).reshape(2, 3) - 2.5)  # the caller's g untouched
