@@ -86,8 +86,18 @@ def label(s: Mapping[str, Any]) -> str:
     return s["compressor"] if algo == "ddp" else f"{algo}/{s['compressor']}"
 
 
+def _is_identity(spec: str) -> bool:
+    """Whether ``spec`` names the identity compressor (the dense baseline)."""
+    from gradpress.compress import create
+
+    try:
+        return create(spec).identity
+    except ValueError:
+        return False
+
+
 def _reference(summaries: list[dict[str, Any]]) -> dict[str, Any]:
-    nones = [s for s in summaries if s["compressor"].strip() == "none"]
+    nones = [s for s in summaries if _is_identity(s["compressor"])]
     for s in nones:
         if s.get("algorithm", "ddp") == "ddp":
             return s
@@ -153,7 +163,7 @@ def table(summaries: list[dict[str, Any]]) -> str:
         d = s["delta_vs_reference"]
         rows.append([
             f"`{s.get('algorithm', 'ddp')}`",
-            f"`{s['compressor']}`",
+            f"`{s['compressor']}`" + (" (nothing compressed)" if s.get("nothing_compressed") else ""),
             "-" if fm is None else f"{fm:.4f}",
             "-" if d is None else f"{d:+.4f}",
             _fmt_bytes(s["bytes_per_step"]),

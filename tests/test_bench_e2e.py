@@ -37,8 +37,8 @@ def test_e2e_is_a_bench_subcommand():
 def test_parse_configs_strategies_and_commas():
     cfgs = parse_configs("topk:ratio=0.01@allgather, qsgd:levels=4,bucket=512@ring;fp16,powersgd:rank=2,start_iter=3")
     assert [(c.spec, c.strategy) for c in cfgs] == [
-        ("topk:ratio=0.01", "allgather"), ("qsgd:levels=4,bucket=512", "ring"), ("fp16", "auto"),
-        ("powersgd:rank=2,start_iter=3", "auto")]
+        ("topk:ratio=0.01", "allgather"), ("qsgd:levels=4,bucket=512", "ring"), ("fp16", "collective"),
+        ("powersgd:rank=2,start_iter=3", "collective")]
     assert all(c.kind == "gradpress" for c in cfgs)
     assert cfgs[3].start == 3 and cfgs[0].start == 0
     assert cfgs[0].label == "gradpress topk:ratio=0.01@allgather" and cfgs[2].label == "gradpress fp16"
@@ -46,15 +46,15 @@ def test_parse_configs_strategies_and_commas():
     assert all(c.error_feedback is None for c in cfgs)
     ef = parse_configs("topk:ratio=0.001@allgather+noef,qsgd:levels=4,bucket=512+ef")
     assert [(c.spec, c.strategy, c.error_feedback) for c in ef] == [
-        ("topk:ratio=0.001", "allgather", False), ("qsgd:levels=4,bucket=512", "auto", True)]
+        ("topk:ratio=0.001", "allgather", False), ("qsgd:levels=4,bucket=512", "collective", True)]
     assert ef[0].label.endswith("@allgather+noef")
 
 
 def test_parse_configs_with_an_algorithm():
     cfgs = parse_configs("ddp/qsgd:levels=4,bucket=512@ring+noef, ddp/,topk:ratio=0.01")
     assert [(c.algorithm, c.spec, c.strategy, c.error_feedback) for c in cfgs] == [
-        ("ddp", "qsgd:levels=4,bucket=512", "ring", False), ("ddp", "none", "auto", None),
-        ("ddp", "topk:ratio=0.01", "auto", None)]
+        ("ddp", "qsgd:levels=4,bucket=512", "ring", False), ("ddp", "none", "collective", None),
+        ("ddp", "topk:ratio=0.01", "collective", None)]
     assert cfgs[1].label == "gradpress none"  # ddp/ alone: ddp's default compressor; ddp is not named
     assert RunConfig.from_dict(cfgs[0].to_dict()) == cfgs[0]
     old = {k: v for k, v in cfgs[2].to_dict().items() if k != "algorithm"}  # a job file from before algorithms
@@ -65,8 +65,8 @@ def test_parse_configs_with_an_algorithm():
     assert [(c.algorithm, c.spec, c.strategy, c.error_feedback, c.label) for c in local] == [
         ("localsgd:period=8,optimizer_state=auto", "qsgd:levels=4,bucket=512", "allgather", None,
          "gradpress localsgd:period=8,optimizer_state=auto/qsgd:levels=4,bucket=512@allgather"),
-        ("localsgd:period=8,optimizer_state=auto", "none", "auto", None, "gradpress localsgd:period=8,optimizer_state=auto/none"),  # its default compressor
-        ("localsgd:period=2,optimizer_state=auto", "none", "auto", True, "gradpress localsgd:period=2,optimizer_state=auto/none+ef")]
+        ("localsgd:period=8,optimizer_state=auto", "none", "collective", None, "gradpress localsgd:period=8,optimizer_state=auto/none"),  # its default compressor
+        ("localsgd:period=2,optimizer_state=auto", "none", "collective", True, "gradpress localsgd:period=2,optimizer_state=auto/none+ef")]
     assert all(c.kind == "gradpress" for c in local)
 
 
@@ -82,7 +82,7 @@ def test_parse_baselines():
     ("topkk:ratio=0.01", ["--configs", "topkk", "allowed"]),
     ("topk:ratio=2", ["--configs", "ratio", "0 < ratio <= 1"]),
     ("topk@warp", ["--configs", "warp", "allgather"]),
-    ("powersgd:rank=2@allgather", ["--configs", "allgather", "allowed: auto, allreduce"]),
+    ("powersgd:rank=2@allgather", ["--configs", "allgather", "allowed: collective, auto, allreduce"]),
     ("topk,topk", ["--configs", "twice"]),
     ("@ring", ["--configs", "no compressor spec"]),
     ("topk@ring+fast", ["--configs", "+fast", "+ef, +noef"]),

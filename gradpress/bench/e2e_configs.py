@@ -14,7 +14,8 @@ Syntax (``docs/e2e.md``):
   compressor; without a slash, ``ddp`` (DDP with the gradpress hook).
   Commas inside a spec's parameter list stay with it (a token whose head has
   ``=`` but no ``:`` continues the previous spec); ``;`` also separates.
-  ``@STRATEGY`` is one of :func:`gradpress.exchange.available` (default ``auto``);
+  ``@STRATEGY`` is one of :func:`gradpress.exchange.available` (default ``collective``:
+  the compressor on every eligible tensor; ``auto`` plans per tensor);
   ``+ef`` / ``+noef`` force error feedback on / off (default: the
   compressor's own default, on for biased methods).
 * ``--baselines``: comma-separated PyTorch baselines: ``ddp`` (plain DDP, no
@@ -57,7 +58,7 @@ class RunConfig:
     kind: str
     label: str
     spec: str = ""
-    strategy: str = "auto"
+    strategy: str = "collective"
     rank: int = 0
     start: int = 0
     single_bucket: bool = False
@@ -131,7 +132,7 @@ def parse_configs(text: str, option: str = "--configs") -> list[RunConfig]:
         else:
             token_body = rest
         spec, _, strategy = token_body.partition("@")
-        spec, strategy = spec.strip(), (strategy.strip() or "auto")
+        spec, strategy = spec.strip(), (strategy.strip() or "collective")
         if not spec:
             raise ValueError(f"{option}: configuration {token!r} has no compressor spec; "
                              "allowed: [ALGORITHM/]SPEC[@STRATEGY] (ALGORITHM/ alone: its default compressor)")
@@ -142,10 +143,10 @@ def parse_configs(text: str, option: str = "--configs") -> list[RunConfig]:
         if strategy not in strategy_names():
             raise ValueError(f"{option}: configuration {token!r}: unknown strategy {strategy!r}; "
                              f"allowed: {', '.join(strategy_names())}")
-        if compressor.rounds > 1 and strategy not in ("auto", "allreduce"):
+        if compressor.rounds > 1 and strategy not in ("auto", "collective", "allreduce"):
             raise ValueError(f"{option}: configuration {token!r}: strategy {strategy!r} cannot carry "
-                             f"{compressor.name!r} (a {compressor.rounds}-round allreduce protocol); allowed: auto, allreduce")
-        label = (f"gradpress {'' if algo == 'ddp' else algo + '/'}{spec}" + ("" if strategy == "auto" else f"@{strategy}")
+                             f"{compressor.name!r} (a {compressor.rounds}-round allreduce protocol); allowed: collective, auto, allreduce")
+        label = (f"gradpress {'' if algo == 'ddp' else algo + '/'}{spec}" + ("" if strategy == "collective" else f"@{strategy}")
                  + ("" if error_feedback is None else ("+ef" if error_feedback else "+noef")))
         out.append(RunConfig("gradpress", label, spec=spec, strategy=strategy, start=_start_iter(compressor),
                              error_feedback=error_feedback, algorithm=algo))

@@ -119,7 +119,9 @@ class Synchronizer:
     @property
     def stats(self) -> dict[str, Any]:
         """A plain mapping; see ``STATS_KEYS`` for every key."""
-        return self.stats_counter.snapshot()
+        out = self.stats_counter.snapshot()
+        out["nothing_compressed"] = bool(out["steps"]) and not self.compressor.identity and not out["compressed_tensors"]
+        return out
 
     @property
     def last_step_skipped(self) -> bool:

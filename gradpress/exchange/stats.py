@@ -33,6 +33,8 @@ STATS_KEYS: dict[str, str] = {
     "tensor_bytes": "payload bytes per tensor (parameter name) in the last step",
     "nonfinite_steps": "steps in which some rank had a NaN/Inf gradient",
     "skipped_steps": "steps skipped on every rank because of a NaN/Inf gradient (nonfinite='skip')",
+    "nothing_compressed": "True when the compressor is not the identity yet no tensor went through it in the last "
+                          "step (all 1-D, below min_numel, or planned dense by strategy 'auto')",
 }
 
 _COUNTERS = ("steps", "bytes_sent", "dense_bytes", "last_step_bytes", "last_step_dense_bytes", "compress_s",

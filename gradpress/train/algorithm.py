@@ -113,8 +113,9 @@ class DDPAlgorithm:
     replicated = True
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, compressor: str | None = None, *,
-                 error_feedback: bool | None = None, strategy: str = "auto", min_numel: int = 1024, seed: int = 0,
-                 nonfinite: str = "propagate", ddp_options: Mapping[str, Any] | None = None) -> None:
+                 error_feedback: bool | None = None, strategy: str = "collective", min_numel: int = 1024, seed: int = 0,
+                 nonfinite: str = "propagate", ddp_options: Mapping[str, Any] | None = None,
+                 plan_costs: str | None = None) -> None:
         import gradpress.ddp
 
         device = next(model.parameters()).device
@@ -124,7 +125,8 @@ class DDPAlgorithm:
         self.model = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[device] if device.type == "cuda" else None, **dict(ddp_options or {}))
         self.hook = gradpress.ddp.register(self.model, self.compressor, error_feedback=error_feedback,
-                                           strategy=strategy, min_numel=min_numel, seed=seed, nonfinite=nonfinite)
+                                           strategy=strategy, min_numel=min_numel, seed=seed, nonfinite=nonfinite,
+                                           plan_costs=plan_costs)
 
     def step(self) -> None:
         if not self.hook.last_step_skipped:
@@ -148,12 +150,14 @@ class DDPAlgorithm:
 
     def describe(self) -> dict[str, Any]:
         return {"algorithm": "ddp", "compressor": self.compressor, "strategy": self.hook.strategy_name,
+                "plan": self.hook.plan.to_json(),
                 "error_feedback": self.hook.error_feedback}
 
 
 def create(spec: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, compressor: str | None = None,
-           error_feedback: bool | None = None, strategy: str = "auto", min_numel: int = 1024, seed: int = 0,
-           nonfinite: str = "propagate", ddp_options: Mapping[str, Any] | None = None) -> Algorithm:
+           error_feedback: bool | None = None, strategy: str = "collective", min_numel: int = 1024, seed: int = 0,
+           nonfinite: str = "propagate", ddp_options: Mapping[str, Any] | None = None,
+           plan_costs: str | None = None) -> Algorithm:
     """Build the algorithm ``spec`` around ``model`` and ``optimizer`` (an
     optimizer over ``model.parameters()``). ``compressor`` None: the
     algorithm's default. ``ddp_options``: keywords for DistributedDataParallel
@@ -162,7 +166,9 @@ def create(spec: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, 
     common = {"error_feedback": error_feedback, "strategy": strategy, "min_numel": min_numel, "seed": seed,
               "nonfinite": nonfinite}
     if spec == "ddp":
-        return DDPAlgorithm(model, optimizer, compressor, ddp_options=ddp_options, **common)
+        return DDPAlgorithm(model, optimizer, compressor, ddp_options=ddp_options, plan_costs=plan_costs, **common)
+    if plan_costs is not None:
+        raise ValueError(f"plan_costs applies to algorithm 'ddp' only, not {spec!r}")
     if ddp_options:
         raise ValueError(f"ddp_options apply to algorithm 'ddp' only, not {spec!r}")
     return _registry().create(spec, model, optimizer, compressor=compressor, **common)

@@ -29,8 +29,13 @@ def add_arguments(p: argparse.ArgumentParser, *, compare: bool = False) -> None:
         p.add_argument("--strategy", default=S, help="every run's strategy (default: each compressor's general one, "
                        "allreduce if summable, else allgather, so every method is exercised); also auto (the planner), " + choices)
     else:
-        p.add_argument("--strategy", default=S, help="auto (default: the planner decides per tensor), collective (always "
-                       "compress: allreduce if summable, else allgather), allreduce, allgather, ring, ps")
+        p.add_argument("--strategy", default=S, help="collective (default: the compressor on every tensor above "
+                       "--min-numel, by allreduce if summable, else allgather), allreduce, allgather, ring, ps, or auto "
+                       "(opt-in: a per-tensor plan from costs measured on this cluster; may keep tensors dense "
+                       "when compression does not pay)")
+        p.add_argument("--plan-costs", dest="plan_costs", default=S, metavar="FILE.json",
+                       help="with --strategy auto: plan from this cost file (gradpress bench plan --out FILE) "
+                       "instead of measuring, so the same run gives the same plan")
     p.add_argument("--error-feedback", dest="error_feedback", default=S, metavar="on|off|auto",
                    help="residual error feedback (auto: the compressor's default)")
     p.add_argument("--nonfinite", default=S, metavar="propagate|skip|raise",

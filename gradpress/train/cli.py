@@ -30,10 +30,14 @@ def run_cli(args: argparse.Namespace) -> int:
     summary = run(args)
     if int(os.environ.get("RANK", "0")) == 0:
         print(summary_line(summary))
-        if summary["compressor"].strip() != "none" and summary.get("compressed_tensors") == 0:
+        if summary.get("strategy") == "auto" and summary.get("plan"):
+            from gradpress.exchange.planner import Plan
+
+            print(Plan.from_json(summary["plan"]).table())
+        if summary.get("nothing_compressed"):
             print(f"note: no tensor went through the compressor (strategy {summary['strategy']!r}: the plan left "
                   "every tensor dense, or all are 1-D / below --min-numel); force one with --strategy "
-                  "allreduce|allgather or lower --min-numel")
+                  "collective or lower --min-numel")
         print(f"metrics: {Path(summary['out']) / METRICS}  summary: {Path(summary['out']) / SUMMARY}")
     return 0
 

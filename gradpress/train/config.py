@@ -39,7 +39,8 @@ class TrainConfig:
     data: str | None = None
     algorithm: str = "ddp"
     compressor: str | None = None
-    strategy: str = "auto"
+    strategy: str = "collective"
+    plan_costs: str | None = None
     error_feedback: str = "auto"
     epochs: int | None = None
     steps: int | None = None
@@ -66,7 +67,8 @@ class TrainConfig:
 FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig))
 #: changing these between a checkpoint and --resume would not continue the same run
 RESUME_FIXED = ("workload", "data", "hidden", "params", "samples", "text_bytes", "algorithm", "compressor",
-                "strategy", "error_feedback", "optimizer", "schedule", "batch_size", "seed", "min_numel", "nonfinite")
+                "strategy", "error_feedback", "optimizer", "schedule", "batch_size", "seed", "min_numel", "nonfinite",
+                "plan_costs")
 
 
 def _load_toml(path: str) -> dict[str, Any]:
@@ -185,10 +187,19 @@ def _validate_exchange(cfg: TrainConfig) -> None:
     create(cfg.compressor)  # raises ValueError naming the bad name / parameter
     if not isinstance(cfg.strategy, str):
         raise ValueError(f"strategy must be a string, got {cfg.strategy!r}")
-    if cfg.strategy != "auto":
-        allowed = algorithms.strategy_names()
-        if cfg.strategy not in allowed:
-            raise ValueError(f"unknown strategy {cfg.strategy!r}; allowed: {', '.join(allowed)}")
+    allowed = algorithms.strategy_names()
+    if cfg.strategy not in allowed:
+        raise ValueError(f"unknown strategy {cfg.strategy!r}; allowed: {', '.join(allowed)}")
+    if cfg.plan_costs is not None:
+        if cfg.strategy != "auto" or cfg.algorithm != "ddp":
+            raise ValueError(f"plan_costs is used by --strategy auto with --algorithm ddp; this run has strategy "
+                             f"{cfg.strategy!r} and algorithm {cfg.algorithm!r}")
+        if not isinstance(cfg.plan_costs, (str, os.PathLike)):
+            raise ValueError(f"plan_costs must be the path of a cost file, got {cfg.plan_costs!r}")
+        from gradpress.exchange.costs import load_costs
+
+        cfg.plan_costs = str(cfg.plan_costs)
+        load_costs(cfg.plan_costs, compressor=create(cfg.compressor).spec())  # fails before workers start
 
 
 def _validate(cfg: TrainConfig) -> TrainConfig:

@@ -85,6 +85,7 @@ def summarize(*, cfg: Any, described: dict[str, Any], stats: dict[str, Any], wor
         "bytes_total": stats["bytes_sent"],
         "median_step_s": statistics.median(step_times) if step_times else None,
         "compressed_tensors": stats.get("compressed_tensors"),
+        "nothing_compressed": bool(stats.get("nothing_compressed")),
         "dense_tensors": stats.get("dense_tensors"),
         "compress_s": stats["compress_s"],
         "comm_s": stats["comm_s"],

@@ -143,7 +143,8 @@ class _Run:
         self.opt = make_optimizer(cfg.optimizer, self.model.parameters(), cfg.lr)
         self.algo = algorithm.create(cfg.algorithm, self.model, self.opt, compressor=cfg.compressor,
                                      error_feedback=_EF[cfg.error_feedback], strategy=cfg.strategy,
-                                     min_numel=cfg.min_numel, seed=cfg.seed, nonfinite=cfg.nonfinite)
+                                     min_numel=cfg.min_numel, seed=cfg.seed, nonfinite=cfg.nonfinite,
+                                     plan_costs=cfg.plan_costs)
         if state is not None:
             if "model" in state["ranks"][self.rank]:  # replicas differ: building took rank 0's parameters
                 self.model.load_state_dict(state["ranks"][self.rank]["model"])

@@ -1,0 +1,63 @@
+"""Training-level defaults and the reproducible planner (issue 14): the
+default strategy compresses, ``--strategy auto --plan-costs FILE`` gives the
+same plan twice and writes it to summary.json, and a run that compressed
+nothing says so in its summary and in compare's table."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gradpress import compare, train
+from gradpress.cli import main as cli
+from gradpress.exchange.costs import CostModel
+
+COMMON = {"workload": "digits-mlp", "hidden": 32, "samples": 256, "batch_size": 16, "epochs": 1, "steps": 4,
+          "nproc": 2, "progress": False, "min_numel": 64}
+SLOW = {"allreduce": (2e-4, 2e-4, 1e-7), "allgather": (2e-4, 2e-4, 2e-7), "broadcast": (2e-4, 2e-4, 1e-7),
+        "p2p": (2e-4, 2e-4, 1e-7), "encode": (1e-5, 1e-5, 1e-9), "decode": (1e-5, 1e-5, 1e-9),
+        "wire": (0.0, 8.0, 0.08), "root_wire": (0.0, 8.0, 0.16)}
+
+
+def test_default_strategy_compresses(tmp_path) -> None:  # noqa: ANN001
+    s = train.run({**COMMON, "compressor": "topk:ratio=0.1", "out": str(tmp_path / "a")})
+    assert s["strategy"] == "allgather" and s["compressed_tensors"] > 0 and not s["nothing_compressed"]
+    assert s["compression_ratio"] > 3
+
+
+def test_plan_costs_give_the_same_plan_twice(tmp_path) -> None:  # noqa: ANN001
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps(CostModel.from_mapping(SLOW).to_json(compressor="topk:ratio=0.1", world_size=2)))
+    plans = []
+    for run in ("a", "b"):
+        s = train.run({**COMMON, "compressor": "topk:ratio=0.1", "strategy": "auto", "plan_costs": str(costs),
+                       "out": str(tmp_path / run)})
+        saved = json.loads((tmp_path / run / "summary.json").read_text())
+        assert saved["plan"] == s["plan"]
+        plans.append(saved["plan"])
+    assert plans[0] == plans[1] and plans[0]["source"] == "injected costs"
+    assert plans[0]["cost_model"] == CostModel.from_mapping(SLOW).fits()
+    assert any(d["strategy"] != "uncompressed" for d in plans[0]["decisions"].values())
+
+
+def test_plan_costs_are_checked_before_workers_start(tmp_path, capsys) -> None:  # noqa: ANN001
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps(CostModel.from_mapping(SLOW).to_json(compressor="qsgd:levels=16,bucket=512")))
+    base = ["train", "--workload", "digits-mlp", "--compressor", "topk:ratio=0.1", "--nproc", "2", "--out", str(tmp_path)]
+    assert cli([*base, "--strategy", "auto", "--plan-costs", str(costs)]) == 2
+    assert "measured with compressor 'qsgd:levels=16,bucket=512'" in capsys.readouterr().err
+    assert cli([*base, "--plan-costs", str(costs)]) == 2  # the default strategy does not plan
+    assert "plan_costs is used by --strategy auto" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="does not exist"):
+        train.make_config({**COMMON, "compressor": "topk:ratio=0.1", "strategy": "auto",
+                           "plan_costs": str(tmp_path / "missing.json")})
+
+
+def test_a_run_that_compressed_nothing_says_so(tmp_path, capsys) -> None:  # noqa: ANN001
+    s = train.run({**COMMON, "compressor": "topk:ratio=0.1", "min_numel": 10**9, "out": str(tmp_path / "n")})
+    assert s["nothing_compressed"] and s["compressed_tensors"] == 0
+    none = train.run({**COMMON, "compressor": "none", "out": str(tmp_path / "d")})
+    assert not none["nothing_compressed"]  # the identity has nothing to compress: not a surprise
+    annotated = compare.annotate([none, s], None)
+    assert "`topk:ratio=0.1` (nothing compressed)" in compare.table(annotated)
