@@ -209,6 +209,7 @@ def _check(res: dict, what: object) -> None:
         assert counted > 0, (what, step, "nothing was handed over")
         assert reported == counted, (what, step, f"stats say {reported} bytes, the collectives were handed {counted}")
     assert res["stats"]["bytes_sent"] == res["total"], (what, res["stats"]["bytes_sent"], res["total"])
+    assert res["stats"]["compress_s"] >= 0 and res["stats"]["comm_s"] >= 0, (what, res["stats"])
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}")
@@ -217,6 +218,8 @@ def test_engine_bytes_equal_what_collectives_were_handed(world_results, case) ->
     strategy, spec, _ = case
     for r in range(world):
         _check(res[r][(strategy, spec)], (case, r))
+    if strategy == "collective" and spec == "none":  # nothing compressed: no time spent compressing
+        assert all(res[r][(strategy, spec)]["stats"]["compress_s"] == 0.0 for r in range(world))
     if strategy == "auto":
         parts = {d["parts"] for d in res[0][(strategy, spec)]["plan"].values()}
         assert max(parts) > 1, "the planner did not partition: name#k pieces are not covered"
