@@ -7,10 +7,20 @@ Algorithms (``--algorithms``, default ``ddp``) and compressors
 (``--compressors``, default: each algorithm's own default compressor) use
 the spec syntax of ``gradpress train --algorithm`` / ``--compressor``.
 
-Outputs in ``out``: ``compare.json`` (the list of training summaries, each
-with ``steps_to_target``, ``bytes_to_target``, ``delta_vs_reference`` and
-``target`` added), ``compare.md`` (the table) and ``compare.png`` (metric vs
-step and metric vs cumulative bytes sent by rank 0, log scale). Each run's
+Outputs in ``out``: ``compare.json`` (the list of training summaries, one
+per configuration and seed, each with ``steps_to_target``,
+``bytes_to_target``, ``time_to_target``, ``delta_vs_reference`` and
+``target`` added), ``compare-stats.json`` (per configuration: mean, std,
+min, max over seeds; the learning rates used; the sweep), ``sweep.json``
+(with ``--lr-sweep``), ``compare.md`` (the tables) and ``compare.png``
+(metric vs step and metric vs cumulative bytes sent by rank 0, log scale;
+over several seeds the mean with a min-max band).
+
+Seeds (``--seeds N`` or ``--seeds 0,1,2``): every configuration at every
+seed; the table gives mean ± std [min, max] over seeds and counts the seeds
+that miss the target (``not reached (k of N)``). Learning rate: all methods
+share one (the table says which) unless ``--lr-sweep`` picks one per method
+(see :mod:`gradpress.compare_run`). Each run's
 own files are in ``out/<n>-<compressor>/`` (``out/<n>-<algorithm>-<compressor>/``
 for algorithms other than ``ddp``).
 
@@ -29,7 +39,6 @@ evaluation point at or beyond it.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Iterable, Mapping
@@ -104,14 +113,27 @@ def _reference(summaries: list[dict[str, Any]]) -> dict[str, Any]:
     return nones[0] if nones else summaries[0]
 
 
+def _ref_runs(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The reference configuration's runs (one per seed)."""
+    name = label(_reference(summaries))
+    return [s for s in summaries if label(s) == name]
+
+
+def _mean_final(runs: list[dict[str, Any]]) -> float | None:
+    vals = [s["final_metric"] for s in runs if s["final_metric"] is not None]
+    return sum(vals) / len(vals) if vals else None
+
+
 def target_for(summaries: list[dict[str, Any]], target: float | None = None) -> float | None:
-    """The target metric (see the module docstring)."""
+    """The target metric (see the module docstring; over several seeds, of
+    the reference's mean final metric)."""
     if target is not None:
         return float(target)
     ref = _reference(summaries)
-    if ref["final_metric"] is None:
+    final = _mean_final(_ref_runs(summaries))
+    if final is None:
         return None
-    return ref["final_metric"] * (0.95 if ref["higher_is_better"] else 1.05)
+    return final * (0.95 if ref["higher_is_better"] else 1.05)
 
 
 def _reached(s: Mapping[str, Any], target: float | None) -> tuple[int | None, int | None]:
@@ -125,7 +147,14 @@ def _reached(s: Mapping[str, Any], target: float | None) -> tuple[int | None, in
 
 
 def annotate(summaries: list[dict[str, Any]], target: float | None) -> list[dict[str, Any]]:
+    """Each summary plus ``target``, ``steps_to_target``, ``bytes_to_target``,
+    ``time_to_target`` (steps to target x median step time, seconds),
+    ``reference`` and ``delta_vs_reference`` (vs the reference run with the
+    same seed, else the reference's mean)."""
     ref = _reference(summaries)
+    refs = _ref_runs(summaries)
+    ref_by_seed = {r.get("seed"): r["final_metric"] for r in refs}
+    ref_mean = _mean_final(refs)
     tgt = target_for(summaries, target)
     out = []
     for s in summaries:
@@ -134,9 +163,12 @@ def annotate(summaries: list[dict[str, Any]], target: float | None) -> list[dict
         s["target"] = tgt
         s["steps_to_target"] = steps
         s["bytes_to_target"] = nbytes
+        step_s = s.get("median_step_s")
+        s["time_to_target"] = None if steps is None or step_s is None else steps * step_s
         s["reference"] = label(ref)
-        s["delta_vs_reference"] = (None if s["final_metric"] is None or ref["final_metric"] is None
-                                   else s["final_metric"] - ref["final_metric"])
+        base = ref_by_seed.get(s.get("seed"), ref_mean) if len(refs) > 1 else ref["final_metric"]
+        s["delta_vs_reference"] = (None if s["final_metric"] is None or base is None
+                                   else s["final_metric"] - base)
         out.append(s)
     return out
 
@@ -155,7 +187,9 @@ def table(summaries: list[dict[str, Any]]) -> str:
     """Markdown table of annotated summaries."""
     metric = summaries[0]["metric"]
     ref = summaries[0]["reference"]
-    head = ["algorithm", "compressor", f"final {metric}", f"vs {ref}", "bytes/step", "ratio", "step ms", "steps to target",
+    seeds = len({s.get("seed") for s in summaries}) > 1
+    lrs = len({s.get("lr") for s in summaries}) > 1
+    head = ["algorithm", "compressor"] + (["seed"] if seeds else []) + (["lr"] if lrs else []) + [f"final {metric}", f"vs {ref}", "bytes/step", "ratio", "step ms", "steps to target",
             "bytes to target"]
     rows = []
     for s in summaries:
@@ -164,6 +198,7 @@ def table(summaries: list[dict[str, Any]]) -> str:
         rows.append([
             f"`{s.get('algorithm', 'ddp')}`",
             f"`{s['compressor']}`" + (" (nothing compressed)" if s.get("nothing_compressed") else ""),
+            *([str(s.get("seed"))] if seeds else []), *([f"{s['lr']:g}"] if lrs else []),
             "-" if fm is None else f"{fm:.4f}",
             "-" if d is None else f"{d:+.4f}",
             _fmt_bytes(s["bytes_per_step"]),
@@ -180,7 +215,9 @@ def table(summaries: list[dict[str, Any]]) -> str:
 
 
 def plot(summaries: list[dict[str, Any]], path: Path) -> None:
-    """Two panels: metric vs step, metric vs cumulative bytes (log x)."""
+    """Two panels: metric vs step, metric vs cumulative bytes (log x). Runs
+    of one configuration at several seeds: their mean, and a shaded band
+    from the lowest to the highest seed."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -190,17 +227,28 @@ def plot(summaries: list[dict[str, Any]], path: Path) -> None:
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2), constrained_layout=True)
     cmap = plt.get_cmap("tab10")
     tgt = summaries[0]["target"]
-    for i, s in enumerate(summaries):
-        hist = s["history"]
-        if not hist:
-            continue
-        steps = [h["step"] for h in hist]
-        nbytes = [max(h["bytes_total"], 1) for h in hist]
-        vals = [h["metric"] for h in hist]
-        style = {"color": cmap(i % 10), "marker": "o" if len(hist) <= 40 else None, "markersize": 3, "linewidth": 1.6}
-        name = f"{label(s)} ({s['compression_ratio']:.0f}x)" if s["compression_ratio"] >= 1.5 else label(s)
-        a1.plot(steps, vals, label=name, **style)
-        a2.plot(nbytes, vals, label=name, **style)
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for s in summaries:
+        if s["history"]:
+            groups.setdefault(label(s), []).append(s)
+    for i, (name, runs) in enumerate(groups.items()):
+        # over seeds: the mean curve at the evaluation steps all runs share, a min-max band around it
+        steps = sorted(set.intersection(*({h["step"] for h in s["history"]} for s in runs)))
+        at = [{h["step"]: h for h in s["history"]} for s in runs]
+        vals = [[a[t]["metric"] for a in at] for t in steps]
+        mean = [sum(v) / len(v) for v in vals]
+        nbytes = [max(sum(a[t]["bytes_total"] for a in at) / len(at), 1) for t in steps]
+        s = runs[0]
+        style = {"color": cmap(i % 10), "marker": "o" if len(steps) <= 40 else None, "markersize": 3, "linewidth": 1.6}
+        name = f"{name} ({s['compression_ratio']:.0f}x)" if s["compression_ratio"] >= 1.5 else name
+        if len(runs) > 1:
+            name += f", {len(runs)} seeds"
+        a1.plot(steps, mean, label=name, **style)
+        a2.plot(nbytes, mean, label=name, **style)
+        if len(runs) > 1:
+            lo, hi = [min(v) for v in vals], [max(v) for v in vals]
+            a1.fill_between(steps, lo, hi, color=style["color"], alpha=0.18, linewidth=0)
+            a2.fill_between(nbytes, lo, hi, color=style["color"], alpha=0.18, linewidth=0)
     for ax in (a1, a2):
         if tgt is not None and math.isfinite(tgt):
             ax.axhline(tgt, color="0.5", linestyle="--", linewidth=1)
@@ -240,49 +288,14 @@ def _plan_runs(compressors: str | Iterable[str] | None, algorithms: str | Iterab
     return configs
 
 
+
+
 def run(compressors: str | Iterable[str] | None, options: Mapping[str, Any] | None = None, *,
-        out: str = "runs/compare", target: float | None = None,
-        algorithms: str | Iterable[str] | None = None) -> list[dict[str, Any]]:
-    """Train ``options`` (training options, as for :func:`gradpress.train.run`)
-    once per (algorithm, compressor) pair; write the three files; return
-    annotated summaries. ``compressors`` None: each algorithm's default;
-    ``algorithms`` None: ``ddp``."""
-    opts = dict(options or {})
-    for key in ("algorithm", "compressor", "resume"):
-        if key in opts:
-            raise ValueError(f"{key}: not a compare option (compare sets it per run)")
-    if not compressors and not algorithms:
-        raise ValueError("compressors: give at least one compressor or algorithm spec, e.g. "
-                         "--compressors none,fp16,topk:ratio=0.01 or --algorithms ddp,localsgd:period=8")
-    if target is not None and (isinstance(target, bool) or not isinstance(target, (int, float))
-                               or not math.isfinite(target)):
-        raise ValueError(f"target must be a finite number, got {target!r}")
-    root = Path(out)
-    configs = _plan_runs(compressors, algorithms, opts, root)  # validate everything before training anything
-    summaries = []
-    for cfg in configs:
-        summaries.append(train.run(cfg))
-    result = annotate(summaries, target)
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "compare.json").write_text(json.dumps(result, indent=2) + "\n")
-    s0 = result[0]
-    tgt = s0["target"]
-    rule = "given with --target" if target is not None else (
-        f"{'95' if s0['higher_is_better'] else '105'}% of the `{s0['reference']}` run's final {s0['metric']}")
-    md = [
-        f"# gradpress compare: {s0['workload']}",
-        "",
-        f"{s0['world_size']} worker(s), {s0['steps']} steps, batch {s0['batch_size']} per worker, "
-        f"{s0['optimizer']} lr {s0['lr']}, seed {s0['seed']}. Bytes are those rank 0 handed to collectives "
-        f"(strategies: {', '.join(sorted({s['strategy'] for s in result}))}; "
-        f"algorithms: {', '.join(dict.fromkeys(s.get('algorithm', 'ddp') for s in result))}).",
-        f"Target {s0['metric']}: {'-' if tgt is None else f'{tgt:.4f}'} ({rule}).",
-        "",
-        table(result),
-        "",
-        "![metric vs step and bytes](compare.png)",
-        "",
-    ]
-    (root / "compare.md").write_text("\n".join(md))
-    plot(result, root / "compare.png")
-    return result
+        out: str = "runs/compare", target: float | None = None, algorithms: str | Iterable[str] | None = None,
+        seeds: str | int | list[int] | None = None, lr_sweep: str | list[float] | None = None,
+        sweep_steps: int | None = None) -> list[dict[str, Any]]:
+    """See :func:`gradpress.compare_run.run`."""
+    from gradpress import compare_run
+
+    return compare_run.run(compressors, options, out=out, target=target, algorithms=algorithms, seeds=seeds,
+                           lr_sweep=lr_sweep, sweep_steps=sweep_steps)

@@ -4,6 +4,7 @@ algorithms x compressors."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -132,3 +133,121 @@ def test_compare_algorithms_on_two_workers(tmp_path, capsys):
     assert runs[2]["compression_ratio"] == pytest.approx(4 / 3, rel=0.1) and runs[3]["compression_ratio"] > 3
     assert "algorithms: ddp, localsgd:period=4,optimizer_state=auto" in (out / "compare.md").read_text()
     assert (out / "3-localsgd_period=4_optimizer_state=auto-topk_ratio=0.1" / "summary.json").exists()
+
+
+def _seeded(name, finals, seed, step_s=0.01, higher=True):
+    run = _fake(name, finals, higher, algorithm="ddp")
+    run.update(seed=seed, median_step_s=step_s, bytes_per_step=100.0, compression_ratio=1.0, lr=0.01)
+    return run
+
+
+def test_seed_aggregate_reports_missed_targets():
+    from gradpress import compare_report, compare_stats
+
+    runs = [_seeded("none", [0.6, 0.9, 0.95], 0), _seeded("none", [0.7, 0.8, 0.85], 1),
+            _seeded("topk", [0.5, 0.95, 0.96], 0, 0.02), _seeded("topk", [0.2, 0.3, 0.4], 1, 0.02)]
+    out = compare.annotate(runs, 0.9)
+    assert [r["steps_to_target"] for r in out] == [20, None, 20, None]
+    assert out[2]["time_to_target"] == pytest.approx(0.4)
+    assert out[2]["delta_vs_reference"] == pytest.approx(0.01)  # vs the reference run of the same seed
+    groups = compare_report.aggregate(out)
+    assert [g["label"] for g in groups] == ["none", "topk"] and groups[0]["seeds"] == [0, 1]
+    fm = groups[0]["final_metric"]
+    assert (fm["n"], fm["k"], fm["min"], fm["max"]) == (2, 2, 0.85, 0.95)
+    assert fm["mean"] == pytest.approx(0.9) and fm["std"] == pytest.approx(0.0707107, rel=1e-5)
+    st = groups[1]["steps_to_target"]
+    assert (st["n"], st["k"], st["values"]) == (2, 1, [20, None])  # the miss is kept, not dropped
+    cell = compare_stats.fmt(st, lambda v: f"{v:.0f}")
+    assert cell == "20 ± 0 [20, 20]; not reached (1 of 2)"
+    assert compare_stats.fmt(compare_stats.stat([None, None, None])) == "not reached (3 of 3)"
+    tbl = compare_report.aggregate_table(groups, "accuracy", "none", False)
+    assert "not reached (1 of 2)" in tbl and "0.9000 ± 0.0707 [0.8500, 0.9500]" in tbl
+    # no target given: 95% of the reference's mean final metric over seeds
+    assert compare.annotate(runs, None)[0]["target"] == pytest.approx(0.95 * 0.9)
+
+
+@pytest.mark.parametrize("text,base,seeds", [("3", 0, [0, 1, 2]), ("2", 5, [5, 6]), ("0,4,7", 9, [0, 4, 7]),
+                                            (None, 0, None), (2, 1, [1, 2])])
+def test_parse_seeds(text, base, seeds):
+    from gradpress import compare_stats
+
+    assert compare_stats.parse_seeds(text, base) == seeds
+
+
+def test_parse_seeds_and_rates_reject():
+    from gradpress import compare_stats
+
+    for bad in ("0", "a,b", "1,1", "-1,2"):
+        with pytest.raises(ValueError, match="^seeds"):
+            compare_stats.parse_seeds(bad)
+    assert compare_stats.parse_lr_grid("x0.3,x1,x3", 0.01) == [0.003, 0.01, 0.03]
+    assert compare_stats.parse_lr_grid("0.03,0.003,0.01") == [0.003, 0.01, 0.03]
+    for bad in ("x2", "0,0.1", "fast", ""):
+        with pytest.raises(ValueError, match="^lr-sweep"):
+            compare_stats.parse_lr_grid(bad, None)
+
+
+def test_best_lr_rule():
+    from gradpress import compare_stats
+
+    assert compare_stats.best_lr({0.01: [0.8, 0.9], 0.03: [0.9, 0.95], 0.1: [0.5, 0.6]}) == 0.03
+    assert compare_stats.best_lr({0.03: [0.9], 0.01: [0.9]}) == 0.01  # a tie goes to the smaller rate
+    assert compare_stats.best_lr({0.01: [2.0], 0.03: [1.5]}, higher_is_better=False) == 0.03
+    assert compare_stats.best_lr({0.01: [0.5], 0.1: [None]}) == 0.01  # a diverged rate is never chosen
+
+
+def test_lr_sweep_picks_each_methods_best_rate(tmp_path, monkeypatch, capsys):
+    from gradpress import train
+
+    best = {"none": 0.01, "topk:ratio=0.1": 0.03}  # the known answer: each method peaks at its own rate
+    calls = []
+
+    def fake_run(cfg):
+        calls.append((cfg.compressor, cfg.lr, cfg.steps, cfg.seed))
+        peak = best[cfg.compressor]
+        final = 0.9 - abs(math.log(cfg.lr / peak)) / 10 + 0.001 * cfg.seed
+        run = _seeded(cfg.compressor, [final / 2, final], cfg.seed)
+        run.update(lr=cfg.lr, algorithm=cfg.algorithm, strategy="allreduce", workload=cfg.workload, world_size=1,
+                   steps=cfg.steps, batch_size=cfg.batch_size, optimizer=cfg.optimizer, schedule=cfg.schedule,
+                   metric="accuracy", nothing_compressed=False)
+        return run
+
+    monkeypatch.setattr(train, "run", fake_run)
+    out = tmp_path / "sweep"
+    rc = cli(["compare", "--compressors", "none,topk:ratio=0.1", "--workload", "digits-mlp", "--steps", "40",
+              "--lr-sweep", "0.003,0.01,0.03,0.1", "--seeds", "2", "--no-progress", "--out", str(out)])
+    assert rc == 0
+    sweep_calls = [c for c in calls if c[2] == 10]  # a quarter of --steps, first seed only
+    assert len(sweep_calls) == 8 and {c[3] for c in sweep_calls} == {0}
+    assert sorted((c[0], c[1], c[3]) for c in calls if c[2] == 40) == [
+        ("none", 0.01, 0), ("none", 0.01, 1), ("topk:ratio=0.1", 0.03, 0), ("topk:ratio=0.1", 0.03, 1)]
+    record = json.loads((out / "sweep.json").read_text())
+    assert [(m["label"], m["best_lr"]) for m in record["methods"]] == [("none", 0.01), ("topk:ratio=0.1", 0.03)]
+    assert "ties" in record["rule"] and record["steps"] == 10
+    stats = json.loads((out / "compare-stats.json").read_text())
+    assert stats["lr"]["per_method"] == {"none": 0.01, "topk:ratio=0.1": 0.03}
+    printed = capsys.readouterr().out
+    assert "chosen by a sweep" in printed and "`topk:ratio=0.1` 0.03" in printed
+    assert "best final validation metric" in (out / "compare.md").read_text()
+
+
+def test_compare_two_seeds_on_two_workers(tmp_path, capsys):
+    out = tmp_path / "cmp"
+    rc = cli(["compare", "--compressors", "none,topk:ratio=0.1", "--seeds", "2", "--nproc", "2",
+              "--workload", "digits-mlp", "--hidden", "16", "--samples", "128", "--batch-size", "16", "--epochs", "2",
+              "--min-numel", "64", "--lr", "0.01", "--no-progress", "--out", str(out)])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "All methods share one learning rate, 0.01" in printed and "| seeds |" in printed
+    runs = json.loads((out / "compare.json").read_text())
+    assert [(r["compressor"], r["seed"]) for r in runs] == [("none", 0), ("none", 1), ("topk:ratio=0.1", 0),
+                                                            ("topk:ratio=0.1", 1)]
+    assert runs[0]["final_metric"] != runs[1]["final_metric"] or runs[0]["history"] != runs[1]["history"]
+    stats = json.loads((out / "compare-stats.json").read_text())
+    assert stats["seeds"] == [0, 1] and [g["label"] for g in stats["aggregate"]] == ["none", "topk:ratio=0.1"]
+    fm = stats["aggregate"][0]["final_metric"]
+    assert fm["n"] == 2 and fm["values"] == [runs[0]["final_metric"], runs[1]["final_metric"]]
+    md = (out / "compare.md").read_text()
+    assert "±" in md and "Per seed:" in md and "seeds 0, 1" in md
+    assert (out / "1-topk_ratio=0.1-s1" / "summary.json").exists()
+    assert (out / "compare.png").read_bytes()[:4] == b"\x89PNG"

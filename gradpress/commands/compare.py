@@ -5,8 +5,10 @@ compressors and compare accuracy, bytes on the wire and time; see
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
-from gradpress import compare, train
+from gradpress import compare, compare_report, train
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -23,6 +25,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "algorithm runs with every compressor; see `gradpress algorithms`")
     p.add_argument("--target", type=float, default=None,
                    help="metric to reach (default: 95%% of the ddp/none run's final metric; 105%% for bits per char)")
+    p.add_argument("--seeds", default=None, metavar="N|LIST",
+                   help="run every configuration at N seeds (--seed, --seed+1, ...) or at a list (0,1,2); the "
+                        "table gives mean ± std [min, max] over seeds; per-seed rows in compare.json")
+    p.add_argument("--lr-sweep", default=None, metavar="RATES",
+                   help="learning rates (0.003,0.01,0.03) or factors of the default lr (x0.3,x1,x3): each method "
+                        "runs at each on a short budget, then the comparison runs at each method's best rate "
+                        "(best final metric, ties to the smaller lr); written to sweep.json")
+    p.add_argument("--sweep-steps", type=int, default=None, metavar="N",
+                   help="steps per sweep run (default: a quarter of --steps; the full budget without --steps)")
     train.add_arguments(p, compare=True)
     p.set_defaults(func=run_cli)
 
@@ -30,11 +41,20 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run_cli(args: argparse.Namespace) -> int:
     opts = {k: v for k, v in vars(args).items() if k in train.FIELDS or k == "config"}
     out = opts.pop("out", "runs/compare")
-    result = compare.run(args.compressors, opts, out=out, target=args.target, algorithms=args.algorithms)
+    result = compare.run(args.compressors, opts, out=out, target=args.target, algorithms=args.algorithms,
+                         seeds=args.seeds, lr_sweep=args.lr_sweep, sweep_steps=args.sweep_steps)
+    stats = json.loads((Path(out) / "compare-stats.json").read_text())
     print()
-    print(compare.table(result))
+    print(stats["lr"]["text"])
+    if args.seeds is not None:
+        groups = compare_report.aggregate(result)
+        print(compare_report.aggregate_table(groups, result[0]["metric"], result[0]["reference"],
+                                             stats["sweep"] is not None))
+    else:
+        print(compare.table(result))
     tgt = result[0]["target"]
     if tgt is not None:
         print(f"target {result[0]['metric']}: {tgt:.4f}")
-    print(f"wrote {out}/compare.json, {out}/compare.md, {out}/compare.png")
+    extra = ", sweep.json" if args.lr_sweep is not None else ""
+    print(f"wrote {out}/compare.json, {out}/compare-stats.json{extra}, {out}/compare.md, {out}/compare.png")
     return 0

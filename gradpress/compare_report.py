@@ -1,0 +1,106 @@
+"""Tables of ``gradpress compare`` over several seeds: one row per
+configuration with mean ± std [min, max] over seeds (see
+:mod:`gradpress.compare_stats`), and the Markdown page."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gradpress import compare, compare_stats
+
+__all__ = ["aggregate", "aggregate_table", "lr_note", "markdown"]
+
+FIELDS = {
+    "final_metric": lambda r: r["final_metric"],
+    "delta_vs_reference": lambda r: r["delta_vs_reference"],
+    "steps_to_target": lambda r: r["steps_to_target"],
+    "time_to_target": lambda r: r["time_to_target"],
+    "bytes_to_target": lambda r: r["bytes_to_target"],
+    "bytes_per_step": lambda r: r["bytes_per_step"],
+    "median_step_s": lambda r: r["median_step_s"],
+}
+
+
+def aggregate(result: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Annotated per-seed summaries grouped by configuration (algorithm,
+    compressor), with a :func:`compare_stats.stat` per field."""
+    groups = compare_stats.group(result, compare.label, FIELDS)
+    for g in groups:
+        r0 = g["rows"][0]
+        g.update(label=g["key"], algorithm=r0.get("algorithm", "ddp"), compressor=r0["compressor"],
+                 lr=r0.get("lr"), compression_ratio=r0["compression_ratio"],
+                 nothing_compressed=bool(r0.get("nothing_compressed")))
+    return groups
+
+
+def aggregate_table(groups: list[dict[str, Any]], metric: str, reference: str, per_method_lr: bool) -> str:
+    head = ["algorithm", "compressor"] + (["lr"] if per_method_lr else []) + [
+        "seeds", f"final {metric}", f"vs {reference}", "bytes/step", "ratio", "step ms", "steps to target",
+        "time to target (s)"]
+    rows = []
+    for g in groups:
+        n = g["final_metric"]["n"]
+        rows.append([f"`{g['algorithm']}`",
+                     f"`{g['compressor']}`" + (" (nothing compressed)" if g["nothing_compressed"] else "")]
+                    + ([f"{g['lr']:g}"] if per_method_lr else []) + [
+            str(n),
+            compare_stats.fmt(g["final_metric"], missing="-"),
+            compare_stats.fmt(g["delta_vs_reference"], lambda v: f"{v:+.4f}", missing="-"),
+            compare._fmt_bytes(g["bytes_per_step"]["mean"]),
+            f"{g['compression_ratio']:.1f}x",
+            compare_stats.fmt(g["median_step_s"], lambda v: f"{v * 1e3:.1f}", missing="-"),
+            compare_stats.fmt(g["steps_to_target"], lambda v: f"{v:.0f}"),
+            compare_stats.fmt(g["time_to_target"], lambda v: f"{v:.2f}"),
+        ])
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+    lines = ["| " + " | ".join(h.ljust(w) for h, w in zip(head, widths)) + " |",
+             "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    lines += ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def lr_note(result: list[dict[str, Any]], record: dict[str, Any] | None) -> dict[str, Any]:
+    """Which learning rates the runs used, as data and as one sentence."""
+    per = {compare.label(r): r["lr"] for r in result}
+    if record is not None:
+        steps = f"{record['steps']} steps" if record["steps"] is not None else "the full budget"
+        chosen = ", ".join(f"`{k}` {v:g}" for k, v in per.items())
+        text = (f"Learning rate per method, chosen by a sweep over {', '.join(f'{r:g}' for r in record['rates'])} "
+                f"({steps}, seed {', '.join(map(str, record['seeds']))}; rule: {record['rule']}): {chosen}.")
+        return {"shared": None, "per_method": per, "text": text}
+    rates = set(per.values())
+    if len(rates) == 1:
+        lr = rates.pop()
+        return {"shared": lr, "per_method": per,
+                "text": f"All methods share one learning rate, {lr:g} (no sweep; not tuned per method)."}
+    chosen = ", ".join(f"`{k}` {v:g}" for k, v in per.items())
+    return {"shared": None, "per_method": per, "text": f"Learning rates (not swept): {chosen}."}
+
+
+def markdown(result: list[dict[str, Any]], groups: list[dict[str, Any]], target: float | None, seeds: list[int],
+             multi: bool, note: dict[str, Any], record: dict[str, Any] | None) -> str:
+    s0 = result[0]
+    tgt = s0["target"]
+    rule = "given with --target" if target is not None else (
+        f"{'95' if s0['higher_is_better'] else '105'}% of the `{s0['reference']}` run's final {s0['metric']}"
+        + (", mean over seeds" if multi and len(seeds) > 1 else ""))
+    seed_text = f"seeds {', '.join(map(str, seeds))}" if multi else f"seed {s0['seed']}"
+    md = [
+        f"# gradpress compare: {s0['workload']}",
+        "",
+        f"{s0['world_size']} worker(s), {s0['steps']} steps, batch {s0['batch_size']} per worker, "
+        f"{s0['optimizer']}, {s0['schedule']} schedule, {seed_text}. Bytes are those rank 0 handed to collectives "
+        f"(strategies: {', '.join(sorted({s['strategy'] for s in result}))}; "
+        f"algorithms: {', '.join(dict.fromkeys(s.get('algorithm', 'ddp') for s in result))}).",
+        note["text"],
+        f"Target {s0['metric']}: {'-' if tgt is None else f'{tgt:.4f}'} ({rule}).",
+        "",
+    ]
+    if multi:
+        md += [f"Over {len(seeds)} seed(s): mean ± sample std [min, max]; steps and time to target over the seeds "
+               "that reached it, and `not reached (k of N)` counts those that did not. Time to target = steps to "
+               "target x that run's median step time. Per-seed rows: below and in compare.json.", "",
+               aggregate_table(groups, s0["metric"], s0["reference"], record is not None), "",
+               "Per seed:", ""]
+    md += [compare.table(result), "", "![metric vs step and bytes](compare.png)", ""]
+    return "\n".join(md)

@@ -1,0 +1,107 @@
+"""The driver of ``gradpress compare`` (:func:`gradpress.compare.run`):
+optional learning-rate sweep, every configuration at every seed, the
+output files. See :mod:`gradpress.compare` for the outputs and the target,
+:mod:`gradpress.compare_stats` for the statistics and the lr rule."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from gradpress import compare, compare_report, compare_stats, train
+
+__all__ = ["run", "sweep"]
+
+
+def sweep(configs: list[Any], rates: list[float], steps: int | None, seeds: list[int],
+          root: Path) -> dict[str, Any]:
+    """Train every config at every rate (``steps`` steps, or its own budget
+    if None) and every sweep seed; pick each config's rate by
+    :data:`compare_stats.BEST_LR_RULE`. Returns the JSON-able record."""
+    methods = []
+    for i, cfg in enumerate(configs):
+        scores: dict[float, list[float | None]] = {}
+        runs = []
+        for lr in rates:
+            for seed in seeds:
+                over: dict[str, Any] = {"lr": lr, "seed": seed,
+                                        "out": str(root / "sweep" / f"{Path(cfg.out).name}-lr{lr:g}-s{seed}")}
+                if steps is not None:
+                    over["steps"] = steps
+                s = train.run(train.make_config(cfg, **over))
+                fm = s["final_metric"]
+                fm = None if fm is None or not math.isfinite(fm) else fm
+                scores.setdefault(lr, []).append(fm)
+                runs.append({"lr": lr, "seed": seed, "final_metric": fm, "final_loss": s.get("final_loss")})
+                higher = s["higher_is_better"]
+        best = compare_stats.best_lr(scores, higher)
+        methods.append({"algorithm": cfg.algorithm, "compressor": cfg.compressor, "label": compare.label(vars(cfg)),
+                        "best_lr": best, "runs": runs,
+                        "mean_final_metric": {f"{lr:g}": compare_stats.stat(v)["mean"] for lr, v in scores.items()}})
+        configs[i] = train.make_config(cfg, lr=best)
+    return {"rule": compare_stats.BEST_LR_RULE, "rates": rates, "steps": steps, "seeds": seeds, "methods": methods}
+
+
+def run(compressors: str | Iterable[str] | None, options: Mapping[str, Any] | None = None, *,
+        out: str = "runs/compare", target: float | None = None,
+        algorithms: str | Iterable[str] | None = None, seeds: str | int | list[int] | None = None,
+        lr_sweep: str | list[float] | None = None, sweep_steps: int | None = None) -> list[dict[str, Any]]:
+    """Train ``options`` (training options, as for :func:`gradpress.train.run`)
+    once per (algorithm, compressor) pair and seed; write the output files;
+    return the annotated per-run summaries. ``compressors`` None: each
+    algorithm's default; ``algorithms`` None: ``ddp``. ``seeds``: a count
+    (seeds ``seed``, ``seed+1``, ...) or a list; None: the one ``seed``.
+    ``lr_sweep``: rates or factors of the default lr (``"x0.3,x1,x3"``),
+    tried on ``sweep_steps`` steps (default: a quarter of ``--steps``, or
+    the full budget when only epochs are given) at the first seed; each
+    method then runs at its own best rate."""
+    opts = dict(options or {})
+    for key in ("algorithm", "compressor", "resume"):
+        if key in opts:
+            raise ValueError(f"{key}: not a compare option (compare sets it per run)")
+    if not compressors and not algorithms:
+        raise ValueError("compressors: give at least one compressor or algorithm spec, e.g. "
+                         "--compressors none,fp16,topk:ratio=0.01 or --algorithms ddp,localsgd:period=8")
+    if target is not None and (isinstance(target, bool) or not isinstance(target, (int, float))
+                               or not math.isfinite(target)):
+        raise ValueError(f"target must be a finite number, got {target!r}")
+    if sweep_steps is not None and lr_sweep is None:
+        raise ValueError("sweep-steps: only with --lr-sweep")
+    if sweep_steps is not None and (isinstance(sweep_steps, bool) or not isinstance(sweep_steps, int)
+                                    or sweep_steps < 1):
+        raise ValueError(f"sweep-steps must be a positive integer, got {sweep_steps!r}")
+    root = Path(out)
+    configs = compare._plan_runs(compressors, algorithms, opts, root)  # validate everything before training
+    seed_list = compare_stats.parse_seeds(seeds, configs[0].seed)
+    multi = seed_list is not None
+    seed_list = seed_list or [configs[0].seed]
+    shared_lr = configs[0].lr
+    rates = compare_stats.parse_lr_grid(lr_sweep, shared_lr)
+    steps = sweep_steps if sweep_steps is not None else (max(1, configs[0].steps // 4) if configs[0].steps else None)
+    for cfg in configs:
+        if cfg.lr != shared_lr and rates is None:
+            shared_lr = None  # e.g. an algorithm with its own default lr
+    record = None
+    if rates is not None:
+        record = sweep(configs, rates, steps, seed_list[:1], root)
+        root.mkdir(parents=True, exist_ok=True)
+        (root / "sweep.json").write_text(json.dumps(record, indent=2) + "\n")
+    summaries = []
+    for cfg in configs:
+        for seed in seed_list:
+            run_cfg = train.make_config(cfg, seed=seed, out=f"{cfg.out}-s{seed}") if multi else cfg
+            summaries.append(train.run(run_cfg))
+    result = compare.annotate(summaries, target)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "compare.json").write_text(json.dumps(result, indent=2) + "\n")
+    agg = compare_report.aggregate(result)
+    lr_note = compare_report.lr_note(result, record)
+    (root / "compare-stats.json").write_text(json.dumps(
+        {"seeds": seed_list, "target": result[0]["target"], "lr": lr_note, "sweep": record,
+         "aggregate": [{k: v for k, v in g.items() if k != "rows"} for g in agg]}, indent=2) + "\n")
+    (root / "compare.md").write_text(compare_report.markdown(result, agg, target, seed_list, multi, lr_note, record))
+    compare.plot(result, root / "compare.png")
+    return result
