@@ -283,3 +283,44 @@ def test_tiny_e2e_train_to(tmp_path, capsys):
             assert all(h["metric"] < 0.5 for h in hist) and r["steps"] == 60
             assert "not reached" in md
     assert result["rows"][0]["reached"]  # plain DDP learns digits past 50% within 60 steps
+
+
+# ------------------------------------------------------------------ seeds
+
+
+def _seed_result(times, best):
+    """A per-seed train result: DDP then one gradpress config; ``None`` time = target not reached."""
+    rows = []
+    for (label, kind), t, b in zip((("torch ddp", "ddp"), ("gradpress topk", "gradpress")), times, best):
+        rows.append({"label": label, "kind": kind, "spec": None, "ok": True, "reached": t is not None,
+                     "time_to_target_s": t, "steps_to_target": None if t is None else int(t * 10), "steps": 100,
+                     "train_s": 20.0, "best_metric": b, "final_metric": b, "payload_bytes_per_step": 1000.0,
+                     "speedup": None if t is None or times[0] is None else times[0] / t})
+    setup = {"nodes": 2, "bandwidth": "50mbit", "bandwidth_bits": 50_000_000, "workload": "digits-mlp",
+             "parameters": 1234, "batch_size": 16, "optimizer": "adam", "lr": 0.01, "threads": 1, "torch": "x",
+             "cpus": 2, "metric": "accuracy", "eval_every": 5, "seed": 0}
+    return {"mode": "train", "target": 0.9, "setup": setup, "rows": rows, "notes": [], "seconds": 1.0}
+
+
+def test_seeds_aggregate_time_to_target_and_count_misses(tmp_path):
+    from gradpress.bench.e2e_seeds import combine, markdown, plot
+
+    res = combine([_seed_result([10.0, 5.0], [0.95, 0.92]), _seed_result([12.0, None], [0.93, 0.85])], [0, 1],
+                  "gradpress bench e2e --seeds 2")
+    ddp, topk = res["aggregate"]
+    assert ddp["time_to_target_s"]["mean"] == pytest.approx(11.0) and ddp["time_to_target_s"]["k"] == 2
+    assert (topk["time_to_target_s"]["k"], topk["time_to_target_s"]["n"]) == (1, 2)  # the miss is kept
+    assert topk["speedup"]["values"] == [2.0, None] and topk["best_metric"]["min"] == 0.85
+    md = markdown(res)
+    assert "gradpress bench e2e --seeds 2" in md and "11.0 ± 1.4 [10.0, 12.0]" in md
+    assert "5.0; not reached (1 of 2)" not in md  # one value of two: mean ± 0 [min, max]
+    assert "5.0 ± 0.0 [5.0, 5.0]; not reached (1 of 2)" in md
+    assert [p["seed"] for p in res["per_seed"]] == [0, 1]
+    _png_size(plot(res, tmp_path / "e2e.png"))
+
+
+def test_seeds_need_train_to(tmp_path, capsys):
+    assert cli_main(["bench", "e2e", "--seeds", "2", "--out", str(tmp_path / "s")]) == 2
+    assert "--seeds: only with --train-to" in capsys.readouterr().err
+    assert cli_main(["bench", "e2e", "--seeds", "0", "--train-to", "0.5", "--out", str(tmp_path / "s")]) == 2
+    assert "seeds: the count must be at least 1" in capsys.readouterr().err

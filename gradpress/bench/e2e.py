@@ -84,6 +84,9 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
                    help="train-to: stop after N steps (default: the workload's epochs)")
     p.add_argument("--time-limit", dest="time_limit", type=float, default=None,
                    help="train-to: stop a configuration after this many training seconds")
+    p.add_argument("--seeds", default=None, metavar="N|LIST",
+                   help="train-to: run at N seeds (--seed, --seed+1, ...) or a list (0,1,2), each in DIR/seed<S>/; "
+                        "DIR/e2e.md gives mean ± std [min, max] over seeds, misses counted as not reached (k of N)")
     p.add_argument("--out", default="bench-results/e2e", metavar="DIR", help="output directory (default bench-results/e2e)")
     p.set_defaults(func=main)
 
@@ -99,8 +102,30 @@ def write_outputs(result: dict[str, Any], out: Path) -> list[Path]:
     return paths
 
 
+def _seeds(args: argparse.Namespace) -> list[int] | None:
+    from gradpress.compare_stats import parse_seeds
+
+    if getattr(args, "seeds", None) is None:
+        return None
+    if args.train_to is None:
+        raise ValueError("--seeds: only with --train-to (step times do not depend on the seed)")
+    return parse_seeds(args.seeds, args.seed)
+
+
 def main(args: argparse.Namespace) -> int:
     _resolve(args)  # every bad argument fails here, before a cluster is built
+    seeds = _seeds(args)
+    if seeds is not None:
+        from gradpress.bench.e2e_seeds import run_seeds
+
+        try:
+            _, ok = run_seeds(args, seeds, command_line(args))
+        except RuntimeError as exc:
+            print(f"gradpress bench e2e: error: {exc}", file=sys.stderr)
+            return 1
+        print((Path(args.out) / "e2e.md").read_text())
+        print(f"written: {args.out}/e2e.json, {args.out}/e2e.md, {args.out}/e2e.png, {args.out}/seed<S>/")
+        return 0 if ok else 1
     try:
         result = run_e2e(args)
     except RuntimeError as exc:

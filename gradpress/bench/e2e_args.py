@@ -79,5 +79,7 @@ def command_line(args: argparse.Namespace) -> str:
             parts += ["--max-steps", str(args.max_steps)]
         if args.time_limit is not None:
             parts += ["--time-limit", str(args.time_limit)]
+        if getattr(args, "seeds", None) is not None:
+            parts += ["--seeds", str(args.seeds)]
     parts += ["--out", str(args.out)]
     return shlex.join(parts)
