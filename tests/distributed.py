@@ -30,7 +30,9 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
     torch.set_num_threads(1)
     result: dict[str, Any]
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=__import__("datetime").timedelta(seconds=60))
+        # a file rendezvous: no TCP port to race for when several test runs share the machine
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(outdir, 'rendezvous')}", rank=rank,
+                                world_size=world, timeout=__import__("datetime").timedelta(seconds=60))
         result = {"ok": fn(rank, world, *args)}
     except BaseException as exc:  # noqa: BLE001
         result = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
