@@ -312,9 +312,9 @@ def test_seeds_aggregate_time_to_target_and_count_misses(tmp_path):
     assert (topk["time_to_target_s"]["k"], topk["time_to_target_s"]["n"]) == (1, 2)  # the miss is kept
     assert topk["speedup"]["values"] == [2.0, None] and topk["best_metric"]["min"] == 0.85
     md = markdown(res)
-    assert "gradpress bench e2e --seeds 2" in md and "11.0 ± 1.4 [10.0, 12.0]" in md
-    assert "5.0; not reached (1 of 2)" not in md  # one value of two: mean ± 0 [min, max]
-    assert "5.0 ± 0.0 [5.0, 5.0]; not reached (1 of 2)" in md
+    assert "gradpress bench e2e --seeds 2" in md and "11.00 ± 1.41 [10.00, 12.00]" in md
+    assert "5.00; not reached (1 of 2)" not in md  # one value of two: mean ± 0 [min, max]
+    assert "5.00 ± 0.00 [5.00, 5.00]; not reached (1 of 2)" in md
     assert [p["seed"] for p in res["per_seed"]] == [0, 1]
     _png_size(plot(res, tmp_path / "e2e.png"))
 

@@ -72,7 +72,7 @@ def markdown(result: dict[str, Any]) -> str:
     for g in result["aggregate"]:
         fail = f" ({g['failed']} of {n} failed)" if g["failed"] else ""
         lines.append(
-            f"| {g['label']}{fail} | {compare_stats.fmt(g['time_to_target_s'], lambda v: f'{v:.1f}')} "
+            f"| {g['label']}{fail} | {compare_stats.fmt(g['time_to_target_s'], lambda v: f'{v:.2f}')} "
             f"| {compare_stats.fmt(g['steps_to_target'], lambda v: f'{v:.0f}')} "
             f"| {compare_stats.fmt(g['best_metric'], missing='-')} "
             f"| {compare_stats.fmt(g['speedup'], lambda v: f'{v:.2f}x', missing='-')} "
