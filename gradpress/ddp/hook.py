@@ -184,14 +184,24 @@ class GradpressHook:
         another configuration (compressor, strategy, world size, parameters...)."""
         fmt = state.get("format") if isinstance(state, Mapping) else None
         if fmt == _OLD_FORMAT:
-            state = _upgrade_v1(state)
+            try:
+                state = _upgrade_v1(state)
+            except (KeyError, TypeError, AttributeError, ValueError) as exc:
+                raise ValueError(f"gradpress hook state dict ({_OLD_FORMAT}) is malformed "
+                                 f"({type(exc).__name__}: {exc}); nothing was loaded") from None
         elif fmt != HOOK_FORMAT:
             raise ValueError(f"not a gradpress hook state dict (format {fmt!r}; expected {HOOK_FORMAT!r} "
                              f"or {_OLD_FORMAT!r})")
+        step = state.get("step")
+        if isinstance(step, torch.Tensor) and step.numel() == 1 and not step.is_floating_point():
+            step = int(step)
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"gradpress hook state dict: 'step' must be an integer >= 0, got {step!r}; "
+                             "nothing was loaded")
         engine_state = {k: v for k, v in state.items() if k != "step"}
         engine_state["format"] = self.engine.state_dict()["format"]
-        self.engine.load_state_dict(engine_state)
-        self._step = int(state["step"])
+        self.engine.load_state_dict(engine_state)  # validates fully, changes nothing on error
+        self._step = step
 
     def close(self) -> None:
         """Stop the communication thread (the hook must not be used after).

@@ -348,23 +348,84 @@ class Synchronizer:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore from :meth:`state_dict`. Refuses a state of another
-        configuration (compressor, strategy, world size, parameters...)."""
+        configuration (compressor, strategy, world size, parameters...).
+
+        Validates fully, then changes: a malformed state (a missing or
+        mistyped part) raises ValueError naming the part, and leaves this
+        engine exactly as it was (a part that fails while loading is rolled
+        back)."""
         from gradpress.exchange.agree import config_diff
 
         if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
             raise ValueError(f"not a gradpress exchange state dict (missing format {STATE_FORMAT!r})")
+        _check_state(state)
         theirs, mine = state["config"], self.config()
         if theirs != mine:
             raise ValueError(f"gradpress state dict is from a different configuration ({config_diff(theirs, mine)})")
-        self.feedback.load_state_dict(state["feedback"])
-        self.compressor.load_state_dict(state["compressor"])
-        for name, st in state.get("strategies", {}).items():
-            if name in self.strategies:
-                self.strategies[name].load_state_dict(st)
-        if state.get("plan") and self.strategy_name == "auto":
-            # keep the partitions the residuals are keyed by
-            self.plan = self.choice.plan_from_dict(state["plan"], self.plan)
-        self.stats_counter.load_state_dict(state.get("stats", {}))
+        backup, plan = copy.deepcopy(self.state_dict()), self.plan
+        part = "feedback"
+        try:
+            self.feedback.load_state_dict(state["feedback"])
+            part = "compressor"
+            self.compressor.load_state_dict(state["compressor"])
+            for name, st in state.get("strategies", {}).items():
+                if name in self.strategies:
+                    part = f"strategies[{name!r}]"
+                    self.strategies[name].load_state_dict(st)
+            part = "plan"
+            if state.get("plan") and self.strategy_name == "auto":
+                # keep the partitions the residuals are keyed by
+                self.plan = self.choice.plan_from_dict(state["plan"], self.plan)
+            part = "stats"
+            self.stats_counter.load_state_dict(state.get("stats", {}))
+        except Exception as exc:
+            self._restore(backup, plan)
+            if isinstance(exc, ValueError):
+                raise ValueError(f"gradpress state dict: {part}: {exc} (nothing was loaded)") from None
+            raise ValueError(f"gradpress state dict: {part} is malformed ({type(exc).__name__}: {exc}); "
+                             "nothing was loaded") from None
+
+    def _restore(self, backup: Mapping[str, Any], plan: Plan) -> None:
+        """Put back what :meth:`load_state_dict` found (its own earlier state)."""
+        self.feedback.load_state_dict(backup["feedback"])
+        self.compressor.load_state_dict(backup["compressor"])
+        for name, st in backup["strategies"].items():
+            self.strategies[name].load_state_dict(st)
+        self.plan = plan
+        self.stats_counter.load_state_dict(backup["stats"])
+
+
+def _check_state(state: Mapping[str, Any]) -> None:
+    """The shape of a state dict (before anything is changed): ValueError
+    naming the first part that is missing or of the wrong type."""
+    def need(ok: bool, what: str, got: Any) -> None:
+        if not ok:
+            raise ValueError(f"gradpress state dict: {what}, got {type(got).__name__} {str(got)[:80]!r}; "
+                             "nothing was loaded")
+
+    for key in ("config", "feedback", "compressor"):
+        if key not in state:
+            raise ValueError(f"gradpress state dict: missing {key!r}; nothing was loaded")
+    need(isinstance(state["config"], Mapping), "'config' must be a dict", state["config"])
+    fb = state["feedback"]
+    need(isinstance(fb, Mapping), "'feedback' must be a dict", fb)
+    for key in ("beta", "gamma"):
+        if key in fb:
+            need(isinstance(fb[key], (int, float)) and not isinstance(fb[key], bool),
+                 f"feedback[{key!r}] must be a number", fb[key])
+    residuals = fb.get("residuals", {})
+    need(isinstance(residuals, Mapping), "feedback['residuals'] must be a dict of tensors", residuals)
+    for key, value in residuals.items():
+        need(isinstance(value, torch.Tensor), f"feedback['residuals'][{key!r}] must be a tensor", value)
+    need(isinstance(state["compressor"], Mapping), "'compressor' must be a dict", state["compressor"])
+    strategies = state.get("strategies", {})
+    need(isinstance(strategies, Mapping), "'strategies' must be a dict", strategies)
+    for name, value in strategies.items():
+        need(isinstance(value, Mapping), f"strategies[{name!r}] must be a dict", value)
+    plan = state.get("plan")
+    need(plan is None or isinstance(plan, Mapping), "'plan' must be a dict", plan)
+    stats = state.get("stats", {})
+    need(isinstance(stats, Mapping), "'stats' must be a dict", stats)
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -115,7 +115,7 @@ class DDPAlgorithm:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, compressor: str | None = None, *,
                  error_feedback: bool | None = None, strategy: str = "collective", min_numel: int = 1024, seed: int = 0,
                  nonfinite: str = "propagate", ddp_options: Mapping[str, Any] | None = None,
-                 plan_costs: str | None = None) -> None:
+                 plan_costs: str | None = None, timeout: float | None = None) -> None:
         import gradpress.ddp
 
         device = next(model.parameters()).device
@@ -126,7 +126,7 @@ class DDPAlgorithm:
             model, device_ids=[device] if device.type == "cuda" else None, **dict(ddp_options or {}))
         self.hook = gradpress.ddp.register(self.model, self.compressor, error_feedback=error_feedback,
                                            strategy=strategy, min_numel=min_numel, seed=seed, nonfinite=nonfinite,
-                                           plan_costs=plan_costs)
+                                           plan_costs=plan_costs, timeout=timeout)
 
     def step(self) -> None:
         if not self.hook.last_step_skipped:
@@ -157,14 +157,15 @@ class DDPAlgorithm:
 def create(spec: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, compressor: str | None = None,
            error_feedback: bool | None = None, strategy: str = "collective", min_numel: int = 1024, seed: int = 0,
            nonfinite: str = "propagate", ddp_options: Mapping[str, Any] | None = None,
-           plan_costs: str | None = None) -> Algorithm:
+           plan_costs: str | None = None, timeout: float | None = None) -> Algorithm:
     """Build the algorithm ``spec`` around ``model`` and ``optimizer`` (an
     optimizer over ``model.parameters()``). ``compressor`` None: the
     algorithm's default. ``ddp_options``: keywords for DistributedDataParallel
-    (``ddp`` only)."""
+    (``ddp`` only). ``timeout``: seconds a collective of the exchange may wait
+    (None: the process group's)."""
     spec = check_spec(spec)
     common = {"error_feedback": error_feedback, "strategy": strategy, "min_numel": min_numel, "seed": seed,
-              "nonfinite": nonfinite}
+              "nonfinite": nonfinite, "timeout": timeout}
     if spec == "ddp":
         return DDPAlgorithm(model, optimizer, compressor, ddp_options=ddp_options, plan_costs=plan_costs, **common)
     if plan_costs is not None:

@@ -63,4 +63,10 @@ def add_arguments(p: argparse.ArgumentParser, *, compare: bool = False) -> None:
     p.add_argument("--params", default=S, help="wide-mlp parameter count, e.g. 500K, 10M")
     p.add_argument("--samples", type=int, default=S, help="use only the first N training samples (N//4 test)")
     p.add_argument("--text-bytes", dest="text_bytes", type=int, default=S, help="charlm-lstm corpus size in bytes")
-    p.add_argument("--no-progress", dest="progress", action="store_false", default=S, help="no progress bar")
+    p.add_argument("--no-progress", dest="progress", action="store_false", default=S,
+                   help="no progress bar (there is none anyway when stderr is not a terminal: plain log lines instead)")
+    p.add_argument("--timeout", type=float, default=S, metavar="SECONDS",
+                   help="a collective that waits longer than this fails the run, naming the silent rank when it can "
+                        "(default 300)")
+    p.add_argument("--allow-divergence", dest="allow_divergence", action="store_true", default=S,
+                   help="a loss that becomes NaN/Inf is reported but does not make the run fail (exit 0)")

@@ -25,7 +25,9 @@ the only extra types allowed.
 from __future__ import annotations
 
 import os
+import pickle
 import random
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -36,7 +38,7 @@ import torch.distributed as dist
 
 from gradpress.train.config import RESUME_FIXED, TrainConfig
 
-__all__ = ["CHECKPOINT", "FORMAT", "compat", "load", "check_resume", "save", "rng_state", "set_rng_state",
+__all__ = ["CHECKPOINT", "FORMAT", "compat", "verify", "load", "check_resume", "save", "rng_state", "set_rng_state",
            "rank_state"]
 
 CHECKPOINT = "checkpoint.pt"
@@ -58,15 +60,50 @@ def _legacy_globals() -> list[Any]:
     return [reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
 
 
+def verify(path: Path) -> None:
+    """Refuse, with one line naming the file and what is wrong with it, a
+    checkpoint that is missing, a directory, empty, not a zip archive
+    (truncated or another kind of file), or whose records fail their CRC-32
+    (bytes damaged after writing: ``torch.load`` itself never checks them)."""
+    import zipfile
+
+    name = str(path)
+    if not os.path.exists(path):
+        raise ValueError(f"resume: no checkpoint at {name!r}")
+    if os.path.isdir(path):
+        raise ValueError(f"resume: checkpoint {name!r} is a directory, not a file")
+    if os.path.getsize(path) == 0:
+        raise ValueError(f"resume: checkpoint {name!r} is empty (0 bytes)")
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()  # reads every record and checks its CRC-32
+    except zipfile.BadZipFile as exc:
+        raise ValueError(f"resume: checkpoint {name!r} is truncated or not a gradpress training checkpoint "
+                         f"(not a complete zip archive: {exc})") from None
+    except (OSError, EOFError, ValueError, NotImplementedError) as exc:
+        raise ValueError(f"resume: checkpoint {name!r} cannot be read ({type(exc).__name__}: {exc})") from None
+    if bad is not None:
+        raise ValueError(f"resume: checkpoint {name!r} is corrupt: record {bad!r} fails its CRC check "
+                         "(the file was damaged after it was written); refusing to resume from it")
+
+
 def load(path: Path) -> dict[str, Any]:
-    """Read a checkpoint with ``weights_only=True``; a ``gradpress-train/1``
-    one is upgraded in memory to the current layout (algorithm ``ddp``)."""
+    """Verify (:func:`verify`), then read a checkpoint with
+    ``weights_only=True``; a ``gradpress-train/1`` one is upgraded in memory
+    to the current layout (algorithm ``ddp``)."""
+    verify(path)
     with torch.serialization.safe_globals(_legacy_globals()):
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:  # noqa: BLE001 - pickle / zip / weights-only errors all mean "not ours"
-            raise ValueError(f"resume: {str(path)!r} is not a gradpress training checkpoint "
-                             f"(it does not load with weights_only=True: {str(exc).splitlines()[0]})") from None
+        except pickle.UnpicklingError as exc:
+            found = re.search(r"GLOBAL (\S+)", str(exc))
+            first = f"found {found.group(1)}" if found else type(exc).__name__
+            raise ValueError(f"resume: {str(path)!r} is not a gradpress training checkpoint (it does not load with "
+                             f"weights_only=True: it holds objects other than tensors, numbers, strings, lists and "
+                             f"dicts: {first})") from None
+        except Exception as exc:  # noqa: BLE001 - zip / pickle errors all mean "not ours"
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ValueError(f"resume: {str(path)!r} is not a gradpress training checkpoint ({first})") from None
     if isinstance(state, Mapping) and state.get("format") == _LEGACY:
         state = dict(state)
         state["config"] = {**_LEGACY_DEFAULTS, **state["config"]}
@@ -94,9 +131,18 @@ def rank_state(state: Mapping[str, Any], rank: int, key: str) -> Any:
 
 
 def _atomic_save(obj: Any, path: Path) -> None:
+    """Write to a temporary file beside ``path``, flush it to disk, rename:
+    a crash leaves the previous checkpoint or the new one, never half of one."""
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def save(path: Path, cfg: TrainConfig, world: int, rank: int, device: torch.device, model: torch.nn.Module,

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from gradpress.train.args import add_arguments
-from gradpress.train.launch import run
+from gradpress.train.launch import WorkerFailed, run
 from gradpress.train.report import METRICS, SUMMARY, human_bytes
 
 __all__ = ["summary_line", "run_cli", "main"]
@@ -19,16 +19,28 @@ __all__ = ["summary_line", "run_cli", "main"]
 def summary_line(s: Mapping[str, Any]) -> str:
     metric = s["final_metric"]
     m = "n/a" if metric is None else f"{metric:.4f}"
+    median = s.get("median_step_s")
     what = s["compressor"] if s.get("algorithm", "ddp") == "ddp" else f"{s['algorithm']} / {s['compressor']}"
     return (f"{s['workload']} / {what} on {s['world_size']} worker(s): {s['steps']} steps, "
             f"{s['metric']} {m}, {human_bytes(s['bytes_per_step'])}/step "
             f"(dense {human_bytes(s['dense_bytes_per_step'])}, x{s['compression_ratio']:.1f}), "
-            f"median step {s['median_step_s'] * 1e3 if s['median_step_s'] else float('nan'):.1f} ms")
+            f"median step " + (f"{median * 1e3:.1f} ms" if median else "n/a"))
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    summary = run(args)
-    if int(os.environ.get("RANK", "0")) == 0:
+    """Run, print the summary; exit codes: 0 done, 1 a worker failed (named),
+    2 bad options or checkpoint (raised as ValueError), 3 the loss became
+    NaN/Inf (0 with ``--allow-divergence``), 130 interrupted (Ctrl-C)."""
+    try:
+        summary = run(args)
+    except WorkerFailed as exc:
+        print(f"gradpress train: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("gradpress train: interrupted; workers stopped", file=sys.stderr)
+        return 130
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    if rank0:
         print(summary_line(summary))
         if summary.get("strategy") == "auto" and summary.get("plan"):
             from gradpress.exchange.planner import Plan
@@ -39,6 +51,16 @@ def run_cli(args: argparse.Namespace) -> int:
                   "every tensor dense, or all are 1-D / below --min-numel); force one with --strategy "
                   "collective or lower --min-numel")
         print(f"metrics: {Path(summary['out']) / METRICS}  summary: {Path(summary['out']) / SUMMARY}")
+    bad = summary.get("diverged_at_step")
+    if bad is not None:
+        if summary.get("allow_divergence"):
+            if rank0:
+                print(f"gradpress train: warning: loss became non-finite at step {bad}", file=sys.stderr)
+            return 0
+        if rank0:
+            print(f"gradpress train: error: loss became non-finite at step {bad}; the run stopped there and the "
+                  "last good checkpoint was kept (lower --lr, or --allow-divergence to go on)", file=sys.stderr)
+        return 3
     return 0
 
 

@@ -24,10 +24,12 @@ from gradpress import workloads
 from gradpress.train import algorithm as algorithms
 from gradpress.train.optim import OPTIMIZERS, SCHEDULES
 
-__all__ = ["TrainConfig", "FIELDS", "RESUME_FIXED", "NONFINITE", "make_config"]
+__all__ = ["TrainConfig", "FIELDS", "RESUME_FIXED", "NONFINITE", "SEED_MAX", "make_config", "check_out"]
 
 #: what a step does when a rank's gradient has a NaN/Inf (``gradpress.ddp.NONFINITE_MODES``)
 NONFINITE = ("propagate", "skip", "raise")
+#: the largest --seed: numpy's global generator (seeded from it) takes 32-bit seeds
+SEED_MAX = 2**32 - 1
 
 
 @dataclasses.dataclass
@@ -62,6 +64,8 @@ class TrainConfig:
     samples: int | None = None
     text_bytes: int | None = None
     progress: bool = True
+    timeout: float = 300.0
+    allow_divergence: bool = False
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig))
@@ -92,14 +96,35 @@ def _load_toml(path: str) -> dict[str, Any]:
     return out
 
 
-def _int(name: str, value: Any, low: int | None = None, optional: bool = False) -> int | None:
+def _int(name: str, value: Any, low: int | None = None, optional: bool = False, high: int | None = None) -> int | None:
     if value is None and optional:
         return None
+    allowed = "" if low is None else f" >= {low}"
+    if high is not None:
+        allowed = f" from {low} to {high}"
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name} must be an integer{'' if low is None else f' >= {low}'}, got {value!r}")
-    if low is not None and value < low:
-        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        raise ValueError(f"{name} must be an integer{allowed}, got {value!r}")
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise ValueError(f"{name} must be an integer{allowed}, got {value!r}")
     return int(value)
+
+
+def check_out(out: str) -> None:
+    """Fail (ValueError, one line) unless ``out`` is a directory this process
+    can create and write in: checked before any data, model or worker (the
+    directory is created, and a probe file written and removed)."""
+    import tempfile
+
+    path = os.path.abspath(out)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"out: {out!r} exists and is not a directory")
+    try:
+        os.makedirs(path, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=path, prefix=".gradpress-probe-")
+        os.close(fd)
+        os.remove(probe)
+    except OSError as exc:
+        raise ValueError(f"out: cannot write to {out!r}: {exc.strerror or exc}") from None
 
 
 def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
@@ -157,7 +182,7 @@ def _validate_numbers(cfg: TrainConfig) -> None:
     cfg.epochs = _int("epochs", cfg.epochs, 1)
     cfg.steps = _int("steps", cfg.steps, 1, optional=True)
     cfg.batch_size = _int("batch_size", cfg.batch_size, 1)
-    cfg.seed = _int("seed", cfg.seed, 0)
+    cfg.seed = _int("seed", cfg.seed, 0, high=SEED_MAX)
     cfg.log_every = _int("log_every", cfg.log_every, 1)
     cfg.eval_every = _int("eval_every", cfg.eval_every, 0)
     cfg.nproc = _int("nproc", cfg.nproc, 1, optional=True)
@@ -168,6 +193,10 @@ def _validate_numbers(cfg: TrainConfig) -> None:
     if isinstance(cfg.lr, bool) or not isinstance(cfg.lr, (int, float)) or not math.isfinite(cfg.lr) or cfg.lr <= 0:
         raise ValueError(f"lr must be a positive finite number, got {cfg.lr!r}")
     cfg.lr = float(cfg.lr)
+    if (isinstance(cfg.timeout, bool) or not isinstance(cfg.timeout, (int, float)) or not math.isfinite(cfg.timeout)
+            or cfg.timeout <= 0):
+        raise ValueError(f"timeout must be a positive finite number of seconds, got {cfg.timeout!r}")
+    cfg.timeout = float(cfg.timeout)
 
 
 def _validate_exchange(cfg: TrainConfig) -> None:
@@ -210,12 +239,13 @@ def _validate(cfg: TrainConfig) -> TrainConfig:
     cfg.device = _choice("device", cfg.device, ("cpu", "cuda"))
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' requested but torch.cuda.is_available() is False; allowed here: cpu")
-    for name in ("resume", "progress"):
+    for name in ("resume", "progress", "allow_divergence"):
         if not isinstance(getattr(cfg, name), bool):
             raise ValueError(f"{name} must be true or false, got {getattr(cfg, name)!r}")
     if not isinstance(cfg.out, (str, os.PathLike)) or not str(cfg.out):
         raise ValueError(f"out must be a directory path, got {cfg.out!r}")
     cfg.out = str(cfg.out)
+    check_out(cfg.out)
     if cfg.params is not None:
         if cfg.workload != "wide-mlp":
             raise ValueError(f"params sets the size of 'wide-mlp' only; workload is {cfg.workload!r}")

@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import os
+import signal
 import socket
 import sys
 import uuid
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -24,7 +27,11 @@ import torch.distributed as dist
 from gradpress import workloads
 from gradpress.train.config import TrainConfig, make_config
 
-__all__ = ["run", "init_group", "free_port"]
+__all__ = ["run", "init_group", "free_port", "WorkerFailed", "describe_failures"]
+
+
+class WorkerFailed(RuntimeError):
+    """A training worker died or failed; the message names the first one and how."""
 
 
 def free_port() -> int:
@@ -47,6 +54,12 @@ def run(config: Mapping[str, Any] | argparse.Namespace | TrainConfig | None = No
 
     cfg = make_config(config, **overrides)
     if cfg.nproc is not None and not _in_group_env():
+        if cfg.resume:  # a bad checkpoint fails here, in one line, before any worker starts
+            from gradpress.train import checkpoint
+
+            state = checkpoint.load(Path(cfg.out) / checkpoint.CHECKPOINT)
+            checkpoint.check_resume(state, cfg, cfg.nproc)
+            del state
         return _launch(cfg)
     return train(cfg)
 
@@ -100,7 +113,7 @@ def _launch(cfg: TrainConfig) -> dict[str, Any]:
     try:
         results = elastic_launch(launch, _worker_entry)(dataclasses.asdict(cfg))
     except ChildFailedError as exc:
-        raise RuntimeError(f"a training worker failed:\n{exc.format_msg()}") from None
+        raise WorkerFailed(describe_failures(exc.failures, cfg.nproc, cfg.timeout)) from None
     finally:
         if old is None:
             os.environ.pop("OMP_NUM_THREADS", None)
@@ -110,13 +123,61 @@ def _launch(cfg: TrainConfig) -> dict[str, Any]:
     return first["ok"]
 
 
-def init_group(device: str) -> bool:
-    """Join or create the default process group; True if we created it."""
+_TIMEOUT_WORDS = ("timed out", "timeout", "timedout")
+
+
+def _how(failure: Any) -> str:
+    if failure.exitcode < 0:
+        try:
+            name = signal.Signals(-failure.exitcode).name
+        except ValueError:
+            name = f"signal {-failure.exitcode}"
+        return f"was killed by {name} (pid {failure.pid})"
+    message = failure.message
+    if isinstance(message, Mapping):
+        message = message.get("message", "")
+    lines = [ln.strip() for ln in str(message or "").splitlines() if ln.strip()]
+    what = lines[0] if lines else "no message"
+    return f"failed with exit code {failure.exitcode}: {what[:300]}"
+
+
+def describe_failures(failures: Mapping[int, Any], nproc: int | None, timeout: float | None) -> str:
+    """One message from the elastic launcher's failures (rank -> ProcessFailure):
+    the worker that died first and how. A worker killed by a signal comes
+    first (the others' errors, such as "Connection reset by peer", are its
+    consequences); else the earliest error. A timeout names the ranks that
+    reported nothing (the silent ones)."""
+    if not failures:
+        return "a training worker failed (no details)"
+    def order(item: tuple[int, Any]) -> tuple[int, int, int]:
+        rank, f = item
+        killed = f.exitcode < 0 and f.exitcode not in (-signal.SIGTERM, -signal.SIGINT)
+        return (0 if killed else 1, f.timestamp, rank)
+    ranked = sorted(failures.items(), key=order)
+    rank, first = ranked[0]
+    msg = f"worker rank {rank} {_how(first)}"
+    text = str(first.message).lower()
+    if first.exitcode >= 0 and any(w in text for w in _TIMEOUT_WORDS):
+        silent = [r for r in range(nproc or 0) if r not in failures or failures[r].exitcode < 0]
+        who = (f"rank {silent[0]}" if len(silent) == 1 else "ranks " + ", ".join(map(str, silent))) if silent \
+            else "another rank"
+        msg = (f"worker rank {rank} timed out after {timeout:g} s waiting for {who}, which stopped responding "
+               f"(stopped, hung or far slower); raise --timeout if it is only slow. First error: {_how(first)}")
+    others = [f"rank {r} {_how(f)}" for r, f in ranked[1:]]
+    if others:
+        msg += "; then " + "; ".join(others)
+    return msg
+
+
+def init_group(device: str, timeout: float | None = None) -> bool:
+    """Join or create the default process group (``timeout`` seconds for its
+    collectives; None: torch's default); True if we created it."""
     if dist.is_initialized():
         return False
     backend = "nccl" if device == "cuda" else "gloo"
+    kw: dict[str, Any] = {} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, **kw)
     else:
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1, **kw)
     return True

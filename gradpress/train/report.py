@@ -4,12 +4,13 @@ line per logging step) and ``summary.json``."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 from pathlib import Path
 from typing import Any
 
-__all__ = ["METRICS", "SUMMARY", "human_bytes", "MetricsLog", "summarize", "write_summary"]
+__all__ = ["METRICS", "SUMMARY", "human_bytes", "finite_or_null", "dumps", "MetricsLog", "summarize", "write_summary"]
 
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
@@ -21,6 +22,23 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
         n /= 1000
     return f"{n:.1f}GB"
+
+
+def finite_or_null(obj: Any) -> Any:
+    """``obj`` with every NaN/Inf float (also inside dicts and lists) replaced
+    by None: the files are strict JSON (``null``), which every parser reads."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite_or_null(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_or_null(v) for v in obj]
+    return obj
+
+
+def dumps(obj: Any, **kw: Any) -> str:
+    """Strict JSON: non-finite numbers become ``null`` (never ``NaN``)."""
+    return json.dumps(finite_or_null(obj), allow_nan=False, **kw)
 
 
 def _read_metrics(path: Path, upto_step: int) -> list[dict[str, Any]]:
@@ -46,18 +64,20 @@ class MetricsLog:
             out.mkdir(parents=True, exist_ok=True)
             rows = _read_metrics(self.path, resumed_at) if resumed_at is not None else []
             with open(self.path, "w") as f:
-                f.writelines(json.dumps(r) + "\n" for r in rows)
+                f.writelines(dumps(r) + "\n" for r in rows)
 
     def write(self, row: dict[str, Any]) -> None:
         if self.active:
             with open(self.path, "a") as f:
-                f.write(json.dumps(row) + "\n")
+                f.write(dumps(row) + "\n")
 
 
 def summarize(*, cfg: Any, described: dict[str, Any], stats: dict[str, Any], world: int, steps: int,
               steps_per_epoch: int, n_params: int, wl: Any, metric_value: float | None,
-              history: list[dict[str, Any]], step_times: list[float], train_s: float, out: Path) -> dict[str, Any]:
-    """The summary of a run (every rank computes the same one)."""
+              history: list[dict[str, Any]], step_times: list[float], train_s: float, out: Path,
+              diverged_at_step: int | None = None) -> dict[str, Any]:
+    """The summary of a run (every rank computes the same one).
+    ``diverged_at_step``: the first step whose loss was NaN/Inf on some rank."""
     steps_done = max(stats["steps"], 1)
     bytes_per_step = stats["bytes_sent"] / steps_done
     dense_per_step = stats["dense_bytes"] / steps_done
@@ -90,6 +110,8 @@ def summarize(*, cfg: Any, described: dict[str, Any], stats: dict[str, Any], wor
         "compress_s": stats["compress_s"],
         "comm_s": stats["comm_s"],
         "train_s": train_s,
+        "diverged_at_step": diverged_at_step,
+        "allow_divergence": bool(getattr(cfg, "allow_divergence", False)),
         "history": history,
         "out": str(out),
     }
@@ -100,5 +122,5 @@ def summarize(*, cfg: Any, described: dict[str, Any], stats: dict[str, Any], wor
 
 def write_summary(out: Path, summary: dict[str, Any]) -> None:
     tmp = out / (SUMMARY + ".tmp")
-    tmp.write_text(json.dumps(summary, indent=2) + "\n")
+    tmp.write_text(dumps(summary, indent=2) + "\n")
     os.replace(tmp, out / SUMMARY)

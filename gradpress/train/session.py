@@ -15,8 +15,10 @@ Invariants:
 
 from __future__ import annotations
 
+import math
 import os
 import random
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -48,7 +50,8 @@ def _device(cfg: TrainConfig) -> torch.device:
 
 class _Logger:
     """What happens after each step: the loss window, metrics lines,
-    evaluation, progress bar and checkpoints."""
+    evaluation, progress (a bar on a terminal, else plain lines) and
+    checkpoints; it watches for a loss that becomes NaN/Inf."""
 
     def __init__(self, run: _Run, start_step: int, total: int) -> None:
         from tqdm import tqdm
@@ -57,17 +60,37 @@ class _Logger:
         self.total = total
         cfg = run.cfg
         desc = cfg.compressor if cfg.algorithm == "ddp" else f"{cfg.algorithm}/{cfg.compressor}"
+        self.desc = f"{cfg.workload} {desc}"
+        show = run.rank == 0 and cfg.progress
+        # a bar's carriage-return refreshes would fill a log file with one huge line: on a
+        # non-terminal stderr, plain lines about every 5% of the run (whole log intervals)
+        self.tty = show and sys.stderr.isatty()
+        self.lines = show and not self.tty
+        self.line_every = cfg.log_every * max(1, math.ceil(total / 20 / cfg.log_every))
         self.bar = tqdm(total=total, initial=min(start_step, total), unit="step", dynamic_ncols=True,
-                        desc=f"{cfg.workload} {desc}", disable=(run.rank != 0 or not cfg.progress))
+                        desc=self.desc, disable=not self.tty)
         self.win_loss = torch.zeros((), dtype=torch.float64, device=run.device)
         self.win_n = 0
         self.win_time = 0.0
         self.last_bytes = run.algo.stats["bytes_sent"]
+        #: first step (on any rank) whose loss was not finite; inf while none (no host sync per step)
+        self.bad_step = torch.full((), math.inf, dtype=torch.float64, device=run.device)
+        self.diverged_at: int | None = None
+
+    def _plain_line(self, row: dict[str, Any]) -> None:
+        parts = [f"{self.desc}: step {row['step']}/{self.total}", f"loss {row['loss']:.4f}",
+                 f"{report.human_bytes(row['bytes'])}/step", f"{row['step_s'] * 1e3:.1f} ms/step"]
+        if self.r.metric_value is not None:
+            parts.append(f"{self.r.wl.metric} {self.r.metric_value:.4f}")
+        print(", ".join(parts), file=sys.stderr, flush=True)
 
     def __call__(self, t: Tick) -> bool:
         r, cfg = self.r, self.r.cfg
         r.step_times.append(t.seconds)
-        self.win_loss += t.loss.detach().double()
+        loss = t.loss.detach().double()
+        self.win_loss += loss
+        self.bad_step = torch.where(torch.isfinite(loss) | (self.bad_step <= t.step), self.bad_step,
+                                    torch.full_like(self.bad_step, t.step))
         self.win_n += 1
         self.win_time += t.seconds
         self.bar.update(1)
@@ -78,6 +101,11 @@ class _Logger:
             return False
         mean_loss = self.win_loss / self.win_n
         dist.all_reduce(mean_loss)
+        bad = self.bad_step.clone()
+        dist.all_reduce(bad, op=dist.ReduceOp.MIN)
+        diverged_now = self.diverged_at is None and math.isfinite(float(bad))
+        if diverged_now:
+            self.diverged_at = int(bad)
         stats = r.algo.stats
         row: dict[str, Any] = {
             "step": t.step, "epoch": t.epoch + (t.batch + 1) / r.steps_per_epoch,
@@ -101,6 +129,10 @@ class _Logger:
             if r.metric_value is not None:
                 post[r.wl.metric] = f"{r.metric_value:.4f}"
             self.bar.set_postfix(post, refresh=False)
+            if self.lines and (evaluating or t.step % self.line_every == 0):
+                self._plain_line(row)
+        if diverged_now and not cfg.allow_divergence:
+            return True  # stop; no checkpoint of the diverged state: the last good one stays
         if epoch_end or last:
             nxt = (t.epoch + 1, 0) if epoch_end else (t.epoch, t.batch + 1)
             checkpoint.save(r.out / checkpoint.CHECKPOINT, cfg, r.world, r.rank, r.device, r.model, r.opt, r.algo,
@@ -144,7 +176,7 @@ class _Run:
         self.algo = algorithm.create(cfg.algorithm, self.model, self.opt, compressor=cfg.compressor,
                                      error_feedback=_EF[cfg.error_feedback], strategy=cfg.strategy,
                                      min_numel=cfg.min_numel, seed=cfg.seed, nonfinite=cfg.nonfinite,
-                                     plan_costs=cfg.plan_costs)
+                                     plan_costs=cfg.plan_costs, timeout=cfg.timeout)
         if state is not None:
             if "model" in state["ranks"][self.rank]:  # replicas differ: building took rank 0's parameters
                 self.model.load_state_dict(state["ranks"][self.rank]["model"])
@@ -178,7 +210,7 @@ class _Run:
             cfg=cfg, described=self.algo.describe(), stats=self.algo.stats, world=self.world, steps=step,
             steps_per_epoch=self.steps_per_epoch, n_params=sum(p.numel() for p in self.model.parameters()),
             wl=self.wl, metric_value=self.metric_value, history=self.history, step_times=self.step_times,
-            train_s=time.perf_counter() - t_start, out=self.out)
+            train_s=time.perf_counter() - t_start, out=self.out, diverged_at_step=logger.diverged_at)
         if self.rank == 0:
             report.write_summary(self.out, summary)
         return summary
@@ -190,7 +222,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     if threads.isdigit() and int(threads) > 0 and torch.get_num_threads() != int(threads):
         # forked workers inherit the parent's thread pool size, not the variable
         torch.set_num_threads(int(threads))
-    created = init_group(cfg.device)
+    created = init_group(cfg.device, cfg.timeout)
     run: _Run | None = None
     try:
         run = _Run(cfg)

@@ -90,7 +90,9 @@ def cache_dir() -> Path:
 def cached_arrays(tag: str, key: dict[str, Any], make: Callable[[], dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     """Return ``make()``, cached on disk under a hash of ``key``.
 
-    The cache only saves time: a missing or unreadable cache regenerates, and
+    The cache only saves time: a missing, truncated or otherwise unreadable
+    cache file (any error while reading it, ``BadZipFile`` included) is
+    removed and regenerated, and
     a failed write is ignored. Writes are atomic (temporary file + rename), so
     concurrent workers never read a half-written file.
     """
@@ -99,8 +101,13 @@ def cached_arrays(tag: str, key: dict[str, Any], make: Callable[[], dict[str, np
     try:
         with np.load(path, allow_pickle=False) as f:
             return {k: f[k] for k in f.files}
-    except (OSError, ValueError, EOFError):
+    except FileNotFoundError:
         pass
+    except Exception:  # noqa: BLE001 - truncated / damaged (BadZipFile, EOFError, CRC...): regenerate
+        try:
+            path.unlink()
+        except OSError:
+            pass
     arrays = make()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
