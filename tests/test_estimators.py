@@ -218,7 +218,7 @@ def test_bench_estimators_rows_and_table() -> None:
     assert [r["per_call"] for r in again] == [r["per_call"] for r in rows]
     table = format_table(result)
     assert "| `redsync:correction=adaptive` | laplace | 50K | 0.01 |" in table
-    assert "rows within the bounds" in table
+    assert "cases (method x data x size x ratio) within the bounds" in table
 
 
 def test_bench_estimators_command_line() -> None:

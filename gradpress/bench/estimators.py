@@ -307,10 +307,16 @@ def _size(n: int) -> str:
     return f"{n:,}"
 
 
+def _ms(value: float) -> str:
+    """Milliseconds with three significant digits or so."""
+    return f"{value:.0f}" if value >= 100 else f"{value:.1f}" if value >= 10 else f"{value:.2f}"
+
+
 def _summary(result: dict[str, Any]) -> list[str]:
     rows = result["rows"]
     misses = [r for r in rows if not r["within_bounds"]]
-    lines = ["", f"{len(rows) - len(misses)} of {len(rows)} rows within the bounds (mean achieved/target in "
+    lines = ["", f"{len(rows) - len(misses)} of {len(rows)} cases (method x data x size x ratio) within the bounds "
+                 f"(mean achieved/target in "
                  f"[{MEAN_BOUNDS[0]}, {MEAN_BOUNDS[1]}], every call in [{CALL_BOUNDS[0]}, {CALL_BOUNDS[1]}]) "
                  f"over {result['steps']} successive draws."]
     for r in misses:
@@ -343,7 +349,7 @@ def format_wide(result: dict[str, Any]) -> str:
             cells.append(text if r["within_bounds"] else f"**{text}**")
         for q in ratios:
             r = by_ratio.get(q)
-            cells.append("-" if r is None else f"{r['ms_per_call']:.2f} / {r['topk_ms_per_call']:.2f}")
+            cells.append("-" if r is None else f"{_ms(r['ms_per_call'])} / {_ms(r['topk_ms_per_call'])}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines + _summary(result))
 
@@ -360,5 +366,5 @@ def format_table(result: dict[str, Any]) -> str:
         lines.append(
             f"| `{row['method']}` | {row['data']} | {_size(row['numel'])} | {row['ratio']:g} | {row['mean']:.3f} "
             f"| {row['min']:.3f} | {row['max']:.3f} | {'ok' if row['within_bounds'] else '**MISS**'} | {extra} "
-            f"| {row['ms_per_call']:.2f} | {row['topk_ms_per_call']:.2f} |")
+            f"| {_ms(row['ms_per_call'])} | {_ms(row['topk_ms_per_call'])} |")
     return "\n".join(lines + _summary(result))
