@@ -55,6 +55,6 @@ def run_cli(args: argparse.Namespace) -> int:
     tgt = result[0]["target"]
     if tgt is not None:
         print(f"target {result[0]['metric']}: {tgt:.4f}")
-    extra = ", sweep.json" if args.lr_sweep is not None else ""
+    extra = f", {out}/sweep.json" if args.lr_sweep is not None else ""
     print(f"wrote {out}/compare.json, {out}/compare-stats.json{extra}, {out}/compare.md, {out}/compare.png")
     return 0
