@@ -16,9 +16,18 @@ omega = 1/8 + d^(1/r) 2^(1-s) min(1, d^(1/r) 2^(1-s)), r = min(p, 2); for
 p = 2: omega = 1/8 + min(sqrt(d)/2^(s-1), d/2^(2(s-1))). Standard dithering
 (p = 2): omega = min(d/s^2, sqrt(d)/s) (Alistarh et al. 2017).
 
-Packet: ``[norm (fp32, 1), sign bits (uint8, packed 1 bit each), level
-indices (uint8, packed ceil(log2(s+1)) bits each)]``, fixed size: 4 +
-ceil(d/8) + ceil(d*b/8) bytes. No separate values (``values_index=None``):
+Extreme inputs: the norm is computed without overflow or underflow
+(:func:`gradpress.compress.numerics.flat_norm`), in fp32, or fp64 for fp64
+inputs (which also send it in fp64), so every finite input whose norm fits
+the norm's dtype is quantized unbiasedly, subnormals included (decoded
+values there are exact only to the dtype's absolute resolution). A norm
+beyond fp32 (fp32/fp16/bf16 inputs) saturates at fp32's maximum: finite,
+biased. Decoded values an fp16/bf16 output cannot hold saturate at its
+maximum (the magnitudes table is clamped).
+
+Packet: ``[norm (fp32, 1; fp64 for fp64 inputs), sign bits (uint8, packed 1
+bit each), level indices (uint8, packed ceil(log2(s+1)) bits each)]``,
+fixed size: 4 (fp64: 8) + ceil(d/8) + ceil(d*b/8) bytes. No separate values (``values_index=None``):
 it is a second-stage quantizer (``topk:ratio=0.01>dithering``).
 
 Memory: after the norm (one reduction) the input is encoded span by span
@@ -39,6 +48,7 @@ import torch
 
 from gradpress.compress.base import Compressor, Context, Packet, Param, generator_for
 from gradpress.compress.bits import pack_bits, packed_nbytes, unpack_bits
+from gradpress.compress.numerics import compute_dtype, flat_norm, saturate_
 from gradpress.compress.registry import register
 from gradpress.compress.spans import chunk_spans
 
@@ -89,8 +99,8 @@ class Dithering(Compressor):
                 f"compressor 'dithering': parameter 'levels' got {self.levels!r}; allowed: 1 <= levels <= 120 when natural=true"
             )
 
-    def _levels_of(self, code: torch.Tensor) -> torch.Tensor:
-        c = code.to(torch.float32)
+    def _levels_of(self, code: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        c = code.to(dtype)
         if self.natural:
             return torch.where(code == 0, torch.zeros_like(c), torch.exp2(c - self.levels))
         return c / self.levels
@@ -101,30 +111,33 @@ class Dithering(Compressor):
         s = self.levels
         bits = code_bits(s)
         dev = x.device
-        norm = torch.linalg.vector_norm(flat.to(torch.float32), ord=float(self.p)) if d else torch.zeros((), device=dev)
+        cdt = compute_dtype(x.dtype)
+        norm = flat_norm(flat, float(self.p), cdt)
+        big = torch.finfo(cdt).max
+        norm = norm.clamp(max=big)  # a norm beyond the dtype saturates (NaN stays NaN)
         safe = torch.where(norm > 0, norm, torch.ones_like(norm))
         gen = generator_for(dev, ctx.private_seed)
         signs = torch.empty(packed_nbytes(d, 1), dtype=torch.uint8, device=dev)
         codes = torch.empty(packed_nbytes(d, bits), dtype=torch.uint8, device=dev)
         for a, b in chunk_spans(d, dev):
-            v = flat[a:b].to(torch.float32)
+            v = flat[a:b].to(cdt)
             y = torch.abs(v).div_(safe).clamp_(max=1.0)
             if self.natural:
                 _, exp = torch.frexp(y)
                 lo_idx = exp.add_(s - 1).masked_fill_(y.ge(2.0 ** (1 - s)).logical_not_(), 0).clamp_(0, s)
-                lo = self._levels_of(lo_idx)
-                hi = torch.exp2((lo_idx + (1 - s)).to(torch.float32))
+                lo = self._levels_of(lo_idx, cdt)
+                hi = torch.exp2((lo_idx + (1 - s)).to(cdt))
             else:
                 t = y * s
                 lo_idx = torch.floor(t).to(torch.int32).clamp_(0, s)
-                lo = lo_idx.to(torch.float32).div_(s)
-                hi = (lo_idx + 1).to(torch.float32).div_(s)
+                lo = lo_idx.to(cdt).div_(s)
+                hi = (lo_idx + 1).to(cdt).div_(s)
             prob = y.sub_(lo).div_(hi.sub_(lo)).clamp_(0.0, 1.0)
-            up = torch.rand(b - a, generator=gen, device=dev) < prob
+            up = torch.rand(b - a, generator=gen, device=dev, dtype=cdt) < prob
             code = lo_idx.add_(up).clamp_(max=s)
             signs[a // 8 : a // 8 + packed_nbytes(b - a, 1)] = pack_bits((v < 0).view(torch.uint8), 1)
             codes[a * bits // 8 : a * bits // 8 + packed_nbytes(b - a, bits)] = pack_bits(code.to(torch.uint8) if bits <= 8 else code, bits)
-        return Packet([norm.reshape(1).to(torch.float32), signs, codes], x.shape, x.dtype)
+        return Packet([norm.reshape(1), signs, codes], x.shape, x.dtype)
 
     def decode(self, packet: Packet) -> torch.Tensor:
         norm, signs, codes = packet.tensors
@@ -132,8 +145,9 @@ class Dithering(Compressor):
         s = self.levels
         bits = code_bits(s)
         dev = codes.device
-        # the magnitude of every level index, then one gather per chunk
-        table = self._levels_of(torch.arange(s + 1, device=dev)) * norm.reshape(()).to(torch.float32)
+        # the magnitude of every level index (saturated where the output dtype ends), then one gather per chunk
+        cdt = compute_dtype(packet.dtype)
+        table = saturate_(self._levels_of(torch.arange(s + 1, device=dev), cdt) * norm.reshape(()).to(cdt), packet.dtype)
         out = torch.empty(d, dtype=packet.dtype, device=dev)
         for a, b in chunk_spans(d, dev):
             neg = unpack_bits(signs[a // 8 : a // 8 + packed_nbytes(b - a, 1)], 1, b - a).to(torch.bool)

@@ -6,8 +6,14 @@ the residual e <- p - delta is kept by the generic residual memory
 (``gradpress.exchange.feedback``), on by default since the compressor is biased.
 sign(0) is taken as +1 (one bit per entry has no zero).
 
-Packet: ``[scale (fp32, 1 entry), bits (uint8)]``, bit i = (p_i >= 0) packed
-8 per byte. Wire size: 4 + ceil(d/8) bytes.
+The scale is computed in fp32 (fp64 for fp64 inputs) and, where the |p| sum
+overflows, as max|p| * mean(|p| / max|p|), so it is finite and accurate for
+every finite input; fp64 inputs send it as the upper 32 bits of its fp64
+value (fp64 range, relative precision 2^-21).
+
+Packet: ``[scale (fp32, 1 entry; int32 upper word for fp64 inputs), bits
+(uint8)]``, bit i = (p_i >= 0) packed 8 per byte. Wire size: 4 + ceil(d/8)
+bytes.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import math
 import torch
 
 from gradpress.compress.base import Compressor, Context, Packet
-from gradpress.compress.qsgd import compute_dtype
+from gradpress.compress.numerics import compute_dtype, mean_abs, pack_scale, unpack_scale
 from gradpress.compress.registry import register
 from gradpress.compress.signsgd import pack_signs, unpack_two
 
@@ -30,14 +36,11 @@ class EFSignSGD(Compressor):
 
     def _encode(self, x: torch.Tensor, ctx: Context) -> Packet:
         p = x.reshape(-1).to(compute_dtype(x.dtype))
-        d = p.numel()
-        scale = torch.linalg.vector_norm(p, ord=1) / max(d, 1)  # fused |p| sum, no temporary
-        return Packet([scale.reshape(1).float(), pack_signs(p)], x.shape, x.dtype)
+        return Packet([pack_scale(mean_abs(p), x.dtype), pack_signs(p)], x.shape, x.dtype)
 
     def decode(self, packet: Packet) -> torch.Tensor:
         scale, data = packet.tensors[0], packet.tensors[1]
         d = math.prod(packet.shape)
-        cdt = compute_dtype(packet.dtype)
-        s = scale.to(cdt).reshape(())
+        s = unpack_scale(scale, packet.dtype).reshape(())
         values = torch.stack([-s, s]).to(packet.dtype)
         return unpack_two(data, d, values).reshape(packet.shape)

@@ -7,8 +7,16 @@ the mean of the negative entries (0 where a group is empty). Biased: the
 quantization error goes to the residual (error feedback on by default), as
 in the paper.
 
-Packet: ``[means (fp32: non-negative mean, negative mean), bits (uint8)]``,
-bits packed 8 per byte. Wire size: 8 + ceil(d/8) bytes.
+Each side's mean comes from its own sum (:func:`side_means`), never from
+``(sum +- L1) / 2``, which cancels when one side dominates (``[-1e30, 1, 2,
+3]`` would decode its positive side to 0); computed in fp32 (fp64 for fp64
+inputs) and rescaled where a sum would overflow, so both means are accurate
+for every finite input. fp64 inputs send each mean as the upper 32 bits of
+its fp64 value rounded to nearest (fp64 range, relative precision 2^-21).
+
+Packet: ``[means (fp32: non-negative mean, negative mean; int32 upper words
+for fp64 inputs), bits (uint8)]``, bits packed 8 per byte. Wire size: 8 +
+ceil(d/8) bytes.
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ import torch
 
 from gradpress.compress.base import Compressor, Context, Packet
 from gradpress.compress.bits import pack_bits
-from gradpress.compress.qsgd import compute_dtype
+from gradpress.compress.numerics import compute_dtype, pack_scale, side_means, unpack_scale
 from gradpress.compress.registry import register
 from gradpress.compress.signsgd import unpack_two
 
@@ -33,19 +41,12 @@ class OneBit(Compressor):
     def _encode(self, x: torch.Tensor, ctx: Context) -> Packet:
         v = x.reshape(-1).to(compute_dtype(x.dtype))
         mask = v >= 0
-        # sum(v >= 0 part) = (sum v + sum |v|) / 2, the negative part (sum v - sum |v|) / 2:
-        # two fused reductions, no float temporaries
-        total, l1 = v.sum(), torch.linalg.vector_norm(v, ord=1)
-        n_pos = torch.count_nonzero(mask).to(v.dtype)
-        n_neg = v.numel() - n_pos
-        mean_pos = (total + l1) / 2 / n_pos.clamp(min=1)
-        mean_neg = (total - l1) / 2 / n_neg.clamp(min=1)
-        means = torch.stack([mean_pos, mean_neg]).float()
+        mean_pos, mean_neg = side_means(v, torch.count_nonzero(mask))
+        means = pack_scale(torch.stack([mean_pos, mean_neg]), x.dtype)
         return Packet([means, pack_bits(mask, 1)], x.shape, x.dtype)
 
     def decode(self, packet: Packet) -> torch.Tensor:
         means, data = packet.tensors[0], packet.tensors[1]
         d = math.prod(packet.shape)
-        cdt = compute_dtype(packet.dtype)
-        values = means.to(cdt).flip(0).to(packet.dtype)  # bit 0 -> negative mean, 1 -> non-negative mean
+        values = unpack_scale(means, packet.dtype).flip(0).to(packet.dtype)  # bit 0 -> negative mean, 1 -> non-negative mean
         return unpack_two(data, d, values).reshape(packet.shape)

@@ -9,7 +9,19 @@ is n * sign(v_i) * level / s. Unbiased, with variance
 E||Q(v) - v||^2 <= min(b/s^2, sqrt(b)/s) ||v||^2. The coin flips use
 ``ctx.private_seed`` (independent per rank, so averaging reduces variance).
 
-Packet: ``[norms (fp32, ceil(d/b)), codes (uint8, bit-packed)]``; each code is
+Extreme inputs (:mod:`gradpress.compress.numerics`): the norm is computed
+without overflow or underflow (rescaled by max|v| where the plain one is not
+safe), in fp32 (fp64 for fp64 inputs), and y uses the norm the decoder
+receives, so the method stays unbiased for every finite bucket whose norm
+the wire can hold: subnormal buckets included (their decoded values are
+exact only to the dtype's absolute resolution). fp64 inputs send the norm as
+the upper 32 bits of its fp64 value rounded away from zero (fp64 range).
+A norm beyond fp32 (fp32/fp16/bf16 inputs) saturates at fp32's maximum and
+levels clip at s: finite, biased. Decoded values that the output dtype
+cannot hold (fp16 above 65504) saturate at its maximum.
+
+Packet: ``[norms (fp32, or int32 upper words for fp64 inputs; ceil(d/b)),
+codes (uint8, bit-packed)]``; each code is
 ``(level << 1) | sign`` in ceil(log2(s+1)) + 1 bits, packed densely with
 :func:`gradpress.compress.bits.pack_bits`. Wire size: 4*ceil(d/b) +
 ceil(d * bits / 8) bytes. Codes are fixed-width (no Elias coding).
@@ -23,14 +35,23 @@ import torch
 
 from gradpress.compress.base import Compressor, Context, Packet, Param, generator_for
 from gradpress.compress.bits import pack_bits, unpack_bits
+from gradpress.compress.numerics import compute_dtype, host_reads, pack_scale, row_norms, saturate_, unpack_scale
 from gradpress.compress.registry import register
+
+__all__ = ["MAX_LEVELS", "QSGD", "compute_dtype"]
 
 MAX_LEVELS = (1 << 23) - 1  # level + sign must fit the 24-bit packer
 
 
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """fp64 stays fp64; everything narrower is computed in fp32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+def _rows(flat: torch.Tensor, b: int) -> list[torch.Tensor]:
+    """``flat`` as 2-D views: ``(d // b, b)`` whole buckets, then the short
+    last bucket as one row (each only when non-empty)."""
+    d = flat.numel()
+    full = d // b * b
+    parts = [flat[:full].view(-1, b)] if full else []
+    if full < d:
+        parts.append(flat[full:].view(1, -1))
+    return parts
 
 
 @register
@@ -57,16 +78,25 @@ class QSGD(Compressor):
         flat = x.reshape(-1).to(compute_dtype(x.dtype))
         d = flat.numel()
         b = self._bucket(d)
-        full = d // b * b  # whole buckets are a (d // b, b) view; a short last one is handled apart
         s = float(self.levels)
-        norms = torch.cat([torch.linalg.vector_norm(flat[:full].view(-1, b), dim=1),
-                           torch.linalg.vector_norm(flat[full:]).reshape(-1)[: int(full < d)]])
-        factor = torch.where(norms > 0, s / norms, torch.zeros_like(norms))  # y = s |v| / n
-        # one fresh buffer, updated in place: y, then y + u, then floor(y + u), the level
-        # (floor(y + U) is floor(y) + Bernoulli(y - floor(y)): one draw, one pass)
+        rows = _rows(flat, b)
+        norms = torch.cat([row_norms(r) for r in rows]) if rows else flat.new_zeros(0)
+        wire = pack_scale(norms, x.dtype, away=True, saturate=True)
+        n = unpack_scale(wire, x.dtype)  # the norm the decoder sees (>= the true one unless saturated)
+        # y = s |v| / n per bucket, in one fresh buffer updated in place; s / n overflows only
+        # for norms below s / max (subnormal buckets): there |v| / n first, then times s
         y = flat.abs()
-        y[:full].view(-1, b).mul_(factor[: d // b, None])
-        y[full:].mul_(factor[d // b :])
+        pos = n > 0  # NaN norms (non-finite buckets) give y = 0 here and decode non-finite
+        factor = torch.where(pos, s / n, torch.zeros_like(n))
+        if host_reads(n) and bool(torch.isfinite(factor).all()):
+            for r, f in zip(_rows(y, b), factor.split([r.shape[0] for r in rows])):
+                r.mul_(f[:, None])
+        else:
+            div = torch.where(pos, n, torch.ones_like(n))
+            keep = torch.where(pos, torch.full_like(n, s), torch.zeros_like(n))
+            for r, q, k in zip(_rows(y, b), div.split([r.shape[0] for r in rows]), keep.split([r.shape[0] for r in rows])):
+                r.div_(q[:, None]).mul_(k[:, None])
+        # floor(y + U) is floor(y) + Bernoulli(y - floor(y)): one draw, one pass
         u = torch.rand(d, generator=generator_for(flat.device, ctx.private_seed), device=flat.device, dtype=flat.dtype)
         level = y.add_(u).floor_()
         del u
@@ -79,7 +109,7 @@ class QSGD(Compressor):
             codes.mul_(2).add_(neg.view(torch.uint8))
         else:
             codes = level.to(torch.int32).mul_(2).add_(neg)
-        return Packet([norms.float(), pack_bits(codes, self.bits)], x.shape, x.dtype)
+        return Packet([wire, pack_bits(codes, self.bits)], x.shape, x.dtype)
 
     def decode(self, packet: Packet) -> torch.Tensor:
         norms, data = packet.tensors[0], packet.tensors[1]
@@ -95,8 +125,14 @@ class QSGD(Compressor):
             codes = codes.to(torch.int32)
             out = (codes >> 1).to(cdt).mul_(1 - 2 * (codes & 1).to(cdt))
         del codes
-        scale = norms.to(cdt) / float(self.levels)
+        s = float(self.levels)
+        n = unpack_scale(norms, packet.dtype)
+        scale = n / s
+        # s * (n / s) may round above a norm at the dtype's maximum: step that scale down
+        scale = torch.where(torch.isinf(scale * s) & torch.isfinite(n), torch.nextafter(scale, torch.zeros_like(scale)), scale)
         full = d // b * b
         out[:full].view(-1, b).mul_(scale[: d // b, None])
         out[full:].mul_(scale[d // b :])
-        return out.to(packet.dtype).reshape(packet.shape)
+        if packet.dtype != cdt:
+            out = saturate_(out, packet.dtype).to(packet.dtype)
+        return out.reshape(packet.shape)
