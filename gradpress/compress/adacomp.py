@@ -22,8 +22,18 @@ unchanged and makes the scale NaN (the caller sees it).
 Because the residue lives inside the compressor, ``default_error_feedback``
 is False. The residue is updated in place (a fresh buffer only on a
 tensor's first call or a non-finite gradient) and the selection runs on spans
-of whole bins, so no full-size temporary besides the residue. Packet: ``[scale (fp32, 1), sign bits (uint8, packed),
-indices (int32)]``, variable size: 4 + ceil(n/8) + 4n bytes for n sent.
+of whole bins, so no full-size temporary besides the residue.
+
+Extreme inputs: the scale is a mean of magnitudes computed without overflow
+(:func:`gradpress.compress.numerics.mean_abs`) in the residue's dtype (fp32;
+fp64 for fp64 inputs); fp64 inputs send it as the upper 32 bits of its fp64
+value (fp64 range), and the residue keeps exactly what the decoder did not
+get (it subtracts the transmitted scale). Decoded values beyond an fp16
+output saturate at 65504 (the rest stays in the residue).
+
+Packet: ``[scale (fp32, 1; int32 upper word for fp64 inputs), sign bits
+(uint8, packed), indices (int32)]``, variable size: 4 + ceil(n/8) + 4n
+bytes for n sent.
 """
 
 from __future__ import annotations
@@ -36,6 +46,7 @@ import torch
 from gradpress.compress._threshold_select import work_dtype
 from gradpress.compress.base import Compressor, Context, Packet, Param
 from gradpress.compress.bits import pack_bits, unpack_bits
+from gradpress.compress.numerics import mean_abs, pack_scale, saturate_, unpack_scale
 from gradpress.compress.registry import register
 from gradpress.compress.spans import span_length
 from gradpress.compress.topk import scatter_sparse
@@ -101,7 +112,8 @@ class AdaComp(Compressor):
         dev = x.device
         if d == 0:
             return Packet(
-                [torch.zeros(1, dtype=torch.float32, device=dev), torch.empty(0, dtype=torch.uint8, device=dev),
+                [pack_scale(torch.zeros(1, dtype=work_dtype(x.dtype), device=dev), x.dtype),
+                 torch.empty(0, dtype=torch.uint8, device=dev),
                  torch.empty(0, dtype=torch.int32, device=dev)],
                 x.shape, x.dtype,
             )
@@ -119,10 +131,11 @@ class AdaComp(Compressor):
         size = self.bin_size or auto_bin_size(x.shape)
         idx = _select(g, dw, size)
         sent = g[idx]
-        n = idx.numel()
-        scale = sent.abs().sum() / max(n, 1)
+        scale = mean_abs(sent)
         if not finite:
             scale = torch.full_like(scale, float("nan"))
+        wire = pack_scale(scale, x.dtype)
+        scale = unpack_scale(wire, x.dtype).reshape(())  # what the decoder gets
         q = torch.where(sent < 0, -scale, scale)
         if finite:
             g.index_put_((idx,), sent - q)
@@ -130,14 +143,14 @@ class AdaComp(Compressor):
         elif old is None:
             self.residues[ctx.key] = torch.zeros_like(g)
         signs = pack_bits((sent < 0).to(torch.uint8), 1)
-        return Packet([scale.reshape(1).to(torch.float32), signs, idx.to(torch.int32)], x.shape, x.dtype)
+        return Packet([wire, signs, idx.to(torch.int32)], x.shape, x.dtype)
 
     def decode(self, packet: Packet) -> torch.Tensor:
         scale, signs, idx = packet.tensors
         n = idx.numel()
         neg = unpack_bits(signs, 1, n).to(torch.bool)
-        s = scale.reshape(()).to(torch.float32)
-        values = torch.where(neg, -s, s)
+        s = unpack_scale(scale, packet.dtype).reshape(())
+        values = saturate_(torch.where(neg, -s, s), packet.dtype)
         return scatter_sparse(values, idx, packet.shape, packet.dtype)
 
     def wire_bytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:

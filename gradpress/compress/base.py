@@ -300,6 +300,12 @@ class Compressor:
             return p
         return p - self.decode(packet).to(p.dtype)
 
+    def values_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """dtype of the floating values payload (``values_index``) for an
+        input of ``dtype``: the input's own by default (a second stage of a
+        composition decodes its values in it)."""
+        return dtype
+
     def values_count(self, rest: list[torch.Tensor], shape: torch.Size, meta: dict[str, Any]) -> int:
         """Number of values in a packet whose values tensor was replaced by a
         second stage (composition); ``rest`` are the other payload tensors.

@@ -90,7 +90,7 @@ class Composed(Compressor):
         inner_tensors = packet.tensors[: self._second_tensors]
         rest = packet.tensors[self._second_tensors :]
         count = self.first.values_count(rest, packet.shape, packet.meta)
-        values = self.second.decode(Packet(inner_tensors, torch.Size([count]), packet.dtype))
+        values = self.second.decode(Packet(inner_tensors, torch.Size([count]), self.first.values_dtype(packet.dtype)))
         return self.first.decode(Packet([values] + rest, packet.shape, packet.dtype, dict(packet.meta)))
 
     def state_dict(self) -> dict[str, Any]:

@@ -8,6 +8,8 @@ Per tensor (state keyed by ``ctx.key``), with ``g`` the incoming gradient:
    locally *before* accumulation and scales the threshold by N^(-1/2) because
    the sum of N independent gradients has N times the variance. (ALGORITHMS.md
    marks the N^(-1/2) factor unverified; we follow the paper's section 3.2.)
+   The norm is computed without overflow or underflow of its squares
+   (:func:`gradpress.compress.numerics.row_norms`).
 2. Momentum correction: ``u <- m*u + g``; ``v <- v + u``.
 3. Select about k = ceil(delta_e * d) entries of ``|v|`` (sampled threshold
    below), send ``v`` there.
@@ -57,6 +59,7 @@ from gradpress.compress._threshold_select import (
     work_dtype,
 )
 from gradpress.compress.base import Compressor, Context, Packet, Param, derive_seed
+from gradpress.compress.numerics import row_norms
 from gradpress.compress.params import ratio_param
 from gradpress.compress.registry import register
 from gradpress.compress.topk import kept_count, scatter_sparse
@@ -206,7 +209,8 @@ class DGC(QualityMixin, Compressor):
         finite = bool(torch.isfinite(lo) & torch.isfinite(hi))
         if self.clip > 0:
             max_norm = self.clip / math.sqrt(max(1, ctx.world_size))
-            coef = (max_norm / (torch.linalg.vector_norm(g) + 1e-6)).clamp(max=1.0)
+            norm = row_norms(g.view(1, -1)).reshape(())  # no overflow/underflow of the squares
+            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
             g = g * coef
         u = self.momentums.get(ctx.key)
         v = self.velocities.get(ctx.key)

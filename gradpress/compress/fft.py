@@ -19,12 +19,20 @@ the same kept count at a step, so packets are fixed-size at a given step.
 Wire format, chosen so that ``fft>rangefloat`` (the paper's pipeline) works
 through ``compose.py``, which needs one index per value: the kept
 coefficients' real and imaginary parts are interleaved into ``values``
-``[re_0, im_0, re_1, im_1, ...]`` (input dtype; the orthonormal transform
-keeps magnitudes in the input's range) and ``indices`` (int32) address the
+``[re_0, im_0, re_1, im_1, ...]`` (input dtype, but fp32 for fp16 inputs:
+the orthonormal transform can grow a magnitude by up to sqrt(d), the DC
+term of a constant tensor is sqrt(d) times its value, beyond fp16's 65504
+for modest tensors) and ``indices`` (int32) address the
 real view of the spectrum (length 2*(d//2+1)): 2j for re_j, 2j+1 for im_j.
 That costs 2*(elem + 4) bytes per kept coefficient (8 bytes more than the
 minimum of one shared index). Computation in fp32 (fp64 for fp64 inputs).
 Biased: error feedback on by default.
+
+Extreme inputs: both transforms run on data scaled by a power of two to unit
+maximum (exact), so no intermediate sum overflows and subnormal inputs keep
+their precision. A coefficient beyond the value dtype (fp32/bf16/fp64
+inputs within sqrt(d) of their maximum) and a decoded value beyond the
+output dtype saturate at its maximum.
 """
 
 from __future__ import annotations
@@ -35,9 +43,15 @@ import torch
 
 from gradpress.compress._threshold_select import work_dtype
 from gradpress.compress.base import Compressor, Context, Packet, Param
+from gradpress.compress.numerics import scale_pow2
 from gradpress.compress.registry import register
 
 SCHEDULES = ("constant", "linear")
+
+
+def value_dtype(dtype: torch.dtype) -> torch.dtype:
+    """dtype of the coefficients on the wire: the input's, fp32 for fp16."""
+    return torch.float32 if dtype == torch.float16 else dtype
 
 
 def kept_coefficients(n_coef: int, theta: float) -> int:
@@ -67,6 +81,9 @@ class FFT(Compressor):
                 f"allowed: 0 <= theta_end <= theta ({self.theta}) for the linear schedule (theta diminishes)"
             )
 
+    def values_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return value_dtype(dtype)
+
     def theta_at(self, step: int) -> float:
         """theta_t of the schedule."""
         if self.schedule == "constant":
@@ -79,15 +96,21 @@ class FFT(Compressor):
         d = flat.numel()
         if d == 0:
             return Packet(
-                [torch.empty(0, dtype=x.dtype, device=x.device), torch.empty(0, dtype=torch.int32, device=x.device)],
+                [torch.empty(0, dtype=value_dtype(x.dtype), device=x.device), torch.empty(0, dtype=torch.int32, device=x.device)],
                 x.shape, x.dtype,
             )
-        coef = torch.fft.rfft(flat.to(work_dtype(x.dtype)), norm="ortho")
+        wd = work_dtype(x.dtype)
+        lo, hi = torch.aminmax(flat)
+        c = scale_pow2(torch.maximum(-lo, hi).to(wd), wd)  # unit maximum, exactly
+        coef = torch.fft.rfft(flat.to(wd) * c, norm="ortho")
         kept = kept_coefficients(coef.numel(), self.theta_at(ctx.step))
         idx = torch.topk(coef.abs(), kept, sorted=False).indices
-        values = torch.view_as_real(coef)[idx].reshape(-1)
+        values = torch.view_as_real(coef)[idx].reshape(-1).div_(c)
+        vdt = value_dtype(x.dtype)
+        big = torch.finfo(vdt).max
+        values = values.clamp_(-big, big).to(vdt)
         real_idx = torch.stack([2 * idx, 2 * idx + 1], dim=1).reshape(-1)
-        return Packet([values.to(x.dtype), real_idx.to(torch.int32)], x.shape, x.dtype)
+        return Packet([values, real_idx.to(torch.int32)], x.shape, x.dtype)
 
     def decode(self, packet: Packet) -> torch.Tensor:
         values, idx = packet.tensors[0], packet.tensors[1]
@@ -96,6 +119,9 @@ class FFT(Compressor):
             return torch.empty(packet.shape, dtype=packet.dtype, device=values.device)
         wd = work_dtype(packet.dtype)
         spec = torch.zeros(2 * (d // 2 + 1), dtype=wd, device=values.device)
-        spec.index_put_((idx.long(),), values.to(wd))
-        out = torch.fft.irfft(torch.view_as_complex(spec.view(-1, 2)), n=d, norm="ortho")
-        return out.to(packet.dtype).reshape(packet.shape)
+        v = values.to(wd)
+        c = scale_pow2(v.abs().amax() if v.numel() else torch.zeros((), dtype=wd, device=v.device), wd)
+        spec.index_put_((idx.long(),), v * c)
+        out = torch.fft.irfft(torch.view_as_complex(spec.view(-1, 2)), n=d, norm="ortho").div_(c)
+        big = torch.finfo(packet.dtype).max
+        return out.clamp_(-big, big).to(packet.dtype).reshape(packet.shape)

@@ -6,6 +6,15 @@ overflowing (as PyTorch's ``fp16_compress_hook`` does). The cast saturates at
 the target's largest finite value instead of overflowing to inf. Deterministic
 round-to-nearest, so not exactly unbiased; error feedback is off by default
 because the error is at the rounding level.
+
+Range (the format's, documented rather than worked around): decode(encode(x))
+is exactly ``x.clamp(-max, max)`` rounded to nearest-even in the target and
+converted back. fp16: max 65504; normal down to 6.1e-5, subnormal (fewer
+significant bits) down to 6.0e-8 = 2^-24; magnitudes below 2^-25 (half the
+smallest subnormal) flush to zero, so an fp32 gradient of 1e-8 decodes to
+all zeros. bf16: max 3.39e38, fp32's range (normal down to 1.2e-38,
+subnormal down to 9.2e-41 = 2^-133); fp64 inputs beyond it saturate or flush
+the same way. NaN stays NaN; +-inf saturates to +-max.
 """
 
 from __future__ import annotations
@@ -13,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from gradpress.compress.base import Compressor, Context, Packet
+from gradpress.compress.numerics import compute_dtype
 from gradpress.compress.registry import register
 
 
@@ -30,7 +40,8 @@ class _Cast(Compressor):
         flat = x.reshape(-1)
         limit = torch.finfo(self.target).max
         if x.dtype != self.target and torch.finfo(x.dtype).max > limit and self._may_overflow(flat, limit):
-            flat = flat.float().clamp(-limit, limit)  # saturate instead of overflowing to inf
+            # saturate instead of overflowing to inf; clamped in fp32 (fp64 inputs in fp64: one rounding)
+            flat = flat.to(compute_dtype(x.dtype)).clamp(-limit, limit)
         return Packet([flat.to(self.target).contiguous()], x.shape, x.dtype)
 
     @staticmethod

@@ -15,6 +15,18 @@ keeps M - P Q^T with the aggregated factors, as the reference code does.
 
 Invariant: every rank computes P from the same summed P and Q from the same
 summed Q, so P Q^T is bit-identical on every rank.
+
+Extreme inputs: computed in fp32 (fp64 for fp64 inputs, never converted to
+fp32). The warm-start Q (whose magnitude is the last gradient's) is scaled
+by a power of two to unit maximum before P = M Q, so P has the gradient's
+magnitude, not its square (which overflows beyond ~1e19 and flushes to zero
+below ~1e-23 in fp32); every rank holds the same Q, so every rank scales
+alike, and orthogonalization makes the result independent of the scale.
+Orthogonalization divides each column by its norm computed without
+overflow or underflow, guarding only exact zeros (PyTorch's hook default,
+epsilon = 0): a fixed epsilon added to the norm would shrink the columns of
+small gradients towards zero. Results an fp16 output cannot hold saturate
+at 65504.
 """
 
 from __future__ import annotations
@@ -26,15 +38,19 @@ from typing import Any
 import torch
 
 from gradpress.compress.base import Compressor, Context, Packet, Param, all_finite, generator_for
+from gradpress.compress.numerics import compute_dtype, row_norms, saturate_, scale_pow2
 from gradpress.compress.registry import register
 
 
-def orthogonalize(p: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+def orthogonalize(p: torch.Tensor, eps: float = 0.0) -> torch.Tensor:
     """Gram-Schmidt on the columns of ``p`` (in place); a loop over the r
-    columns (r is small), never over elements."""
+    columns (r is small), never over elements. Each column is divided by its
+    norm (computed without overflow or underflow) plus ``eps``; a zero
+    column stays zero."""
     for i in range(p.shape[1]):
         col = p[:, i : i + 1]
-        col.div_(col.norm() + eps)
+        n = row_norms(col.t()).reshape(())
+        col.div_(torch.where(n > 0, n, torch.ones_like(n)) + eps)
         if i + 1 < p.shape[1]:
             rest = p[:, i + 1 :]
             rest.sub_(col @ (col.t() @ rest))
@@ -95,16 +111,19 @@ class PowerSGD(Compressor):
             return None, None
         n, m = dims
         r = min(self.rank, n, m)
-        matrix = x.reshape(n, m).float()
+        cdt = compute_dtype(x.dtype)
+        matrix = x.reshape(n, m).to(cdt)
         q = self.q.get(ctx.key) if self.warm_start else None
-        if q is None or q.shape != (m, r) or q.device != x.device:
+        if q is None or q.shape != (m, r) or q.device != x.device or q.dtype != cdt:
             gen = generator_for(x.device, ctx.shared_seed)
-            q = torch.randn(m, r, generator=gen, device=x.device)
+            q = torch.randn(m, r, generator=gen, device=x.device, dtype=cdt)
         else:
             # a step with a NaN/Inf somewhere leaves a non-finite Q behind: start afresh
             # then (every rank holds the same Q, so every rank decides alike; no host sync)
             gen = generator_for(x.device, ctx.shared_seed)
-            q = torch.where(all_finite(q), q, torch.randn(m, r, generator=gen, device=x.device))
+            fresh = torch.randn(m, r, generator=gen, device=x.device, dtype=cdt)
+            lo, hi = torch.aminmax(q)
+            q = torch.where(all_finite(q), q * scale_pow2(torch.maximum(-lo, hi), cdt), fresh)
         state = _Rounds(ctx.key, matrix, x.shape, x.dtype)
         return state, matrix @ q
 
@@ -120,10 +139,10 @@ class PowerSGD(Compressor):
 
     def finish(self, state: Any, out: torch.Tensor | None = None) -> torch.Tensor:
         q = state.q
-        if out is not None and out.dtype == torch.float32 and out.is_contiguous() and out.shape == state.shape:
+        if out is not None and out.dtype == state.p.dtype and out.is_contiguous() and out.shape == state.shape:
             torch.mm(state.p, q.t(), out=out.view(state.p.shape[0], -1))
             return out
-        return (state.p @ q.t()).reshape(state.shape).to(state.dtype)
+        return saturate_(state.p @ q.t(), state.dtype).reshape(state.shape).to(state.dtype)
 
     # ----------------------------------------------------- single-process use
     def _encode(self, x: torch.Tensor, ctx: Context) -> Packet:
@@ -143,7 +162,7 @@ class PowerSGD(Compressor):
         m = math.prod(packet.shape[1:])
         p = packet.tensors[0].reshape(n, -1)
         q = packet.tensors[1].reshape(m, -1)
-        return (p @ q.t()).reshape(packet.shape).to(packet.dtype)
+        return saturate_(p @ q.t(), packet.dtype).reshape(packet.shape).to(packet.dtype)
 
     def wire_bytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
         return numel * torch.empty(0, dtype=dtype).element_size()

@@ -8,6 +8,9 @@ summable: the elementwise sum of several ranks' value payloads decodes to the
 sum of their decodings. With ``scale=True`` the kept values are multiplied by
 d/k, which makes the compressor unbiased (E[decode(encode(x))] = x);
 otherwise it is biased (contractive) and error feedback is on by default.
+The scaling is computed in fp32 (fp64 for fp64 inputs) and saturates at the
+input dtype's maximum (fp16: kept values above 65504 * k/d lose their
+unbiasedness instead of becoming inf).
 
 Packet: ``[values (input dtype, k entries)]``; ``meta["seed"]`` holds the
 index seed, which is *not* sent: every rank can recompute it from the same
@@ -27,6 +30,7 @@ import math
 import torch
 
 from gradpress.compress.base import Compressor, Context, Packet, Param, generator_for
+from gradpress.compress.numerics import compute_dtype
 from gradpress.compress.params import ratio_param
 from gradpress.compress.registry import register
 from gradpress.compress.topk import kept_count, scatter_sparse
@@ -76,8 +80,9 @@ class RandomK(Compressor):
         seed = ctx.shared_seed
         idx = random_indices(d, k, seed, flat.device)
         values = flat[idx]
-        if self.scale and k:
-            values = values * (d / k)
+        if self.scale and k:  # in fp32 (fp64), saturating at the dtype's maximum instead of overflowing
+            big = torch.finfo(x.dtype).max
+            values = (values.to(compute_dtype(x.dtype)) * (d / k)).clamp_(-big, big).to(x.dtype)
         return Packet([values.contiguous()], x.shape, x.dtype, meta={"seed": seed})
 
     def decode(self, packet: Packet) -> torch.Tensor:

@@ -27,13 +27,16 @@ Relative error bound: every finite nonzero v inside the representable range
 |dec(v) - v| <= 2^-(m+1) |v|, m = bits - 1 - e; zeros are exact. Example:
 bits = 8, exponents spanning 4 octaves, no zeros: e = 2, m = 5, error
 <= 1/64. Deterministic rounding, so biased (error feedback on by default).
-Non-finite entries encode as zero.
+Non-finite entries encode as zero. Computed in fp32, or fp64 for fp64
+inputs (never converted to fp32), so the bound holds over the whole range
+of the input dtype, subnormals included (decoded there to the dtype's
+absolute resolution).
 
 Packet: ``[header (int32, 3: E_max, e, Z), codes (uint8, packed bits each)]``,
 fixed size 12 + ceil(d*bits/8) bytes.
 
 Memory: two passes over spans of the input (``dithering.chunk_spans``; the
-range statistics, then the codes, in 32-bit, packed span by span into the
+range statistics, then the codes, in 32-bit (64-bit for fp64 inputs), packed span by span into the
 output buffer), so temporaries stay at one span's size; decode (bits <= 16)
 gathers from a table of every code's value, span by span. A second-stage quantizer
 (``values_index=None``): ``fft:theta=0.9>rangefloat``.
@@ -47,6 +50,7 @@ import torch
 
 from gradpress.compress.base import Compressor, Context, Packet, Param
 from gradpress.compress.bits import pack_bits, packed_nbytes, unpack_bits
+from gradpress.compress.numerics import compute_dtype
 from gradpress.compress.registry import register
 from gradpress.compress.spans import chunk_spans
 
@@ -72,12 +76,13 @@ class RangeFloat(Compressor):
         dev = x.device
         bits = self.bits
         spans = chunk_spans(d, dev)
+        cdt = compute_dtype(x.dtype)
         # pass 1: max and min nonzero finite magnitude, any zero (non-finite counts as zero)
-        mx = torch.zeros((), dtype=torch.float32, device=dev)
-        mn = torch.full((), math.inf, dtype=torch.float32, device=dev)
+        mx = torch.zeros((), dtype=cdt, device=dev)
+        mn = torch.full((), math.inf, dtype=cdt, device=dev)
         zeros = torch.zeros((), dtype=torch.bool, device=dev)
         for a, b in spans:
-            mag = _finite_abs(flat[a:b])
+            mag = _finite_abs(flat[a:b], cdt)
             mx = torch.maximum(mx, mag.max())
             is0 = mag == 0
             zeros = zeros | is0.any()
@@ -95,7 +100,7 @@ class RangeFloat(Compressor):
         z = torch.where(capped, torch.ones_like(has_zero), has_zero)
         m = bits - 1 - e
         one = torch.ones((), dtype=i32, device=dev)
-        one_m = (one << m).to(torch.float32)  # 2^m
+        one_m = (one << m).to(cdt)  # 2^m
         scale = one_m * 2.0  # mantissa in [0.5, 1) -> [2^m, 2^(m+1)]
         zero_field = (one << e) - 1
         f_max = zero_field - z
@@ -105,7 +110,7 @@ class RangeFloat(Compressor):
         out = torch.empty(packed_nbytes(d, bits), dtype=torch.uint8, device=dev)
         for a, b in spans:
             v = flat[a:b]
-            mant = _finite_abs(v)
+            mant = _finite_abs(v, cdt)
             is_zero = mant == 0
             ex = torch.empty(mant.shape, dtype=i32, device=dev)
             torch.frexp(mant, out=(mant, ex))  # |v| = mant * 2^ex, floor(log2 |v|) = ex - 1
@@ -126,8 +131,9 @@ class RangeFloat(Compressor):
         header = torch.stack([e_max, e, z]).to(torch.int32)
         return Packet([header, out], x.shape, x.dtype)
 
-    def _table(self, e_max: torch.Tensor, e: torch.Tensor, z: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
-        """Decoded fp32 values of ``code`` (int32)."""
+    def _table(self, e_max: torch.Tensor, e: torch.Tensor, z: torch.Tensor, code: torch.Tensor,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Decoded values of ``code`` (int32) in ``dtype`` (fp32 or fp64)."""
         bits = self.bits
         m = bits - 1 - e
         one = torch.ones((), dtype=torch.int32, device=code.device)
@@ -136,8 +142,11 @@ class RangeFloat(Compressor):
         sign = (code >> (bits - 1)) & 1
         zero_field = (one << e) - 1
         is_zero = (z > 0) & (f == zero_field)
-        sig = 1.0 + torch.ldexp(frac.to(torch.float32), (-m).to(torch.float32))
-        mag = torch.ldexp(sig, (e_max - f).to(torch.float32))
+        sig = 1.0 + torch.ldexp(frac.to(dtype), (-m).to(dtype))
+        # 2^k for k down to the subnormal end: two normal factors (2^k alone would flush to 0)
+        k = (e_max - f).to(dtype)
+        half = torch.floor(k / 2)
+        mag = torch.ldexp(torch.ldexp(sig, half), k - half)
         val = torch.where(sign > 0, -mag, mag)
         return val.masked_fill_(is_zero, 0.0)
 
@@ -148,20 +157,21 @@ class RangeFloat(Compressor):
         h = header.to(torch.int32)
         e_max, e, z = h[0], h[1], h[2]
         dev = packed.device
+        cdt = compute_dtype(packet.dtype)
         out = torch.empty(d, dtype=packet.dtype, device=dev)
         table = None
         if bits <= TABLE_BITS:  # every code's value, then one gather per chunk
-            table = self._table(e_max, e, z, torch.arange(1 << bits, dtype=torch.int32, device=dev)).to(packet.dtype)
+            table = self._table(e_max, e, z, torch.arange(1 << bits, dtype=torch.int32, device=dev), cdt).to(packet.dtype)
         for a, b in chunk_spans(d, dev):
             code = unpack_bits(packed[a * bits // 8 : a * bits // 8 + packed_nbytes(b - a, bits)], bits, b - a)
             code = code.to(torch.int32)
             if table is not None:
                 torch.index_select(table, 0, code, out=out[a:b])
             else:
-                out[a:b] = self._table(e_max, e, z, code)
+                out[a:b] = self._table(e_max, e, z, code, cdt)
         return out.reshape(packet.shape)
 
 
-def _finite_abs(v: torch.Tensor) -> torch.Tensor:
-    """|v| in fp32 (a fresh buffer), non-finite entries as 0."""
-    return v.to(torch.float32).abs().nan_to_num_(0.0, 0.0, 0.0)
+def _finite_abs(v: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """|v| in ``dtype`` (a fresh buffer), non-finite entries as 0."""
+    return v.to(dtype).abs().nan_to_num_(0.0, 0.0, 0.0)
