@@ -198,6 +198,10 @@ def test_describe_failures_names_the_killed_worker_first():
                              1: failure(1, -signal.SIGKILL, "", 12)}, 2, 300)
     assert msg.startswith("worker rank 1 was killed by SIGKILL"), msg
     assert "rank 0" in msg and "Connection reset by peer" in msg
+    # the launcher noticed only rank 0's consequence; the exit codes show who was killed
+    msg = describe_failures({0: failure(0, 1, "RuntimeError: Connection closed by peer", 10)}, 2, 300,
+                            {0: (1000, 1), 1: (1001, -signal.SIGKILL)})
+    assert msg.startswith("worker rank 1 was killed by SIGKILL (pid 1001)"), msg
     msg = describe_failures({0: failure(0, 1, "DistBackendError: Timed out waiting 5000ms for recv", 10)}, 2, 5)
     assert "waiting for rank 1" in msg and "5 s" in msg, msg
 
@@ -220,7 +224,7 @@ def test_killed_worker_is_named_with_its_signal(tmp_path):
             proc.kill()
     assert proc.returncode == 1
     line = _one_line_error(err)
-    assert "worker rank 1 was killed by SIGKILL" in line, err
+    assert line.startswith("gradpress train: error: worker rank 1 was killed by SIGKILL"), err
 
 
 # --------------------------------------------- 16: silent rank, timeout

@@ -67,6 +67,11 @@ def run(config: Mapping[str, Any] | argparse.Namespace | TrainConfig | None = No
 def _worker_entry(cfg_dict: dict[str, Any]) -> dict[str, Any]:
     from gradpress.train.session import train
 
+    # a forked worker inherits the launcher's handlers (which raise in odd places and print
+    # tracebacks): the launcher alone handles Ctrl-C, and stops workers with SIGTERM
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
     try:
         return {"ok": train(TrainConfig(**cfg_dict))}
     except ValueError as exc:
@@ -96,7 +101,41 @@ def _preload(cfg: TrainConfig) -> None:
                     samples=cfg.samples, text_bytes=cfg.text_bytes)
 
 
+def _exit_codes(exc: BaseException) -> dict[int, tuple[int, int | None]]:
+    """rank -> (pid, exit code) of every local worker, read from the elastic
+    agent the failed launch left in its traceback: the launcher reports only
+    the first failure it noticed, which may be a consequence (a peer's
+    "connection closed") of a worker killed by a signal. Empty where this
+    torch does not expose it."""
+    tb = exc.__traceback__
+    while tb is not None:
+        agent = tb.tb_frame.f_locals.get("agent")
+        if agent is not None:
+            try:
+                procs = agent._pcontext._pc.processes
+                return {i: (p.pid, p.exitcode) for i, p in enumerate(procs)}
+            except AttributeError:
+                return {}
+        tb = tb.tb_next
+    return {}
+
+
+def _quiet_launcher_logs() -> list[tuple[Any, int]]:
+    """Silence the elastic launcher's own logs (per-worker tracebacks, "terminating
+    process" warnings) while it runs: the failure is reported once, by
+    :func:`describe_failures`. Returns what to restore."""
+    import logging
+
+    saved = []
+    for name in ("torch.distributed.elastic", "torch.multiprocessing.spawn", "torch.distributed.launcher"):
+        logger = logging.getLogger(name)
+        saved.append((logger, logger.level))
+        logger.setLevel(logging.CRITICAL)
+    return saved
+
+
 def _launch(cfg: TrainConfig) -> dict[str, Any]:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -105,16 +144,24 @@ def _launch(cfg: TrainConfig) -> dict[str, Any]:
         min_nodes=1, max_nodes=1, nproc_per_node=cfg.nproc, run_id=f"gradpress-{uuid.uuid4().hex[:12]}",
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0, monitor_interval=0.1,
         start_method=_start_method(cfg.device), local_addr="127.0.0.1",
+        shutdown_timeout=5,  # a stopped (SIGSTOP) worker gets SIGKILL 5 s after SIGTERM, not 30
     )
     _preload(cfg)
     old = os.environ.get("OMP_NUM_THREADS")
     if old is None and cfg.device == "cpu":  # what torchrun does for several local workers
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // cfg.nproc))
+    quiet = _quiet_launcher_logs()
     try:
         results = elastic_launch(launch, _worker_entry)(dataclasses.asdict(cfg))
     except ChildFailedError as exc:
-        raise WorkerFailed(describe_failures(exc.failures, cfg.nproc, cfg.timeout)) from None
+        raise WorkerFailed(describe_failures(exc.failures, cfg.nproc, cfg.timeout, _exit_codes(exc))) from None
+    except SignalException as exc:
+        if exc.sigval == signal.SIGINT:
+            raise KeyboardInterrupt from None
+        raise WorkerFailed(f"the launcher got {signal.Signals(exc.sigval).name}; workers stopped") from None
     finally:
+        for logger, level in quiet:
+            logger.setLevel(level)
         if old is None:
             os.environ.pop("OMP_NUM_THREADS", None)
     first = results[min(results)]
@@ -141,14 +188,25 @@ def _how(failure: Any) -> str:
     return f"failed with exit code {failure.exitcode}: {what[:300]}"
 
 
-def describe_failures(failures: Mapping[int, Any], nproc: int | None, timeout: float | None) -> str:
+def describe_failures(failures: Mapping[int, Any], nproc: int | None, timeout: float | None,
+                      exit_codes: Mapping[int, tuple[int, int | None]] | None = None) -> str:
     """One message from the elastic launcher's failures (rank -> ProcessFailure):
     the worker that died first and how. A worker killed by a signal comes
     first (the others' errors, such as "Connection reset by peer", are its
     consequences); else the earliest error. A timeout names the ranks that
-    reported nothing (the silent ones)."""
+    reported nothing (the silent ones). ``exit_codes``: rank -> (pid, exit
+    code) of every worker, where known (see :func:`_exit_codes`)."""
     if not failures:
         return "a training worker failed (no details)"
+    failures = dict(failures)
+    timed_out = any(any(w in str(f.message).lower() for w in _TIMEOUT_WORDS) for f in failures.values())
+    if not timed_out:  # a worker killed by a signal may be missing from the launcher's failures
+        import types
+
+        for rank, (pid, code) in (exit_codes or {}).items():
+            if rank not in failures and code is not None and code < 0 and code != -signal.SIGTERM:
+                failures[rank] = types.SimpleNamespace(exitcode=code, pid=pid, message="", timestamp=0)
+
     def order(item: tuple[int, Any]) -> tuple[int, int, int]:
         rank, f = item
         killed = f.exitcode < 0 and f.exitcode not in (-signal.SIGTERM, -signal.SIGINT)
