@@ -48,22 +48,25 @@ def _children(pid: int) -> list[int]:
 
 
 # ----------------------------------------------------------- 9: --out
-@pytest.mark.parametrize("make", ["file_child", "is_file"])
+@pytest.mark.parametrize("make", ["file_child", "is_file", "unwritable"])
 def test_bad_out_fails_before_any_worker_in_one_line(tmp_path, capsys, make):
     blocker = tmp_path / "a_file"
     blocker.write_text("x")
-    out = blocker / "run" if make == "file_child" else blocker
+    out = {"file_child": blocker / "run", "is_file": blocker, "unwritable": Path("/proc/gradpress-test/run")}[make]
+    if make == "unwritable" and not Path("/proc/self").exists():
+        pytest.skip("needs /proc (a place nobody, root included, can write)")
     t0 = time.monotonic()
     rc = cli(["train", "--nproc", "2", *TINY, "--out", str(out)])
     assert rc == 2
     line = _one_line_error(capsys.readouterr().err)
     assert "out:" in line and str(out) in line
     assert time.monotonic() - t0 < 5
+    assert not (tmp_path / "a_file").is_dir()
 
 
 def test_bad_out_from_python_raises_value_error_naming_out(tmp_path):
     (tmp_path / "f").write_text("x")
-    with pytest.raises(ValueError, match="out: cannot write"):
+    with pytest.raises(ValueError, match="out: cannot create .* is a file, not a directory"):
         train.make_config(workload="digits-mlp", out=str(tmp_path / "f" / "deeper" / "run"))
 
 

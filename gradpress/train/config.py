@@ -111,20 +111,25 @@ def _int(name: str, value: Any, low: int | None = None, optional: bool = False, 
 
 def check_out(out: str) -> None:
     """Fail (ValueError, one line) unless ``out`` is a directory this process
-    can create and write in: checked before any data, model or worker (the
-    directory is created, and a probe file written and removed)."""
+    can create and write in: checked before any data, model or worker. Nothing
+    is created: a probe file is written and removed in ``out``, or in its
+    nearest existing ancestor."""
     import tempfile
 
     path = os.path.abspath(out)
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"out: {out!r} exists and is not a directory")
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ValueError(f"out: cannot create {out!r}: {existing!r} is a file, not a directory")
     try:
-        os.makedirs(path, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=path, prefix=".gradpress-probe-")
+        fd, probe = tempfile.mkstemp(dir=existing, prefix=".gradpress-probe-")
         os.close(fd)
         os.remove(probe)
     except OSError as exc:
-        raise ValueError(f"out: cannot write to {out!r}: {exc.strerror or exc}") from None
+        raise ValueError(f"out: cannot write to {out!r}: {exc.strerror or exc} (in {existing!r})") from None
 
 
 def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
