@@ -1,5 +1,6 @@
-"""A worker that dies mid-training stops the whole run with a non-zero exit,
-and the last checkpoint is intact and resumable."""
+"""A worker that dies mid-training stops the whole run with a non-zero exit
+and a one-line report naming it and its signal, and the last checkpoint is
+intact and resumable."""
 
 from __future__ import annotations
 
@@ -44,6 +45,10 @@ def test_dead_worker_stops_run_and_checkpoint_resumes(tmp_path: Path) -> None:
             proc.kill()
     assert rc != 0, "a run whose worker died must not exit 0"
     assert waited < 60, f"the run took {waited:.0f}s to stop after a worker died"
+    output = proc.stdout.read() if proc.stdout else ""
+    # issue 15: the worker that died first is named, with its signal, in one line and no traceback
+    assert "gradpress train: error: worker rank 1 was killed by SIGKILL" in output, output
+    assert "Traceback" not in output, output
     ckpt = torch.load(out / "checkpoint.pt", weights_only=True)
     assert ckpt["epoch"] >= 1 and len(ckpt["ranks"]) == 2
     done = subprocess.run(_train_cmd(out, ckpt["epoch"] + 1, "--resume"), capture_output=True, text=True, timeout=300)
