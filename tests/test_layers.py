@@ -134,3 +134,15 @@ def test_the_checker_sees_a_planted_violation(tmp_path: Path) -> None:
     found = _imports(planted, "gradpress.exchange.bad")
     assert "gradpress.ddp" in found and "gradpress.algorithms.base" in found
     assert all(_layer(i) not in ALLOWED["exchange"] | {"exchange"} for i in found)
+
+
+def test_method_files_import_no_other_method_file() -> None:
+    """Shared kernels (sparse scatter, sign packing, kept counts, sampling)
+    live in their own modules: a compressor file never imports another
+    compressor's file."""
+    modules = _modules()
+    methods = {name for name, path in modules.items()
+               if name.startswith("gradpress.compress.") and "@register" in path.read_text()}
+    bad = [f"{name} imports {imported}" for name in methods for imported in _imports(modules[name], name)
+           if imported in methods and imported != name]
+    assert not bad, "\n".join(bad)

@@ -38,7 +38,7 @@ from gradpress.compress.dithering import variance_bound
 from gradpress.compress.fft import kept_coefficients
 from gradpress.compress.rangefloat import relative_error_bound
 from gradpress.compress.sidco import gamma_upper_inv, initial_stages, max_stages
-from gradpress.compress.topk import kept_count
+from gradpress.compress.sparse import kept_count
 from gradpress.transport import wire
 
 RATIOS = (0.1, 0.01, 0.001)

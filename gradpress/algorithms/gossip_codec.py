@@ -53,7 +53,7 @@ from gradpress.compress.onebit import OneBit
 from gradpress.compress.qsgd import QSGD
 from gradpress.compress.randomk import RandomK
 from gradpress.compress.rangefloat import RangeFloat
-from gradpress.compress.topk import kept_count
+from gradpress.compress.sparse import kept_count
 from gradpress.transport.wire import pack_packets, unpack_packets
 
 __all__ = ["gossip_scale", "accepted_compressors", "Codec"]
@@ -180,7 +180,9 @@ class Codec:
         float64 ``scalars``; also the packets (templates for decoding)."""
         packets = [(self.compressor if c else self.plain).encode(t, self._ctx(i, step))
                    for i, (t, c) in enumerate(zip(tensors, self.compressed))]
-        packets += [Packet([s.reshape(1).to(torch.float64)], torch.Size([1]), torch.float64) for s in scalars]
+        dev = tensors[0].device if tensors else None
+        packets += [Packet([s.reshape(1).to(dtype=torch.float64, device=dev)], torch.Size([1]), torch.float64)
+                    for s in scalars]
         return pack_packets(packets, self.variable, device=tensors[0].device if tensors else None), packets
 
     def decode_one(self, i: int, packet: Packet) -> torch.Tensor:

@@ -49,7 +49,7 @@ from gradpress.compress.bits import pack_bits, unpack_bits
 from gradpress.compress.numerics import mean_abs, pack_scale, saturate_, unpack_scale
 from gradpress.compress.registry import register
 from gradpress.compress.spans import span_length
-from gradpress.compress.topk import scatter_sparse
+from gradpress.compress.sparse import scatter_sparse
 
 CONV_BIN = 50
 DEFAULT_BIN = 500

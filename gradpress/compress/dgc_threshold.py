@@ -4,7 +4,7 @@ uses it as a baseline: no momentum correction, no adaptation passes, no exact
 top-k.
 
 The threshold is the ceil(delta*n_s)-th largest of a strided sample of |x|
-(:func:`gradpress.compress.dgc.sampled_threshold`, n_s >= max(sample_ratio
+(:func:`gradpress.compress.sampling.sampled_threshold`, n_s >= max(sample_ratio
 d, 2/delta, 4096)); entries with ``|x| >= threshold`` are sent. The count is
 random around k: its expectation is k (order statistic of a uniform sample),
 its relative spread about ``(delta n_s)^(-1/2)``.
@@ -34,9 +34,9 @@ import torch
 from gradpress.compress._density import correction_param
 from gradpress.compress._threshold_select import ThresholdSparsifier
 from gradpress.compress.base import Context, Packet, Param
-from gradpress.compress.dgc import sampled_threshold
 from gradpress.compress.params import ratio_param
 from gradpress.compress.registry import register
+from gradpress.compress.sampling import sampled_threshold
 
 #: with correction=adaptive, sampled entries expected above the threshold
 MIN_SAMPLED_TOP = 128

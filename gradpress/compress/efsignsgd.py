@@ -25,7 +25,7 @@ import torch
 from gradpress.compress.base import Compressor, Context, Packet
 from gradpress.compress.numerics import compute_dtype, mean_abs, pack_scale, unpack_scale
 from gradpress.compress.registry import register
-from gradpress.compress.signsgd import pack_signs, unpack_two
+from gradpress.compress.signs import pack_signs, unpack_two
 
 
 @register

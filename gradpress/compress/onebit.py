@@ -29,7 +29,7 @@ from gradpress.compress.base import Compressor, Context, Packet
 from gradpress.compress.bits import pack_bits
 from gradpress.compress.numerics import compute_dtype, pack_scale, side_means, unpack_scale
 from gradpress.compress.registry import register
-from gradpress.compress.signsgd import unpack_two
+from gradpress.compress.signs import unpack_two
 
 
 @register

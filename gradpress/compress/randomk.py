@@ -33,7 +33,7 @@ from gradpress.compress.base import Compressor, Context, Packet, Param, generato
 from gradpress.compress.numerics import compute_dtype
 from gradpress.compress.params import ratio_param
 from gradpress.compress.registry import register
-from gradpress.compress.topk import kept_count, scatter_sparse
+from gradpress.compress.sparse import kept_count, scatter_sparse
 
 
 def random_indices(numel: int, k: int, seed: int, device: torch.device) -> torch.Tensor:

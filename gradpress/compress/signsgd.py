@@ -21,25 +21,8 @@ import math
 import torch
 
 from gradpress.compress.base import Compressor, Context, Packet
-from gradpress.compress.bits import byte_table, pack_bits
 from gradpress.compress.registry import register
-
-
-def pack_signs(x: torch.Tensor) -> torch.Tensor:
-    """1 bit per entry of flat ``x``: 1 where x >= 0, packed 8 per byte."""
-    return pack_bits(x.reshape(-1) >= 0, 1)
-
-
-def unpack_signs(data: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """Flat +1/-1 tensor of ``dtype`` from :func:`pack_signs` output."""
-    return unpack_two(data, numel, torch.tensor([-1.0, 1.0], dtype=dtype, device=data.device))
-
-
-def unpack_two(data: torch.Tensor, numel: int, values: torch.Tensor) -> torch.Tensor:
-    """Flat tensor of ``values[bit]`` (``values`` = [value of 0, value of 1])
-    from 1-bit packed ``data``: one gather through a 256-entry table."""
-    table = byte_table(1, values.dtype, data.device, values)
-    return table[data.long()].reshape(-1)[:numel]
+from gradpress.compress.signs import pack_signs, unpack_signs
 
 
 @register

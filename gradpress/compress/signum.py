@@ -21,9 +21,9 @@ from typing import Any
 import torch
 
 from gradpress.compress.base import Compressor, Context, Packet, Param
-from gradpress.compress.qsgd import compute_dtype
+from gradpress.compress.numerics import compute_dtype
 from gradpress.compress.registry import register
-from gradpress.compress.signsgd import pack_signs, unpack_signs
+from gradpress.compress.signs import pack_signs, unpack_signs
 
 
 @register

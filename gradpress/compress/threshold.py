@@ -17,7 +17,7 @@ import torch
 
 from gradpress.compress.base import Compressor, Context, Packet, Param
 from gradpress.compress.registry import register
-from gradpress.compress.topk import scatter_sparse
+from gradpress.compress.sparse import scatter_sparse
 
 
 @register

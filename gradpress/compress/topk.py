@@ -9,27 +9,12 @@ kept entry. Invariant: exactly the k largest |x| are kept (ties broken by
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from gradpress.compress.base import Compressor, Context, Packet
 from gradpress.compress.params import ratio_param
 from gradpress.compress.registry import register
-
-
-def kept_count(numel: int, ratio: float) -> int:
-    """k = ceil(ratio * d), at least 1 for a non-empty tensor."""
-    if numel == 0:
-        return 0
-    return min(numel, max(1, math.ceil(ratio * numel)))
-
-
-def scatter_sparse(values: torch.Tensor, indices: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    """Dense tensor of ``shape`` with ``values`` at flat ``indices``."""
-    out = torch.zeros(math.prod(shape), dtype=dtype, device=values.device)
-    out.index_put_((indices.long(),), values.to(dtype), accumulate=False)
-    return out.reshape(shape)
+from gradpress.compress.sparse import kept_count, scatter_sparse
 
 
 @register

@@ -28,9 +28,8 @@ bit-identical on every rank.
 
 from __future__ import annotations
 
-import copy
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -39,10 +38,11 @@ import torch.distributed as dist
 from gradpress.compress import Compressor, Context, create
 from gradpress.compress.base import all_finite
 from gradpress.exchange.base import ExchangeResult, Prelude, Strategy
-from gradpress.exchange.feedback import WORKER, Feedback
+from gradpress.exchange.feedback import Feedback
 from gradpress.exchange.nonfinite import NONFINITE_MODES, StepGuard, local_flags
 from gradpress.exchange.planner import Decision, Plan
 from gradpress.exchange.plans import StrategyChoice
+from gradpress.exchange.state import EngineState
 from gradpress.exchange.stats import ExchangeStats
 from gradpress.transport.collectives import fused_allreduce
 
@@ -51,10 +51,8 @@ __all__ = ["Synchronizer", "ParamSpec"]
 #: (key, shape, dtype) of every tensor the engine will see
 ParamSpec = tuple[str, Sequence[int], torch.dtype]
 
-STATE_FORMAT = "gradpress-exchange/2"
 
-
-class Synchronizer:
+class Synchronizer(EngineState):
     """Averages keyed tensors over ``group``, compressed; see the module doc.
 
     ``params``: every tensor it will be asked to average (key, shape,
@@ -305,141 +303,9 @@ class Synchronizer:
         comp_s += time.perf_counter() - t2
         return comp_s, comm_s, sent, tensor_bytes, False
 
-    # ----------------------------------------------------------------- state
-    def _snapshot_state(self) -> dict[str, Any] | None:
-        """The compressor's and strategies' own state (residuals are staged,
-        never snapshotted), or None when there is none."""
-        comp = self.compressor.state_dict()
-        strats = {n: st.state_dict() for n, st in self.strategies.items()}
-        if not comp and not any(strats.values()):
-            return None
-        return copy.deepcopy({"compressor": comp, "strategies": strats})
-
-    def _restore_state(self, snapshot: Mapping[str, Any]) -> None:
-        self.compressor.load_state_dict(snapshot["compressor"])
-        for name, st in snapshot["strategies"].items():
-            self.strategies[name].load_state_dict(st)
-
-    def memory_bytes(self) -> dict[str, int]:
-        """Extra memory kept, in bytes: ``residuals`` (the worker's error
-        feedback), ``compressor`` (its own state: momentum, factors...),
-        ``strategies`` (ring hop and PS root residuals, root assignment
-        excluded) and their ``total``."""
-        out = {
-            "residuals": self.feedback.nbytes(WORKER),
-            "compressor": _tensor_bytes(self.compressor.state_dict()),
-            "strategies": self.feedback.nbytes() - self.feedback.nbytes(WORKER),
-        }
-        out["total"] = sum(out.values())
-        return out
-
-    def state_dict(self) -> dict[str, Any]:
-        """All exchange state: config, residuals (every namespace),
-        compressor and strategy state, plan, stats."""
-        return {
-            "format": STATE_FORMAT,
-            "config": self.config(),
-            "feedback": self.feedback.state_dict(),
-            "compressor": self.compressor.state_dict(),
-            "strategies": {n: st.state_dict() for n, st in self.strategies.items()},
-            "plan": self.plan.to_dict(),
-            "stats": self.stats_counter.state_dict(),
-        }
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore from :meth:`state_dict`. Refuses a state of another
-        configuration (compressor, strategy, world size, parameters...).
-
-        Validates fully, then changes: a malformed state (a missing or
-        mistyped part) raises ValueError naming the part, and leaves this
-        engine exactly as it was (a part that fails while loading is rolled
-        back)."""
-        from gradpress.exchange.agree import config_diff
-
-        if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
-            raise ValueError(f"not a gradpress exchange state dict (missing format {STATE_FORMAT!r})")
-        _check_state(state)
-        theirs, mine = state["config"], self.config()
-        if theirs != mine:
-            raise ValueError(f"gradpress state dict is from a different configuration ({config_diff(theirs, mine)})")
-        backup, plan = copy.deepcopy(self.state_dict()), self.plan
-        part = "feedback"
-        try:
-            self.feedback.load_state_dict(state["feedback"])
-            part = "compressor"
-            self.compressor.load_state_dict(state["compressor"])
-            for name, st in state.get("strategies", {}).items():
-                if name in self.strategies:
-                    part = f"strategies[{name!r}]"
-                    self.strategies[name].load_state_dict(st)
-            part = "plan"
-            if state.get("plan") and self.strategy_name == "auto":
-                # keep the partitions the residuals are keyed by
-                self.plan = self.choice.plan_from_dict(state["plan"], self.plan)
-            part = "stats"
-            self.stats_counter.load_state_dict(state.get("stats", {}))
-        except Exception as exc:
-            self._restore(backup, plan)
-            if isinstance(exc, ValueError):
-                raise ValueError(f"gradpress state dict: {part}: {exc} (nothing was loaded)") from None
-            raise ValueError(f"gradpress state dict: {part} is malformed ({type(exc).__name__}: {exc}); "
-                             "nothing was loaded") from None
-
-    def _restore(self, backup: Mapping[str, Any], plan: Plan) -> None:
-        """Put back what :meth:`load_state_dict` found (its own earlier state)."""
-        self.feedback.load_state_dict(backup["feedback"])
-        self.compressor.load_state_dict(backup["compressor"])
-        for name, st in backup["strategies"].items():
-            self.strategies[name].load_state_dict(st)
-        self.plan = plan
-        self.stats_counter.load_state_dict(backup["stats"])
-
-
-def _check_state(state: Mapping[str, Any]) -> None:
-    """The shape of a state dict (before anything is changed): ValueError
-    naming the first part that is missing or of the wrong type."""
-    def need(ok: bool, what: str, got: Any) -> None:
-        if not ok:
-            raise ValueError(f"gradpress state dict: {what}, got {type(got).__name__} {str(got)[:80]!r}; "
-                             "nothing was loaded")
-
-    for key in ("config", "feedback", "compressor"):
-        if key not in state:
-            raise ValueError(f"gradpress state dict: missing {key!r}; nothing was loaded")
-    need(isinstance(state["config"], Mapping), "'config' must be a dict", state["config"])
-    fb = state["feedback"]
-    need(isinstance(fb, Mapping), "'feedback' must be a dict", fb)
-    for key in ("beta", "gamma"):
-        if key in fb:
-            need(isinstance(fb[key], (int, float)) and not isinstance(fb[key], bool),
-                 f"feedback[{key!r}] must be a number", fb[key])
-    residuals = fb.get("residuals", {})
-    need(isinstance(residuals, Mapping), "feedback['residuals'] must be a dict of tensors", residuals)
-    for key, value in residuals.items():
-        need(isinstance(value, torch.Tensor), f"feedback['residuals'][{key!r}] must be a tensor", value)
-    need(isinstance(state["compressor"], Mapping), "'compressor' must be a dict", state["compressor"])
-    strategies = state.get("strategies", {})
-    need(isinstance(strategies, Mapping), "'strategies' must be a dict", strategies)
-    for name, value in strategies.items():
-        need(isinstance(value, Mapping), f"strategies[{name!r}] must be a dict", value)
-    plan = state.get("plan")
-    need(plan is None or isinstance(plan, Mapping), "'plan' must be a dict", plan)
-    stats = state.get("stats", {})
-    need(isinstance(stats, Mapping), "'stats' must be a dict", stats)
-
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
-
-
-def _tensor_bytes(obj: Any) -> int:
-    if isinstance(obj, torch.Tensor):
-        return _nbytes(obj)
-    if isinstance(obj, Mapping):
-        return sum(_tensor_bytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(_tensor_bytes(v) for v in obj)
-    return 0
 
 
 def _zero(tensors: list[torch.Tensor], flat: torch.Tensor | None):  # noqa: ANN202
