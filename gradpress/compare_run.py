@@ -45,6 +45,10 @@ def sweep(configs: list[Any], rates: list[float], steps: int | None, seeds: list
     return {"rule": compare_stats.BEST_LR_RULE, "rates": rates, "steps": steps, "seeds": seeds, "methods": methods}
 
 
+#: workloads whose metric is an accuracy in [0, 1]
+_ACCURACY = ("mnist1d-cnn", "mnist1d-mlp", "digits-mlp", "data-mlp", "wide-mlp")
+
+
 def run(compressors: str | Iterable[str] | None, options: Mapping[str, Any] | None = None, *,
         out: str = "runs/compare", target: float | None = None,
         algorithms: str | Iterable[str] | None = None, seeds: str | int | list[int] | None = None,
@@ -75,6 +79,9 @@ def run(compressors: str | Iterable[str] | None, options: Mapping[str, Any] | No
         raise ValueError(f"sweep-steps must be a positive integer, got {sweep_steps!r}")
     root = Path(out)
     configs = compare._plan_runs(compressors, algorithms, opts, root)  # validate everything before training
+    if target is not None and not (target > 0 and (target <= 1 or configs[0].workload not in _ACCURACY)):
+        raise ValueError(f"target must be a metric value the runs can reach: > 0, and <= 1 for an accuracy "
+                         f"(workload {configs[0].workload!r}), got {target!r}")
     seed_list = compare_stats.parse_seeds(seeds, configs[0].seed)
     multi = seed_list is not None
     seed_list = seed_list or [configs[0].seed]
@@ -89,11 +96,17 @@ def run(compressors: str | Iterable[str] | None, options: Mapping[str, Any] | No
         record = sweep(configs, rates, steps, seed_list[:1], root)
         root.mkdir(parents=True, exist_ok=True)
         (root / "sweep.json").write_text(json.dumps(record, indent=2) + "\n")
-    summaries = []
-    for cfg in configs:
-        for seed in seed_list:
-            run_cfg = train.make_config(cfg, seed=seed, out=f"{cfg.out}-s{seed}") if multi else cfg
-            summaries.append(train.run(run_cfg))
+    summaries: list[dict[str, Any]] = []
+    try:
+        for cfg in configs:
+            for seed in seed_list:
+                run_cfg = train.make_config(cfg, seed=seed, out=f"{cfg.out}-s{seed}") if multi else cfg
+                summaries.append(train.run(run_cfg))
+    except BaseException:
+        if summaries:  # what finished is not lost
+            root.mkdir(parents=True, exist_ok=True)
+            (root / "compare-partial.json").write_text(json.dumps(summaries, indent=2) + "\n")
+        raise
     result = compare.annotate(summaries, target)
     root.mkdir(parents=True, exist_ok=True)
     (root / "compare.json").write_text(json.dumps(result, indent=2) + "\n")

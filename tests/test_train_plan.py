@@ -61,3 +61,18 @@ def test_a_run_that_compressed_nothing_says_so(tmp_path, capsys) -> None:  # noq
     assert not none["nothing_compressed"]  # the identity has nothing to compress: not a surprise
     annotated = compare.annotate([none, s], None)
     assert "`topk:ratio=0.1` (nothing compressed)" in compare.table(annotated)
+
+
+def test_compare_and_train_refuse_before_any_run(tmp_path, capsys) -> None:  # noqa: ANN001
+    """Issue 15, point 19 (compare's part): a target no run can reach, and a
+    strategy that cannot carry a compressor, fail before the first run."""
+    base = ["compare", "--workload", "digits-mlp", "--nproc", "2", "--out", str(tmp_path / "c")]
+    for target in ("-1", "5"):
+        assert cli([*base, "--compressors", "none", "--target", target]) == 2
+        assert "target must be" in capsys.readouterr().err
+    assert cli([*base, "--compressors", "none,signsgd", "--strategy", "ring"]) == 2
+    err = capsys.readouterr().err
+    assert "strategy 'ring'" in err and "signsgd" in err
+    assert not (tmp_path / "c").exists()  # nothing ran
+    with pytest.raises(ValueError, match="strategy 'ps'.*powersgd"):
+        train.make_config({**COMMON, "compressor": "powersgd", "strategy": "ps"})

@@ -78,11 +78,22 @@ def _worker_entry(cfg_dict: dict[str, Any]) -> dict[str, Any]:
         return {"value_error": str(exc)}
 
 
+#: set once this process has run a process group itself: gloo leaves native threads
+#: (and a trained model leaves the intra-op thread pool) that a forked child would
+#: inherit half-locked; later launches then spawn
+_RAN_IN_PROCESS = False
+
+
 def _start_method(device: str) -> str:
     """fork on Linux CPU runs: workers start in well under a second instead
     of re-importing torch (seconds each); spawn where fork is unsafe (CUDA,
-    other platforms)."""
-    return "fork" if device == "cpu" and sys.platform.startswith("linux") else "spawn"
+    other platforms, a parent that already ran a process group or holds
+    other threads: a forked child could wait forever on a lock one of them
+    held)."""
+    import threading
+
+    safe = not _RAN_IN_PROCESS and not dist.is_initialized() and threading.active_count() == 1
+    return "fork" if device == "cpu" and sys.platform.startswith("linux") and safe else "spawn"
 
 
 def _preload(cfg: TrainConfig) -> None:
@@ -230,8 +241,10 @@ def describe_failures(failures: Mapping[int, Any], nproc: int | None, timeout: f
 def init_group(device: str, timeout: float | None = None) -> bool:
     """Join or create the default process group (``timeout`` seconds for its
     collectives; None: torch's default); True if we created it."""
+    global _RAN_IN_PROCESS
     if dist.is_initialized():
         return False
+    _RAN_IN_PROCESS = True
     backend = "nccl" if device == "cuda" else "gloo"
     kw: dict[str, Any] = {} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
