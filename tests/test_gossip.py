@@ -53,23 +53,32 @@ def exp_offsets(n: int) -> list[int]:
 
 def ref_pushsum(v: list[torch.Tensor], rounds: int, tau: int, lr: float = 0.0,
                 grad=None) -> list[tuple[list[torch.Tensor], list[float]]]:  # noqa: ANN001
-    """PushSum with one out-peer per round, weights 1/2, messages absorbed
-    tau rounds late; optional gradient step x_i -= lr * grad(i, t, z_i) first.
-    Returns (x, w) after every round."""
+    """PushSum with one out-peer per round, weights 1/2, the messages of
+    round t absorbed at the start of round t + tau (tau = 0: at once); an
+    optional gradient step x_i -= lr * grad(i, t, z_i), with z_i = x_i / w_i
+    as it was when the round began. Returns (x, w) after every round."""
     n = len(v)
     offs = exp_offsets(n)
     x, w = [t.clone() for t in v], [1.0] * n
     flight: dict[int, list] = {}
     out = []
+
+    def absorb(r: int) -> None:
+        for dst, xs, ws in flight.pop(r, []):
+            x[dst] = x[dst] + xs
+            w[dst] = w[dst] + ws
+
     for t in range(rounds):
-        if grad is not None:
-            x = [x[i] - lr * grad(i, t, x[i] / w[i]) for i in range(n)]
+        g = [grad(i, t, x[i] / w[i]) for i in range(n)] if grad is not None else None
+        if tau:
+            absorb(t - tau)
+        if g is not None:
+            x = [x[i] - lr * g[i] for i in range(n)]
         o = offs[t % len(offs)]
         flight[t] = [((i + o) % n, x[i] * 0.5, w[i] * 0.5) for i in range(n)]
         x, w = [xi * 0.5 for xi in x], [wi * 0.5 for wi in w]
-        for dst, xs, ws in flight.pop(t - tau, []):
-            x[dst] = x[dst] + xs
-            w[dst] = w[dst] + ws
+        if not tau:
+            absorb(t)
         out.append(([xi.clone() for xi in x], list(w)))
     return out
 

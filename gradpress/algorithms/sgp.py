@@ -7,16 +7,21 @@ Algorithm 3): PushSum gossip on the time-varying directed exponential graph
 x_i and a PushSum weight w_i (float64, 1 at the start); the model holds the
 de-biased z_i = x_i / w_i, at which the gradient is taken. One step:
 
+    absorb what arrived from round t - overlap          (overlap >= 1)
     x_i <- x_i + (optimizer step on z_i)           # x - lr * g(z) for SGD
     send gamma/(k+1) of (x_i, w_i) to each of the k out-peers of round t,
-    keep the rest; absorb what arrived from round t - overlap
+    keep the rest; absorb round t now                   (overlap = 0)
     z_i <- x_i / w_i
 
 (The optimizer runs on z, as the reference implementation's runs on the
-numerator; weight decay therefore decays z.) ``overlap = tau``: messages are
-absorbed exactly tau steps after they are sent (non-blocking sends and
-receives posted at round t, waited on at t + tau), so communication overlaps
-tau steps of computation; PushSum keeps the average exact whatever the delay.
+numerator; weight decay therefore decays z.) ``overlap = tau``: the sends
+and receives of round t are posted without waiting and absorbed at the
+start of step t + tau, before its optimizer step, so they travel while
+tau forward/backward passes run. With tau = 1 nothing is in flight when a
+round is sent (w returns to 1 on a regular graph) and the gradient of step
+t + 1 is taken at the local, not yet mixed, model: the reference
+implementation's overlap (absorb, then start the next gossip). PushSum keeps
+the average exact whatever the delay.
 ``gamma`` < 1 mixes lazily (P_gamma = (1 - gamma) I + gamma P, still column
 stochastic); 1 is SGP itself.
 
@@ -99,7 +104,7 @@ class SGP(GossipAlgorithm):
     def init_state(self) -> None:
         with torch.no_grad():
             self.x = [p.detach().clone() for p in self.params]
-        self.w = torch.ones((), dtype=torch.float64, device=self.comm_device)
+        self.w = torch.ones((), dtype=torch.float64, device=self.x[0].device if self.x else None)
         offs = exponential_offsets(self.world_size) if self.world_size > 1 else []
         copies = self.codec.any_compressed
         self.out_copy = {o: self._copies() for o in offs} if copies else {}
@@ -111,9 +116,15 @@ class SGP(GossipAlgorithm):
 
     # ------------------------------------------------------------------ step
     def step(self) -> None:
-        before = [p.detach().clone() for p in self.params]
+        t = self._steps  # this step's gossip round
+        comm = 0.0
+        with torch.no_grad():
+            before = [p.detach().clone() for p in self.params]
+            if self.world_size > 1 and self.overlap:  # type: ignore[attr-defined]
+                t0 = self.clock()  # round t - overlap travelled while this step's forward/backward ran
+                self._absorb_until(t - self.overlap)  # type: ignore[attr-defined]
+                comm = self.clock() - t0
         self.local_step()
-        t = self._steps - 1
         with torch.no_grad():
             for x, p, b in zip(self.x, self.params, before):
                 x.add_(p.detach() - b)
@@ -126,11 +137,15 @@ class SGP(GossipAlgorithm):
                 posted = Posted(self, t, sends, expect)
                 self.inflight.append(_Round(t, offs, posted, Codec.light(packets)))
                 self._pending_sends.append(posted)
-                while self.inflight and self.inflight[0].round <= t - self.overlap:  # type: ignore[attr-defined]
-                    self._absorb(self.inflight.popleft())
-                self.account(posted.sent, t1 - t0, self.clock() - t1, self.payload_bytes(self.codec.keys, packets))
+                self._absorb_until(t - self.overlap)  # type: ignore[attr-defined]
+                comm += self.clock() - t1
+                self.account(posted.sent, t1 - t0, comm, self.payload_bytes(self.codec.keys, packets))
             for p, x in zip(self.params, self.x):
                 p.copy_(x / self.w)
+
+    def _absorb_until(self, last: int) -> None:
+        while self.inflight and self.inflight[0].round <= last:
+            self._absorb(self.inflight.popleft())
 
     def _push(self, t: int) -> tuple[list[int], dict[int, torch.Tensor], list[Any]]:
         """Give away gamma/(k+1) of (x, w) per out-peer of round ``t``:
