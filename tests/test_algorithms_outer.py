@@ -183,9 +183,10 @@ def _worker(rank: int, world: int) -> dict:
     out: dict = {}
     # post-local SGD with Adam: synchronous (gradients averaged) for 5 steps, then local with a warm-up
     model, opt, algo = build(rank, "postlocalsgd:period=4,switch=5,warmup=4,optimizer_state=local", "adam")
-    out["postlocal"] = train(rank, model, opt, algo, 0, STEPS)
+    out["postlocal"] = train(rank, model, opt, algo, 0, 5)
+    out["postlocal_adam"] = torch.cat([st["exp_avg_sq"].reshape(-1) for st in opt.state_dict()["state"].values()])
+    out["postlocal"] += train(rank, model, opt, algo, 5, STEPS)
     out["postlocal_stats"] = algo.stats
-    out["postlocal_opt"] = [s["exp_avg"].clone() for s in opt.state_dict()["state"].values()]
     # DiLoCo with outer lr 1, no momentum, is local SGD
     model, opt, algo = build(rank, "diloco:period=4,outer_lr=1,outer_momentum=0,nesterov=false")
     out["diloco_as_local"] = train(rank, model, opt, algo, 0, STEPS)
@@ -242,6 +243,7 @@ def test_postlocal_sgd_is_ddp_then_local_sgd_with_warmup(results: list[dict]) ->
         assert close(res["postlocal"][-1], ref[rank]), (res["postlocal"][-1] - ref[rank]).abs().max()
     for t in range(5):  # synchronous phase: bit-identical parameters and Adam state
         assert torch.equal(results[0]["postlocal"][t], results[1]["postlocal"][t])
+    assert torch.equal(results[0]["postlocal_adam"], results[1]["postlocal_adam"])
     # warm-up: the period at the s-th local step is 1 + 3 * s // 4: an average after step 6 (s=1: 1),
     # none at 7, 8, 9 (periods 2, 3, 4), then after step 10 (4 local steps)
     for t in (6, 10):
