@@ -139,7 +139,7 @@ def test_clear_errors(results: list[dict], case: str, words: list[str]) -> None:
 def test_registry_lists_gossip_and_validates_specs() -> None:
     rows = {r["name"]: r for r in algorithms.describe()}
     assert [p["name"] for p in rows["sgp"]["params"]] == ["peers", "overlap", "gamma"]
-    assert rows["choco"]["default_compressor"] == "topk:ratio=0.01"
+    assert rows["choco"]["default_compressor"] == "efsignsgd"
     assert [(p["name"], p["default"]) for p in rows["dpsgd"]["params"]] == [("topology", "ring")]
     with pytest.raises(ValueError, match="algorithm 'sgp': parameter 'overlap' got 65; allowed: 0 <= overlap <= 64"):
         algorithms.parse("sgp:overlap=65")
