@@ -167,6 +167,27 @@ def test_compressor_soundness_from_traits() -> None:
     assert "signsgd" not in ok.split() and "minmax8" not in ok
 
 
+def test_docs_compressor_table_is_what_the_code_decides() -> None:
+    """docs/gossip.md's table of accepted and refused compressors."""
+    import pathlib
+    import re
+
+    doc = (pathlib.Path(__file__).parent.parent / "docs" / "gossip.md").read_text()
+    table = doc[doc.index("| compressor | accepted as | why |"):].split("\n\n")[0].splitlines()[2:]
+    seen = 0
+    for row in table:
+        names, verdict = row.split(" | ")[0], row.split(" | ")[1]
+        for name in re.findall(r"`([^`]+)`", names):
+            comp = compressor(name.replace("ratio=r", "ratio=0.01"))
+            if "refused" in verdict:
+                with pytest.raises(ValueError, match="is refused"):
+                    gossip_scale(comp, 4096, "choco")
+            else:
+                assert gossip_scale(comp, 4096, "choco") > 0
+            seen += 1
+    assert seen >= 20
+
+
 # ------------------------------------------------------------------ faults
 TIMEOUT = 5.0
 FAULT_STEP = 3
