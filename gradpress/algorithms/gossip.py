@@ -14,8 +14,9 @@ receives can be waited on later (SGP's overlap) and one peer at a time.
 
 Evaluation (:meth:`GossipAlgorithm.average_model`): the replicas differ, so
 the model to evaluate is the average over ranks of the parameters (and of
-the floating buffers), formed by one fused allreduce into a copy of the
-model; the same call measures the consensus distance
+the floating buffers) in a copy of the model (the base class's
+``consensus_model``: one fused allreduce); the same call measures the
+consensus distance
 mean_i ||x_i - x_bar|| / ||x_bar||. Collective: every rank calls it (the
 training loop evaluates on every rank). Its bytes are counted apart, in
 ``stats["eval_bytes"]``: ``bytes_sent`` is training traffic, comparable with
@@ -31,7 +32,6 @@ public copies are the error feedback).
 
 from __future__ import annotations
 
-import copy
 import time
 from typing import Any
 
@@ -135,7 +135,6 @@ class GossipAlgorithm(Algorithm):
         self._options = {"strategy": strategy, "error_feedback": error_feedback, "nonfinite": nonfinite}
         self._eval_bytes = 0
         self._distance: float | None = None
-        self._avg_model: torch.nn.Module | None = None
         super().__init__(model, optimizer, strategy="collective", error_feedback=False, nonfinite=nonfinite, **kw)
 
     # ----------------------------------------------------------- construction
@@ -207,30 +206,26 @@ class GossipAlgorithm(Algorithm):
     # ---------------------------------------------------------- consensus copy
     @torch.no_grad()
     def average_model(self) -> torch.nn.Module:
-        """A copy of the model holding the average over ranks of the
-        parameters and floating buffers (collective); also measures the
-        consensus distance (``stats["consensus_distance"]``)."""
-        if self._avg_model is None:
-            self._avg_model = copy.deepcopy(self.model)
-            for p in self._avg_model.parameters():
-                p.requires_grad_(False)
-                p.grad = None
-        src = [t.detach() for t in self.model.parameters()]
-        src += [b for b in self.model.buffers() if b.is_floating_point()]
-        dst = list(self._avg_model.parameters()) + [b for b in self._avg_model.buffers() if b.is_floating_point()]
+        """The base class's :meth:`consensus_model` (the average over ranks
+        of the parameters and floating buffers, in a copy; collective), and
+        the consensus distance measured against it
+        (``stats["consensus_distance"]``); the bytes go to ``eval_bytes``."""
+        avg = self.consensus_model()
+        mine = [p.detach() for p in self.model.parameters()]
+        if avg is self.model:  # one worker: nothing to average
+            self._distance = 0.0
+            return avg
+        means = [p.detach() for p in avg.parameters()]
+        diff = sum(float((a.double() - b.double()).pow(2).sum()) for a, b in zip(mine, means))
+        norm = sum(float(b.double().pow(2).sum()) for b in means)
         n = self.world_size
-        summed, sent = fused_allreduce([t / n for t in src], self.group)
-        for d, s in zip(dst, summed):
-            d.copy_(s)
-        k = len(list(self.model.parameters()))
-        diff = sum(float((a.double() - b.double()).pow(2).sum()) for a, b in zip(src[:k], summed[:k]))
-        norm = sum(float(b.double().pow(2).sum()) for b in summed[:k])
         dist_i = torch.tensor([diff ** 0.5 / max(norm ** 0.5, 1e-30) / n], dtype=torch.float64,
-                              device=src[0].device if src else None)
-        mean, sent2 = fused_allreduce([dist_i], self.group)
+                              device=mine[0].device if mine else None)
+        mean, sent = fused_allreduce([dist_i], self.group)
         self._distance = float(mean[0])
-        self._eval_bytes += sent + sent2
-        return self._avg_model
+        floats = mine + [b for b in self.model.buffers() if b.is_floating_point()]
+        self._eval_bytes += sent + sum(t.numel() * t.element_size() for t in floats if t.numel())
+        return avg
 
     def eval_model(self) -> torch.nn.Module:
         """The consensus (averaged) model; collective."""
