@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import socket
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -60,3 +61,36 @@ def run_workers(fn: Callable[..., Any], world: int, *args: Any, allow_errors: bo
         if "error" in res:
             raise AssertionError(f"worker {r} failed: {res['error']}\n{res['traceback']}")
     return [r["ok"] for r in results]
+
+
+def run_until_rank0_reports(entry: Callable[..., None], world: int, args: tuple, deadline: float) -> tuple[Any, float]:
+    """Start ``entry(rank, world, port, *args, outdir)`` on ``world`` spawned
+    workers that are expected to fail (a dead or stuck peer); wait until rank 0
+    writes ``outdir/rank0.pt`` or dies, at most ``deadline`` seconds; then stop
+    every worker. Returns rank 0's result (None if it wrote none) and the
+    seconds waited."""
+    with tempfile.TemporaryDirectory() as outdir:
+        start = time.monotonic()
+        ctx = mp.start_processes(entry, args=(world, free_port(), *args, outdir), nprocs=world, join=False,
+                                 start_method="spawn")
+        path = os.path.join(outdir, "rank0.pt")
+        result = None
+        try:
+            while time.monotonic() - start < deadline:
+                if os.path.exists(path):
+                    result = torch.load(path, weights_only=False)
+                    break
+                if not ctx.processes[0].is_alive():
+                    break
+                time.sleep(0.1)
+        finally:
+            waited = time.monotonic() - start
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.terminate()
+            for p in ctx.processes:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.kill()
+                    p.join(timeout=5)
+    return result, waited

@@ -7,16 +7,14 @@ from __future__ import annotations
 import datetime
 import io
 import os
-import tempfile
 import time
 import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from distributed import free_port, run_workers
-from test_gossip import check_pushsum, consensus_run
+from distributed import run_until_rank0_reports, run_workers
+from test_gossip import check_pushsum, consensus_run, loss_of, make_mlp
 
 import gradpress.algorithms as algorithms
 from gradpress.algorithms.gossip_codec import accepted_compressors, gossip_scale
@@ -24,17 +22,6 @@ from gradpress.compress import create as compressor
 
 RESUME = [("sgp:overlap=1,gamma=0.5", "topk:ratio=0.1"), ("sgp:overlap=2", None), ("sgp:peers=2", "qsgd:levels=4"),
           ("choco:gamma=0.3", "sidco:ratio=0.05"), ("dpsgd", None)]
-
-
-def make_mlp() -> torch.nn.Module:
-    torch.manual_seed(7)
-    return torch.nn.Sequential(torch.nn.Linear(6, 40), torch.nn.Tanh(), torch.nn.Linear(40, 3)).double()
-
-
-def loss_of(model: torch.nn.Module, rank: int, step: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    x = torch.randn(16, 6, generator=g, dtype=torch.float64)
-    return torch.nn.functional.mse_loss(model(x), torch.sin(x[:, :3] * 2.0))
 
 
 def _run(model: torch.nn.Module, opt: torch.optim.Optimizer, algo, rank: int, steps: range) -> list[torch.Tensor]:  # noqa: ANN001
@@ -221,30 +208,7 @@ def _fault_entry(rank: int, world: int, port: int, how: str, spec: str, outdir: 
 
 
 def _run_fault(how: str, spec: str, deadline: float = 90.0) -> dict | None:
-    with tempfile.TemporaryDirectory() as outdir:
-        start = time.monotonic()
-        ctx = mp.start_processes(_fault_entry, args=(2, free_port(), how, spec, outdir), nprocs=2, join=False,
-                                 start_method="spawn")
-        path = os.path.join(outdir, "rank0.pt")
-        result = None
-        try:
-            while time.monotonic() - start < deadline:
-                if os.path.exists(path):
-                    result = torch.load(path, weights_only=False)
-                    break
-                if not ctx.processes[0].is_alive():
-                    break
-                time.sleep(0.1)
-        finally:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.terminate()
-            for p in ctx.processes:
-                p.join(timeout=10)
-                if p.is_alive():
-                    p.kill()
-                    p.join(timeout=5)
-    return result
+    return run_until_rank0_reports(_fault_entry, 2, (how, spec), deadline)[0]
 
 
 @pytest.mark.parametrize("how,spec", [("exit", "sgp:overlap=1"), ("stuck", "choco")])

@@ -22,16 +22,14 @@ from __future__ import annotations
 
 import io
 import os
-import tempfile
 import time
 import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
-from distributed import free_port, run_workers
+from distributed import run_until_rank0_reports, run_workers
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradpress
@@ -614,31 +612,7 @@ def _fault_entry(rank: int, world: int, port: int, how: str, outdir: str) -> Non
 
 
 def _run_fault(how: str, deadline: float = 60.0) -> tuple[dict | None, float]:
-    with tempfile.TemporaryDirectory() as outdir:
-        start = time.monotonic()
-        ctx = mp.start_processes(_fault_entry, args=(2, free_port(), how, outdir), nprocs=2, join=False,
-                                 start_method="spawn")
-        path = os.path.join(outdir, "rank0.pt")
-        result = None
-        try:
-            while time.monotonic() - start < deadline:
-                if os.path.exists(path):
-                    result = torch.load(path, weights_only=False)
-                    break
-                if not ctx.processes[0].is_alive():
-                    break
-                time.sleep(0.1)
-        finally:
-            waited = time.monotonic() - start
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.terminate()
-            for p in ctx.processes:
-                p.join(timeout=10)
-                if p.is_alive():
-                    p.kill()
-                    p.join(timeout=5)
-    return result, waited
+    return run_until_rank0_reports(_fault_entry, 2, (how,), deadline)
 
 
 @pytest.mark.parametrize("how", ["exit", "stuck"])

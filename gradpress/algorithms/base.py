@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from gradpress.compress import Compressor, create
 from gradpress.compress.base import Param
+from gradpress.compress.spec import coerce_params
 from gradpress.exchange import Synchronizer
 from gradpress.exchange.agree import agree, config_diff
 from gradpress.transport.collectives import fused_allreduce
@@ -126,14 +127,8 @@ class Algorithm:
                              "(the algorithm does its own exchange)")
 
     def _set_params(self, params: Mapping[str, Any]) -> None:
-        known = {p.name: p for p in self.PARAMS}
-        unknown = sorted(set(params) - set(known))
-        if unknown:
-            raise ValueError(f"algorithm {self.name!r}: unknown parameter {unknown[0]!r}; "
-                             f"allowed parameters: {', '.join(known) or 'none'}")
-        for p in self.PARAMS:
-            value = params.get(p.name, p.default)
-            setattr(self, p.name, p.coerce(value, self.name, kind="algorithm") if value is not None else None)
+        for key, value in coerce_params(self.PARAMS, params, self.name, "algorithm").items():
+            setattr(self, key, value)
 
     def spec(self) -> str:
         """The spec string that rebuilds this algorithm (``localsgd:period=8``)."""

@@ -7,54 +7,30 @@ Like timm's ``create_model`` and the compressor registry beside it.
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from typing import Any
 
 import torch
 
 from gradpress.algorithms.base import Algorithm
-from gradpress.compress.spec import parse_stage
+from gradpress.compress.spec import Registry, coerce_params, parse_stage
 
 __all__ = ["register", "create", "names", "get_class", "describe", "parse"]
 
-_REGISTRY: dict[str, type[Algorithm]] = {}
-_LOADED = False
+_REGISTRY: Registry[type[Algorithm]] = Registry("algorithm", "gradpress.algorithms", skip=("base", "registry"))
 
 
 def register(cls: type[Algorithm]) -> type[Algorithm]:
     """Class decorator: add ``cls`` under ``cls.name``."""
-    if not cls.name:
-        raise ValueError(f"{cls.__name__} has no registry name")
-    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
-        raise ValueError(f"algorithm name {cls.name!r} is already registered by {_REGISTRY[cls.name].__name__}")
-    _REGISTRY[cls.name] = cls
-    return cls
-
-
-def _load_builtin() -> None:
-    global _LOADED
-    if _LOADED:
-        return
-    _LOADED = True
-    import gradpress.algorithms as pkg
-
-    for mod in pkgutil.iter_modules(pkg.__path__):
-        if mod.name not in ("base", "registry"):
-            importlib.import_module(f"gradpress.algorithms.{mod.name}")
+    return _REGISTRY.register(cls)
 
 
 def names() -> list[str]:
     """Every registered algorithm name, sorted."""
-    _load_builtin()
-    return sorted(_REGISTRY)
+    return _REGISTRY.names()
 
 
 def get_class(name: str) -> type[Algorithm]:
-    _load_builtin()
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown algorithm {name!r}; allowed: {', '.join(sorted(_REGISTRY))}")
-    return _REGISTRY[name]
+    return _REGISTRY.get(name)
 
 
 def parse(spec: str) -> tuple[type[Algorithm], dict[str, Any]]:
@@ -67,12 +43,7 @@ def parse(spec: str) -> tuple[type[Algorithm], dict[str, Any]]:
         raise ValueError(f"algorithm spec {spec!r}: algorithms do not compose ('>' is for compressors)")
     name, raw = parse_stage(spec, kind="algorithm")
     cls = get_class(name)
-    known = {p.name: p for p in cls.PARAMS}
-    unknown = sorted(set(raw) - set(known))
-    if unknown:
-        raise ValueError(f"algorithm {name!r}: unknown parameter {unknown[0]!r}; "
-                         f"allowed parameters: {', '.join(known) or 'none'}")
-    return cls, {k: known[k].coerce(v, name, kind="algorithm") for k, v in raw.items()}
+    return cls, coerce_params(cls.PARAMS, raw, name, "algorithm", defaults=False)
 
 
 def create(spec: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, **options: Any) -> Algorithm:
@@ -93,7 +64,7 @@ def describe() -> list[dict[str, Any]]:
     allowed, doc), default compressor."""
     rows = []
     for name in names():
-        cls = _REGISTRY[name]
+        cls = _REGISTRY.get(name)
         rows.append({
             "name": name, "summary": cls.summary, "default_compressor": cls.default_compressor,
             "params": [{"name": p.name, "type": p.type.__name__, "default": p.default, "allowed": p.allowed,

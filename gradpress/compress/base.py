@@ -31,6 +31,8 @@ from typing import Any, ClassVar, final
 
 import torch
 
+from gradpress.compress.spec import coerce_params
+
 __all__ = [
     "Compressor",
     "Context",
@@ -233,16 +235,8 @@ class Compressor:
             raise TypeError(f"{cls.__name__} overrides Compressor.encode, which is final; implement _encode instead")
 
     def __init__(self, **params: Any) -> None:
-        known = {p.name: p for p in self.PARAMS}
-        unknown = sorted(set(params) - set(known))
-        if unknown:
-            allowed = ", ".join(known) or "none"
-            raise ValueError(
-                f"compressor {self.name!r}: unknown parameter {unknown[0]!r}; allowed parameters: {allowed}"
-            )
-        for p in self.PARAMS:
-            value = params.get(p.name, p.default)
-            setattr(self, p.name, p.coerce(value, self.name) if value is not None else None)
+        for key, value in coerce_params(self.PARAMS, params, self.name, "compressor").items():
+            setattr(self, key, value)
         self.seed = 0
         self._calls = 0
         self._validate()

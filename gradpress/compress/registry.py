@@ -15,32 +15,23 @@ from __future__ import annotations
 from typing import Any
 
 from gradpress.compress.base import Compressor
-from gradpress.compress.spec import parse_stage
+from gradpress.compress.spec import Registry, parse_stage
 
-_REGISTRY: dict[str, type[Compressor]] = {}
+_REGISTRY: Registry[type[Compressor]] = Registry("compressor", "gradpress.compress", skip=("base", "registry", "compose"))
 
 
 def register(cls: type[Compressor]) -> type[Compressor]:
     """Class decorator: add ``cls`` to the registry under ``cls.name``."""
-    if not cls.name:
-        raise ValueError(f"{cls.__name__} has no registry name")
-    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
-        raise ValueError(f"compressor name {cls.name!r} is already registered by {_REGISTRY[cls.name].__name__}")
-    _REGISTRY[cls.name] = cls
-    return cls
+    return _REGISTRY.register(cls)
 
 
 def names() -> list[str]:
     """All registered compressor names, sorted."""
-    _load_builtin()
-    return sorted(_REGISTRY)
+    return _REGISTRY.names()
 
 
 def get_class(name: str) -> type[Compressor]:
-    _load_builtin()
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown compressor {name!r}; allowed: {', '.join(sorted(_REGISTRY))}")
-    return _REGISTRY[name]
+    return _REGISTRY.get(name)
 
 
 def create(spec: str | Compressor, **params: Any) -> Compressor:
@@ -83,7 +74,7 @@ def describe() -> list[dict[str, Any]]:
     allowed, doc), traits and summary."""
     rows = []
     for name in names():
-        cls = _REGISTRY[name]
+        cls = _REGISTRY.get(name)
         inst = cls()
         rows.append(
             {
@@ -107,21 +98,3 @@ def describe() -> list[dict[str, Any]]:
             }
         )
     return rows
-
-
-_LOADED = False
-
-
-def _load_builtin() -> None:
-    global _LOADED
-    if _LOADED:
-        return
-    _LOADED = True
-    import importlib
-    import pkgutil
-
-    import gradpress.compress as pkg
-
-    for mod in pkgutil.iter_modules(pkg.__path__):
-        if mod.name not in ("base", "registry", "compose"):
-            importlib.import_module(f"gradpress.compress.{mod.name}")

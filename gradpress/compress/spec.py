@@ -1,14 +1,90 @@
-"""One stage of a spec string, ``name[:key=value,...]``.
+"""Named classes and their specs, shared by every registry: compressors
+(``"qsgd:levels=16,bucket=512"``), strategies, algorithms
+(``"localsgd:period=8"``).
 
-Shared by every registry whose entries take typed :class:`~gradpress.compress.base.Param`
-parameters (compressors: ``"qsgd:levels=16,bucket=512"``; algorithms:
-``"localsgd:period=8"``). Values stay strings here; ``Param.coerce`` converts
-and validates them.
+* :func:`parse_stage`: one stage of a spec string, ``name[:key=value,...]``
+  (values stay strings);
+* :func:`coerce_params`: the typed, validated values of a class's
+  ``PARAMS`` (:class:`~gradpress.compress.base.Param`);
+* :class:`Registry`: name -> class, filled by a decorator, with the
+  package's modules imported on first use.
 """
 
 from __future__ import annotations
 
-__all__ = ["parse_stage"]
+import importlib
+import pkgutil
+from collections.abc import Iterable, Mapping
+from typing import Any, Generic, TypeVar
+
+__all__ = ["parse_stage", "coerce_params", "Registry"]
+
+T = TypeVar("T", bound=type)
+
+
+def coerce_params(declared: Iterable[Any], given: Mapping[str, Any], owner: str, kind: str,
+                  defaults: bool = True) -> dict[str, Any]:
+    """``{name: value}`` for ``given`` against the ``Param``s ``declared``:
+    an unknown name raises ValueError naming it and the allowed ones; each
+    value is coerced and validated by its ``Param``. ``defaults``: also
+    fill every parameter not given with its default."""
+    known = {p.name: p for p in declared}
+    unknown = sorted(set(given) - set(known))
+    if unknown:
+        raise ValueError(f"{kind} {owner!r}: unknown parameter {unknown[0]!r}; "
+                         f"allowed parameters: {', '.join(known) or 'none'}")
+    out = {}
+    for p in known.values():
+        if p.name not in given and not defaults:
+            continue
+        value = given.get(p.name, p.default)
+        out[p.name] = p.coerce(value, owner, kind=kind) if value is not None else None
+    return out
+
+
+class Registry(Generic[T]):
+    """Name -> class for one ``kind`` of thing; the classes live in the
+    modules of ``package`` (all but ``skip``), imported on first lookup."""
+
+    def __init__(self, kind: str, package: str, skip: Iterable[str] = ()) -> None:
+        self.kind = kind
+        self.package = package
+        self.skip = frozenset(skip)
+        self.classes: dict[str, T] = {}
+        self._loaded = False
+
+    def register(self, cls: T) -> T:
+        """Class decorator: add ``cls`` under ``cls.name``."""
+        name = getattr(cls, "name", "")
+        if not name:
+            raise ValueError(f"{cls.__name__} has no registry name")
+        existing = self.classes.get(name)
+        if existing is not None and existing is not cls:
+            raise ValueError(f"{self.kind} name {name!r} is already registered by {existing.__name__}")
+        self.classes[name] = cls
+        return cls
+
+    def load(self) -> None:
+        """Import every module of the package once (each registers its classes)."""
+        if self._loaded:
+            return
+        self._loaded = True
+        pkg = importlib.import_module(self.package)
+        for mod in pkgutil.iter_modules(pkg.__path__):
+            if mod.name not in self.skip:
+                importlib.import_module(f"{self.package}.{mod.name}")
+
+    def names(self) -> list[str]:
+        """Every registered name, sorted."""
+        self.load()
+        return sorted(self.classes)
+
+    def get(self, name: str) -> T:
+        """The class registered as ``name``; ValueError listing the allowed names."""
+        self.load()
+        if name not in self.classes:
+            raise ValueError(f"unknown {self.kind} {name!r}; allowed: {', '.join(sorted(self.classes))}")
+        return self.classes[name]
 
 
 def parse_stage(text: str, kind: str = "compressor") -> tuple[str, dict[str, str]]:

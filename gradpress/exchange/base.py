@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from gradpress.compress.base import Compressor, Context, Packet
+from gradpress.compress.spec import Registry
 from gradpress.exchange.costs import CostModel
 from gradpress.exchange.feedback import Feedback
 
@@ -162,7 +163,9 @@ class Strategy:
             raise ValueError(f"strategy {self.name!r} keeps no state but was given {sorted(state)}")
 
 
-_STRATEGIES: dict[str, type[Strategy]] = {}
+#: every registered strategy; the modules of :mod:`gradpress.exchange.strategies`
+#: register theirs when first looked up
+_STRATEGIES: Registry[type[Strategy]] = Registry("strategy", "gradpress.exchange.strategies")
 
 #: pseudo-strategies accepted wherever a strategy is named
 PSEUDO = ("auto", "collective")
@@ -171,36 +174,15 @@ PSEUDO = ("auto", "collective")
 def register_strategy(name: str) -> Callable[[type[Strategy]], type[Strategy]]:
     def deco(cls: type[Strategy]) -> type[Strategy]:
         cls.name = name
-        _STRATEGIES[name] = cls
-        return cls
+        return _STRATEGIES.register(cls)
 
     return deco
-
-
-_LOADED = False
-
-
-def _load() -> None:
-    """Import every module of :mod:`gradpress.exchange.strategies` (each
-    registers its strategy)."""
-    global _LOADED
-    if _LOADED:
-        return
-    _LOADED = True
-    import importlib
-    import pkgutil
-
-    import gradpress.exchange.strategies as pkg
-
-    for mod in pkgutil.iter_modules(pkg.__path__):
-        importlib.import_module(f"{pkg.__name__}.{mod.name}")
 
 
 def strategy_names() -> list[str]:
     """The registered strategies' names in their exchange ``order`` (no
     pseudo-strategies)."""
-    _load()
-    return sorted(_STRATEGIES, key=lambda n: (_STRATEGIES[n].order, n))
+    return sorted(_STRATEGIES.names(), key=lambda n: (_STRATEGIES.classes[n].order, n))
 
 
 def available() -> list[str]:
@@ -210,10 +192,7 @@ def available() -> list[str]:
 
 
 def strategy_class(name: str) -> type[Strategy]:
-    _load()
-    if name not in _STRATEGIES:
-        raise ValueError(f"unknown strategy {name!r}; allowed: {', '.join(sorted(_STRATEGIES))}")
-    return _STRATEGIES[name]
+    return _STRATEGIES.get(name)
 
 
 def get_strategy(name: str, group: dist.ProcessGroup | None) -> Strategy:
