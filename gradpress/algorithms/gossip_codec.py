@@ -31,8 +31,11 @@ message is a vote, not a value), multi-round allreduce protocols
 (powersgd: gossip sends one message per edge), compressors with their own
 error memory (dgc, adacomp: the copies already are the error feedback) and
 anything else without a contraction or variance bound (minmax8, terngrad).
-A compressor outside gradpress may declare ``contractive = True`` or a
-``variance_factor(numel)`` method.
+Every fact comes from the compressor's own traits: ``contractive`` /
+``is_contractive`` (or ``exact_values``) and ``variance_factor(numel)``
+(:class:`~gradpress.compress.base.Compressor`), so a compressor written
+outside gradpress, or re-expressed in another implementation, is classified
+by what it declares.
 """
 
 from __future__ import annotations
@@ -44,52 +47,19 @@ import torch
 from gradpress.compress import Compressor, Context, Packet, create
 from gradpress.compress import registry as compressor_registry
 from gradpress.compress.compose import Composed
-from gradpress.compress.dithering import Dithering, variance_bound
-from gradpress.compress.efsignsgd import EFSignSGD
-from gradpress.compress.fft import FFT
-from gradpress.compress.halfprec import BFloat16, Float16
-from gradpress.compress.natural import Natural
-from gradpress.compress.onebit import OneBit
-from gradpress.compress.qsgd import QSGD
-from gradpress.compress.randomk import RandomK
-from gradpress.compress.rangefloat import RangeFloat
-from gradpress.compress.sparse import kept_count
 from gradpress.transport.wire import pack_packets, unpack_packets
 
 __all__ = ["gossip_scale", "accepted_compressors", "Codec"]
 
-#: biased compressors whose contraction follows from their definition (see the module doc)
-_CONTRACTIVE = (EFSignSGD, OneBit, Float16, BFloat16, RangeFloat, FFT, RandomK)
-
 
 def _omega(comp: Compressor, numel: int) -> float | None:
-    """A variance factor omega of an unbiased compressor on ``numel`` entries
-    (an upper bound), or None when none is known."""
-    declared = getattr(comp, "variance_factor", None)
-    if callable(declared):
-        return float(declared(numel))
-    if isinstance(comp, Natural):
-        return 1.0 / 8.0  # Horvath et al. 2019, Thm. 1
-    if isinstance(comp, RandomK) and comp.scale:
-        k = kept_count(numel, comp.ratio)
-        return numel / k - 1.0 if k else None
-    if isinstance(comp, QSGD):
-        b = min(comp.bucket, numel) if comp.bucket > 0 else numel  # omega grows with the bucket
-        return min(b / comp.levels**2, math.sqrt(b) / comp.levels)  # Alistarh et al. 2017, Lemma 3.1
-    if isinstance(comp, Dithering):
-        try:
-            return variance_bound(numel, comp.levels, float(comp.p), comp.natural)
-        except ValueError:
-            return None
-    return None
+    """The compressor's declared variance factor omega on ``numel`` entries."""
+    omega = comp.variance_factor(numel) if hasattr(comp, "variance_factor") else None
+    return None if omega is None else float(omega)
 
 
 def _contractive(comp: Compressor) -> bool:
-    if getattr(comp, "contractive", False) is True:
-        return True
-    if isinstance(comp, RandomK):
-        return not comp.scale
-    return bool(type(comp).exact_values) or isinstance(comp, _CONTRACTIVE)
+    return bool(getattr(comp, "is_contractive", False) or getattr(comp, "contractive", False) is True)
 
 
 def _classify(comp: Compressor, numel: int) -> tuple[float, str | None]:

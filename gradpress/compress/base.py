@@ -228,6 +228,10 @@ class Compressor:
     #: ``_encode`` reads its Context (key, step, seeds); False for pure
     #: functions of x, whose standalone calls then leave the counter alone
     uses_context: ClassVar[bool] = True
+    #: biased but contractive by definition, E||Q(v) - v||^2 <= (1 - delta)||v||^2
+    #: with delta > 0 (Koloskova et al. 2019, Assumption 1): what compressed
+    #: gossip needs. Sparsifiers with ``exact_values`` are contractive too.
+    contractive: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -255,6 +259,18 @@ class Compressor:
     def is_unbiased(self) -> bool:
         """Unbiasedness for this instance (may depend on parameters)."""
         return type(self).unbiased
+
+    @property
+    def is_contractive(self) -> bool:
+        """Contraction for this instance (may depend on parameters): the
+        class trait, or exact kept values (the error is the dropped part)."""
+        return type(self).contractive or type(self).exact_values
+
+    def variance_factor(self, numel: int) -> float | None:
+        """An upper bound omega on E||Q(v) - v||^2 / ||v||^2 for an unbiased
+        compressor on ``numel`` entries, or None when none is known (then
+        compressed gossip refuses it; Koloskova et al. 2019, Sec. 3)."""
+        return None
 
     @property
     def is_summable(self) -> bool:

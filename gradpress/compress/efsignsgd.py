@@ -31,6 +31,7 @@ from gradpress.compress.signs import pack_signs, unpack_two
 @register
 class EFSignSGD(Compressor):
     name = "efsignsgd"
+    contractive = True  # delta = ||v||_1^2 / (d ||v||^2) (Karimireddy et al. 2019, Lemma 8)
     summary = "scaled sign (||p||_1/d) sign(p) with error feedback (Karimireddy et al. 2019)"
     uses_context = False  # a pure function of x
 

@@ -64,6 +64,7 @@ def kept_coefficients(n_coef: int, theta: float) -> int:
 @register
 class FFT(Compressor):
     name = "fft"
+    contractive = True  # drops the smallest orthonormal coefficients: a projection
     PARAMS = (
         Param("theta", float, 0.9, "0 <= theta < 1", lambda v: 0 <= v < 1, "fraction of coefficients dropped"),
         Param("schedule", str, "constant", "constant or linear", lambda v: v in SCHEDULES, "how theta changes"),

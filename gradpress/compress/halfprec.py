@@ -28,6 +28,7 @@ from gradpress.compress.registry import register
 
 class _Cast(Compressor):
     summable = True
+    contractive = True  # relative rounding error below 1
     unbiased = False
     target: torch.dtype = torch.float16
     uses_context = False  # a pure function of x

@@ -123,6 +123,9 @@ class Natural(Compressor):
     unbiased = True
     summary = "natural compression C_nat: unbiased rounding to powers of two, 9 bits (Horvath et al. 2019)"
 
+    def variance_factor(self, numel: int) -> float:
+        return 1.0 / 8.0  # Horvath et al. 2019, Thm. 1
+
     def _encode(self, x: torch.Tensor, ctx: Context) -> Packet:
         gen = generator_for(x.device, ctx.private_seed)
         if x.dtype == torch.float64:

@@ -35,6 +35,7 @@ from gradpress.compress.signs import unpack_two
 @register
 class OneBit(Compressor):
     name = "onebit"
+    contractive = True  # the two side means are the least-squares fit of the sign pattern
     summary = "1-bit SGD: sign mask + mean of each side, with error feedback (Seide et al. 2014)"
     uses_context = False  # a pure function of x
 

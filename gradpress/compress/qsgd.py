@@ -71,6 +71,11 @@ class QSGD(Compressor):
         """Bits per entry: ceil(log2(s + 1)) for the level, one for the sign."""
         return int(self.levels).bit_length() + 1
 
+    def variance_factor(self, numel: int) -> float:
+        """Alistarh et al. 2017, Lemma 3.1, with the bucket (omega grows with it)."""
+        b = min(self._bucket(numel), max(numel, 1))
+        return min(b / self.levels**2, math.sqrt(b) / self.levels)
+
     def _bucket(self, numel: int) -> int:
         return self.bucket if self.bucket > 0 else max(numel, 1)
 

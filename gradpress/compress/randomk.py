@@ -70,6 +70,15 @@ class RandomK(Compressor):
     def is_unbiased(self) -> bool:
         return bool(self.scale)
 
+    @property
+    def is_contractive(self) -> bool:
+        """Unscaled: delta = k/d in expectation (Stich et al. 2018)."""
+        return not self.scale
+
+    def variance_factor(self, numel: int) -> float | None:
+        k = kept_count(numel, self.ratio)
+        return numel / k - 1.0 if self.scale and k else None
+
     def values_count(self, rest: list[torch.Tensor], shape: torch.Size, meta: dict) -> int:
         return kept_count(math.prod(shape), self.ratio)
 

@@ -66,6 +66,7 @@ def relative_error_bound(bits: int, e: int) -> float:
 @register
 class RangeFloat(Compressor):
     name = "rangefloat"
+    contractive = True  # relative rounding error below 1
     PARAMS = (Param("bits", int, 8, "2 <= bits <= 24", lambda v: 2 <= v <= 24, "bits per value (sign + exponent + mantissa)"),)
     summary = "range-based float: exponent bits sized to the payload's range, shared bias (FFT sparsification paper)"
     uses_context = False  # a pure function of x
