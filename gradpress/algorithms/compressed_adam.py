@@ -1,0 +1,225 @@
+"""What 1-bit Adam and 0/1 Adam share: an Adam the algorithm owns, whose
+momentum (or gradient) travels compressed through the exchange engine.
+
+Tang et al. 2021, "1-bit Adam: Communication Efficient Large-Scale Training
+with Adam's Convergence Speed"; Lu et al. 2022, "Maximizing Communication
+Efficiency for Large-scale Training via 0/1 Adam". Compressing the gradient
+of Adam breaks it: the nonlinear second moment amplifies the compression
+error. Both papers keep the variance ``v`` exact (warm-up) and then frozen
+(or updated ever more rarely), so that the update ``m / (sqrt(v) + eps)`` is
+linear in the exchanged quantity and error feedback works as it does for SGD.
+
+Design (why an :class:`~gradpress.algorithms.base.Algorithm`, not an
+optimizer under the DDP hook): the exchanged tensor is the *momentum* (or
+0/1 Adam's accumulated local update), which only exists inside the optimizer
+step, and the warm-up must average the gradient exactly while the compressed
+stage must not average it at all. An algorithm owns the step, so one class
+does both phases; DDP would allreduce every gradient bucket first.
+
+The user's ``torch.optim.Adam`` / ``AdamW`` only supplies hyperparameters:
+``lr``, ``betas``, ``eps``, ``weight_decay`` are read from its
+``param_groups`` at every step (LR schedulers keep working); ``AdamW`` (or
+``decoupled_weight_decay``) decays the parameters, ``Adam`` adds ``wd * p``
+to the gradient, as torch does. The algorithm keeps ``m``, ``v``, the step
+counters and (in the engine) both residuals; the optimizer's own state stays
+empty. ``amsgrad``, ``maximize`` and other optimizers are refused.
+
+Bias correction: torch's. The update is ``p -= lr / (1 - b1^t) * m /
+(sqrt(v / (1 - b2^s)) + eps)`` with ``t`` the steps taken and ``s`` the
+number of variance updates; once the variance stops changing, ``s`` stops
+too, so the corrected variance is frozen as a whole (the paper freezes
+``v_{T_w}``; DeepSpeed omits the correction, harmless at its freeze steps of
+~10^4, not at a freeze step of 60). ``1 - b1^t`` tends to 1 (the papers omit
+it). ``bias_correction=false`` gives DeepSpeed's uncorrected form.
+
+Compressed exchange: the paper's compressed allreduce (worker-side error
+feedback on the whole tensor, then a compressed reduce-scatter where each
+chunk's owner averages the N decoded chunks, re-compresses with a
+server-side residual of its own, and an allgather of the owners' bytes) is
+the engine's ``ps`` strategy with one partition per rank (``name#k``, roots
+round robin): worker residuals under the parameter's name, owner residuals
+under ``root/name#k#ps`` in the same store, both in ``state_dict``. With
+the default ``strategy="collective"`` that is what runs; any other strategy
+(``allgather``, ``ring``, ``auto``) is honoured as given. Tensors below
+``min_numel`` and 1-D tensors (biases, norms) travel uncompressed, as in
+every gradpress exchange.
+
+Invariants: ``m``, ``v`` and the parameters are bit-identical on every rank
+after every synchronized step (the engine's average is); with an identity
+compressor and no freeze the update is distributed Adam's (tested in
+float64); ``state_dict`` holds everything needed to resume bit-identically.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gradpress.algorithms.base import Algorithm
+from gradpress.compress import Compressor, create
+from gradpress.compress.base import Param
+from gradpress.exchange.planner import Decision, Plan
+from gradpress.exchange.strategies.recompress import unsupported_reason
+
+__all__ = ["CompressedAdam", "BIAS_PARAM"]
+
+BIAS_PARAM = Param("bias_correction", bool, True, "true or false", None,
+                   "torch's bias correction (false: DeepSpeed's uncorrected update)")
+
+
+class CompressedAdam(Algorithm):
+    """Adam owned by the algorithm; subclasses implement :meth:`step` with
+    :meth:`_grads`, :meth:`_exact_average`, :meth:`_moments`, :meth:`_apply`."""
+
+    default_compressor = "efsignsgd"
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+                 compressor: str | Compressor | None = None, strategy: str = "collective",
+                 process_group: dist.ProcessGroup | None = None,
+                 timeout: float | datetime.timedelta | None = None, **options: Any) -> None:
+        self._chunked = False
+        try:
+            built = create(compressor if compressor is not None else self.default_compressor)
+        except ValueError:
+            built = None  # the base class raises it again, on every rank, before agreeing
+        if built is not None:
+            compressor = built
+            if strategy == "collective" and not built.identity and unsupported_reason(built, "ps") is None:
+                strategy, self._chunked = "ps", True  # the paper's compressed allreduce
+        super().__init__(model, optimizer, compressor=compressor, strategy=strategy,
+                         process_group=process_group, timeout=timeout, **options)
+
+    # ---------------------------------------------------------------- setup
+    def setup(self) -> None:
+        opt = self.optimizer
+        if not isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
+            raise ValueError(f"algorithm {self.name!r}: optimizer must be torch.optim.Adam or AdamW "
+                             f"(it supplies lr, betas, eps, weight_decay), got {type(opt).__name__}")
+        for i, group in enumerate(opt.param_groups):
+            for flag in ("amsgrad", "maximize"):
+                if group.get(flag):
+                    raise ValueError(f"algorithm {self.name!r}: optimizer param_groups[{i}] has {flag}=True; "
+                                     f"allowed: {flag}=False")
+        owner = {id(p): g for g, group in enumerate(opt.param_groups) for p in group["params"]}
+        missing = [n for n, p in self.named if id(p) not in owner]
+        if missing:
+            raise ValueError(f"algorithm {self.name!r}: parameter {missing[0]!r} is not in the optimizer; "
+                             "the optimizer must hold every trainable parameter of the model")
+        self._group_of = [owner[id(p)] for _, p in self.named]
+        self.exp_avg = [torch.zeros_like(p, memory_format=torch.preserve_format) for _, p in self.named]
+        self.exp_avg_sq = [torch.zeros_like(p, memory_format=torch.preserve_format) for _, p in self.named]
+        self.t = 0  # Adam steps taken
+        self.v_steps = 0  # variance updates taken
+        assert self.engine is not None
+        if self._chunked and self.world_size > 1:
+            n = self.world_size
+            self.engine.plan = Plan({
+                k: Decision(k, d.numel, "ps", min(n, d.numel), reason="compressed allreduce (Tang et al. 2021)")
+                if d.compressed else d
+                for k, d in self.engine.plan.decisions.items()
+            }, "compressed allreduce: one partition per rank")
+
+    # -------------------------------------------------------------- helpers
+    def _hyper(self, i: int) -> tuple[float, float, float, float, float, bool]:
+        """(lr, beta1, beta2, eps, weight_decay, decoupled) of parameter ``i``, read now."""
+        g = self.optimizer.param_groups[self._group_of[i]]
+        b1, b2 = g["betas"]
+        decoupled = isinstance(self.optimizer, torch.optim.AdamW) or bool(g.get("decoupled_weight_decay", False))
+        return float(g["lr"]), float(b1), float(b2), float(g["eps"]), float(g["weight_decay"]), decoupled
+
+    def _grads(self) -> list[torch.Tensor]:
+        """Each parameter's local gradient (zeros where ``.grad`` is None, so
+        every rank exchanges the same tensors)."""
+        return [p.grad if p.grad is not None else torch.zeros_like(p) for _, p in self.named]
+
+    def _exact_average(self, grads: list[torch.Tensor]) -> None:
+        """Average ``grads`` uncompressed, in place (DDP's reduction)."""
+        self.average_plain(grads)
+        self._exchanges += 1
+
+    @torch.no_grad()
+    def _moments(self, grads: list[torch.Tensor], update_v: bool) -> None:
+        """``m <- b1 m + (1 - b1) g`` (and ``v <- b2 v + (1 - b2) g^2`` when
+        ``update_v``), with Adam's L2 term ``g + wd p`` unless decoupled."""
+        for i, (g, (_, p)) in enumerate(zip(grads, self.named)):
+            _, b1, b2, _, wd, decoupled = self._hyper(i)
+            if wd and not decoupled:
+                g = g.add(p, alpha=wd)
+            self.exp_avg[i].lerp_(g, 1 - b1)
+            if update_v:
+                self.exp_avg_sq[i].mul_(b2).addcmul_(g, g, value=1 - b2)
+        if update_v:
+            self.v_steps += 1
+
+    def _denom(self, i: int) -> torch.Tensor:
+        """``sqrt(v / (1 - b2^s)) + eps`` of parameter ``i`` (a fresh tensor)."""
+        _, _, b2, eps, _, _ = self._hyper(i)
+        bc2 = 1 - b2 ** self.v_steps if self.bias_correction and self.v_steps else 1.0  # type: ignore[attr-defined]
+        return (self.exp_avg_sq[i].sqrt() / bc2 ** 0.5).add_(eps)
+
+    def _bc1(self, i: int) -> float:
+        b1 = self._hyper(i)[1]
+        return 1 - b1 ** self.t if self.bias_correction else 1.0  # type: ignore[attr-defined]
+
+    @torch.no_grad()
+    def _delta(self, i: int) -> torch.Tensor:
+        """The Adam change of parameter ``i`` at this step: ``-lr wd p``
+        (decoupled) ``- lr / (1 - b1^t) * m / denom``."""
+        lr, _, _, _, wd, decoupled = self._hyper(i)
+        p = self.named[i][1]
+        delta = self.exp_avg[i] / self._denom(i) * (-lr / self._bc1(i))
+        if wd and decoupled:
+            delta.add_(p, alpha=-lr * wd)
+        return delta
+
+    @torch.no_grad()
+    def _apply(self) -> None:
+        """The Adam update of every parameter (torch's order: decay, then the step)."""
+        for i, (_, p) in enumerate(self.named):
+            lr, _, _, _, wd, decoupled = self._hyper(i)
+            if wd and decoupled:
+                p.mul_(1 - lr * wd)
+            p.addcdiv_(self.exp_avg[i], self._denom(i), value=-lr / self._bc1(i))
+
+    def _begin_step(self) -> None:
+        self.t += 1
+        self._steps += 1
+        self._last = {"bytes": 0, "dense": self._dense_per_step}
+
+    # ------------------------------------------------------------ reporting
+    @property
+    def stats(self) -> dict[str, Any]:
+        out = super().stats
+        out["exchanges"] = self._exchanges  # exact (plain) averages count too
+        return out
+
+    # ---------------------------------------------------------------- state
+    def extra_state(self) -> dict[str, Any]:
+        return {"exp_avg": [m.clone() for m in self.exp_avg], "exp_avg_sq": [v.clone() for v in self.exp_avg_sq],
+                "t": self.t, "v_steps": self.v_steps, "phase": self.phase_state()}
+
+    def load_extra_state(self, state: Mapping[str, Any]) -> None:
+        for field in ("exp_avg", "exp_avg_sq"):
+            saved = state.get(field)
+            if saved is None or len(saved) != len(self.named):
+                raise ValueError(f"{self.name} state: {field!r} missing or of another model "
+                                 f"(expected {len(self.named)} tensors)")
+            for (name, p), s in zip(self.named, saved):
+                if tuple(s.shape) != tuple(p.shape):
+                    raise ValueError(f"{self.name} state: {field!r} of {name!r} has shape {tuple(s.shape)}, "
+                                     f"the model's is {tuple(p.shape)}")
+            setattr(self, field, [s.to(p.device, p.dtype).clone() for (_, p), s in zip(self.named, saved)])
+        self.t = int(state["t"])
+        self.v_steps = int(state["v_steps"])
+        self.load_phase_state(state.get("phase", {}))
+
+    def phase_state(self) -> dict[str, Any]:
+        """The subclass's own counters (freeze step, intervals...)."""
+        return {}
+
+    def load_phase_state(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`phase_state`."""

@@ -1,0 +1,94 @@
+"""``onebit_adam:freeze_step=T``: 1-bit Adam, exact Adam for T steps, then
+the frozen variance and a compressed momentum exchange.
+
+Tang et al. 2021, "1-bit Adam: Communication Efficient Large-Scale Training
+with Adam's Convergence Speed" (ICML). Algorithm 1 of the paper:
+
+* warm-up, steps ``t <= T`` (15-25% of the run in the paper): exact Adam on
+  the exactly averaged gradient, ``m <- b1 m + (1 - b1) g``,
+  ``v <- b2 v + (1 - b2) g^2``;
+* compression stage, ``t > T``: ``v`` is frozen; every worker updates its
+  momentum with its *local* gradient, ``m_i <- b1 m + (1 - b1) g_i``, and
+  the momenta are averaged by the compressed allreduce with error feedback
+  on the worker side and on the server (chunk owner) side; every worker
+  applies ``m / (sqrt(v) + eps)``. ``m`` is identical on every rank after
+  the exchange, so the next step starts from the same momentum.
+
+Compressor: ``efsignsgd`` by default (one bit per element plus one fp32
+scale per tensor at the worker and per chunk at the owner). Its scale is
+``||x||_1 / d``, the scale that minimises ``||x - s sign(x)||``; DeepSpeed's
+1-bit Adam uses ``||x||_2 / sqrt(d)`` (same wire size). Any registered
+compressor is allowed (``compressor="topk:ratio=0.01"``...). The exchange
+itself, bias correction and the optimizer contract are described in
+:mod:`gradpress.algorithms.compressed_adam`.
+
+Invariants (tests/test_compressed_adam.py): with an identity compressor and
+``T`` past the end of the run this is distributed Adam (float64); with an
+identity compressor it is Adam whose variance stops at step ``T``; ``v``
+never changes after step ``T``; replicas are bit-identical after every
+step; ``state_dict`` (``m``, ``v``, ``t``, both residuals, ``T``) resumes
+bit-identically.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from gradpress.algorithms.compressed_adam import BIAS_PARAM, CompressedAdam
+from gradpress.algorithms.registry import register
+from gradpress.compress.base import Param
+
+PARAMS = (
+    Param("freeze_step", int, 100, "integer >= 0", lambda v: v >= 0,
+          "exact-Adam warm-up steps, after which the variance is frozen (15-25% of the run in the paper)"),
+    BIAS_PARAM,
+)
+
+
+@register
+class OneBitAdam(CompressedAdam):
+    name = "onebit_adam"
+    PARAMS = PARAMS
+    summary = ("1-bit Adam (Tang et al. 2021): exact Adam warm-up, then frozen variance and the momentum "
+               "exchanged compressed with worker- and server-side error feedback")
+
+    @property
+    def frozen(self) -> bool:
+        """Whether the variance is frozen (the compression stage)."""
+        return self.t >= self.freeze_step  # type: ignore[attr-defined]
+
+    @torch.no_grad()
+    def step(self) -> None:
+        skip = self.engine is not None and self.engine.nonfinite == "skip"
+        compressed = self.frozen
+        saved = [m.clone() for m in self.exp_avg] if skip else None
+        self._begin_step()
+        grads = self._grads()
+        if not compressed:
+            self._exact_average(grads)
+            if skip and not all(bool(torch.isfinite(g).all()) for g in grads):  # the same sums on every rank
+                self.t -= 1
+                return
+            self._moments(grads, update_v=True)
+        else:
+            self._moments(grads, update_v=False)
+            self.sync(self.exp_avg)
+            if skip and self.engine is not None and self.engine.last_step_skipped:
+                assert saved is not None
+                for m, s in zip(self.exp_avg, saved):
+                    m.copy_(s)
+                self.t -= 1
+                return
+        self._apply()
+
+    def phase_state(self) -> dict[str, Any]:
+        return {"freeze_step": self.freeze_step}  # type: ignore[attr-defined]
+
+    def load_phase_state(self, state: Mapping[str, Any]) -> None:
+        saved = state.get("freeze_step")
+        if saved is not None and int(saved) != self.freeze_step:  # type: ignore[attr-defined]
+            raise ValueError(f"{self.name} state: freeze_step {saved} differs from this run's "
+                             f"{self.freeze_step}")  # type: ignore[attr-defined]

@@ -1,0 +1,152 @@
+"""``zeroone_adam``: 0/1 Adam, variance updated at exponentially sparser
+steps, compressed gradients in between, then local steps.
+
+Lu et al. 2022, "Maximizing Communication Efficiency for Large-scale
+Training via 0/1 Adam" (ICLR 2023); the schedule follows DeepSpeed's
+``ZeroOneAdam`` (parameter names and defaults are its own). Step ``t``:
+
+* ``t <= var_freeze_step`` (variance phase). The variance is updated only
+  on the steps of T_v: the step is in T_v when ``t % I == 0`` for the
+  current interval ``I`` (1 at first); after every ``var_update_scaler``
+  (kappa) variance updates ``I`` doubles. On a T_v step the gradient is
+  averaged exactly and ``m``, ``v`` are updated (Adam); on the other steps
+  the gradient is averaged by the compressed exchange with worker- and
+  server-side error feedback and only ``m`` is updated. Every step applies
+  ``m / (sqrt(v) + eps)``; replicas stay identical.
+* ``t > var_freeze_step`` (the variance is frozen: the adaptive freeze of
+  the paper has already made its updates rare). Local steps: each worker
+  updates ``m`` with its local gradient and its parameters; every ``H``
+  steps (T_u) its change since the last synchronization, ``u = x - anchor``,
+  is exchanged compressed as ``u * (sqrt(v) + eps)`` (minus the lr-weighted
+  sum of its momenta), ``m`` becomes minus that average divided by the
+  summed learning rates, and every replica becomes ``anchor + average /
+  (sqrt(v) + eps)``, identical again.
+  ``H`` starts at 1 and doubles every ``local_step_scaler`` steps up to
+  ``local_step_clipper``. At the freeze the residuals are cleared (they held
+  gradient errors, and now hold momentum errors), as DeepSpeed does.
+
+Bias correction and the exchange: :mod:`gradpress.algorithms.compressed_adam`
+(``s``, the count of variance updates, is what corrects ``v``). Between
+synchronizations the replicas differ; :meth:`eval_model` is then their
+average (a plain allreduce, not counted).
+
+Invariants (tests/test_compressed_adam.py): with an identity compressor,
+kappa past the run and no freeze, it is distributed Adam (float64); ``v``
+never changes after ``var_freeze_step`` nor between T_v steps; replicas are
+bit-identical after every synchronized step; resume is bit-identical.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from gradpress.algorithms.compressed_adam import BIAS_PARAM, CompressedAdam
+from gradpress.algorithms.registry import register
+from gradpress.compress.base import Param
+
+PARAMS = (
+    Param("var_freeze_step", int, 100000, "integer >= 0", lambda v: v >= 0,
+          "last step of the variance phase; local steps after it"),
+    Param("var_update_scaler", int, 16, "integer >= 1", lambda v: v >= 1,
+          "kappa: variance updates between doublings of their interval"),
+    Param("local_step_scaler", int, 32678, "integer >= 1", lambda v: v >= 1,
+          "steps between doublings of the local-step interval H"),
+    Param("local_step_clipper", int, 16, "integer >= 1", lambda v: v >= 1, "largest local-step interval H"),
+    BIAS_PARAM,
+)
+
+_COUNTERS = ("var_interval", "var_counter", "local_interval", "local_counter")
+
+
+@register
+class ZeroOneAdam(CompressedAdam):
+    name = "zeroone_adam"
+    PARAMS = PARAMS
+    summary = ("0/1 Adam (Lu et al. 2022): variance updated at exponentially sparser steps with compressed "
+               "gradients between, then frozen variance and compressed local steps")
+
+    def setup(self) -> None:
+        super().setup()
+        self.var_interval, self.var_counter = 1, 0
+        self.local_interval, self.local_counter = 1, 0
+        self.lrs = [0.0] * len(self.named)  # summed lr since the last synchronization, per parameter
+        self.anchor: list[torch.Tensor] = []  # the parameters at the last synchronization (local phase)
+        self._synced = True
+
+    @property
+    def frozen(self) -> bool:
+        return self.t >= self.var_freeze_step  # type: ignore[attr-defined]
+
+    def eval_model(self) -> torch.nn.Module:
+        return self.model if self._synced else self.consensus_model()
+
+    @torch.no_grad()
+    def step(self) -> None:
+        if self.frozen:
+            self._local_step()
+            return
+        self._begin_step()
+        grads = self._grads()
+        if self.t % self.var_interval == 0:
+            self._exact_average(grads)
+            self._moments(grads, update_v=True)
+            self.var_counter += 1
+            if self.var_counter == self.var_update_scaler:  # type: ignore[attr-defined]
+                self.var_counter, self.var_interval = 0, self.var_interval * 2
+        else:
+            self.sync(grads)
+            self._moments(grads, update_v=False)
+        self._apply()
+        if self.frozen:  # the next step is local: the residuals change meaning
+            self.engine.feedback.residuals.clear()  # type: ignore[union-attr]
+            self.anchor = [p.detach().clone() for _, p in self.named]
+
+    @torch.no_grad()
+    def _local_step(self) -> None:
+        self._begin_step()
+        self._moments(self._grads(), update_v=False)
+        self._apply()
+        for i in range(len(self.named)):
+            self.lrs[i] += self._hyper(i)[0]
+        self._synced = False
+        if self.t % self.local_interval == 0:
+            self._synchronize()
+        self.local_counter += 1
+        if self.local_counter == self.local_step_scaler:  # type: ignore[attr-defined]
+            self.local_counter = 0
+            self.local_interval = min(self.local_step_clipper, self.local_interval * 2)  # type: ignore[attr-defined]
+
+    def _synchronize(self) -> None:
+        """Average ``u * denom`` compressed (``u = x - anchor``, this
+        worker's change since the last synchronization), set ``m = -mean /
+        sum(lr)`` and every replica to ``anchor + mean / denom``. The anchor
+        is kept, not recovered as ``x - u``: that would differ between ranks
+        by rounding."""
+        denoms = [self._denom(i) for i in range(len(self.named))]
+        change = [(p - a).mul_(d) for (_, p), a, d in zip(self.named, self.anchor, denoms)]
+        self.sync(change)
+        for i, ((_, p), a, u, d) in enumerate(zip(self.named, self.anchor, change, denoms)):
+            if self.lrs[i] > 0:
+                self.exp_avg[i].copy_(u).mul_(-self._bc1(i) / self.lrs[i])
+            a.add_(u / d)
+            p.copy_(a)
+            self.lrs[i] = 0.0
+        self._synced = True
+
+    def phase_state(self) -> dict[str, Any]:
+        return {**{k: getattr(self, k) for k in _COUNTERS}, "lrs": list(self.lrs),
+                "anchor": [a.clone() for a in self.anchor], "synced": self._synced}
+
+    def load_phase_state(self, state: Mapping[str, Any]) -> None:
+        for k in _COUNTERS:
+            setattr(self, k, int(state[k]))
+        anchor = state["anchor"]
+        if anchor and len(anchor) != len(self.named):
+            raise ValueError(f"{self.name} state: anchor of another model ({len(anchor)} tensors, "
+                             f"the model has {len(self.named)})")
+        self.lrs = [float(v) for v in state["lrs"]]
+        self.anchor = [s.to(p.device, p.dtype).clone() for (_, p), s in zip(self.named, anchor)]
+        self._synced = bool(state["synced"])

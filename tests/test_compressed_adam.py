@@ -1,0 +1,306 @@
+"""1-bit Adam and 0/1 Adam against float64 references the test computes
+itself from the papers' formulas (Tang et al. 2021; Lu et al. 2022), on 2
+gloo workers: exact distributed Adam without compression or freeze, frozen
+variance, the compressed allreduce with worker- and server-side error
+feedback, identical replicas, bit-identical resume."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+import torch.distributed as dist
+from distributed import run_workers
+
+import gradpress.algorithms as algorithms
+
+WORLD = 2
+LR = 0.01
+BETAS = (0.9, 0.999)
+EPS = 1e-8
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(7)
+    return torch.nn.Sequential(torch.nn.Linear(6, 40), torch.nn.Tanh(), torch.nn.Linear(40, 3)).double()
+
+
+def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(16, 6, generator=g, dtype=torch.float64)
+    return x, torch.sin(x[:, :3] * 2.0)
+
+
+def grads_at(params: list[torch.Tensor], rank: int, step: int) -> list[torch.Tensor]:
+    model = make_model()
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), params):
+            p.copy_(q)
+    x, y = batch(rank, step)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def flat(params: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in params])
+
+
+def reference_adam(steps: int, v_steps: list[bool], wd: float = 0.0, decoupled: bool = False) -> list[torch.Tensor]:
+    """Adam on the exactly averaged gradient, float64, by its formula;
+    ``v_steps[t]``: whether step t+1 updates the variance (else it stays,
+    with its bias correction). Returns the flat parameters after each step."""
+    params = [p.detach().clone() for p in make_model().parameters()]
+    m = [torch.zeros_like(p) for p in params]
+    v = [torch.zeros_like(p) for p in params]
+    s, out = 0, []
+    b1, b2 = BETAS
+    for t in range(1, steps + 1):
+        per_rank = [grads_at(params, r, t - 1) for r in range(WORLD)]
+        s += int(v_steps[t - 1])
+        for i, p in enumerate(params):
+            g = sum(gr[i] for gr in per_rank) / WORLD
+            if wd and not decoupled:
+                g = g + wd * p
+            m[i] = b1 * m[i] + (1 - b1) * g
+            if v_steps[t - 1]:
+                v[i] = b2 * v[i] + (1 - b2) * g * g
+            if wd and decoupled:
+                p *= 1 - LR * wd
+            p -= LR / (1 - b1 ** t) * m[i] / ((v[i] / (1 - b2 ** s)).sqrt() + EPS)
+        out.append(flat(params))
+    return out
+
+
+def scaled_sign(x: torch.Tensor) -> torch.Tensor:
+    """efsignsgd by definition: mean|x| * sign(x), sign(0) = +1."""
+    return x.abs().mean() * torch.where(x >= 0, 1.0, -1.0).to(x.dtype)
+
+
+def reference_onebit(steps: int, freeze: int, min_numel: int) -> list[torch.Tensor]:
+    """1-bit Adam (Tang et al. 2021, Algorithm 1) with DeepSpeed's compressed
+    allreduce, float64: each worker adds its residual to its momentum, sends
+    the scaled sign of each of the N chunks; the owner of a chunk averages
+    the N decoded chunks, adds its own residual and sends the scaled sign of
+    that; residuals keep what each compression dropped."""
+    params = [p.detach().clone() for p in make_model().parameters()]
+    m = [torch.zeros_like(p) for p in params]
+    v = [torch.zeros_like(p) for p in params]
+    werr = [[torch.zeros(p.numel(), dtype=p.dtype) for p in params] for _ in range(WORLD)]
+    serr = [[torch.zeros(p.numel(), dtype=p.dtype) for p in params] for _ in range(WORLD)]
+    b1, b2 = BETAS
+    out = []
+    for t in range(1, steps + 1):
+        per_rank = [grads_at(params, r, t - 1) for r in range(WORLD)]
+        for i, p in enumerate(params):
+            if t <= freeze:
+                g = sum(gr[i] for gr in per_rank) / WORLD
+                m[i] = b1 * m[i] + (1 - b1) * g
+                v[i] = b2 * v[i] + (1 - b2) * g * g
+            elif p.dim() < 2 or p.numel() < min_numel:  # travels plain
+                m[i] = sum(b1 * m[i] + (1 - b1) * gr[i] for gr in per_rank) / WORLD
+            else:
+                local = [(b1 * m[i] + (1 - b1) * gr[i]).reshape(-1) + werr[r][i] for r, gr in enumerate(per_rank)]
+                chunks_sent = [[scaled_sign(c) for c in torch.tensor_split(x, WORLD)] for x in local]
+                for r in range(WORLD):
+                    werr[r][i] = local[r] - torch.cat(chunks_sent[r])
+                result = []
+                for k in range(WORLD):
+                    owner_err = torch.tensor_split(serr[k][i], WORLD)[k]
+                    s = sum(chunks_sent[r][k] for r in range(WORLD)) / WORLD + owner_err
+                    c = scaled_sign(s)
+                    torch.tensor_split(serr[k][i], WORLD)[k].copy_(s - c)
+                    result.append(c)
+                m[i] = torch.cat(result).reshape(p.shape)
+            s_v = min(t, freeze)
+            p -= LR / (1 - b1 ** t) * m[i] / ((v[i] / (1 - b2 ** s_v)).sqrt() + EPS)
+        out.append(flat(params))
+    return out
+
+
+def _run(rank: int, spec: str, compressor: str | None, steps: int, opt_cls: type = torch.optim.Adam,
+         wd: float = 0.0, watch: bool = False, **kw) -> dict:  # noqa: ANN003
+    model = make_model()
+    if rank == 1:  # the algorithm must start every rank from rank 0's weights
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+    opt = opt_cls(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=wd)
+    algo = algorithms.create(spec, model, opt, compressor=compressor, **kw)
+    params, vs, ms = [], [], []
+    for step in range(steps):
+        opt.zero_grad()
+        x, y = batch(rank, step)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        algo.step()
+        params.append(flat(list(model.parameters())))
+        if watch:
+            vs.append(flat(algo.exp_avg_sq))
+            ms.append(flat(algo.exp_avg))
+    return {"params": params, "v": vs, "m": ms, "algo": algo, "model": model, "opt": opt, "stats": algo.stats}
+
+
+def _resume(rank: int, spec: str, compressor: str, first: int, then: int, **kw) -> dict:  # noqa: ANN003
+    run = _run(rank, spec, compressor, first, **kw)
+    buf = io.BytesIO()
+    torch.save({"algo": run["algo"].state_dict(), "model": run["model"].state_dict()}, buf)
+
+    def go(model: torch.nn.Module, algo: algorithms.Algorithm, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+        out = []
+        for step in range(first, first + then):
+            opt.zero_grad()
+            x, y = batch(rank, step)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            algo.step()
+            out.append(flat(list(model.parameters())))
+        return out
+
+    cont = go(run["model"], run["algo"], run["opt"])
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    model = make_model()
+    opt = torch.optim.Adam(model.parameters(), lr=LR, betas=BETAS, eps=EPS)
+    algo = algorithms.create(spec, model, opt, compressor=compressor, **kw)
+    model.load_state_dict(saved["model"])  # after the construction's broadcast: replicas may differ
+    algo.load_state_dict(saved["algo"])
+    return {"cont": cont, "resumed": go(model, algo, opt), "keys": sorted(saved["algo"]["exchange"]["feedback"]["residuals"]),
+            "extra": sorted(saved["algo"]["extra"])}
+
+
+def _worker(rank: int, world: int) -> dict:
+    out: dict = {}
+    out["adam"] = _run(rank, "onebit_adam:freeze_step=100", "none", 6)["params"]
+    out["adam_l2"] = _run(rank, "onebit_adam:freeze_step=100", "none", 6, wd=0.1)["params"]
+    out["adamw"] = _run(rank, "onebit_adam:freeze_step=100", "none", 6, opt_cls=torch.optim.AdamW, wd=0.1)["params"]
+    out["frozen_none"] = _run(rank, "onebit_adam:freeze_step=3", "none", 7)["params"]
+    run = _run(rank, "onebit_adam:freeze_step=3", None, 8, watch=True, min_numel=64)
+    out["onebit"] = {k: run[k] for k in ("params", "v", "m", "stats")}
+    out["onebit"]["describe"] = run["algo"].describe()
+    out["zo_adam"] = _run(rank, "zeroone_adam:var_update_scaler=1000", "none", 6)["params"]
+    out["zo_frozen_none"] = _run(rank, "zeroone_adam:var_update_scaler=1000,var_freeze_step=3,local_step_clipper=1",
+                                 "none", 7)["params"]
+    run = _run(rank, "zeroone_adam:var_update_scaler=2,var_freeze_step=9,local_step_scaler=2,local_step_clipper=4",
+               None, 16, watch=True, min_numel=64)
+    out["zo"] = {k: run[k] for k in ("params", "v", "m", "stats")}
+    out["resume_onebit"] = _resume(rank, "onebit_adam:freeze_step=2", "efsignsgd", 4, 4, min_numel=64)
+    out["resume_zo"] = _resume(rank, "zeroone_adam:var_update_scaler=2,var_freeze_step=4,local_step_scaler=1,"
+                               "local_step_clipper=4", "efsignsgd", 7, 6, min_numel=64)
+    errors = {}
+    for name, make in {"sgd": lambda m: torch.optim.SGD(m.parameters(), lr=LR),
+                       "amsgrad": lambda m: torch.optim.Adam(m.parameters(), lr=LR, amsgrad=True)}.items():
+        try:
+            model = make_model()
+            algorithms.create("onebit_adam", model, make(model))
+            errors[name] = None
+        except ValueError as exc:
+            errors[name] = str(exc)
+    out["errors"] = errors
+    dist.barrier()
+    return out
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    return run_workers(_worker, WORLD)
+
+
+def _close(got: list[torch.Tensor], want: list[torch.Tensor], tol: float) -> None:
+    assert len(got) == len(want)
+    for t, (a, b) in enumerate(zip(got, want)):
+        assert torch.allclose(a, b, rtol=tol, atol=tol), f"step {t + 1}: max diff {(a - b).abs().max():.3g}"
+
+
+@pytest.mark.parametrize("key,wd,decoupled", [("adam", 0.0, False), ("adam_l2", 0.1, False), ("adamw", 0.1, True)])
+def test_no_compression_no_freeze_is_distributed_adam(results: list[dict], key: str, wd: float,
+                                                      decoupled: bool) -> None:
+    want = reference_adam(6, [True] * 6, wd, decoupled)
+    for res in results:
+        _close(res[key], want, 1e-12)
+
+
+def test_zeroone_no_compression_no_freeze_is_distributed_adam(results: list[dict]) -> None:
+    want = reference_adam(6, [True] * 6)
+    for res in results:
+        _close(res["zo_adam"], want, 1e-12)
+
+
+def test_identity_compressor_after_freeze_is_adam_with_frozen_variance(results: list[dict]) -> None:
+    want = reference_adam(7, [t < 3 for t in range(7)])
+    for res in results:
+        _close(res["frozen_none"], want, 1e-12)
+        _close(res["zo_frozen_none"], want, 1e-12)  # 0/1 Adam's local steps with H = 1 are the same
+
+
+def test_onebit_compressed_allreduce_with_both_residuals(results: list[dict]) -> None:
+    """The compression stage equals the paper's compressed allreduce with
+    worker and server error feedback (float64 scales travel with 2^-21
+    relative precision: loose tolerance)."""
+    want = reference_onebit(8, 3, 64)
+    for res in results:
+        _close(res["onebit"]["params"], want, 1e-5)
+
+
+def test_variance_frozen_and_replicas_identical(results: list[dict]) -> None:
+    run0, run1 = results[0]["onebit"], results[1]["onebit"]
+    for t in range(8):
+        assert torch.equal(run0["params"][t], run1["params"][t])
+        assert torch.equal(run0["m"][t], run1["m"][t])
+        if t >= 3:  # steps 4.. never touch v
+            assert torch.equal(run0["v"][t], run0["v"][2])
+        elif t:
+            assert not torch.equal(run0["v"][t], run0["v"][t - 1])
+    assert results[0]["onebit"]["describe"]["strategy"] == "ps"
+    assert results[0]["onebit"]["describe"]["compressor"] == "efsignsgd"
+
+
+def test_zeroone_variance_schedule_and_replicas(results: list[dict]) -> None:
+    """kappa = 2: the variance changes at steps 1, 2, then every 2nd (4, 6),
+    every 4th (8), and never after var_freeze_step = 9; replicas agree after
+    every synchronized step: from step 10 the local interval H is 1, 1, 2,
+    2, then 4 (DeepSpeed's rule: synchronize when t % H == 0), so steps
+    10, 11, 12 and 16 synchronize and 13-15 are local."""
+    run0, run1 = results[0]["zo"], results[1]["zo"]
+    changed = [t + 1 for t in range(16) if not torch.equal(run0["v"][t], run0["v"][t - 1] if t else
+                                                           torch.zeros_like(run0["v"][0]))]
+    assert changed == [1, 2, 4, 6, 8]
+    synced = set(range(1, 13)) | {16}
+    for t in range(16):
+        same = torch.equal(run0["params"][t], run1["params"][t])
+        assert same == (t + 1 in synced), f"step {t + 1}"
+
+
+def test_bytes_after_freeze(results: list[dict]) -> None:
+    """After the freeze, each compressed momentum tensor costs >= 10x less
+    than its dense gradient (one bit per element plus a scale per chunk;
+    this tiny model's biases travel plain and dominate its total)."""
+    st = results[0]["onebit"]["stats"]
+    assert st["steps"] == 8 and st["exchanges"] == 8
+    assert st["last_step_bytes"] < st["last_step_dense_bytes"]
+    for key, numel in (("0.weight", 240), ("2.weight", 120)):
+        assert 0 < st["tensor_bytes"][key] * 10 <= numel * 8, (key, st["tensor_bytes"][key])
+
+
+@pytest.mark.parametrize("key", ["resume_onebit", "resume_zo"])
+def test_resume_is_bit_identical_and_keeps_both_residuals(results: list[dict], key: str) -> None:
+    for res in results:
+        r = res[key]
+        for a, b in zip(r["cont"], r["resumed"]):
+            assert torch.equal(a, b)
+        assert "0.weight" in r["keys"]  # the worker residual
+        assert any(k.startswith("root/") for k in r["keys"])  # this rank owns chunks
+        assert {"exp_avg", "exp_avg_sq", "t", "v_steps", "phase"} <= set(r["extra"])
+    roots = [k for res in results for k in res[key]["keys"] if k.startswith("root/")]
+    assert sorted(roots) == sorted({"root/0.weight#0#ps", "root/0.weight#1#ps", "root/2.weight#0#ps",
+                                    "root/2.weight#1#ps"})  # each chunk's residual on its owner only
+
+
+def test_refuses_other_optimizers(results: list[dict]) -> None:
+    errors = results[0]["errors"]
+    assert "torch.optim.Adam or AdamW" in errors["sgd"] and "SGD" in errors["sgd"]
+    assert "amsgrad" in errors["amsgrad"]
+
+
+def test_registered_with_default_compressor() -> None:
+    for name in ("onebit_adam", "zeroone_adam"):
+        cls = algorithms.get_class(name)
+        assert cls.default_compressor == "efsignsgd"
