@@ -13,6 +13,16 @@ the engine's (:class:`gradpress.exchange.Synchronizer`); this module only
 turns a ``GradBucket`` into keyed views and keeps the step count. State is
 keyed by parameter name (stable across DDP's bucket rebuild after the first
 iteration), never by ``bucket.index()``.
+
+A hook state is *bound* once it has its engine. ``make_hook(spec, model)``
+and ``register`` bind at once (collective); ``make_hook(spec)`` returns an
+unbound state, for frameworks that take the hook before the model is
+wrapped (Lightning's ``DDPStrategy(ddp_comm_hook=..., ddp_comm_state=...)``):
+it binds on :meth:`GradpressHook.bind` (keys: parameter names), or else by
+itself when the first backward has handed it every bucket (keys:
+``param{i}`` in the order of that first step's buckets, the same on every
+rank and in every run of the same model). A state loaded while unbound is
+applied when it binds.
 """
 
 from __future__ import annotations
@@ -22,13 +32,12 @@ import functools
 import queue
 import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from gradpress.compress import Compressor
 from gradpress.exchange import Synchronizer
 from gradpress.exchange.feedback import Feedback
 from gradpress.exchange.planner import Plan
@@ -43,13 +52,18 @@ def strip_module(name: str) -> str:
     return name[len("module."):] if name.startswith("module.") else name
 
 
-class _Job:
-    __slots__ = ("buffer", "grads", "keys", "step", "is_last", "future", "event")
+#: builds the engine for these (name, parameter) pairs; collective (own group, agreement, plan)
+Builder = Callable[[Sequence[tuple[str, torch.nn.Parameter]]], Synchronizer]
 
-    def __init__(self, buffer, grads, keys, step, is_last, future, event) -> None:  # noqa: ANN001
+
+class _Job:
+    __slots__ = ("buffer", "grads", "keys", "params", "step", "is_last", "future", "event")
+
+    def __init__(self, buffer, grads, keys, params, step, is_last, future, event) -> None:  # noqa: ANN001
         self.buffer = buffer
         self.grads = grads
         self.keys = keys
+        self.params = params
         self.step = step
         self.is_last = is_last
         self.future = future
@@ -57,28 +71,66 @@ class _Job:
 
 
 class GradpressHook:
-    """State of the gradpress comm hook; returned by ``register``.
+    """State of the gradpress comm hook; returned by ``register`` and
+    ``make_hook``.
 
-    Attributes: ``engine`` (the exchange engine), and through it
-    ``compressor``, ``strategy_name``, ``error_feedback``, ``plan``,
-    ``memory`` (the residuals), ``stats`` (see ``STATS_KEYS``).
+    Attributes: ``engine`` (the exchange engine, None until bound), and
+    through it ``compressor``, ``strategy_name``, ``error_feedback``,
+    ``plan``, ``memory`` (the residuals), ``stats`` (see ``STATS_KEYS``).
+    ``build`` makes the engine for a list of (name, parameter); ``model``:
+    bind now (collective).
     """
 
-    def __init__(self, model: torch.nn.Module, compressor: str | Compressor, *, process_group: dist.ProcessGroup,
-                 **engine_options: Any) -> None:
-        named = [(strip_module(n), p) for n, p in model.named_parameters()]
-        self._names = {id(p): n for n, p in named}
-        self.engine = Synchronizer(
-            compressor, params=[(n, p.shape, p.dtype) for n, p in named if p.requires_grad],
-            group=process_group, **engine_options,
-        )
-        self.group = process_group
+    def __init__(self, build: Builder, model: torch.nn.Module | None = None) -> None:
+        self._build = build
+        self._engine: Synchronizer | None = None
+        self._names: dict[int, str] = {}
         self._step = 0  # hook-side step (main thread)
         self._deferred: FloatingPointError | None = None
+        self._unbound_jobs: list[_Job] = []  # buckets of the first backward of a state not bound yet
+        self._pending_state: Mapping[str, Any] | None = None  # loaded before binding
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._thread = threading.Thread(target=self._worker, name="gradpress-comm", daemon=True)
         self._thread.start()
         _OPEN_HOOKS.add(self)
+        if model is not None:
+            self.bind(model)
+
+    # ------------------------------------------------------------- binding
+    @property
+    def bound(self) -> bool:
+        return self._engine is not None
+
+    @property
+    def engine(self) -> Synchronizer:
+        if self._engine is None:
+            raise RuntimeError("this gradpress hook state is not bound to a model yet: it binds at the first "
+                               "backward, or call state.bind(model) (the Lightning/Accelerate integrations do)")
+        return self._engine
+
+    def bind(self, model: torch.nn.Module) -> None:
+        """Build the engine for ``model``'s parameters (a DDP wrapper's
+        ``module.`` prefix is dropped). Collective: every rank calls it, before
+        the first backward. Binding again to the same parameters does nothing;
+        to others raises ``ValueError``."""
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            model = model.module
+        if not isinstance(model, torch.nn.Module):
+            raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        named = [(strip_module(n), p) for n, p in model.named_parameters()]
+        if self._engine is not None:
+            if {id(p): n for n, p in named} != self._names:
+                raise ValueError("this gradpress hook state is already bound to another model's parameters; "
+                                 "make one state per model")
+            return
+        self._bind_named(named)
+
+    def _bind_named(self, named: Sequence[tuple[str, torch.nn.Parameter]]) -> None:
+        self._engine = self._build(named)
+        self._names = {id(p): n for n, p in named}
+        pending, self._pending_state = self._pending_state, None
+        if pending is not None:
+            self.load_state_dict(pending)
 
     # --------------------------------------------------------------- views
     compressor = property(lambda self: self.engine.compressor)
@@ -89,6 +141,7 @@ class GradpressHook:
     rank = property(lambda self: self.engine.rank)
     world_size = property(lambda self: self.engine.world_size)
     nonfinite = property(lambda self: self.engine.nonfinite)
+    group = property(lambda self: self.engine.group)  # gradpress's own process group
 
     @property
     def memory(self) -> Feedback:
@@ -127,22 +180,50 @@ class GradpressHook:
 
     # ------------------------------------------------------------------ hook
     def submit(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        """Queue ``bucket`` for the communication thread; return its Future."""
+        """Queue ``bucket`` for the communication thread; return its Future.
+        An unbound state keeps the buckets of the first backward and binds
+        when the last one arrives (every bucket then seen: every parameter)."""
         future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         buffer = bucket.buffer()
-        keys = [self._names.get(id(p), f"param{i}") for i, p in enumerate(bucket.parameters())]
+        params = list(bucket.parameters())
         event = None
         if buffer.is_cuda:
             event = torch.cuda.Event()
             event.record()
         is_last = bucket.is_last()
-        job = _Job(buffer, bucket.gradients(), keys, self._step, is_last, future, event)
+        job = _Job(buffer, bucket.gradients(), None, params, self._step, is_last, future, event)
         if is_last:
             self._step += 1
             # runs when backward ends, after DDP's own finalization (queued before, at its first bucket)
             torch.autograd.Variable._execution_engine.queue_callback(functools.partial(self._raise_deferred, future))
-        self._queue.put(job)
+        if self._engine is None:
+            self._unbound_jobs.append(job)
+            if is_last:
+                self._bind_from_buckets()
+            return future
+        self._enqueue(job)
         return future
+
+    def _enqueue(self, job: _Job) -> None:
+        job.keys = [self._names.get(id(p), f"param{i}") for i, p in enumerate(job.params)]
+        self._queue.put(job)
+
+    def _bind_from_buckets(self) -> None:
+        jobs, self._unbound_jobs = self._unbound_jobs, []
+        named = [(f"param{i}", p) for i, p in enumerate(p for job in jobs for p in job.params)]
+        restoring = self._pending_state is not None
+        try:
+            self._bind_named(named)
+        except BaseException as exc:
+            for job in jobs[:-1]:
+                job.future.set_exception(exc)
+            raise
+        if restoring:  # this backward is the first step after the restored one
+            for job in jobs:
+                job.step = self._step
+            self._step += 1
+        for job in jobs:
+            self._enqueue(job)
 
     def _raise_deferred(self, last: torch.futures.Future[torch.Tensor]) -> None:
         """Re-raise a ``nonfinite='raise'`` error as the documented
@@ -175,14 +256,24 @@ class GradpressHook:
     # ----------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
         """All compression state: the engine's (config, residuals, compressor
-        and strategy state, plan, stats) and the hook's step."""
+        and strategy state, plan, stats) and the hook's step. Unbound: the
+        state loaded and not yet applied, if any."""
+        if self._engine is None and self._pending_state is not None:
+            return dict(self._pending_state)
         return {**self.engine.state_dict(), "format": HOOK_FORMAT, "step": self._step}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore from :meth:`state_dict` (also a state written before the
         exchange engine, format ``gradpress-hook/1``). Refuses a state of
-        another configuration (compressor, strategy, world size, parameters...)."""
+        another configuration (compressor, strategy, world size, parameters...).
+        An unbound state keeps it (format checked) and loads it when it binds."""
         fmt = state.get("format") if isinstance(state, Mapping) else None
+        if self._engine is None:
+            if fmt not in (HOOK_FORMAT, _OLD_FORMAT):
+                raise ValueError(f"not a gradpress hook state dict (format {fmt!r}; expected {HOOK_FORMAT!r} "
+                                 f"or {_OLD_FORMAT!r})")
+            self._pending_state = state
+            return
         if fmt == _OLD_FORMAT:
             try:
                 state = _upgrade_v1(state)

@@ -1,11 +1,19 @@
-"""``gradpress.ddp.register(ddp_model, "topk:ratio=0.01")``: build the hook on
-gradpress's own process group, check that every rank asked for the same
-thing, plan, and register it with DDP."""
+"""``gradpress.ddp.register(ddp_model, "topk:ratio=0.01")`` and
+``state, hook = gradpress.ddp.make_hook(spec)`` (PyTorch's hook/state
+convention: ``ddp_model.register_comm_hook(state, hook)``, Lightning's
+``DDPStrategy(ddp_comm_hook=hook, ddp_comm_state=state)``).
+
+One implementation behind both: :func:`register` is :func:`make_hook`
+bound to the DDP model's module, then registered. Binding builds the engine
+on gradpress's own process group, checks that every rank asked for the same
+thing (a mismatch raises ``ValueError`` on every rank), and plans.
+"""
 
 from __future__ import annotations
 
 import datetime
-from collections.abc import Mapping
+import functools
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -13,12 +21,81 @@ import torch.distributed as dist
 
 from gradpress.compress import Compressor, create
 from gradpress.ddp.hook import GradpressHook, gradpress_hook
+from gradpress.exchange import Synchronizer
 from gradpress.exchange.agree import agree
 from gradpress.exchange.costs import CostModel
 from gradpress.exchange.planner import log_plan
 from gradpress.transport.groups import own_group
 
-__all__ = ["register"]
+__all__ = ["register", "make_hook"]
+
+Hook = Callable[[GradpressHook, dist.GradBucket], torch.futures.Future]
+
+
+def _build(make_compressor: Callable[[], Compressor], process_group: dist.ProcessGroup | None,
+           timeout: float | datetime.timedelta | None, options: dict[str, Any],
+           named: Sequence[tuple[str, torch.nn.Parameter]]) -> Synchronizer:
+    """The engine for ``named`` on a group of gradpress's own over the ranks
+    of ``process_group`` (default: the world). Collective; every rank either
+    returns an engine of the same configuration or raises ``ValueError``."""
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialized; call dist.init_process_group first (torchrun does)")
+    group, error = own_group(process_group, timeout)
+    engine: Synchronizer | None = None
+    try:
+        if error is not None:
+            raise ValueError(error)
+        engine = Synchronizer(make_compressor(), params=[(n, p.shape, p.dtype) for n, p in named if p.requires_grad],
+                              group=group, **options)
+    except Exception as exc:  # noqa: BLE001 - every rank must reach agree(), or the others hang
+        error = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+    agree(engine.config() if engine is not None else None, error, group)
+    assert engine is not None
+    if engine.strategy_name == "auto" and options.get("plan_costs") is None:
+        engine.replan()  # collective: every rank measures together, rank 0 fits
+    else:
+        log_plan(engine.plan, engine.rank)
+    return engine
+
+
+def make_hook(
+    spec: str | Compressor = "none",
+    model: torch.nn.Module | None = None,
+    *,
+    error_feedback: bool | None = None,
+    strategy: str = "collective",
+    min_numel: int = 1024,
+    seed: int = 0,
+    process_group: dist.ProcessGroup | None = None,
+    plan_costs: CostModel | Mapping[str, Any] | None = None,
+    nonfinite: str = "propagate",
+    timeout: float | datetime.timedelta | None = None,
+    **params: Any,
+) -> tuple[GradpressHook, Hook]:
+    """``(state, hook)`` for ``ddp_model.register_comm_hook(state, hook)``.
+
+    Arguments as :func:`register`. ``model`` (the module or its DDP wrapper):
+    bind now, a collective call on every rank (needs the process group).
+    Without it nothing collective happens here (``spec`` is checked at once)
+    and the state binds later: at ``state.bind(model)`` (what the Lightning
+    and Accelerate integrations call; keys are parameter names) or by itself
+    at the first backward (keys ``param{i}``). ``process_group``: the ranks
+    to average over (default: the world)."""
+    options = {"error_feedback": error_feedback, "strategy": strategy, "min_numel": min_numel, "seed": seed,
+               "plan_costs": plan_costs, "nonfinite": nonfinite}
+    if model is None:
+        compressor = create(spec, **params)  # a bad spec fails here, before any process starts training
+        make_compressor: Callable[[], Compressor] = lambda: compressor  # noqa: E731
+    else:
+        make_compressor = functools.partial(create, spec, **params)  # inside the agreement: every rank reports
+    state = GradpressHook(functools.partial(_build, make_compressor, process_group, timeout, options))
+    if model is not None:
+        try:
+            state.bind(model)
+        except BaseException:
+            state.close()
+            raise
+    return state, gradpress_hook
 
 
 def register(
@@ -63,27 +140,9 @@ def register(
         raise ValueError(f"ddp_model must be torch.nn.parallel.DistributedDataParallel, got {type(ddp_model).__name__}")
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized; call dist.init_process_group first (torchrun does)")
-    group, error = own_group(process_group if process_group is not None else ddp_model.process_group, timeout)
-    hook: GradpressHook | None = None
-    try:
-        if error is not None:
-            raise ValueError(error)
-        hook = GradpressHook(
-            ddp_model.module, create(spec, **params), process_group=group, error_feedback=error_feedback,
-            strategy=strategy, min_numel=min_numel, seed=seed, plan_costs=plan_costs, nonfinite=nonfinite,
-        )
-    except Exception as exc:  # noqa: BLE001 - every rank must reach agree(), or the others hang
-        error = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
-    try:
-        agree(hook.config() if hook is not None else None, error, group)
-    except ValueError:
-        if hook is not None:
-            hook.close()
-        raise
-    assert hook is not None
-    if hook.strategy_name == "auto" and plan_costs is None:
-        hook.replan()  # collective: every rank measures together, rank 0 fits
-    else:
-        log_plan(hook.plan, hook.rank)
-    ddp_model.register_comm_hook(hook, gradpress_hook)
-    return hook
+    state, hook = make_hook(
+        spec, ddp_model.module, error_feedback=error_feedback, strategy=strategy, min_numel=min_numel, seed=seed,
+        process_group=process_group if process_group is not None else ddp_model.process_group,
+        plan_costs=plan_costs, nonfinite=nonfinite, timeout=timeout, **params)
+    ddp_model.register_comm_hook(state, hook)
+    return state

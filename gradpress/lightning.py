@@ -1,0 +1,133 @@
+"""gradpress from PyTorch Lightning (``pip install gradpress[lightning]``).
+
+Two lines::
+
+    from gradpress.lightning import GradpressCallback, GradpressStrategy
+    trainer = L.Trainer(strategy=GradpressStrategy("topk:ratio=0.01"), callbacks=[GradpressCallback()],
+                        devices=2, accelerator="cpu")
+
+:class:`GradpressStrategy` is Lightning's ``DDPStrategy`` with the gradpress
+comm hook registered on the DDP model it builds, on CPU (gloo) as on GPU
+(Lightning's own ``ddp_comm_hook`` argument is applied on CUDA only). The
+hook state binds to the LightningModule's parameters (keys are their names).
+
+:class:`GradpressCallback` checkpoints the compression state inside
+Lightning's checkpoint (``on_save_checkpoint``: every rank's state, gathered,
+under ``checkpoint["gradpress"]``; ``on_load_checkpoint``: each rank takes its
+own back, so residuals survive a resume) and logs ``hook.stats`` through
+Lightning's logger (tags of :data:`gradpress.tensorboard.STATS_TAGS`).
+
+Lightning is imported by this module only, never at ``import gradpress``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import torch.distributed as dist
+
+try:
+    from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.strategies import DDPStrategy
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError("gradpress.lightning needs PyTorch Lightning: pip install 'gradpress[lightning]'") from exc
+
+from gradpress.compress import Compressor
+from gradpress.ddp import GradpressHook, make_hook
+from gradpress.ddp.hook import gradpress_hook
+from gradpress.tensorboard import stats_scalars
+
+__all__ = ["GradpressStrategy", "GradpressCallback", "CHECKPOINT_KEY", "CHECKPOINT_FORMAT"]
+
+#: where the compression state lives in a Lightning checkpoint
+CHECKPOINT_KEY = "gradpress"
+CHECKPOINT_FORMAT = "gradpress-lightning/1"
+
+
+class GradpressStrategy(DDPStrategy):
+    """``DDPStrategy`` that compresses gradients with gradpress.
+
+    ``compressor``: a spec (``"topk:ratio=0.01"``), a compressor, or a state
+    from :func:`gradpress.ddp.make_hook` (unbound, or bound to this model).
+    ``options``: keywords of :func:`gradpress.ddp.make_hook` (``strategy``,
+    ``error_feedback``, ``min_numel``, ``seed``, ``nonfinite``, ``timeout``,
+    ...). Other keywords go to ``DDPStrategy``. ``gradpress_state`` is the
+    hook state (its ``stats``, ``state_dict``)."""
+
+    strategy_name = "gradpress"
+
+    def __init__(self, compressor: str | Compressor | GradpressHook = "none", *,
+                 options: Mapping[str, Any] | None = None, **ddp_kwargs: Any) -> None:
+        for reserved in ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper"):
+            if reserved in ddp_kwargs:
+                raise ValueError(f"GradpressStrategy: {reserved} is set by gradpress; pass the compressor instead")
+        super().__init__(**ddp_kwargs)
+        if isinstance(compressor, GradpressHook):
+            if options:
+                raise ValueError("GradpressStrategy: options apply to a spec, not to a ready hook state")
+            self.gradpress_state = compressor
+        else:
+            self.gradpress_state, _ = make_hook(compressor, **dict(options or {}))
+
+    def configure_ddp(self) -> None:
+        """Wrap in DDP (Lightning), bind the hook state to the module
+        (collective) and register it."""
+        super().configure_ddp()
+        self.gradpress_state.bind(self.model)
+        self.model.register_comm_hook(self.gradpress_state, gradpress_hook)
+
+
+class GradpressCallback(Callback):
+    """Checkpoints the gradpress state with Lightning's checkpoints and logs
+    its stats. ``state``: the hook state (default: the trainer's
+    :class:`GradpressStrategy`'s). ``log``: log the stats each training step
+    (Lightning's ``log_every_n_steps`` decides what reaches the logger)."""
+
+    def __init__(self, state: GradpressHook | None = None, *, log: bool = True) -> None:
+        self.state = state
+        self.log = log
+
+    def _state(self, trainer: Any) -> GradpressHook:
+        if self.state is not None:
+            return self.state
+        state = getattr(trainer.strategy, "gradpress_state", None)
+        if not isinstance(state, GradpressHook):
+            raise ValueError(f"GradpressCallback: the trainer's strategy is {type(trainer.strategy).__name__}, "
+                             "not GradpressStrategy; use strategy=GradpressStrategy(...) or pass state=")
+        return state
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        state = self._state(trainer)
+        if self.log and state.bound:
+            pl_module.log_dict(stats_scalars(state.stats), on_step=True, on_epoch=False, sync_dist=False)
+
+    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        """Every rank's state (residuals differ between ranks), gathered on
+        gradpress's own group: Lightning calls this on every rank and writes
+        rank 0's dictionary."""
+        state = self._state(trainer)
+        if not state.bound:
+            return  # nothing has been exchanged: nothing to keep
+        world = dist.get_world_size(state.group)
+        everyone: list[Any] = [None] * world
+        dist.all_gather_object(everyone, state.state_dict(), group=state.group)
+        checkpoint[CHECKPOINT_KEY] = {"format": CHECKPOINT_FORMAT, "world_size": world, "ranks": everyone}
+
+    def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        """This rank's state back into the hook (kept until the hook binds
+        when Lightning restores before wrapping the model)."""
+        saved = checkpoint.get(CHECKPOINT_KEY)
+        if saved is None:  # e.g. a plain-DDP checkpoint: there is no compression state to lose
+            warnings.warn(f"GradpressCallback: the checkpoint has no {CHECKPOINT_KEY!r} entry (written without "
+                          "GradpressCallback); compression starts with empty residuals", stacklevel=2)
+            return
+        if not isinstance(saved, Mapping) or saved.get("format") != CHECKPOINT_FORMAT:
+            fmt = saved.get("format") if isinstance(saved, Mapping) else type(saved).__name__
+            raise ValueError(f"GradpressCallback: checkpoint[{CHECKPOINT_KEY!r}] has format {fmt!r}; "
+                             f"expected {CHECKPOINT_FORMAT!r}")
+        if saved.get("world_size") != trainer.world_size:
+            raise ValueError(f"GradpressCallback: world_size: the checkpoint has {saved.get('world_size')!r}, "
+                             f"this run has {trainer.world_size}; the compression state is per rank")
+        self._state(trainer).load_state_dict(saved["ranks"][trainer.global_rank])

@@ -1,0 +1,137 @@
+"""gradpress from PyTorch Lightning: ``Trainer(strategy=GradpressStrategy(...),
+callbacks=[GradpressCallback()], devices=2, accelerator="cpu")`` on gloo.
+
+One run trains 4 steps with top-k (bytes per step asserted against the
+compressor's own packet sizes), saves a checkpoint; a second run resumes
+from it: each rank's compression state (residuals, step, stats) is restored
+equal to what that rank saved, and training continues from step 4. The stats
+reach Lightning's TensorBoard logger (tags read back from the event files).
+
+This file is also the worker script: Lightning's launcher starts it again
+for rank 1 with the same arguments.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import pytest
+
+LIGHTNING = importlib.util.find_spec("lightning") is not None
+SPEC = "topk:ratio=0.1"
+MIN_NUMEL = 256
+BATCH, SAMPLES = 8, 64  # 64 samples / 2 ranks / 8 = 4 steps per epoch
+
+
+def _model_layers():  # noqa: ANN202
+    import torch.nn as nn
+
+    return nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 4))
+
+
+def _worker(out: str, max_steps: int, ckpt: str | None) -> None:
+    """One Lightning fit on 2 CPU processes (Lightning launches rank 1)."""
+    import lightning as L
+    import torch
+    import torch.nn.functional as F
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from gradpress.lightning import GradpressCallback, GradpressStrategy
+
+    torch.set_num_threads(1)
+
+    class Tiny(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = _model_layers()
+
+        def training_step(self, batch, batch_idx):  # noqa: ANN001,ANN201
+            x, y = batch
+            loss = F.mse_loss(self.net(x), y)
+            self.log("loss", loss)
+            return loss
+
+        def configure_optimizers(self):  # noqa: ANN201
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    class Probe(L.Callback):
+        """Saves this rank's hook state as training starts (after the
+        restore) and as it ends."""
+
+        def on_train_start(self, trainer, pl_module) -> None:  # noqa: ANN001
+            state = trainer.strategy.gradpress_state
+            torch.save(state.state_dict(), os.path.join(out, f"start-{max_steps}-rank{trainer.global_rank}.pt"))
+
+        def on_train_end(self, trainer, pl_module) -> None:  # noqa: ANN001
+            state = trainer.strategy.gradpress_state
+            torch.save({"state": state.state_dict(), "stats": dict(state.stats)},
+                       os.path.join(out, f"end-{max_steps}-rank{trainer.global_rank}.pt"))
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(SAMPLES, 16, generator=g)
+    data = DataLoader(TensorDataset(x, torch.tanh(x[:, :4])), batch_size=BATCH)
+    trainer = L.Trainer(
+        strategy=GradpressStrategy(SPEC, options={"min_numel": MIN_NUMEL}, timeout=__import__("datetime").timedelta(seconds=60)),
+        callbacks=[GradpressCallback(), Probe()], devices=2, accelerator="cpu", max_steps=max_steps,
+        logger=TensorBoardLogger(out, name="tb", version=f"steps{max_steps}"), log_every_n_steps=1,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(Tiny(), data, ckpt_path=ckpt)
+    trainer.save_checkpoint(os.path.join(out, f"steps{max_steps}.ckpt"))
+
+
+# --------------------------------------------------------------------------- the test
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not LIGHTNING, reason="PyTorch Lightning is not installed "
+                                 "(pip install 'gradpress[lightning]')")]
+
+
+def _fit(out, max_steps: int, ckpt=None) -> None:  # noqa: ANN001
+    from integration_helpers import run_command
+
+    cmd = [sys.executable, __file__, str(out), str(max_steps)] + ([str(ckpt)] if ckpt else [])
+    run_command(cmd, timeout=150)
+
+
+def test_lightning_trains_compresses_and_resumes_with_its_compression_state(tmp_path) -> None:
+    import torch
+    from integration_helpers import expected_step_bytes, scalar_tags
+
+    _fit(tmp_path, 4)
+    first = [torch.load(tmp_path / f"end-4-rank{r}.pt", weights_only=True) for r in range(2)]
+    for r in range(2):
+        stats = first[r]["stats"]
+        sent, dense = expected_step_bytes(_model_layers(), SPEC, MIN_NUMEL)
+        assert stats["steps"] == 4
+        assert stats["last_step_bytes"] == sent and stats["last_step_dense_bytes"] == dense
+        assert stats["ratio"] == pytest.approx(dense / sent)
+        assert stats["ratio"] > 3
+    ckpt = torch.load(tmp_path / "steps4.ckpt", weights_only=True)  # loads without pickle
+    assert ckpt["gradpress"]["world_size"] == 2 and len(ckpt["gradpress"]["ranks"]) == 2
+
+    _fit(tmp_path, 8, tmp_path / "steps4.ckpt")
+    for r in range(2):
+        saved, restored = first[r]["state"], torch.load(tmp_path / f"start-8-rank{r}.pt", weights_only=True)
+        assert restored["step"] == 4
+        residuals = saved["feedback"]["residuals"]
+        assert residuals and any(t.abs().sum() > 0 for t in residuals.values())
+        assert residuals.keys() == restored["feedback"]["residuals"].keys()
+        for key, tensor in residuals.items():
+            assert torch.equal(tensor, restored["feedback"]["residuals"][key]), key
+        if r == 1:  # ranks keep their own residuals
+            assert any(not torch.equal(t, first[0]["state"]["feedback"]["residuals"][k]) for k, t in residuals.items())
+        end = torch.load(tmp_path / f"end-8-rank{r}.pt", weights_only=True)
+        assert end["state"]["step"] == 8 and end["stats"]["steps"] == 8  # counts continue across the resume
+
+    tags = scalar_tags(tmp_path / "tb" / "steps4")
+    for tag in ("gradpress/bytes_per_step", "gradpress/compression_ratio", "gradpress/compress_s", "gradpress/comm_s"):
+        assert tag in tags, sorted(tags)
+    sent, _ = expected_step_bytes(_model_layers(), SPEC, MIN_NUMEL)
+    assert tags["gradpress/bytes_per_step"][-1] == sent
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1], int(sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 else None)
