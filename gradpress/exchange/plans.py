@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from gradpress.compress.base import Compressor
+from gradpress.compress.spec import parse_stage
 from gradpress.exchange.base import Strategy, available, get_strategy, strategy_class, strategy_names
 from gradpress.exchange.costs import CostModel, load_costs
 from gradpress.exchange.planner import Decision, Plan, Planner, log_plan
@@ -49,10 +50,10 @@ class StrategyChoice:
         self.world_size = dist.get_world_size(group)
         self.min_numel = min_numel
         self.requested = strategy
-        self.name = self._resolve(strategy)
+        self.name, self.params = self._resolve(strategy)
         self.strategies: dict[str, Strategy] = {}
         for name in self._candidates():
-            strat = get_strategy(name, group)
+            strat = self._make(name)
             reason = strat.supports(compressor)
             if reason and self.name != "auto":
                 raise ValueError(f"strategy {strategy!r}: {reason}")
@@ -86,14 +87,31 @@ class StrategyChoice:
         """Whether this choice is made per tensor by the planner."""
         return self.name == "auto" and bool(self.strategies)
 
-    def _resolve(self, strategy: str) -> str:
+    def _resolve(self, strategy: str) -> tuple[str, dict[str, str]]:
+        """(the name this choice goes by, the strategy's parameters). A
+        strategy with parameters (``hierarchical:workers_per_host=2,outer=ring``)
+        goes by its whole spec, so the configuration every rank must agree on
+        holds them."""
         if not isinstance(strategy, str):
             raise ValueError(f"strategy must be a string, got {strategy!r}")
-        if strategy not in available():
-            raise ValueError(f"unknown strategy {strategy!r}; allowed: {', '.join(available())}")
-        if strategy == "collective" or (strategy == "auto" and self.compressor.rounds > 1):
-            return self.general
-        return strategy
+        name, params = parse_stage(strategy, "strategy") if strategy.strip() else (strategy, {})
+        if name not in available():
+            raise ValueError(f"unknown strategy {name!r}; allowed: {', '.join(available())}")
+        if params and not getattr(strategy_class(name) if name not in ("auto", "collective") else None, "PARAMS", ()):
+            raise ValueError(f"strategy {name!r} takes no parameters, got {sorted(params)}")
+        if name == "collective" or (name == "auto" and self.compressor.rounds > 1):
+            return self.general, {}
+        if params:
+            return f"{name}:" + ",".join(f"{k}={params[k]}" for k in sorted(params)), params
+        return name, {}
+
+    def _make(self, name: str) -> Strategy:
+        """The strategy object ``name`` (a registry name, or this choice's
+        spec with parameters) stands for, on this choice's group."""
+        if self.params and name == self.name:
+            cls = strategy_class(name.partition(":")[0])
+            return cls(self.group, **self.params)  # type: ignore[call-arg]
+        return get_strategy(name, self.group)
 
     def _candidates(self) -> list[str]:
         if self.name != "auto":

@@ -1,0 +1,251 @@
+"""``hierarchical``: dense inside a host, compressed between hosts.
+
+Two-level exchange in the manner of Horovod's hierarchical allreduce and
+BlueConnect (Cho et al., "BlueConnect: Decomposing All-Reduce for Deep
+Learning on Heterogeneous Network Hierarchy", SysML 2019), with compression
+on the slow level only (as HiPress and Agarwal et al. 2022 suggest for
+multi-GPU hosts). The group's ranks are cut into hosts of L consecutive
+ranks (``workers_per_host``; torchrun numbers ranks host by host); the first
+rank of each host is its leader.
+
+1. **Inner (dense, fast link)**: one fused buffer of the call's tensors is
+   summed onto the leader (``reduce`` on the host's group). Workers' values
+   enter exactly, so every worker's own residual is zero.
+2. **Outer (compressed, slow link)**: each leader adds its host residual to
+   the host mean ``m_h = S_h / L`` (``q_h = m_h + beta e_h``) and the leaders
+   average ``q_h`` with the ``outer`` strategy on the leaders' group
+   (``collective``: allreduce for summable compressors, PowerSGD included,
+   else allgather; or ``allreduce``, ``allgather``, ``ring``). The host
+   residual ``e_h <- q_h - estimate`` is staged in the engine's feedback
+   store under ``host/<key>`` on the leader: error feedback at the leader
+   (its one NaN rule and its step commit apply). An outer ring keeps its hop
+   residuals as usual (``ring/<key>``, leaders only).
+3. **Broadcast (dense, fast link)**: the leader broadcasts the average to its
+   host in one buffer.
+
+Invariants: the outer strategy gives every leader the bit-identical average
+and the broadcast copies it, so replicas are bit-identical; with equal hosts
+the result is the mean over all N ranks (mean over hosts of host means).
+Subgroups (one per host, one of the leaders) are made once at construction
+with ``dist.new_group`` on every rank in the same order (collective: every
+rank of the world constructs the strategy), after one allgather that checks
+every rank resolved the same layout (or raises the same error everywhere).
+
+Host layout: ``workers_per_host`` (spec ``hierarchical:workers_per_host=2``),
+else the environment ``GRADPRESS_WORKERS_PER_HOST``, else ``LOCAL_WORLD_SIZE``
+(torchrun, ``gradpress cluster --workers-per-node``), else 1. It must divide
+the group's size; where ``LOCAL_RANK`` is set it must equal ``rank % L``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gradpress.compress.base import Compressor, Context, Param
+from gradpress.compress.spec import coerce_params
+from gradpress.exchange.base import ExchangeResult, Prelude, Strategy, get_strategy, register_strategy
+from gradpress.exchange.costs import CostModel
+from gradpress.exchange.feedback import Feedback, namespace
+from gradpress.transport.groups import timeout_of
+
+__all__ = ["Hierarchical", "HOST", "OUTER", "workers_per_host_from_env"]
+
+#: the leaders' residuals of the host sums in the engine's feedback store
+HOST = namespace("host")
+#: strategies the leaders may use between hosts
+OUTER = ("collective", "allreduce", "allgather", "ring")
+ENV_VARS = ("GRADPRESS_WORKERS_PER_HOST", "LOCAL_WORLD_SIZE")
+
+
+def workers_per_host_from_env() -> int:
+    """L from ``GRADPRESS_WORKERS_PER_HOST``, else ``LOCAL_WORLD_SIZE``, else 1."""
+    for var in ENV_VARS:
+        text = os.environ.get(var, "").strip()
+        if text:
+            try:
+                value = int(text)
+            except ValueError:
+                raise ValueError(f"environment {var}={text!r}: allowed: a positive integer (workers per host)") from None
+            if value < 1:
+                raise ValueError(f"environment {var}={text!r}: allowed: a positive integer (workers per host)")
+            return value
+    return 1
+
+
+@register_strategy("hierarchical")
+class Hierarchical(Strategy):
+    """Dense reduce in the host, compressed exchange between leaders, broadcast
+    in the host; see the module docstring."""
+
+    order = 4
+    planned = False
+    PARAMS = (
+        Param("workers_per_host", int, 0, "workers_per_host >= 0 (0: from the environment)", lambda v: v >= 0,
+              "ranks per host (consecutive ranks share a host)"),
+        Param("outer", str, "collective", ", ".join(OUTER), lambda v: v in OUTER,
+              "strategy between the hosts' leaders"),
+    )
+
+    def __init__(self, group: dist.ProcessGroup | None, **params: Any) -> None:
+        super().__init__(group)
+        values = coerce_params(self.PARAMS, params, "hierarchical", "strategy")
+        self.outer_name: str = values["outer"]
+        given = int(values["workers_per_host"])
+        layout_error = None
+        try:
+            self.workers_per_host = given or workers_per_host_from_env()
+            self._check_layout()
+        except ValueError as exc:
+            self.workers_per_host, layout_error = 1, str(exc)
+        self.hosts = self.world_size // self.workers_per_host
+        self.host = self.rank // self.workers_per_host
+        self.is_leader = self.rank % self.workers_per_host == 0
+        self.intra: Any = None
+        self.leaders: Any = None
+        self._outers: dict[str, Strategy] = {}
+        self._leader_global = 0
+        if dist.is_initialized() and self.world_size > 1:
+            self._agree(layout_error)
+            self._build_groups()
+        elif layout_error:
+            raise ValueError(layout_error)
+
+    # ------------------------------------------------------------ construction
+    def _check_layout(self) -> None:
+        n, per = self.world_size, self.workers_per_host
+        if n % per:
+            raise ValueError(f"strategy 'hierarchical': workers_per_host={per} does not divide the group's "
+                             f"{n} ranks; allowed: a divisor of {n}")
+        local = os.environ.get("LOCAL_RANK", "").strip()
+        if local.isdigit() and dist.is_initialized() and os.environ.get("LOCAL_WORLD_SIZE", "").strip() == str(per) \
+                and int(local) != self.rank % per:
+            raise ValueError(f"strategy 'hierarchical': rank {self.rank} has LOCAL_RANK={local} but "
+                             f"workers_per_host={per} puts it at local rank {self.rank % per}; ranks must be numbered host by host")
+
+    def _agree(self, error: str | None) -> None:
+        """Every rank's (L, outer, ok): all ranks raise alike on a mismatch."""
+        mine = torch.tensor([self.workers_per_host, OUTER.index(self.outer_name), 0 if error else 1], dtype=torch.int64)
+        everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(everyone, mine, group=self.group)
+        table = torch.stack(everyone)
+        bad = [r for r in range(self.world_size) if int(table[r, 2]) == 0]
+        if error:
+            raise ValueError(error)
+        if bad:
+            raise ValueError(f"strategy 'hierarchical': rank {bad[0]} has an invalid host layout (see its error)")
+        if not bool((table[:, :2] == mine[:2]).all()):
+            seen = sorted({(int(a), OUTER[int(b)]) for a, b, _ in table.tolist()})
+            raise ValueError(f"strategy 'hierarchical': ranks disagree on (workers_per_host, outer): {seen}; "
+                             "allowed: the same on every rank")
+
+    def _build_groups(self) -> None:
+        ranks = dist.get_process_group_ranks(self.group if self.group is not None else dist.group.WORLD)
+        backend = dist.get_backend(self.group)
+        timeout = timeout_of(self.group, None)
+        kw: dict[str, Any] = {"backend": backend}
+        if timeout is not None:
+            kw["timeout"] = timeout
+        per = self.workers_per_host
+        for h in range(self.hosts):  # every rank creates every group, in this order
+            g = dist.new_group(ranks=ranks[h * per : (h + 1) * per], **kw)
+            if h == self.host:
+                self.intra = g
+        self._leader_global = ranks[self.host * per]
+        self.leaders = dist.new_group(ranks=[ranks[h * per] for h in range(self.hosts)], **kw)
+
+    # ------------------------------------------------------------ contract
+    def _outer_for(self, compressor: Compressor) -> str:
+        if self.outer_name != "collective":
+            return self.outer_name
+        return "allreduce" if compressor.is_summable else "allgather"
+
+    def supports(self, compressor: Compressor) -> str | None:
+        name = self._outer_for(compressor)
+        reason = get_strategy(name, None).supports(compressor)
+        return f"between hosts ({name}): {reason}" if reason else None
+
+    @classmethod
+    def predict(cls, costs: CostModel, numel: int, world_size: int, summable: bool) -> tuple[float, int]:
+        """Rough (the cost model is measured on the whole group, not per
+        level): ``2 AR(4 d)`` for the dense reduce and broadcast inside hosts
+        + ``ENC(d) + AG(c(d)) (H - 1) / (N - 1) + H DEC(d)`` between H hosts."""
+        d = float(numel)
+        per = max(1, workers_per_host_from_env())
+        n = max(1, world_size)
+        h = max(1, n // per)
+        inner = 2 * costs.allreduce(4 * d) if per > 1 else 0.0
+        outer = costs.encode(d) + costs.allgather(costs.wire(d)) * (h - 1) / max(1, n - 1) + h * costs.decode(d)
+        return inner + outer, 1
+
+    def state_dict(self) -> dict[str, Any]:
+        """The host layout the ``host/`` residuals were kept for."""
+        return {"workers_per_host": self.workers_per_host, "outer": self.outer_name}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        for field, mine in self.state_dict().items():
+            if field in state and state[field] != mine:
+                raise ValueError(f"strategy 'hierarchical': checkpoint has {field}={state[field]!r}, this run "
+                                 f"{mine!r}; allowed: the same host layout (its residuals live on the leaders)")
+
+    # ------------------------------------------------------------ exchange
+    def exchange(
+        self, compressor: Compressor, tensors: list[torch.Tensor], ctxs: list[Context],
+        feedback: Feedback | None, *, prelude: Prelude | None = None, out: list[torch.Tensor] | None = None,
+    ) -> ExchangeResult:
+        t0 = time.perf_counter()
+        per = self.workers_per_host
+        sizes = [t.numel() for t in tensors]
+        flat = torch.cat([t.reshape(-1) for t in tensors]) if len(tensors) > 1 else tensors[0].reshape(-1).clone()
+        dense = flat.numel() * flat.element_size()
+        comm = 0.0
+        sent = 0
+        if per > 1:
+            t = time.perf_counter()
+            dist.reduce(flat, dst=self._leader_global, group=self.intra)
+            comm += time.perf_counter() - t
+            sent += dense
+        tensor_bytes = list(sizes) if not self.is_leader else [0] * len(tensors)
+        tensor_bytes = [s * flat.element_size() for s in tensor_bytes]
+        if self.is_leader:
+            flat.div_(per)
+            means = list(flat.split(sizes))
+            qs, keys = [], [Feedback.key(HOST, c.key) for c in ctxs]
+            for m, t, k in zip(means, tensors, keys):
+                m = m.view(t.shape)
+                if feedback is not None:
+                    m = m.add(feedback.current(k, m), alpha=feedback.beta)
+                qs.append(m)
+            outer = self._outer_strategy(compressor)
+            t = time.perf_counter()
+            res = outer.exchange(compressor, qs, ctxs, feedback)
+            comm += max(0.0, time.perf_counter() - t - res.compress_s)
+            sent += res.bytes_sent
+            tensor_bytes = list(res.tensor_bytes)
+            if feedback is not None and res.residuals is not None:
+                for k, r in zip(keys, res.residuals):
+                    feedback.stage(k, r)
+            flat = torch.cat([a.reshape(-1) for a in res.tensors]).to(flat.dtype)
+        if per > 1:
+            t = time.perf_counter()
+            dist.broadcast(flat, src=self._leader_global, group=self.intra)
+            comm += time.perf_counter() - t
+            sent += dense if self.is_leader else 0
+        results = [a.view(t.shape) for a, t in zip(flat.split(sizes), tensors)]
+        # every worker's values entered the host sum exactly: its own residual is zero
+        residuals = [t.zero_() for t in tensors] if feedback is not None else None
+        total = time.perf_counter() - t0
+        return ExchangeResult(results, sent, residuals, tensor_bytes, max(0.0, total - comm), comm)
+
+    def _outer_strategy(self, compressor: Compressor) -> Strategy:
+        """The leaders' strategy for ``compressor`` (made once per name; a
+        strategy's construction issues no collective)."""
+        name = self._outer_for(compressor)
+        if name not in self._outers:
+            self._outers[name] = get_strategy(name, self.leaders)
+        return self._outers[name]

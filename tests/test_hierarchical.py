@@ -1,0 +1,237 @@
+"""``hierarchical``: 4 gloo workers on loopback as 2 "hosts" x 2 workers.
+
+References are computed here in float64: the plain mean; for top-k with
+error feedback at the leaders, the two-level algorithm itself (host sums,
+host means plus the leader's residual, top-k per leader, mean over leaders,
+new residual); for PowerSGD, a rank-1 mean that one power iteration
+recovers exactly. Every check also asserts bit-identical replicas.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from distributed import run_workers
+
+from gradpress.exchange.engine import Synchronizer
+
+WORLD, PER_HOST = 4, 2
+SHAPES = [(64, 48), (40, 33), (5000,)]  # the 1-D tensor joins the plain allreduce
+KEYS = ["a.weight", "b.weight", "c.bias"]
+STEPS = 4
+RATIO = 0.05
+
+
+def _grads(rank: int, step: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    return [torch.randn(s, generator=gen) * (1 + rank) for s in SHAPES]
+
+
+def _low_rank(rank: int, step: int) -> list[torch.Tensor]:
+    """c_r u v^T: every mean of these is rank 1 (PowerSGD r=1 recovers it)."""
+    gen = torch.Generator().manual_seed(step)
+    out = []
+    for s in SHAPES:
+        if len(s) == 1:
+            out.append(torch.randn(s, generator=gen))
+        else:
+            u, v = torch.randn(s[0], 1, generator=gen), torch.randn(1, s[1], generator=gen)
+            out.append(u @ v * (rank + 1.0))
+    return out
+
+
+def _engine(spec: str, strategy: str, **kw) -> Synchronizer:
+    params = [(k, s, torch.float32) for k, s in zip(KEYS, SHAPES)]
+    return Synchronizer(spec, params=params, strategy=strategy, min_numel=256, **kw)
+
+
+def _run(engine: Synchronizer, rank: int, steps: range, grads=_grads) -> list[list[torch.Tensor]]:
+    outs = []
+    for step in steps:
+        ts = grads(rank, step)
+        engine.sync(KEYS, ts, step=step)
+        outs.append([t.clone() for t in ts])
+    return outs
+
+
+def _error(fn) -> str:  # noqa: ANN001
+    try:
+        fn()
+    except ValueError as exc:
+        return str(exc)
+    return ""
+
+
+def _worker(rank: int, world: int) -> dict:
+    out: dict = {}
+    spec = f"hierarchical:workers_per_host={PER_HOST}"
+    out["none"] = _run(_engine("none", spec), rank, range(STEPS))
+    eng = _engine(f"topk:ratio={RATIO}", spec, error_feedback=True)
+    out["topk"] = _run(eng, rank, range(STEPS))
+    out["host_keys"] = sorted(eng.feedback.namespace("host"))
+    out["worker_residual_max"] = max(float(v.abs().max()) for v in eng.feedback.namespace("").values())
+    out["stats"] = eng.stats
+    out["ring_none"] = _run(_engine("none", spec + ",outer=ring"), rank, range(2))
+    out["ring_topk"] = _run(_engine(f"topk:ratio={RATIO}", spec + ",outer=ring", error_feedback=True), rank, range(3))
+    out["fp16"] = _run(_engine("fp16", spec), rank, range(2))
+    out["powersgd"] = _run(_engine("powersgd:rank=1", spec), rank, range(2), grads=_low_rank)
+    # the environment route (torchrun's LOCAL_WORLD_SIZE, or GRADPRESS_WORKERS_PER_HOST)
+    os.environ["GRADPRESS_WORKERS_PER_HOST"] = str(PER_HOST)
+    out["env_none"] = _run(_engine("none", "hierarchical"), rank, range(1))
+    # resume: 2 steps, state_dict, a new engine loads it and runs 2 more
+    first = _engine(f"topk:ratio={RATIO}", spec, error_feedback=True)
+    _run(first, rank, range(2))
+    state = first.state_dict()
+    second = _engine(f"topk:ratio={RATIO}", spec, error_feedback=True)
+    second.load_state_dict(state)
+    out["resumed"] = _run(second, rank, range(2, STEPS))
+    # every rank raises alike on a bad layout
+    os.environ["GRADPRESS_WORKERS_PER_HOST"] = "1" if rank == 3 else "2"
+    out["disagree"] = _error(lambda: _engine("none", "hierarchical"))
+    del os.environ["GRADPRESS_WORKERS_PER_HOST"]
+    out["no_divide"] = _error(lambda: _engine("none", "hierarchical:workers_per_host=3"))
+    out["bad_outer"] = _error(lambda: _engine("none", "hierarchical:outer=ps"))
+    out["bad_param"] = _error(lambda: _engine("none", "allgather:workers_per_host=2"))
+    out["ddp"] = _ddp(rank)
+    dist.barrier()
+    return out
+
+
+def _ddp(rank: int) -> list[torch.Tensor]:
+    """A few DDP steps with qsgd between hosts: parameters after training."""
+    import gradpress
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    hook = gradpress.ddp.register(ddp, "qsgd:levels=8", strategy=f"hierarchical:workers_per_host={PER_HOST}",
+                                  min_numel=256)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        x, y = torch.randn(16, 32, generator=gen), torch.randint(0, 4, (16,), generator=gen)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+    assert hook.stats["compressed_tensors"] > 0
+    hook.close()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    return run_workers(_worker, WORLD)
+
+
+def _identical(results: list[dict], name: str) -> list[list[torch.Tensor]]:
+    first = results[0][name]
+    for r in results[1:]:
+        for a_step, b_step in zip(first, r[name]):
+            for a, b in zip(a_step, b_step):
+                assert torch.equal(a, b), name
+    return first
+
+
+def _mean64(grads, step: int) -> list[torch.Tensor]:  # noqa: ANN001
+    per = [grads(r, step) for r in range(WORLD)]
+    return [sum(p[i].double() for p in per) / WORLD for i in range(len(SHAPES))]
+
+
+def test_none_is_the_exact_mean_on_every_rank(results: list[dict]) -> None:
+    for name, steps in (("none", STEPS), ("ring_none", 2), ("env_none", 1)):
+        got = _identical(results, name)
+        for step in range(steps):
+            for a, want in zip(got[step], _mean64(_grads, step)):
+                assert torch.allclose(a.double(), want, rtol=1e-6, atol=1e-6), name
+
+
+def _topk64(x: torch.Tensor, k: int) -> torch.Tensor:
+    flat = x.reshape(-1)
+    keep = torch.zeros_like(flat)
+    idx = flat.abs().topk(k).indices
+    keep[idx] = flat[idx]
+    return keep.view_as(x)
+
+
+def _reference_topk(steps: int) -> list[list[torch.Tensor]]:
+    """The two-level algorithm in float64: leader h keeps e_h; q_h = S_h / L + e_h;
+    average = mean_h topk(q_h); e_h <- q_h - topk(q_h). 1-D tensors: plain mean."""
+    hosts = WORLD // PER_HOST
+    resid: dict[tuple[int, int], torch.Tensor] = {}
+    outs = []
+    for step in range(steps):
+        per = [[g.double() for g in _grads(r, step)] for r in range(WORLD)]
+        avg = []
+        for i, shape in enumerate(SHAPES):
+            if len(shape) == 1:
+                avg.append(sum(p[i] for p in per) / WORLD)
+                continue
+            k = math.ceil(RATIO * math.prod(shape))
+            total = torch.zeros(shape, dtype=torch.float64)
+            for h in range(hosts):
+                q = sum(per[r][i] for r in range(h * PER_HOST, (h + 1) * PER_HOST)) / PER_HOST
+                q = q + resid.get((h, i), torch.zeros(shape, dtype=torch.float64))
+                sent = _topk64(q, k)
+                resid[(h, i)] = q - sent
+                total += sent
+            avg.append(total / hosts)
+        outs.append(avg)
+    return outs
+
+
+def test_topk_with_feedback_at_the_leaders_matches_float64(results: list[dict]) -> None:
+    got = _identical(results, "topk")
+    for step, want_step in enumerate(_reference_topk(STEPS)):
+        for a, want in zip(got[step], want_step):
+            assert torch.allclose(a.double(), want, rtol=1e-5, atol=1e-5), step
+    # residuals: the host's at the leader (ranks 0 and 2), every worker's own is zero
+    for r, res in enumerate(results):
+        assert res["host_keys"] == (["a.weight", "b.weight"] if r % PER_HOST == 0 else [])
+        assert res["worker_residual_max"] == 0.0
+
+
+def test_resume_gives_the_same_next_steps(results: list[dict]) -> None:
+    for res in results:
+        for a_step, b_step in zip(res["topk"][2:], res["resumed"]):
+            for a, b in zip(a_step, b_step):
+                assert torch.equal(a, b)
+
+
+def test_fp16_ring_and_powersgd_between_leaders(results: list[dict]) -> None:
+    for step, got in enumerate(_identical(results, "fp16")):
+        for a, want in zip(got, _mean64(_grads, step)):
+            assert torch.allclose(a.double(), want, rtol=2e-3, atol=2e-3)
+    for step, got in enumerate(_identical(results, "powersgd")):
+        for a, want in zip(got, _mean64(_low_rank, step)):
+            assert torch.allclose(a.double(), want, rtol=1e-4, atol=1e-4)
+    ring = _identical(results, "ring_topk")
+    assert all(bool(torch.isfinite(t).all()) for step in ring for t in step)
+
+
+def test_bytes_leaders_carry_compressed_workers_dense(results: list[dict]) -> None:
+    dense = sum(4 * math.prod(s) for s in SHAPES[:2])
+    for r, res in enumerate(results):
+        per_step = res["stats"]["bytes_sent"] / STEPS
+        if r % PER_HOST:  # a worker hands its host leader its dense tensors (plus the small prelude)
+            assert dense <= per_step < dense + 4 * 5000 + 64
+        else:  # a leader: its dense part of the reduce, the broadcast, the prelude, the top-k packets
+            assert 2 * dense + 4 * 5000 < per_step < 2 * dense + 4 * 5000 + 64 + 4 * RATIO * dense
+
+
+def test_ddp_hook_replicas_identical(results: list[dict]) -> None:
+    first = results[0]["ddp"]
+    for res in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(first, res["ddp"]))
+    assert all(bool(torch.isfinite(p).all()) for p in first)
+
+
+def test_bad_layouts_fail_on_every_rank(results: list[dict]) -> None:
+    for res in results:
+        assert "disagree" in res["disagree"] and "workers_per_host" in res["disagree"]
+        assert "does not divide" in res["no_divide"]
+        assert "'outer'" in res["bad_outer"] and "allgather" in res["bad_outer"]
+        assert "takes no parameters" in res["bad_param"]
