@@ -1,0 +1,286 @@
+"""``comprex:staleness=1,...``: Comprex, the compressed exchange of step t
+applied at step t + s while the following steps compute, with the Comprex
+optimizer (clipping, momentum before compression, a ratio schedule,
+periodic re-broadcast of the weights).
+
+Comprex (Kim et al., "Comprex": compressed ring allreduce with local error
+feedback; gradpress's ``ring`` strategy) names two features beyond its ring:
+
+* **Nodes compute and communicate without synchronizing.** Its fast variant
+  double-buffers the gradients: the compressed exchange of step t runs in
+  the background while step t + 1's forward and backward pass runs, and the
+  update applied at step t + 1 is the averaged compressed gradient of step
+  t: one step of staleness, the communication hidden behind compute. Here
+  ``staleness = s`` in {0, 1, 2}: step t's payload is handed to a
+  background thread (:class:`gradpress.exchange.background.Background`)
+  that runs ``Synchronizer.sync`` on the algorithm's own process group
+  (any strategy the compressor supports: ``ring`` is Comprex's, ``allgather``
+  or ``allreduce`` work too), and step t applies the averaged update of step
+  t - s (the first s steps apply nothing). ``staleness=0`` is today's
+  synchronous exchange, run inline: with ``update=optimizer`` and ``clip=0``
+  it is DDP with the gradpress hook, bit for bit (tested).
+* **The Comprex optimizer** (``update=comprex``, the default), which
+  smooths the effect of compression: the local gradient's norm is clipped
+  (``clip``, 5.0), a local momentum buffer ``m <- momentum * m + lr * g``
+  (0.9) is kept *before* compression, ``m`` plus the error-feedback residual
+  is what is compressed, and the averaged result is the update itself:
+  ``x <- x - mean_r C(m_r + e_r)`` (:mod:`.comprex_optim`; ``lr`` and
+  ``weight_decay`` are read from the user's optimizer's parameter groups at
+  every step, so its learning-rate schedule applies; the optimizer's own
+  ``step`` and state are not used). The density follows a schedule from
+  ``start_ratio`` to the compressor's ``ratio`` over ``warmup`` exchanges
+  (:mod:`.comprex_schedule`; DGC's warm-up is one instance). Every
+  ``rebroadcast_every`` steps rank 0's weights and buffers are broadcast:
+  the paper's nodes drift apart; here parameters are bit-identical by
+  construction, so the broadcast re-aligns floating buffers (BatchNorm
+  statistics, which stay local between broadcasts) and guards against
+  nondeterministic kernels. ``update=optimizer`` instead writes the averaged
+  (stale) gradient into ``.grad`` and calls the user's optimizer (Adam...).
+
+Invariants:
+
+* Every rank launches step t's exchange with the same keys, sizes and
+  density (the schedule is a function of t) and applies the same averaged
+  update in the same step, so parameters (and, with ``update=optimizer``,
+  the optimizer's state) are bit-identical on every rank after every step.
+* Nothing in flight is lost: ``state_dict`` waits for the exchanges in
+  flight and saves their averaged results with the step they are due, the
+  momentum buffers and the engine's residuals; a resumed run is
+  bit-identical to one that never stopped.
+* A dead or stuck peer during a background exchange raises
+  :class:`~gradpress.exchange.background.BackgroundError` in the training
+  thread (after at most the group's ``timeout``), never a hang.
+* ``stats`` count an exchange's bytes when its update is applied (so they
+  do not depend on the thread's progress); extra keys: see :data:`EXTRA_STATS`.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from gradpress.algorithms.base import Algorithm
+from gradpress.algorithms.comprex_optim import LocalMomentum, clip_by_total_norm
+from gradpress.algorithms.comprex_schedule import SCHEDULES, RatioSchedule, ratio_holder
+from gradpress.algorithms.registry import register
+from gradpress.compress.base import Param
+from gradpress.exchange.background import Background
+
+__all__ = ["Comprex", "EXTRA_STATS"]
+
+#: keys of ``Comprex.stats`` beyond ``STATS_KEYS``
+EXTRA_STATS: dict[str, str] = {
+    "staleness": "steps between an exchange's launch and the step that applies it",
+    "in_flight": "exchanges launched and not yet applied",
+    "density": "compressor density (ratio) of the last launched exchange (the schedule's value)",
+    "exchange_s": "seconds the exchanges ran (background thread, or inline with staleness 0): compression + wire",
+    "exposed_s": "seconds the training thread waited for exchanges (communication not hidden)",
+    "hidden_s": "exchange_s - exposed_s: exchange time hidden behind compute",
+    "overlap": "hidden_s / exchange_s (0 with staleness 0; 1 when the exchange never delays a step)",
+    "rebroadcasts": "weight re-broadcasts from rank 0 so far",
+}
+
+
+@register
+class Comprex(Algorithm):
+    name = "comprex"
+    default_compressor = "topk:ratio=0.01"
+    summary = ("Comprex: the compressed exchange of step t runs in the background and is applied at step t + s; "
+               "Comprex optimizer: norm clipping, momentum before compression, ratio schedule, re-broadcast")
+    PARAMS = (
+        Param("staleness", int, 1, "0, 1 or 2", lambda v: v in (0, 1, 2),
+              "steps between an exchange's launch and its update (0: synchronous; 1: Comprex's double buffer)"),
+        Param("update", str, "comprex", "comprex or optimizer", lambda v: v in ("comprex", "optimizer"),
+              "comprex: the Comprex optimizer, x -= mean C(m + e) with local momentum m (lr from the optimizer's "
+              "groups); optimizer: the averaged (stale) gradient goes to the user's optimizer"),
+        Param("clip", float, 5.0, "number >= 0 (0: off)", lambda v: v >= 0,
+              "clip the local gradient's 2-norm to this before the momentum (5.0 in the paper)"),
+        Param("momentum", float, 0.9, "number in [0, 1)", lambda v: 0 <= v < 1,
+              "local momentum before compression, m <- momentum * m + lr * g (update=comprex; 0.9 in the paper)"),
+        Param("schedule", str, "constant", ", ".join(SCHEDULES), lambda v: v in SCHEDULES,
+              "density from start_ratio to the compressor's ratio over warmup exchanges"),
+        Param("start_ratio", float, 0.25, "0 < start_ratio <= 1", lambda v: 0 < v <= 1,
+              "density of the first exchange when the schedule is not constant (DGC's first stage: 0.25)"),
+        Param("warmup", int, 0, "integer >= 0", lambda v: v >= 0,
+              "exchanges over which the schedule reaches the compressor's ratio (0: target at once)"),
+        Param("stages", int, 0, "integer in [0, warmup]", lambda v: v >= 0,
+              "0: the density moves every step; S: it is constant over S equal stages (DGC: one per epoch)"),
+        Param("rebroadcast_every", int, 0, "integer >= 0 (0: never)", lambda v: v >= 0,
+              "broadcast rank 0's weights and buffers every N steps (removes drift; buffers stay local otherwise)"),
+    )
+
+    # ------------------------------------------------------------------ build
+    def setup(self) -> None:
+        assert self.engine is not None
+        holder = ratio_holder(self.engine.compressor)
+        target = holder.ratio if holder is not None else 1.0  # type: ignore[attr-defined]
+        self.schedule_fn = RatioSchedule(self.schedule, self.start_ratio, target,  # type: ignore[attr-defined]
+                                         self.warmup, self.stages, self.name)  # type: ignore[attr-defined]
+        if self.schedule_fn.moves and holder is None:
+            raise ValueError(f"algorithm {self.name!r}: parameter 'schedule' got {self.schedule!r} "  # type: ignore[attr-defined]
+                             f"but compressor {self.engine.compressor.spec()!r} has no 'ratio'; allowed: "
+                             "schedule=constant, or a compressor with a ratio (topk, randomk, dgc, ...)")
+        self._holder = holder
+        self._target = target
+        params = [p for _, p in self.named]
+        self._groups = self._param_groups(params)
+        self.momentum_state = LocalMomentum(params, self.momentum)  # type: ignore[attr-defined]
+        self.pending: collections.deque[dict[str, Any]] = collections.deque()
+        self.background = Background(f"{self.name} rank {self.rank}")
+        self.applied_bytes = 0
+        self.applied = 0
+        self.rebroadcasts = 0
+        self.density = target
+
+    def _param_groups(self, params: list[torch.Tensor]) -> list[dict[str, Any]]:
+        """The optimizer's parameter group of each trainable parameter."""
+        where = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}
+        missing = [n for n, p in self.named if id(p) not in where]
+        if missing:
+            raise ValueError(f"algorithm {self.name!r}: parameter {missing[0]!r} is not in the optimizer; "
+                             "allowed: an optimizer over model.parameters() (its groups give lr and weight_decay)")
+        return [where[id(p)] for p in params]
+
+    # ------------------------------------------------------------------- step
+    @torch.no_grad()
+    def step(self) -> None:
+        """Launch this step's exchange; apply the one launched ``staleness``
+        steps ago; re-broadcast when due."""
+        t = self._steps
+        item: dict[str, Any] = {"step": t, "exchange": self._exchanges, "ratio": self.schedule_fn(t),
+                                "update": self._payload(), "bytes": 0, "skipped": False}
+        self._exchanges += 1
+        self.density = item["ratio"]
+        name = f"of step {t}"
+        if self.staleness == 0:  # type: ignore[attr-defined]
+            self.background.run(name, lambda: self._exchange(item))
+        else:
+            item["ticket"] = self.background.submit(name, lambda: self._exchange(item))
+        self.pending.append(item)
+        self._steps += 1
+        self._last = {"bytes": 0, "dense": self._dense_per_step}
+        while self.pending and self.pending[0]["step"] + self.staleness <= t:  # type: ignore[attr-defined]
+            self._apply(self.pending.popleft())
+        every = self.rebroadcast_every  # type: ignore[attr-defined]
+        if every and self._steps % every == 0:
+            self.rebroadcast()
+
+    def _payload(self) -> list[torch.Tensor]:
+        """This rank's tensors to average: the clipped gradient (update=optimizer), or
+        the momentum buffer fed with it (comprex); fresh tensors."""
+        params = [p for _, p in self.named]
+        grads = [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in params]
+        clip_by_total_norm(grads, self.clip)  # type: ignore[attr-defined]
+        if self.update == "optimizer":  # type: ignore[attr-defined]
+            return grads
+        lrs = [float(g["lr"]) for g in self._groups]
+        wds = [float(g.get("weight_decay", 0.0) or 0.0) for g in self._groups]
+        return self.momentum_state.update(grads, params, lrs, wds)
+
+    def _exchange(self, item: dict[str, Any]) -> None:
+        """Average ``item['update']`` in place at the item's density (runs on
+        the background thread, or inline with staleness 0)."""
+        assert self.engine is not None
+        holder = self._holder
+        if holder is not None:
+            holder.ratio = item["ratio"]  # type: ignore[attr-defined]
+        try:
+            before = self.engine.stats["bytes_sent"]
+            self.engine.sync([n for n, _ in self.named], item["update"], step=item["exchange"])
+            item["bytes"] = self.engine.stats["bytes_sent"] - before
+            item["skipped"] = self.engine.last_step_skipped
+        finally:
+            if holder is not None:
+                holder.ratio = self._target  # type: ignore[attr-defined]
+
+    def _apply(self, item: dict[str, Any]) -> None:
+        """Wait for ``item``'s exchange and apply its averaged update."""
+        ticket = item.pop("ticket", None)
+        if ticket is not None:
+            self.background.wait(ticket)
+        params = [p for _, p in self.named]
+        if not item["skipped"]:
+            if self.update == "comprex":  # type: ignore[attr-defined]
+                torch._foreach_sub_(params, [u.to(p.dtype) for p, u in zip(params, item["update"])])
+            else:
+                for p, u in zip(params, item["update"]):
+                    p.grad = u.to(p.dtype)
+                self.optimizer.step()
+        self._last["bytes"] += item["bytes"]
+        self.applied_bytes += item["bytes"]
+        self.applied += 1
+
+    @torch.no_grad()
+    def rebroadcast(self) -> None:
+        """Every rank takes rank 0's parameters and buffers (the exchanges in
+        flight finish first: they use the same group). Bytes counted."""
+        self.background.drain()
+        self.broadcast_model()
+        sent = sum(t.numel() * t.element_size() for t in [*self.model.parameters(), *self.model.buffers()])
+        sent = sent if self.world_size > 1 else 0
+        self.applied_bytes += sent
+        self._last["bytes"] += sent
+        self.rebroadcasts += 1
+
+    def eval_model(self) -> torch.nn.Module:
+        """Parameters are identical on every rank: the model itself, unless
+        it has floating buffers (BatchNorm statistics stay local between
+        re-broadcasts): then their average (collective)."""
+        if any(b.is_floating_point() for b in self.model.buffers()) and self.world_size > 1:
+            self.background.drain()
+            return self.consensus_model()
+        return self.model
+
+    # ------------------------------------------------------------------ stats
+    @property
+    def stats(self) -> dict[str, Any]:
+        """The hook's vocabulary, bytes and exchanges counted when applied,
+        plus :data:`EXTRA_STATS`."""
+        out = super().stats
+        out["bytes_sent"] = self.applied_bytes
+        out["exchanges"] = self.applied
+        out["ratio"] = out["dense_bytes"] / out["bytes_sent"] if out["bytes_sent"] else 1.0
+        out.update({"staleness": self.staleness, "in_flight": len(self.pending),  # type: ignore[attr-defined]
+                    "density": self.density, "rebroadcasts": self.rebroadcasts, **self.background.timing()})
+        return out
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "staleness": self.staleness}  # type: ignore[attr-defined]
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        self.background.drain()  # residuals and stats must not move while they are copied
+        return super().state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.background.drain()
+        super().load_state_dict(state)
+
+    def extra_state(self) -> dict[str, Any]:
+        pending = [{"step": it["step"], "exchange": it["exchange"], "ratio": it["ratio"], "bytes": it["bytes"],
+                    "skipped": it["skipped"], "update": [u.clone() for u in it["update"]]} for it in self.pending]
+        return {"momentum": self.momentum_state.state_dict(), "pending": pending, "applied_bytes": self.applied_bytes,
+                "applied": self.applied, "rebroadcasts": self.rebroadcasts, "density": self.density}
+
+    def load_extra_state(self, state: Mapping[str, Any]) -> None:
+        self.momentum_state.load_state_dict(state.get("momentum", []))
+        shapes = [tuple(p.shape) for _, p in self.named]
+        pending = []
+        for it in state.get("pending", []):
+            if [tuple(u.shape) for u in it["update"]] != shapes:
+                raise ValueError(f"{self.name} state: an exchange in flight does not match this model")
+            pending.append({"step": int(it["step"]), "exchange": int(it["exchange"]), "ratio": float(it["ratio"]),
+                            "bytes": int(it["bytes"]), "skipped": bool(it["skipped"]),
+                            "update": [u.clone() for u in it["update"]]})
+        self.pending = collections.deque(pending)
+        self.applied_bytes = int(state.get("applied_bytes", 0))
+        self.applied = int(state.get("applied", 0))
+        self.rebroadcasts = int(state.get("rebroadcasts", 0))
+        self.density = float(state.get("density", self._target))
+
+    def close(self) -> None:
+        """Wait for the exchanges in flight and stop the background thread."""
+        self.background.close()

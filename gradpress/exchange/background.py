@@ -1,0 +1,175 @@
+"""Exchanges that run behind compute: one background thread per user.
+
+Comprex (Kim et al., "Comprex: compressed ring allreduce with asynchronous
+exchange") hides communication behind computation: the compressed exchange
+of step t runs while step t + 1's forward and backward pass runs, and its
+result is applied one step late. :class:`Background` is the machinery: a
+single daemon thread that runs submitted jobs (typically
+``Synchronizer.sync`` on the caller's own process group) first in, first
+out, and a :class:`Ticket` per job that the training thread waits on when
+the result is due. gloo and NCCL collectives release the GIL, so the
+training thread computes while the thread waits on the network.
+
+Invariants:
+
+* Jobs run one at a time, in submission order. Every rank submits the same
+  jobs in the same order, so every rank issues the same collectives in the
+  same order on the group the jobs use. While jobs are in flight nothing
+  else may issue collectives on that group: call :meth:`Background.drain`
+  first (a broadcast, an evaluation, a checkpoint).
+* A job's failure is never lost and never a hang: the exception is kept on
+  its ticket and raised in the training thread by :meth:`Background.wait`
+  as :class:`BackgroundError` naming the job, the rank and the cause (a
+  dead peer resets the connection at once; a stuck one trips the group's
+  timeout). After a failure every later job fails at once with the same
+  cause: a collective sequence that lost a step cannot continue.
+* Timing, for the overlap figure: ``busy_s`` is the wall time jobs ran on
+  the thread, ``wait_s`` the time the training thread spent blocked in
+  :meth:`wait`; ``busy_s - wait_s`` of it was hidden behind compute. A job
+  run inline (:meth:`run`, staleness 0) counts wholly as waited.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Background", "BackgroundError", "Ticket"]
+
+
+class BackgroundError(RuntimeError):
+    """A background exchange failed (a dead or stuck peer, a bad tensor...)."""
+
+
+@dataclass
+class Ticket:
+    """One submitted job: its name, its future and its run time on the thread."""
+
+    name: str
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    busy_s: float = 0.0
+
+
+class Background:
+    """A FIFO of jobs run on one daemon thread; see the module doc.
+
+    ``name`` labels the thread and the errors (``"comprex rank 0"``)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._jobs: queue.SimpleQueue[tuple[Ticket, Callable[[], Any]] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._failed: BaseException | None = None
+        self._open: list[Ticket] = []
+        self._lock = threading.Lock()
+        self.busy_s = 0.0
+        self.wait_s = 0.0
+        self.jobs = 0
+
+    # ------------------------------------------------------------------ jobs
+    def submit(self, name: str, fn: Callable[[], Any]) -> Ticket:
+        """Queue ``fn`` (run on the thread after every earlier job)."""
+        if self._thread is None:
+            # daemon: a thread blocked on a dead peer never keeps the process alive at exit
+            self._thread = threading.Thread(target=self._loop, name=f"gradpress-{self.name}", daemon=True)
+            self._thread.start()
+        ticket = Ticket(name)
+        self._open.append(ticket)
+        self._jobs.put((ticket, fn))
+        return ticket
+
+    def run(self, name: str, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` now on the calling thread, after the jobs in flight
+        (staleness 0: nothing is hidden, the whole time counts as waited)."""
+        self.drain()
+        t0 = time.perf_counter()
+        try:
+            return fn()
+        except Exception as exc:
+            raise self._error(name, exc) from exc
+        finally:
+            dt = time.perf_counter() - t0
+            with self._lock:
+                self.busy_s += dt
+                self.wait_s += dt
+                self.jobs += 1
+
+    def wait(self, ticket: Ticket) -> Any:
+        """Block until ``ticket``'s job is done; its result, or
+        :class:`BackgroundError` with the cause."""
+        t0 = time.perf_counter()
+        try:
+            return ticket.future.result()
+        except Exception as exc:
+            raise self._error(ticket.name, exc) from exc
+        finally:
+            with self._lock:
+                self.wait_s += time.perf_counter() - t0
+            if ticket in self._open:
+                self._open.remove(ticket)
+
+    def drain(self) -> None:
+        """Wait for every job in flight (their results stay on their tickets)."""
+        for ticket in list(self._open):
+            self.wait(ticket)
+
+    @property
+    def in_flight(self) -> int:
+        """Jobs submitted and not yet waited for."""
+        return len(self._open)
+
+    def close(self) -> None:
+        """Wait for the jobs in flight, then stop the thread. Idempotent."""
+        try:
+            self.drain()
+        finally:
+            if self._thread is not None:
+                self._jobs.put(None)
+                self._thread.join(timeout=5.0)
+                self._thread = None
+
+    # ----------------------------------------------------------------- thread
+    def _loop(self) -> None:
+        while True:
+            item = self._jobs.get()
+            if item is None:
+                return
+            ticket, fn = item
+            if self._failed is not None:  # the collective sequence is broken: fail fast, never block
+                ticket.future.set_exception(RuntimeError(f"an earlier background job failed: {self._failed}"))
+                continue
+            t0 = time.perf_counter()
+            try:
+                result = fn()
+            except BaseException as exc:  # noqa: BLE001 - delivered to the training thread by wait()
+                self._failed = exc
+                ticket.future.set_exception(exc)
+            else:
+                ticket.future.set_result(result)
+            finally:
+                ticket.busy_s = time.perf_counter() - t0
+                with self._lock:
+                    self.busy_s += ticket.busy_s
+                    self.jobs += 1
+
+    def _error(self, name: str, exc: BaseException) -> BackgroundError:
+        if isinstance(exc, BackgroundError):
+            return exc
+        return BackgroundError(
+            f"{self.name}: the background exchange {name} failed ({type(exc).__name__}: {exc}); a peer that "
+            "died or stopped answering within the group's timeout causes this; every rank stops here")
+
+    # ------------------------------------------------------------------ stats
+    def timing(self) -> dict[str, float]:
+        """``exchange_s`` (busy), ``exposed_s`` (waited), ``hidden_s`` and
+        ``overlap`` = hidden / exchange (0.0 before any job)."""
+        with self._lock:
+            busy, waited = self.busy_s, self.wait_s
+        hidden = max(0.0, busy - waited)
+        return {"exchange_s": busy, "exposed_s": min(waited, busy) if busy else waited, "hidden_s": hidden,
+                "overlap": hidden / busy if busy > 0 else 0.0}
