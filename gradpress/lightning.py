@@ -26,8 +26,6 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-import torch.distributed as dist
-
 try:
     from lightning.pytorch.callbacks import Callback
     from lightning.pytorch.strategies import DDPStrategy
@@ -37,13 +35,13 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from gradpress.compress import Compressor
 from gradpress.ddp import GradpressHook, make_hook
 from gradpress.ddp.hook import gradpress_hook
+from gradpress.ddp.ranks import gather_states, load_rank_state
 from gradpress.tensorboard import stats_scalars
 
-__all__ = ["GradpressStrategy", "GradpressCallback", "CHECKPOINT_KEY", "CHECKPOINT_FORMAT"]
+__all__ = ["GradpressStrategy", "GradpressCallback", "CHECKPOINT_KEY"]
 
-#: where the compression state lives in a Lightning checkpoint
+#: where the compression state (:func:`gradpress.ddp.ranks.gather_states`) lives in a Lightning checkpoint
 CHECKPOINT_KEY = "gradpress"
-CHECKPOINT_FORMAT = "gradpress-lightning/1"
 
 
 class GradpressStrategy(DDPStrategy):
@@ -108,12 +106,8 @@ class GradpressCallback(Callback):
         gradpress's own group: Lightning calls this on every rank and writes
         rank 0's dictionary."""
         state = self._state(trainer)
-        if not state.bound:
-            return  # nothing has been exchanged: nothing to keep
-        world = dist.get_world_size(state.group)
-        everyone: list[Any] = [None] * world
-        dist.all_gather_object(everyone, state.state_dict(), group=state.group)
-        checkpoint[CHECKPOINT_KEY] = {"format": CHECKPOINT_FORMAT, "world_size": world, "ranks": everyone}
+        if state.bound:  # else nothing has been exchanged: nothing to keep
+            checkpoint[CHECKPOINT_KEY] = gather_states(state)
 
     def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
         """This rank's state back into the hook (kept until the hook binds
@@ -123,11 +117,5 @@ class GradpressCallback(Callback):
             warnings.warn(f"GradpressCallback: the checkpoint has no {CHECKPOINT_KEY!r} entry (written without "
                           "GradpressCallback); compression starts with empty residuals", stacklevel=2)
             return
-        if not isinstance(saved, Mapping) or saved.get("format") != CHECKPOINT_FORMAT:
-            fmt = saved.get("format") if isinstance(saved, Mapping) else type(saved).__name__
-            raise ValueError(f"GradpressCallback: checkpoint[{CHECKPOINT_KEY!r}] has format {fmt!r}; "
-                             f"expected {CHECKPOINT_FORMAT!r}")
-        if saved.get("world_size") != trainer.world_size:
-            raise ValueError(f"GradpressCallback: world_size: the checkpoint has {saved.get('world_size')!r}, "
-                             f"this run has {trainer.world_size}; the compression state is per rank")
-        self._state(trainer).load_state_dict(saved["ranks"][trainer.global_rank])
+        load_rank_state(self._state(trainer), saved, trainer.global_rank, trainer.world_size,
+                        where=f"Lightning checkpoint[{CHECKPOINT_KEY!r}]")

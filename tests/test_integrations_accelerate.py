@@ -1,0 +1,197 @@
+"""gradpress from Hugging Face Accelerate and the Transformers Trainer, 2 CPU
+processes under ``torchrun`` (gloo).
+
+* Accelerate: a script trains 4 steps with top-k registered by
+  ``gradpress.accelerate.register`` (bytes per step asserted against the
+  compressor's own packet sizes), ``accelerator.save_state``; a second run
+  ``load_state``s it: each rank's compression state is restored equal to what
+  it saved, and training goes on from there. The stats reach Accelerate's
+  TensorBoard tracker (tags read back from the event files).
+* Trainer: a tiny GPT-2 built from a config (nothing downloaded) trains 4
+  steps with ``attach_trainer``; the stats are in every log (and in
+  TensorBoard through ``report_to="tensorboard"``); the checkpoint folder
+  holds every rank's compression state, and a run resumed from it starts
+  with that state.
+
+This file is also the worker script (``torchrun ... this_file MODE OUT STEPS [RESUME]``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import pytest
+
+HAVE = all(importlib.util.find_spec(m) is not None for m in ("accelerate", "transformers", "tensorboard"))
+SPEC = "topk:ratio=0.1"
+MIN_NUMEL = 256
+
+
+def _model_layers():  # noqa: ANN202
+    import torch
+    import torch.nn as nn
+
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 4))
+
+
+def _accelerate_worker(out: str, steps: int, resume: str | None) -> None:
+    import torch
+    import torch.nn.functional as F
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import gradpress.accelerate
+
+    torch.set_num_threads(1)
+    accelerator = Accelerator(cpu=True, log_with="tensorboard", project_dir=out)
+    accelerator.init_trackers(f"acc{steps}")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 16, generator=g)
+    data = DataLoader(TensorDataset(x, torch.tanh(x[:, :4])), batch_size=8)
+    model = _model_layers()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt, data = accelerator.prepare(model, opt, data)
+    hook = gradpress.accelerate.register(accelerator, model, SPEC, min_numel=MIN_NUMEL, timeout=60)
+    rank = accelerator.process_index
+    if resume:
+        accelerator.load_state(resume)
+        torch.save(hook.state_dict(), os.path.join(out, f"acc-start-{steps}-rank{rank}.pt"))
+    step = hook.step
+    while step < steps:
+        for xb, yb in data:
+            loss = F.mse_loss(model(xb), yb)
+            accelerator.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            step += 1
+            gradpress.accelerate.log_stats(accelerator, hook, step)
+            if step == steps:
+                break
+    torch.save({"state": hook.state_dict(), "stats": dict(hook.stats)}, os.path.join(out, f"acc-end-{steps}-rank{rank}.pt"))
+    accelerator.save_state(os.path.join(out, f"acc-state-{steps}"))
+    accelerator.end_training()
+
+
+def _trainer_worker(out: str, steps: int, resume: str | None) -> None:
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+    import gradpress.accelerate
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2))
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 64, (64, 16), generator=g)
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    args = TrainingArguments(output_dir=out, use_cpu=True, ddp_backend="gloo", max_steps=steps,
+                             per_device_train_batch_size=4, learning_rate=1e-3, logging_steps=1, save_steps=4,
+                             save_strategy="steps", report_to=["tensorboard"], disable_tqdm=True, seed=0,
+                             dataloader_num_workers=0)
+    trainer = Trainer(model=model, args=args, train_dataset=data)
+    logged: list[dict] = []
+
+    class Keep(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kw):  # noqa: ANN001,ANN201
+            logged.append(dict(logs or {}))
+
+        def on_step_begin(self, args, state, control, **kw):  # noqa: ANN001,ANN201
+            if not keep.get("start") and cb.hook is not None:
+                keep["start"] = cb.hook.state_dict()
+
+    keep: dict = {}
+    cb = gradpress.accelerate.attach_trainer(trainer, SPEC, min_numel=MIN_NUMEL, timeout=60)
+    trainer.add_callback(Keep())
+    trainer.train(resume_from_checkpoint=resume)
+    rank = torch.distributed.get_rank()
+    torch.save({"logs": logged, "start": keep.get("start"), "state": cb.hook.state_dict(), "stats": dict(cb.hook.stats)},
+               os.path.join(out, f"hf-{steps}-rank{rank}.pt"))
+
+
+# --------------------------------------------------------------------------- the tests
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not HAVE, reason="Accelerate, Transformers or TensorBoard is not installed "
+                                 "(pip install 'gradpress[accelerate,tensorboard]')")]
+
+
+def _torchrun(*args: str) -> None:
+    from distributed import free_port
+    from integration_helpers import run_command
+
+    run_command([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
+                 "127.0.0.1", "--master_port", str(free_port()), __file__, *args], timeout=150)
+
+
+def _assert_restored(saved: dict, restored: dict) -> None:
+    import torch
+
+    assert restored["step"] == saved["step"] > 0
+    residuals = saved["feedback"]["residuals"]
+    assert residuals and any(t.abs().sum() > 0 for t in residuals.values())
+    assert residuals.keys() == restored["feedback"]["residuals"].keys()
+    for key, tensor in residuals.items():
+        assert torch.equal(tensor, restored["feedback"]["residuals"][key]), key
+    assert restored["stats"] == saved["stats"]
+
+
+def test_accelerate_trains_compresses_and_resumes_with_its_compression_state(tmp_path) -> None:
+    import torch
+    from integration_helpers import expected_step_bytes, scalar_tags
+
+    _torchrun("accelerate", str(tmp_path), "4")
+    sent, dense = expected_step_bytes(_model_layers(), SPEC, MIN_NUMEL)
+    first = [torch.load(tmp_path / f"acc-end-4-rank{r}.pt", weights_only=True) for r in range(2)]
+    for r in range(2):
+        stats = first[r]["stats"]
+        assert stats["steps"] == 4 and stats["last_step_bytes"] == sent and stats["last_step_dense_bytes"] == dense
+        assert stats["ratio"] == pytest.approx(dense / sent) and stats["ratio"] > 3
+    custom = torch.load(tmp_path / "acc-state-4" / "custom_checkpoint_0.pkl", weights_only=True)  # no pickle needed
+    assert custom["world_size"] == 2 and len(custom["ranks"]) == 2
+
+    _torchrun("accelerate", str(tmp_path), "8", str(tmp_path / "acc-state-4"))
+    for r in range(2):
+        _assert_restored(first[r]["state"], torch.load(tmp_path / f"acc-start-8-rank{r}.pt", weights_only=True))
+        end = torch.load(tmp_path / f"acc-end-8-rank{r}.pt", weights_only=True)
+        assert end["state"]["step"] == 8 and end["stats"]["steps"] == 8
+    r0, r1 = (first[r]["state"]["feedback"]["residuals"] for r in range(2))
+    assert any(not torch.equal(r0[k], r1[k]) for k in r0)  # each rank got its own residuals back
+
+    tags = scalar_tags(tmp_path / "acc4")
+    assert {"gradpress/bytes_per_step", "gradpress/compression_ratio", "gradpress/compress_s",
+            "gradpress/comm_s"} <= set(tags), sorted(tags)
+    assert tags["gradpress/bytes_per_step"] == [float(sent)] * 4
+
+
+def test_trainer_callback_registers_logs_and_checkpoints_the_compression_state(tmp_path) -> None:
+    import torch
+    from integration_helpers import scalar_tags
+
+    _torchrun("trainer", str(tmp_path), "4")
+    runs = [torch.load(tmp_path / f"hf-4-rank{r}.pt", weights_only=True) for r in range(2)]
+    for run in runs:
+        stats = run["stats"]
+        assert stats["steps"] == 4 and stats["compressed_tensors"] > 0 and stats["ratio"] > 3
+        steps_logged = [row for row in run["logs"] if "loss" in row]
+        assert len(steps_logged) == 4
+        assert all(row["gradpress/bytes_per_step"] == stats["last_step_bytes"] for row in steps_logged)
+    saved = torch.load(tmp_path / "checkpoint-4" / "gradpress.pt", weights_only=True)
+    assert saved["world_size"] == 2
+    for r in range(2):
+        _assert_restored(runs[r]["state"], saved["ranks"][r])
+    tags = scalar_tags(tmp_path / "runs")
+    assert any(t.endswith("gradpress/bytes_per_step") for t in tags) and any(
+        t.endswith("gradpress/compression_ratio") for t in tags), sorted(tags)
+
+    _torchrun("trainer", str(tmp_path), "6", str(tmp_path / "checkpoint-4"))
+    for r in range(2):
+        resumed = torch.load(tmp_path / f"hf-6-rank{r}.pt", weights_only=True)
+        _assert_restored(runs[r]["state"], resumed["start"])
+        assert resumed["stats"]["steps"] == 6
+
+
+if __name__ == "__main__":
+    worker = {"accelerate": _accelerate_worker, "trainer": _trainer_worker}[sys.argv[1]]
+    worker(sys.argv[2], int(sys.argv[3]), sys.argv[4] if len(sys.argv) > 4 else None)
