@@ -159,3 +159,41 @@ def test_userdata_bad_files(tmp_path):
     np.savez(obj, x=np.array([{"a": 1}] * 12, dtype=object), y=np.arange(12) % 2)
     with pytest.raises(ValueError, match="obj.npz"):
         userdata.read(str(obj))
+
+
+# --- charlm-transformer (issue 24: the workload where Adam matters) ---
+TINY["charlm-transformer"] = {"samples": 16, "hidden": 16, "text_bytes": 20_000}
+
+
+def test_charlm_transformer_builds_learns_and_is_causal():
+    from gradpress.workloads import charlm_transformer
+
+    torch.manual_seed(3)
+    a = workloads.build("charlm-transformer", **TINY["charlm-transformer"])
+    torch.manual_seed(3)
+    b = workloads.build("charlm-transformer", **TINY["charlm-transformer"])
+    for pa, pb in zip(a.model.parameters(), b.model.parameters()):
+        assert torch.equal(pa, pb)
+    assert a.metric == "bits_per_char" and not a.higher_is_better and not a.classifier
+    x, y = a.train
+    assert x.shape == (16, charlm.SEQ_LEN) and torch.equal(x[:, 1:], y[:, :-1])
+    with torch.no_grad():  # causal: changing the last byte leaves every earlier prediction as it was
+        x2 = x[:2].clone()
+        x2[:, -1] = (x2[:, -1] + 1) % 256
+        assert torch.allclose(a.model(x[:2])[:, :-1], a.model(x2)[:, :-1], atol=1e-6)
+    opt = torch.optim.Adam(a.model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(5):
+        opt.zero_grad()
+        loss = a.loss(a.model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
+    default = sum(p.numel() for p in charlm_transformer.CharTransformer().parameters())
+    assert 300_000 <= default <= 3_000_000
+    d = workloads.defaults("charlm-transformer")
+    n_train = len(charlm.windows(charlm.corpus()[: int(0.9 * charlm.DEFAULT_BYTES)], charlm.SEQ_LEN)[1])
+    assert d["epochs"] * ((n_train // 4) // d["batch_size"]) >= 300  # at least 300 steps with 4 workers
+    with pytest.raises(ValueError, match="hidden=30 must be a multiple of 4"):
+        workloads.build("charlm-transformer", hidden=30, samples=4, text_bytes=20_000)

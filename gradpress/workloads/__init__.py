@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gradpress.workloads import charlm, digits, mnist1d, userdata, wide
+from gradpress.workloads import charlm, charlm_transformer, digits, mnist1d, userdata, wide
 from gradpress.workloads.base import Workload, WorkloadSpec
 
 __all__ = ["Workload", "WorkloadSpec", "names", "get", "build", "defaults", "DEFAULT"]
@@ -34,6 +34,10 @@ _SPECS: dict[str, WorkloadSpec] = {
         WorkloadSpec("charlm-lstm", charlm.build,
                      {"epochs": 3, "lr": 0.003, "batch_size": 32, "optimizer": "adam", "schedule": "cosine"},
                      "character LSTM on standard-library sources (metric: bits per character)"),
+        WorkloadSpec("charlm-transformer", charlm_transformer.build,
+                     {"epochs": 5, "lr": 0.002, "batch_size": 16, "optimizer": "adam", "schedule": "cosine"},
+                     "character transformer (2 blocks, 0.47M parameters) on standard-library sources, "
+                     "where Adam matters (metric: bits per character)"),
         WorkloadSpec("wide-mlp", wide.build,
                      {"epochs": 1, "lr": 0.05, "batch_size": 64, "optimizer": "momentum", "schedule": "constant"},
                      "synthetic wide MLP, size set by --params (communication-heavy)"),
