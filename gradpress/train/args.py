@@ -68,5 +68,9 @@ def add_arguments(p: argparse.ArgumentParser, *, compare: bool = False) -> None:
     p.add_argument("--timeout", type=float, default=S, metavar="SECONDS",
                    help="a collective that waits longer than this fails the run, naming the silent rank when it can "
                         "(default 300)")
+    if not compare:
+        p.add_argument("--tensorboard", default=S, metavar="DIR",
+                       help="also write TensorBoard event files to DIR (loss, metric, bytes per step, compression "
+                            "ratio, compress/comm seconds, consensus distance); needs gradpress[tensorboard]")
     p.add_argument("--allow-divergence", dest="allow_divergence", action="store_true", default=S,
                    help="a loss that becomes NaN/Inf is reported but does not make the run fail (exit 0)")

@@ -66,6 +66,7 @@ class TrainConfig:
     progress: bool = True
     timeout: float = 300.0
     allow_divergence: bool = False
+    tensorboard: str | None = None
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig))
@@ -265,6 +266,13 @@ def _validate(cfg: TrainConfig) -> TrainConfig:
         parse_count(cfg.params)
         cfg.params = str(cfg.params)
     _validate_exchange(cfg)
+    if cfg.tensorboard is not None:
+        if not isinstance(cfg.tensorboard, (str, os.PathLike)) or not str(cfg.tensorboard):
+            raise ValueError(f"tensorboard must be a directory path, got {cfg.tensorboard!r}")
+        from gradpress.tensorboard import require_tensorboard
+
+        cfg.tensorboard = str(cfg.tensorboard)
+        require_tensorboard()  # fail before starting workers when the extra is missing
     if cfg.data is not None:
         from gradpress.workloads.userdata import read
 

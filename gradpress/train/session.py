@@ -76,6 +76,16 @@ class _Logger:
         #: first step (on any rank) whose loss was not finite; inf while none (no host sync per step)
         self.bad_step = torch.full((), math.inf, dtype=torch.float64, device=run.device)
         self.diverged_at: int | None = None
+        self.events: Any = None  # TensorBoard event files (rank 0, --tensorboard)
+        if cfg.tensorboard is not None and run.rank == 0:
+            from gradpress.tensorboard import EventWriter
+
+            self.events = EventWriter(cfg.tensorboard)
+
+    def close(self) -> None:
+        self.bar.close()
+        if self.events is not None:
+            self.events.close()
 
     def _plain_line(self, row: dict[str, Any]) -> None:
         parts = [f"{self.desc}: step {row['step']}/{self.total}", f"loss {row['loss']:.4f}",
@@ -123,6 +133,10 @@ class _Logger:
             r.history.append({"step": t.step, "bytes_total": stats["bytes_sent"], "metric": r.metric_value,
                               "loss": row["loss"]})
         r.metrics.write(row)
+        if self.events is not None:
+            # read again: an evaluation (gossip) has just measured the consensus distance
+            self.events.write(t.step, stats=r.algo.stats, loss=row["loss"], metric=row.get("metric"),
+                              bytes_per_step=row["bytes"])
         if r.rank == 0:
             post = {"loss": f"{row['loss']:.4f}", "bytes/step": report.human_bytes(row["bytes"]),
                     "step": f"{row['step_s'] * 1e3:.1f}ms"}
@@ -205,7 +219,7 @@ class _Run:
                                 batch_size=cfg.batch_size, epochs=cfg.epochs, start=start, count=max(total - step, 0))
         step = run_steps(self.algo, self.opt, self.wl.loss, batches, lr=cfg.lr, schedule=cfg.schedule,
                          horizon=horizon, step=step, device=self.device, after=logger)
-        logger.bar.close()
+        logger.close()
         summary = report.summarize(
             cfg=cfg, described=self.algo.describe(), stats=self.algo.stats, world=self.world, steps=step,
             steps_per_epoch=self.steps_per_epoch, n_params=sum(p.numel() for p in self.model.parameters()),
