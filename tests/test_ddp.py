@@ -239,3 +239,107 @@ def test_register_validates_arguments() -> None:
     with pytest.raises(ValueError, match="DistributedDataParallel"):
         gradpress.ddp.register(nn.Linear(2, 2), "topk")  # type: ignore[arg-type]
     assert not dist.is_initialized()
+
+
+# ------------------------------------------------- make_hook: PyTorch's (state, hook) pair
+def _make_hook_paths(rank: int, world: int) -> dict:
+    """The same 4+4 steps through ``register``, through ``make_hook(spec,
+    model)`` + ``register_comm_hook``, and through an unbound
+    ``make_hook(spec)`` that binds itself at the first backward; then a
+    resume through an unbound state loaded before its first backward."""
+    spec, kw = "topk:ratio=0.05", {"min_numel": MIN_NUMEL, "strategy": "collective"}
+    x, y = make_data(rank)
+
+    def run(attach, steps: int = 8, start: dict | None = None) -> dict:  # noqa: ANN001
+        model = make_model()
+        if start is not None:
+            model.load_state_dict(start["model"])
+        ddp = DDP(model, bucket_cap_mb=0.004)
+        state = attach(ddp)
+        if start is not None:
+            state.load_state_dict(start["hook"])
+        losses, mid = [], None
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        for i in range(steps):
+            opt.zero_grad()
+            loss = ((ddp(x) - y) ** 2).mean()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+            if i == 3:
+                mid = {"model": {k: v.clone() for k, v in model.state_dict().items()}, "hook": state.state_dict()}
+        out = {"losses": losses, "params": flat_params(model), "state": state.state_dict(), "stats": state.stats,
+               "mid": mid, "bound_keys": sorted(state.memory_bytes())}
+        state.close()
+        return out
+
+    def with_make_hook(ddp: DDP):  # noqa: ANN202
+        state, hook = gradpress.ddp.make_hook(spec, ddp, **kw)
+        ddp.register_comm_hook(state, hook)
+        return state
+
+    unbound: dict = {}
+
+    def lazily(ddp: DDP):  # noqa: ANN202
+        state, hook = gradpress.ddp.make_hook(spec, **kw)
+        unbound["before"] = state.bound
+        try:
+            state.stats  # noqa: B018
+        except RuntimeError as exc:
+            unbound["stats_error"] = str(exc)
+        ddp.register_comm_hook(state, hook)
+        return state
+
+    out = {"register": run(lambda d: gradpress.ddp.register(d, spec, **kw)), "make_hook": run(with_make_hook),
+           "lazy": run(lazily)}
+    out["unbound"] = unbound
+    # resume: an unbound state keeps a loaded state and applies it when it binds at the first backward
+    out["lazy_resumed"] = run(lazily, steps=4, start=out["lazy"]["mid"])
+    # bind() is idempotent for the same model and refuses another
+    state, _ = gradpress.ddp.make_hook(spec, **kw)
+    model = make_model()
+    state.bind(model)
+    state.bind(DDP(model))
+    try:
+        state.bind(make_model())
+        out["rebind"] = "accepted"
+    except ValueError as exc:
+        out["rebind"] = str(exc)
+    state.close()
+    return out
+
+
+def test_make_hook_is_register_and_binds_itself_at_the_first_backward() -> None:
+    for r in run_workers(_make_hook_paths, 2):
+        reg, made, lazy = r["register"], r["make_hook"], r["lazy"]
+        # one implementation: the (state, hook) pair gives register's steps, stats and state, bit for bit
+        assert made["losses"] == reg["losses"] and torch.equal(made["params"], reg["params"])
+        assert made["stats"]["bytes_sent"] == reg["stats"]["bytes_sent"] and made["stats"]["steps"] == 8
+        assert made["state"]["config"] == reg["state"]["config"] and made["state"]["step"] == reg["state"]["step"] == 8
+        for key, value in reg["state"]["feedback"]["residuals"].items():
+            assert torch.equal(made["state"]["feedback"]["residuals"][key], value), key
+        # unbound until the first backward, then keyed by position: the same training, the same bytes
+        assert r["unbound"]["before"] is False and "not bound" in r["unbound"]["stats_error"]
+        assert lazy["losses"] == reg["losses"] and torch.equal(lazy["params"], reg["params"])
+        assert lazy["stats"]["bytes_sent"] == reg["stats"]["bytes_sent"]
+        assert all(name.startswith("param") for name, *_ in lazy["state"]["config"]["parameters"])
+        # a state loaded before binding is applied at the bind: the resumed 4 steps equal the last 4
+        assert r["lazy_resumed"]["losses"] == lazy["losses"][4:]
+        assert torch.equal(r["lazy_resumed"]["params"], lazy["params"])
+        assert r["lazy_resumed"]["state"]["step"] == 8
+        assert "another model" in r["rebind"]
+
+
+def test_make_hook_checks_the_spec_before_any_process_group() -> None:
+    with pytest.raises(ValueError, match="ratio"):
+        gradpress.ddp.make_hook("topk:ratio=7")
+    state, hook = gradpress.ddp.make_hook("topk:ratio=0.1")
+    assert hook is gradpress.ddp.gradpress_hook and not state.bound
+    with pytest.raises(RuntimeError, match="not bound"):
+        state.state_dict()
+    with pytest.raises(ValueError, match="not a gradpress hook state"):
+        state.load_state_dict({"format": "something else"})
+    with pytest.raises(RuntimeError, match="not initialized"):
+        state.bind(make_model())  # binding is collective: it needs the process group
+    state.close()
+    assert not dist.is_initialized()
