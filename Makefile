@@ -4,10 +4,11 @@ TORCH_VERSION ?= 2.13.0
 
 .PHONY: setup test demo lint mutants timing
 
-# torch first, pinned, when absent: an unpinned install pulls a multi-GB CUDA build
+# torch first, pinned, when absent: an unpinned install pulls a multi-GB CUDA build; then the package
+# and its extras with the installed torch held at its version (an extra must never replace it)
 setup:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install -q "torch==$(TORCH_VERSION)"
-	@$(PIP) install -q -e ".[dev]"
+	@$(PIP) install -q -e ".[dev]" "torch==$$($(PYTHON) -c 'import torch; print(torch.__version__.split("+")[0])')"
 
 test: setup
 	$(PYTHON) -m pytest -q -m "not timing" tests
