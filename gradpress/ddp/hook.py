@@ -74,8 +74,8 @@ class GradpressHook:
     """State of the gradpress comm hook; returned by ``register`` and
     ``make_hook``.
 
-    Attributes: ``engine`` (the exchange engine, None until bound), and
-    through it ``compressor``, ``strategy_name``, ``error_feedback``,
+    Attributes: ``engine`` (the exchange engine; ``RuntimeError`` while
+    not ``bound``), and through it ``compressor``, ``strategy_name``, ``error_feedback``,
     ``plan``, ``memory`` (the residuals), ``stats`` (see ``STATS_KEYS``).
     ``build`` makes the engine for a list of (name, parameter); ``model``:
     bind now (collective).
