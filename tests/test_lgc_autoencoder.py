@@ -1,0 +1,87 @@
+"""LGC's autoencoder (Abrahamyan et al. 2021) on correlated synthetic
+gradients: a shared signal plus small per-node noise. Its loss falls, and
+the reconstruction of the averaged gradient from the master's latent (PS
+variant) beats top-k at the same byte budget per node. The references
+(top-k, relative errors) are computed here in float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gradpress.algorithms.lgc_autoencoder import LGCAutoencoder, latent_length, rms, train_step
+from gradpress.algorithms.lgc_exchange import select
+
+D, K, N = 4096, 128, 4
+CENTERS = (500.0, 1700.0, 3000.0)
+
+
+def sample(g: torch.Generator) -> torch.Tensor:
+    """(N, D) float64: a shared signal (three smooth bumps with random
+    amplitudes, a little background) plus per-node noise of 5%."""
+    pos = torch.arange(D, dtype=torch.float64)
+    a = torch.randn(len(CENTERS), generator=g, dtype=torch.float64)
+    shared = sum(a[b] * torch.exp(-0.5 * ((pos - c) / 25.0) ** 2) for b, c in enumerate(CENTERS))
+    shared = shared + 0.02 * torch.randn(D, generator=g, dtype=torch.float64)
+    return shared + 0.05 * torch.randn(N, D, generator=g, dtype=torch.float64)
+
+
+def top_indices(x: torch.Tensor, k: int) -> torch.Tensor:
+    return torch.topk(x.abs(), k).indices.sort().values
+
+
+def test_latent_is_a_quarter_and_shapes() -> None:
+    ae = LGCAutoencoder(106, 3, 4, seed=0)
+    assert ae.latent == latent_length(106) == 27
+    z = ae.encode(torch.randn(5, 106))
+    assert z.shape == (5, 27)
+    assert ae.decode(z, 2).shape == (5, 106)
+    assert ae.decode_all(z[0]).shape == (3, 106)
+    with pytest.raises(ValueError, match="k"):
+        LGCAutoencoder(3, 1)
+
+
+def test_same_seed_same_weights_and_global_rng_untouched() -> None:
+    torch.manual_seed(1)
+    before = torch.get_rng_state()
+    a, b = LGCAutoencoder(64, 2, seed=5), LGCAutoencoder(64, 2, seed=5)
+    assert torch.equal(torch.get_rng_state(), before)
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_autoencoder_learns_and_beats_topk_at_the_same_bytes() -> None:
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(1)
+    ae = LGCAutoencoder(K, N, 8, seed=1)
+    opt = torch.optim.Adam(ae.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(500):  # phase 2: train on the values every node holds at the master's indices
+        grads = sample(g)
+        idx = select(grads[0], K).long()  # the master's indices, in its order of decreasing value
+        losses.append(float(train_step(ae, opt, (grads[:, idx] / rms(grads[0, idx])).float())))
+    first, last = sum(losses[:20]) / 20, sum(losses[-20:]) / 20
+    assert last < 0.1 * first, (first, last)
+
+    # phase 3 (PS): the master's indices + latent + scale; everyone decodes every node's estimate
+    budget = 4 * K + 4 * ae.latent + 4  # bytes the master sends
+    k_topk = budget // 8  # top-k: 4-byte value + 4-byte index per entry, same bytes per node
+    err_lgc, err_topk = [], []
+    with torch.no_grad():
+        for _ in range(30):
+            grads = sample(g)
+            mean = grads.mean(0)
+            idx = select(grads[0], K).long()
+            assert torch.equal(idx.sort().values, top_indices(grads[0], K))
+            scale = rms(grads[0, idx])
+            z = ae.encode((grads[0:1, idx] / scale).float())[0]
+            estimate = torch.zeros(D, dtype=torch.float64)
+            estimate[idx] = (ae.decode_all(z).double() * float(scale)).mean(0)
+            err_lgc.append(float((estimate - mean).norm() / mean.norm()))
+            sparse = torch.zeros(D, dtype=torch.float64)
+            for j in range(N):
+                i = top_indices(grads[j], k_topk)
+                sparse[i] += grads[j, i] / N
+            err_topk.append(float((sparse - mean).norm() / mean.norm()))
+    lgc, topk = sum(err_lgc) / len(err_lgc), sum(err_topk) / len(err_topk)
+    assert lgc < 0.9 * topk, (lgc, topk)
