@@ -1,7 +1,9 @@
 """gradpress from Hugging Face Accelerate and the Transformers ``Trainer``
 (``pip install gradpress[accelerate]``).
 
-Accelerate (launched by ``accelerate launch`` or ``torchrun``)::
+Accelerate (launched by ``torchrun``, also on CPU, or ``accelerate launch
+--multi_gpu`` on GPUs; ``accelerate launch --cpu`` starts one process
+unless MPI is configured)::
 
     model, optimizer, data = accelerator.prepare(model, optimizer, data)
     hook = gradpress.accelerate.register(accelerator, model, "topk:ratio=0.01")
@@ -55,7 +57,8 @@ def _ddp(model: Any, where: str, distributed_type: Any) -> torch.nn.parallel.Dis
     if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
         raise ValueError(f"{where}: the model is {type(model).__name__}, not DistributedDataParallel "
                          f"(distributed type {distributed_type}); gradpress compresses DDP's gradients: launch 2 or "
-                         "more processes (accelerate launch --num_processes N, or torchrun)")
+                         "more processes (torchrun --nproc_per_node N, also on CPU; accelerate launch --multi_gpu "
+                         "--num_processes N on GPUs)")
     return model
 
 
