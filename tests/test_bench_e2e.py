@@ -139,6 +139,22 @@ def test_wire_factor_and_command_line():
     line = command_line(args)
     assert "--configs topk:ratio=0.01@ring" in line and "--params 1M" in line and "'x y'" in line
     assert build_parser().parse_args(__import__("shlex").split(line)[1:]).steps == 4  # it parses back
+    args = build_parser().parse_args(["bench", "e2e", "--nodes", "2", "--workers-per-node", "2", "--intra-bandwidth",
+                                      "1gbit", "--configs", "fp16@hierarchical"])
+    line = command_line(args)
+    assert "--workers-per-node 2 --intra-bandwidth 1gbit" in line
+    assert build_parser().parse_args(__import__("shlex").split(line)[1:]).workers_per_node == 2
+
+
+def test_intra_bandwidth_needs_several_workers_per_node():
+    from gradpress.bench.e2e_args import _resolve
+
+    args = build_parser().parse_args(["bench", "e2e", "--nodes", "2", "--intra-bandwidth", "1gbit"])
+    with pytest.raises(ValueError, match="--workers-per-node"):
+        _resolve(args)
+    args = build_parser().parse_args(["bench", "e2e", "--nodes", "2", "--workers-per-node", "4", "--configs", "fp16"])
+    settings = _resolve(args)
+    assert settings["world"] == 8 and settings["threads"] == max(1, (os.cpu_count() or 1) // 8)
 
 
 def test_payload_formulas():

@@ -286,3 +286,44 @@ def test_setup_failure_names_the_feature_and_cleans_up(monkeypatch):
         c.start()
     assert "nosuchqdisc" in str(e.value) and "CONFIG_NET_SCH_TBF" in str(e.value)
     assert _leftovers(c.tag) == []
+
+
+def test_workers_per_node_numbers_ranks_host_by_host():
+    c = EmulatedCluster(2, "100mbit", workers_per_node=3, intra_bandwidth="1gbit", prefix=_unique_prefix())
+    assert c.world == 6 and [c.node_of(r) for r in range(6)] == [0, 0, 0, 1, 1, 1]
+    env = c.rank_env(4)
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"], env["NODE_RANK"]) == \
+        ("4", "6", "1", "3", "1")
+    assert env["MASTER_ADDR"] == c.address(0) and c.intra_rate_bits == 10**9
+    with pytest.raises(ValueError, match="rank=6"):
+        c.rank_env(6)
+    for bad in (0, 65, True, "2"):
+        with pytest.raises(ValueError, match="workers_per_node"):
+            EmulatedCluster(2, "100mbit", workers_per_node=bad)
+    with pytest.raises(ValueError, match="intra_bandwidth"):
+        EmulatedCluster(2, "100mbit", workers_per_node=2, intra_bandwidth="fast")
+
+
+@needs_root
+@pytest.mark.parametrize("intra", [None, "200mbit"])
+def test_two_hosts_of_two_workers_run_hierarchical(tmp_path, intra):
+    """2 hosts x 2 workers: ranks 0, 1 share node 0's namespace (and its link);
+    the hierarchical strategy trains with identical replicas; with a shaped
+    intra-host rate, lo carries a tbf at that rate."""
+    prefix = _unique_prefix()
+    with EmulatedCluster(2, "100mbit", workers_per_node=2, intra_bandwidth=intra, prefix=prefix,
+                         logs=tmp_path / "logs") as c:
+        out = tmp_path / "selftest"
+        result = c.run([sys.executable, "-m", "gradpress.cluster.selftest", "--spec", "qsgd:levels=8",
+                        "--strategy", "hierarchical", "--steps", "2", "--out", str(out)], stream_rank0=False,
+                       timeout=180)
+        assert result.ok, f"selftest failed {result.codes}: " + (result.log(1) or Path(os.devnull)).read_text()
+        reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
+        assert len({r["param_sha256"] for r in reports}) == 1 and all(r["identical"] for r in reports)
+        assert {r["world_size"] for r in reports} == {4}
+        qdisc = c.exec(0, ["tc", "qdisc", "show", "dev", "lo"], check=True).stdout
+        assert ("tbf" in qdisc) == (intra is not None), qdisc
+        if intra is not None:
+            assert "200Mbit" in qdisc
+        tag = c.tag
+    assert _leftovers(tag) == []

@@ -56,13 +56,18 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--nodes", type=positive_int("--nodes"), default=4, help="emulated hosts (default 4)")
     p.add_argument("--bandwidth", default="100mbit", help="link rate per direction, tc syntax (default 100mbit)")
+    p.add_argument("--workers-per-node", dest="workers_per_node", type=positive_int("--workers-per-node"), default=1,
+                   help="workers per emulated host (default 1); they share its link and talk over its loopback")
+    p.add_argument("--intra-bandwidth", dest="intra_bandwidth", default=None, metavar="RATE",
+                   help="rate between a host's own workers (tc syntax; default: unshaped loopback)")
     p.add_argument("--workload", default=None,
                    help="workload (default wide-mlp; mnist1d-cnn with --train-to)")
     p.add_argument("--params", default=None, help="wide-mlp size, e.g. 10M (default 10M for wide-mlp)")
     p.add_argument("--hidden", type=positive_int("--hidden"), default=None, help="width/channels of the workload")
     p.add_argument("--configs", default=DEFAULT_CONFIGS,
                    help="gradpress configurations SPEC[@STRATEGY][+ef|+noef], comma-separated "
-                        f"(default {DEFAULT_CONFIGS!r}); strategies: auto (default), allreduce, allgather, ring, ps")
+                        f"(default {DEFAULT_CONFIGS!r}); strategies: collective (default), auto, allreduce, allgather, ring, "
+                        "ps, hierarchical (hosts of --workers-per-node ranks)")
     p.add_argument("--baselines", default=DEFAULT_BASELINES,
                    help=f"PyTorch baselines: ddp, fp16, powersgd:rank=R[,start=I] (default {DEFAULT_BASELINES!r}); "
                         "plain ddp always runs")

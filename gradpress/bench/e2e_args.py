@@ -28,6 +28,12 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
     if args.nodes < 2:
         raise ValueError(f"--nodes got {args.nodes}; allowed: an integer >= 2")
     rate = parse_rate(args.bandwidth, "--bandwidth")
+    per = getattr(args, "workers_per_node", 1) or 1
+    if getattr(args, "intra_bandwidth", None) is not None:
+        parse_rate(args.intra_bandwidth, "--intra-bandwidth")
+        if per == 1:
+            raise ValueError("--intra-bandwidth shapes traffic between a host's own workers; it needs --workers-per-node >= 2")
+    world = args.nodes * per
     mode = "train" if args.train_to is not None else "step"
     workload = args.workload or ("mnist1d-cnn" if mode == "train" else "wide-mlp")
     if workload not in workloads.names():
@@ -57,13 +63,18 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
         "mode": mode, "workload": workload, "params": params, "hidden": args.hidden, "rate": rate,
         "batch_size": args.batch_size or defaults["batch_size"], "lr": float(lr),
         "optimizer": defaults["optimizer"], "schedule": defaults["schedule"], "epochs": defaults["epochs"],
-        "threads": args.threads or max(1, cpus // args.nodes), "configs": configs, "out": out, "cpus": cpus,
+        "threads": args.threads or max(1, cpus // world), "configs": configs, "out": out, "cpus": cpus,
+        "workers_per_node": per, "world": world,
     }
 
 
 def command_line(args: argparse.Namespace) -> str:
     """The exact command, every option spelled out (reproducible from the report)."""
     parts = ["gradpress", "bench", "e2e", "--nodes", str(args.nodes), "--bandwidth", args.bandwidth]
+    if (getattr(args, "workers_per_node", 1) or 1) > 1:
+        parts += ["--workers-per-node", str(args.workers_per_node)]
+    if getattr(args, "intra_bandwidth", None) is not None:
+        parts += ["--intra-bandwidth", args.intra_bandwidth]
     if args.workload:
         parts += ["--workload", args.workload]
     for flag, value in (("--params", args.params), ("--hidden", args.hidden), ("--batch-size", args.batch_size),

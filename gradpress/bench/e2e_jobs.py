@@ -58,7 +58,7 @@ class _Runner:
         after = [self.cluster.link_stats(i) for i in range(self.cluster.nodes)]
         tbf = [{k: after[i][k] - before[i][k] for k in ("tx_bytes", "rx_bytes", "tx_drops", "rx_drops")}
                for i in range(self.cluster.nodes)]
-        return res, self.results(tag, range(self.cluster.nodes)), tbf
+        return res, self.results(tag, range(self.cluster.world)), tbf
 
     def failure(self, res: Any, tag: str) -> str:
         if res.timed_out:

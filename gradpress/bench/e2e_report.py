@@ -51,13 +51,16 @@ def markdown(result: dict[str, Any]) -> str:
     """The whole ``e2e.md``: title, exact command, setup, table, notes."""
     s = result["setup"]
     lines = [f"# gradpress bench e2e ({result['mode']})", "", "Command:", "", "```", result["command"], "```", ""]
-    lines.append(f"{s['nodes']} nodes, {s['bandwidth']} per link direction ({s['bandwidth_bits']:,} bit/s), "
+    per = s.get("workers_per_node", 1) or 1
+    hosts = (f"{s['nodes']} hosts x {per} workers ({s['nodes'] * per} ranks; inside a host "
+             f"{s.get('intra_bandwidth') or 'unshaped loopback'}), " if per > 1 else f"{s['nodes']} nodes, ")
+    lines.append(f"{hosts}{s['bandwidth']} per link direction ({s['bandwidth_bits']:,} bit/s), "
                  f"workload {s['workload']} ({s['parameters']:,} parameters), batch {s['batch_size']} per worker, "
                  f"{s['threads']} thread(s) per worker, torch {s['torch']}, {s['cpus']} CPU(s).")
     lines.append("")
     if result["mode"] == "step":
         c = result["compute"]
-        lines.append(f"Compute-only step (no communication, world size 1, all {s['nodes']} nodes at once): "
+        lines.append(f"Compute-only step (no communication, world size 1, all {s['nodes'] * per} workers at once): "
                      f"{_f(c['shared_s'], '.3f', ' s')}; alone on the machine: {_f(c['solo_s'], '.3f', ' s')}.")
         lines.append("")
         lines.append("| configuration | step (median) | speed-up vs DDP | payload B/step/worker | link B/step (busiest) "

@@ -52,16 +52,18 @@ def run_e2e(args: argparse.Namespace) -> dict[str, Any]:
     out: Path = settings["out"]
     out.mkdir(parents=True, exist_ok=True)
     configs: list[RunConfig] = settings["configs"]
-    rate, world = settings["rate"], args.nodes
+    rate, world = settings["rate"], settings["world"]
+    per = settings["workers_per_node"]
     mode = settings["mode"]
     rows: list[dict[str, Any]] = []
     notes: list[str] = []
     compute: dict[str, Any] | None = None
     t_start = time.monotonic()
-    with EmulatedCluster(world, args.bandwidth, logs=out / "logs") as cluster:
+    with EmulatedCluster(args.nodes, args.bandwidth, workers_per_node=per,
+                         intra_bandwidth=getattr(args, "intra_bandwidth", None), logs=out / "logs") as cluster:
         runner = _Runner(cluster, settings, args)
         if mode == "step":
-            _log(f"e2e: compute-only steps ({world} nodes at once, then node 0 alone)")
+            _log(f"e2e: compute-only steps ({world} workers at once, then rank 0 alone)")
             compute = _compute(runner)
             _log(f"e2e: compute-only {compute['shared_s']:.3f} s/step shared, "
                  f"{compute['solo_s'] if compute['solo_s'] is None else round(compute['solo_s'], 3)} s alone")
@@ -105,7 +107,8 @@ def run_e2e(args: argparse.Namespace) -> dict[str, Any]:
     parameters = (compute or {}).get("parameters") or _parameters(runner, rows, first)
     result: dict[str, Any] = {
         "mode": mode, "command": command_line(args), "target": args.train_to,
-        "setup": {"nodes": world, "bandwidth": args.bandwidth, "bandwidth_bits": rate,
+        "setup": {"nodes": args.nodes, "workers_per_node": per, "world": world,
+                  "intra_bandwidth": getattr(args, "intra_bandwidth", None), "bandwidth": args.bandwidth, "bandwidth_bits": rate,
                   "bandwidth_text": format_rate(rate), "workload": settings["workload"], "params": settings["params"],
                   "hidden": settings["hidden"], "parameters": parameters, "batch_size": settings["batch_size"],
                   "lr": settings["lr"], "optimizer": settings["optimizer"], "threads": settings["threads"],

@@ -64,6 +64,15 @@ class LinksMixin:
                 "rate", f"{self.rate_bits}bit", "burst", str(self.burst_bytes),
                 "limit", str(self.queue_limit_bytes)]
 
+    def _intra_tbf(self, ns: str) -> list[str]:
+        """tbf on a node's ``lo`` (traffic between its own workers), at
+        ``intra_rate_bits``, bucket and queue sized as for the links."""
+        rate = self.intra_rate_bits
+        burst = default_burst(rate)
+        limit = burst + max(int(rate / 8 * self.queue_latency_s), MIN_QUEUE_FRAMES * (MTU + ETH_HEADER))
+        return [self._tc, "-n", ns, "qdisc", "replace", "dev", "lo", "root", "tbf",
+                "rate", f"{rate}bit", "burst", str(burst), "limit", str(limit)]
+
     @property
     def queue_limit_bytes(self) -> int:
         """tbf ``limit``: the bucket plus ``queue_latency`` worth of traffic, and
@@ -104,6 +113,10 @@ class LinksMixin:
             self._cmd([ip, "-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", dev], f"address node {i}", "veth")
             self._cmd(self._tbf(ns, dev), f"shape node {i}->switch", "tbf")
             self._cmd([ip, "-n", ns, "link", "set", dev, "up"], f"bring up {dev} in node {i}", "veth")
+            if self.intra_rate_bits is not None:
+                # lo's 64 KiB frames would not fit the bucket: frames of a NIC's size
+                self._cmd([ip, "-n", ns, "link", "set", "lo", "mtu", str(MTU)], f"set lo's MTU in node {i}", "netns")
+                self._cmd(self._intra_tbf(ns), f"shape inside node {i}", "tbf")
 
     def _teardown(self) -> list[str]:
         for p in self._procs:

@@ -6,6 +6,13 @@ Topology (one run)::
     [eth0 10.77.0.1] ==veth== [port0]--switch0 (bridge)--[port1] ==veth== [eth0 10.77.0.2]
      tbf: node->switch         tbf: switch->node  tbf: switch->node       tbf: node->switch
 
+A node may host several workers (``workers_per_node``): rank ``r`` runs in
+node ``r // workers_per_node``, as torchrun numbers ranks host by host. They
+talk to each other inside the node over its loopback (the kernel routes a
+node's own address through ``lo``): unshaped by default, or shaped with
+``intra_bandwidth`` (one tbf on ``lo``: all traffic inside the node, both
+directions, shares that rate, as a host's shared memory bus does).
+
 Every node gets its own full-duplex link: the egress qdisc of the node-side
 veth end (``eth0`` in the node's namespace) shapes node->switch traffic, the
 egress qdisc of the switch-side end (``port<i>`` in the hub namespace) shapes
@@ -70,6 +77,7 @@ __all__ = [
 ]
 
 MAX_NODES = 250
+MAX_WORKERS_PER_NODE = 64
 _SEQ = itertools.count()
 
 
@@ -109,6 +117,10 @@ class EmulatedCluster(LinksMixin, ProcessesMixin):
         burst: tbf bucket size (tc size syntax or bytes); default :func:`default_burst`.
         queue_latency: tbf ``latency``: the longest a packet may wait in the
             link's queue (sets the queue length; it is NOT a link delay).
+        workers_per_node: ranks per node (1..64); rank r runs in node
+            r // workers_per_node with LOCAL_RANK r % workers_per_node.
+        intra_bandwidth: rate of the traffic between a node's own workers
+            (tc syntax); None: unshaped (loopback speed).
         prefix: namespace name prefix; names are ``<prefix>-<pid>-<seq>-...``.
         subnet: first three octets of the /24 on the node links.
         master_port: ``MASTER_PORT`` given to :meth:`run`.
@@ -126,6 +138,8 @@ class EmulatedCluster(LinksMixin, ProcessesMixin):
         *,
         burst: str | int | None = None,
         queue_latency: str | float = "5ms",
+        workers_per_node: int = 1,
+        intra_bandwidth: str | int | None = None,
         prefix: str = DEFAULT_PREFIX,
         subnet: str = "10.77.0",
         master_port: int = 29500,
@@ -144,6 +158,12 @@ class EmulatedCluster(LinksMixin, ProcessesMixin):
                                 and not isinstance(queue_latency, bool) else parse_time(queue_latency, "queue_latency"))
         if not 0 < self.queue_latency_s <= 60:
             raise ValueError(f"queue_latency={queue_latency!r} is out of range: allowed > 0 .. 60 s")
+        if isinstance(workers_per_node, bool) or not isinstance(workers_per_node, int) \
+                or not 1 <= workers_per_node <= MAX_WORKERS_PER_NODE:
+            raise ValueError(f"workers_per_node={workers_per_node!r} is not allowed: expected an integer "
+                             f"1..{MAX_WORKERS_PER_NODE}")
+        self.workers_per_node = workers_per_node
+        self.intra_rate_bits = None if intra_bandwidth is None else parse_rate(intra_bandwidth, "intra_bandwidth")
         _check_prefix(prefix)
         if not re.fullmatch(r"(25[0-5]|2[0-4]\d|1?\d?\d)\.(25[0-5]|2[0-4]\d|1?\d?\d)\.(25[0-5]|2[0-4]\d|1?\d?\d)", subnet):
             raise ValueError(f"subnet={subnet!r} is not allowed: expected three octets like '10.77.0'")
@@ -188,6 +208,17 @@ class EmulatedCluster(LinksMixin, ProcessesMixin):
         """Name of node ``i``'s network interface inside its namespace (``GLOO_SOCKET_IFNAME``)."""
         self._check_node(i)
         return "eth0"
+
+    @property
+    def world(self) -> int:
+        """Ranks of a :meth:`run`: nodes x workers per node."""
+        return self.nodes * self.workers_per_node
+
+    def node_of(self, rank: int) -> int:
+        """The node rank ``rank`` runs in (ranks are numbered node by node)."""
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world:
+            raise ValueError(f"rank={rank!r} is not allowed: expected an integer 0..{self.world - 1}")
+        return rank // self.workers_per_node
 
     def switch_port(self, i: int) -> str:
         """Name of the switch-side end of node ``i``'s link (in the hub namespace)."""
@@ -283,4 +314,5 @@ class EmulatedCluster(LinksMixin, ProcessesMixin):
 
     def __repr__(self) -> str:
         state = "up" if self._up else ("closed" if self._closed else "down")
-        return f"EmulatedCluster(nodes={self.nodes}, bandwidth={self.rate_bits}bit, tag={self.tag!r}, {state})"
+        per = f", workers_per_node={self.workers_per_node}" if self.workers_per_node > 1 else ""
+        return f"EmulatedCluster(nodes={self.nodes}{per}, bandwidth={self.rate_bits}bit, tag={self.tag!r}, {state})"

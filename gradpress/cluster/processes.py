@@ -66,13 +66,15 @@ class ProcessesMixin:
         return done
 
     def rank_env(self, rank: int) -> dict[str, str]:
-        """The ``torch.distributed`` environment of the worker in node ``rank``."""
-        self._check_node(rank)
-        dev = self.interface(rank)
+        """The ``torch.distributed`` environment of rank ``rank`` (in node
+        ``rank // workers_per_node``, as torchrun numbers ranks)."""
+        node = self.node_of(rank)
+        per = self.workers_per_node
+        dev = self.interface(node)
         return {
-            "RANK": str(rank), "WORLD_SIZE": str(self.nodes),
-            "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-            "GROUP_RANK": str(rank), "NODE_RANK": str(rank),
+            "RANK": str(rank), "WORLD_SIZE": str(self.world),
+            "LOCAL_RANK": str(rank % per), "LOCAL_WORLD_SIZE": str(per),
+            "GROUP_RANK": str(node), "NODE_RANK": str(node),
             "MASTER_ADDR": self.address(0), "MASTER_PORT": str(self.master_port),
             "GLOO_SOCKET_IFNAME": dev, "TP_SOCKET_IFNAME": dev,
         }
@@ -89,7 +91,7 @@ class ProcessesMixin:
 
     def run(self, command: Sequence[str], *, env: Mapping[str, str] | None = None, timeout: float | None = None,
             stream_rank0: bool = True, stdout: IO | None = None, kill_grace: float = 5.0) -> RunResult:
-        """Run rank ``i`` of ``command`` in node ``i`` for every node, with
+        """Run every rank of ``command``, rank ``r`` in node ``r // workers_per_node``, with
         ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
         ``MASTER_ADDR``, ``MASTER_PORT``, ``GLOO_SOCKET_IFNAME`` set (see
         :meth:`rank_env`) on top of the current environment and ``env``.
@@ -109,7 +111,7 @@ class ProcessesMixin:
         result = RunResult(codes=[], log_dir=log_dir)
         t0 = time.monotonic()
         try:
-            for rank in range(self.nodes):
+            for rank in range(self.world):
                 rank_env = {**os.environ, **(env or {}), **self.rank_env(rank)}
                 if rank == 0 and stream_rank0:
                     out = stdout
@@ -117,7 +119,7 @@ class ProcessesMixin:
                     f = open(log_dir / f"rank{rank}.log", "wb")  # noqa: SIM115
                     files.append(f)
                     out = f
-                procs.append(self.popen(rank, command, env=rank_env, stdin=subprocess.DEVNULL, stdout=out,
+                procs.append(self.popen(self.node_of(rank), command, env=rank_env, stdin=subprocess.DEVNULL, stdout=out,
                                         stderr=subprocess.STDOUT if out is not None else None))
             failed_at: float | None = None
             while [p.poll() for p in procs].count(None):

@@ -25,6 +25,7 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="gradpress training steps inside an emulated cluster")
     p.add_argument("--spec", default="topk:ratio=0.1", help="compressor spec (default: topk:ratio=0.1)")
+    p.add_argument("--strategy", default="collective", help="gradpress strategy (default: collective)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--width", type=int, default=128, help="hidden width of the MLP")
     p.add_argument("--out", default=None, help="directory for rank<r>.json")
@@ -42,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, a.width), torch.nn.ReLU(), torch.nn.Linear(a.width, 10))
     ddp = DistributedDataParallel(model)
-    hook = gradpress.ddp.register(ddp, a.spec)
+    hook = gradpress.ddp.register(ddp, a.spec, strategy=a.strategy)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
     gen = torch.Generator().manual_seed(1000 + rank)
     losses = []
@@ -73,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(report, f)
     ok = identical and stats.get("compressed_tensors", 0) > 0
     if rank == 0:
-        print(f"selftest: world={world} spec={a.spec} steps={a.steps} identical={identical} "
+        print(f"selftest: world={world} spec={a.spec} strategy={a.strategy} steps={a.steps} identical={identical} "
               f"bytes_sent={stats.get('bytes_sent')} dense_bytes={stats.get('dense_bytes')} "
               f"compressed_tensors={stats.get('compressed_tensors')} -> {'ok' if ok else 'FAILED'}", flush=True)
     return 0 if ok else 1

@@ -47,6 +47,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--nodes", type=int, metavar="N", help="number of emulated hosts (1..250)")
     p.add_argument("--bandwidth", metavar="RATE",
                    help="link rate per direction, tc syntax: 500kbit, 50mbit, 100mbit, 1gbit, 10mibit, 12mbps")
+    p.add_argument("--workers-per-node", dest="workers_per_node", type=int, default=1, metavar="K",
+                   help="ranks per node (default 1); rank r runs in node r // K with LOCAL_RANK r %% K")
+    p.add_argument("--intra-bandwidth", dest="intra_bandwidth", default=None, metavar="RATE",
+                   help="rate between a node's own workers (tc syntax; default: unshaped loopback)")
     p.add_argument("--burst", metavar="SIZE", default=None,
                    help="tbf bucket size (tc syntax, e.g. 64kb); default: 10 ms of RATE, at least 4 frames")
     p.add_argument("--queue-latency", metavar="TIME", default="5ms",
@@ -100,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
         if not command and not args.keep and not args.measure:
             raise ValueError("COMMAND is missing: expected `gradpress cluster --nodes N --bandwidth RATE -- COMMAND ...`")
         cluster = EmulatedCluster(args.nodes, args.bandwidth, burst=args.burst, queue_latency=args.queue_latency,
+                                  workers_per_node=args.workers_per_node, intra_bandwidth=args.intra_bandwidth,
                                   prefix=prefix, master_port=args.master_port, logs=args.logs, keep=args.keep)
         with cluster:
             print(f"gradpress cluster: {args.nodes} node(s) at {format_rate(cluster.rate_bits)} per direction "
