@@ -5,7 +5,8 @@ processes under ``torchrun`` (gloo).
   ``gradpress.accelerate.register`` (bytes per step asserted against the
   compressor's own packet sizes), ``accelerator.save_state``; a second run
   ``load_state``s it: each rank's compression state is restored equal to what
-  it saved, and training goes on from there. The stats reach Accelerate's
+  it saved, and the next 4 steps equal those of a run that never stopped
+  (losses, parameters and residuals, bit for bit). The stats reach Accelerate's
   TensorBoard tracker (tags read back from the event files).
 * Trainer: a tiny GPT-2 built from a config (nothing downloaded) trains 4
   steps with ``attach_trainer``; the stats are in every log (and in
@@ -59,18 +60,21 @@ def _accelerate_worker(out: str, steps: int, resume: str | None) -> None:
     if resume:
         accelerator.load_state(resume)
         torch.save(hook.state_dict(), os.path.join(out, f"acc-start-{steps}-rank{rank}.pt"))
-    step = hook.step
+    step, losses = hook.step, []
     while step < steps:
         for xb, yb in data:
             loss = F.mse_loss(model(xb), yb)
             accelerator.backward(loss)
+            losses.append(loss.item())
             opt.step()
             opt.zero_grad()
             step += 1
             gradpress.accelerate.log_stats(accelerator, hook, step)
             if step == steps:
                 break
-    torch.save({"state": hook.state_dict(), "stats": dict(hook.stats)}, os.path.join(out, f"acc-end-{steps}-rank{rank}.pt"))
+    torch.save({"state": hook.state_dict(), "stats": dict(hook.stats), "losses": losses,
+                "params": [p.detach().clone() for p in model.parameters()]},
+               os.path.join(out, f"acc-end-{steps}-rank{rank}.pt"))
     accelerator.save_state(os.path.join(out, f"acc-state-{steps}"))
     accelerator.end_training()
 
@@ -158,6 +162,16 @@ def test_accelerate_trains_compresses_and_resumes_with_its_compression_state(tmp
         assert end["state"]["step"] == 8 and end["stats"]["steps"] == 8
     r0, r1 = (first[r]["state"]["feedback"]["residuals"] for r in range(2))
     assert any(not torch.equal(r0[k], r1[k]) for k in r0)  # each rank got its own residuals back
+    # resuming gives the same next steps as not stopping (4 steps are one epoch here: the data restarts alike)
+    straight = tmp_path / "straight"
+    straight.mkdir()
+    _torchrun("accelerate", str(straight), "8")
+    for r in range(2):
+        end, ref = (torch.load(d / f"acc-end-8-rank{r}.pt", weights_only=True) for d in (tmp_path, straight))
+        assert end["losses"] == ref["losses"][4:]
+        assert all(torch.equal(a, b) for a, b in zip(end["params"], ref["params"]))
+        for key, tensor in ref["state"]["feedback"]["residuals"].items():
+            assert torch.equal(end["state"]["feedback"]["residuals"][key], tensor), key
 
     tags = scalar_tags(tmp_path / "acc4")
     assert {"gradpress/bytes_per_step", "gradpress/compression_ratio", "gradpress/compress_s",
