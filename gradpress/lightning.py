@@ -80,12 +80,12 @@ class GradpressStrategy(DDPStrategy):
 class GradpressCallback(Callback):
     """Checkpoints the gradpress state with Lightning's checkpoints and logs
     its stats. ``state``: the hook state (default: the trainer's
-    :class:`GradpressStrategy`'s). ``log``: log the stats each training step
+    :class:`GradpressStrategy`'s). ``log_stats``: log the stats each training step
     (Lightning's ``log_every_n_steps`` decides what reaches the logger)."""
 
-    def __init__(self, state: GradpressHook | None = None, *, log: bool = True) -> None:
+    def __init__(self, state: GradpressHook | None = None, *, log_stats: bool = True) -> None:
         self.state = state
-        self.log = log
+        self.log_stats = log_stats
 
     def _state(self, trainer: Any) -> GradpressHook:
         if self.state is not None:
@@ -98,7 +98,7 @@ class GradpressCallback(Callback):
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         state = self._state(trainer)
-        if self.log and state.bound:
+        if self.log_stats and state.bound:
             pl_module.log_dict(stats_scalars(state.stats), on_step=True, on_epoch=False, sync_dist=False)
 
     def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:

@@ -133,5 +133,29 @@ def test_lightning_trains_compresses_and_resumes_with_its_compression_state(tmp_
     assert tags["gradpress/bytes_per_step"][-1] == sent
 
 
+def test_callback_refuses_another_strategy_a_foreign_world_size_and_warns_without_state() -> None:
+    from types import SimpleNamespace
+
+    from gradpress.ddp import make_hook
+    from gradpress.lightning import GradpressCallback
+
+    with pytest.raises(ValueError, match="not GradpressStrategy"):
+        GradpressCallback().on_save_checkpoint(SimpleNamespace(strategy=object()), None, {})
+    state, _ = make_hook(SPEC)
+    trainer = SimpleNamespace(strategy=SimpleNamespace(gradpress_state=state), global_rank=0, world_size=2)
+    callback = GradpressCallback()
+    checkpoint: dict = {}
+    callback.on_save_checkpoint(trainer, None, checkpoint)
+    assert "gradpress" not in checkpoint  # never bound: nothing exchanged, nothing to keep
+    with pytest.warns(UserWarning, match="no 'gradpress' entry"):
+        callback.on_load_checkpoint(trainer, None, {})
+    saved = {"format": "gradpress-ranks/1", "world_size": 4, "ranks": [{}] * 4}
+    with pytest.raises(ValueError, match="world_size: the checkpoint has 4, this run has 2"):
+        callback.on_load_checkpoint(trainer, None, {"gradpress": saved})
+    with pytest.raises(ValueError, match="format 'x'"):
+        callback.on_load_checkpoint(trainer, None, {"gradpress": {"format": "x"}})
+    state.close()
+
+
 if __name__ == "__main__":
     _worker(sys.argv[1], int(sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 else None)
