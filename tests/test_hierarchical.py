@@ -72,6 +72,7 @@ def _worker(rank: int, world: int) -> dict:
     out["none"] = _run(_engine("none", spec), rank, range(STEPS))
     eng = _engine(f"topk:ratio={RATIO}", spec, error_feedback=True)
     out["topk"] = _run(eng, rank, range(STEPS))
+    out["flat_topk"] = _run(_engine(f"topk:ratio={RATIO}", "allgather", error_feedback=True), rank, range(STEPS))
     out["host_keys"] = sorted(eng.feedback.namespace("host"))
     out["worker_residual_max"] = max(float(v.abs().max()) for v in eng.feedback.namespace("").values())
     out["stats"] = eng.stats
@@ -157,10 +158,11 @@ def _topk64(x: torch.Tensor, k: int) -> torch.Tensor:
     return keep.view_as(x)
 
 
-def _reference_topk(steps: int) -> list[list[torch.Tensor]]:
+def _reference_topk(steps: int, per_host: int = PER_HOST) -> list[list[torch.Tensor]]:
     """The two-level algorithm in float64: leader h keeps e_h; q_h = S_h / L + e_h;
-    average = mean_h topk(q_h); e_h <- q_h - topk(q_h). 1-D tensors: plain mean."""
-    hosts = WORLD // PER_HOST
+    average = mean_h topk(q_h); e_h <- q_h - topk(q_h). 1-D tensors: plain mean.
+    ``per_host=1``: flat allgather with every worker's own residual."""
+    hosts = WORLD // per_host
     resid: dict[tuple[int, int], torch.Tensor] = {}
     outs = []
     for step in range(steps):
@@ -173,7 +175,7 @@ def _reference_topk(steps: int) -> list[list[torch.Tensor]]:
             k = math.ceil(RATIO * math.prod(shape))
             total = torch.zeros(shape, dtype=torch.float64)
             for h in range(hosts):
-                q = sum(per[r][i] for r in range(h * PER_HOST, (h + 1) * PER_HOST)) / PER_HOST
+                q = sum(per[r][i] for r in range(h * per_host, (h + 1) * per_host)) / per_host
                 q = q + resid.get((h, i), torch.zeros(shape, dtype=torch.float64))
                 sent = _topk64(q, k)
                 resid[(h, i)] = q - sent
@@ -187,6 +189,11 @@ def test_topk_with_feedback_at_the_leaders_matches_float64(results: list[dict]) 
     got = _identical(results, "topk")
     for step, want_step in enumerate(_reference_topk(STEPS)):
         for a, want in zip(got[step], want_step):
+            assert torch.allclose(a.double(), want, rtol=1e-5, atol=1e-5), step
+    # the flat allgather of sparse packets (averaged without dense decodes) against the same reference
+    flat = _identical(results, "flat_topk")
+    for step, want_step in enumerate(_reference_topk(STEPS, per_host=1)):
+        for a, want in zip(flat[step], want_step):
             assert torch.allclose(a.double(), want, rtol=1e-5, atol=1e-5), step
     # residuals: the host's at the leader (ranks 0 and 2), every worker's own is zero
     for r, res in enumerate(results):

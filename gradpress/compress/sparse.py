@@ -1,7 +1,7 @@
 """Sparse kernels shared by the sparsifiers (top-k, random-k, threshold
 methods, DGC, AdaComp): how many entries a density keeps, and the dense
-tensor of a (values, indices) packet. Vectorized; no Python loop over
-elements."""
+tensor of a (values, indices) packet, and the sum of many such packets
+without densifying each. Vectorized; no Python loop over elements."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import math
 
 import torch
 
-__all__ = ["kept_count", "scatter_sparse"]
+__all__ = ["kept_count", "scatter_sparse", "sparse_sum"]
 
 
 def kept_count(numel: int, ratio: float) -> int:
@@ -24,3 +24,23 @@ def scatter_sparse(values: torch.Tensor, indices: torch.Tensor, shape: torch.Siz
     out = torch.zeros(math.prod(shape), dtype=dtype, device=values.device)
     out.index_put_((indices.long(),), values.to(dtype), accumulate=False)
     return out.reshape(shape)
+
+
+def sparse_sum(values: list[torch.Tensor], indices: list[torch.Tensor], numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """Flat dense sum of sparse (values, flat indices) pairs, accumulated in
+    list order (one ``index_put_(accumulate=True)`` over their concatenation).
+
+    Used to average the top-k style packets of N ranks at once instead of
+    decoding N dense tensors and adding them (N fills and N - 1 passes over
+    d entries become one fill and N k scattered adds). On CPU the accumulation
+    is serial, in the order given, so each entry is ``((0 + v_a) + v_b) + ...``
+    over the pairs that hold it: equal to the rank-order fold of the dense
+    decodes (adding an exact zero changes no finite value) and the same on
+    every rank given the same lists. Not for CUDA, where accumulation order
+    is not fixed."""
+    out = torch.zeros(numel, dtype=dtype, device=values[0].device if values else None)
+    if values:
+        idx = torch.cat([i.reshape(-1).long() for i in indices])
+        val = torch.cat([v.reshape(-1).to(dtype) for v in values])
+        out.index_put_((idx,), val, accumulate=True)
+    return out

@@ -7,6 +7,14 @@ pad to the largest (rounded up to 8 bytes so every slice stays aligned),
 allgather and trim: gloo has no allgatherv. Each rank decodes every rank's
 packets in rank order and folds them with the compressor's aggregation, so
 results are bit-identical across ranks.
+
+Sparse packets with exact values (top-k, threshold and DGC-style methods:
+``exact_values``, payload ``[values, indices]``) are averaged without
+decoding each rank's packet into a dense tensor: on CPU one
+:func:`~gradpress.compress.sparse.sparse_sum` over all ranks' packets in rank
+order, which equals the rank-order fold of the dense decodes (it was the
+larger part of a top-k step at 10M parameters: N dense fills plus N - 1 dense
+additions, see docs/bench.md "Where the time goes").
 """
 
 from __future__ import annotations
@@ -15,7 +23,8 @@ import time
 
 import torch
 
-from gradpress.compress.base import Compressor, Context
+from gradpress.compress.base import Compressor, Context, Packet
+from gradpress.compress.sparse import sparse_sum
 from gradpress.exchange.base import ExchangeResult, Prelude, Strategy, aggregate, encode_local, register_strategy
 from gradpress.exchange.costs import CostModel
 from gradpress.exchange.feedback import Feedback
@@ -45,13 +54,29 @@ class Allgather(Strategy):
         t1 = time.perf_counter()
         buffers, sent = allgather_bytes(buffer, self.group, self.world_size, variable)
         t2 = time.perf_counter()
-        decoded_by_rank = []
-        for r, buf in enumerate(buffers):
-            theirs = packets if r == self.rank else wire.unpack_packets(buf, packets, variable)
-            decoded_by_rank.append([compressor.decode(p) for p in theirs])
-        results = [
-            aggregate(compressor, [decoded_by_rank[r][i] for r in range(len(buffers))], self.world_size)
-            for i in range(len(packets))
-        ]
+        by_rank = [packets if r == self.rank else wire.unpack_packets(buf, packets, variable) for r, buf in enumerate(buffers)]
+        if _sparse(compressor, packets):
+            results = [
+                sparse_sum([by_rank[r][i].tensors[0] for r in range(len(buffers))],
+                           [by_rank[r][i].tensors[1] for r in range(len(buffers))],
+                           p.numel, p.dtype).div_(self.world_size).view(p.shape)
+                for i, p in enumerate(packets)
+            ]
+        else:
+            decoded_by_rank = [[compressor.decode(p) for p in theirs] for theirs in by_rank]
+            results = [
+                aggregate(compressor, [decoded_by_rank[r][i] for r in range(len(buffers))], self.world_size)
+                for i in range(len(packets))
+            ]
         compress_s = (t1 - t0) + (time.perf_counter() - t2)
         return ExchangeResult(results, sent, residuals, [p.nbytes for p in packets], compress_s, t2 - t1)
+
+
+def _sparse(compressor: Compressor, packets: list[Packet]) -> bool:
+    """Whether every packet is ``[values, integer flat indices]`` of a method
+    whose decode scatters the values exactly (``exact_values``), averaged
+    by mean, on CPU (where :func:`sparse_sum` accumulates in a fixed order)."""
+    if not compressor.exact_values or compressor.aggregation != "mean" or not packets:
+        return False
+    return all(len(p.tensors) == 2 and p.tensors[1].device.type == "cpu" and not p.tensors[1].is_floating_point()
+               and p.tensors[0].is_floating_point() for p in packets)
