@@ -80,7 +80,10 @@ def make_hook(
     and the state binds later: at ``state.bind(model)`` (what the Lightning
     and Accelerate integrations call; keys are parameter names) or by itself
     at the first backward (keys ``param{i}``). ``process_group``: the ranks
-    to average over (default: the world)."""
+    to average over (default: those of ``model`` when it is a DDP wrapper,
+    else the world)."""
+    if process_group is None and isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        process_group = model.process_group
     options = {"error_feedback": error_feedback, "strategy": strategy, "min_numel": min_numel, "seed": seed,
                "plan_costs": plan_costs, "nonfinite": nonfinite}
     if model is None:
