@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-LIGHTNING = importlib.util.find_spec("lightning") is not None
+LIGHTNING = all(importlib.util.find_spec(m) is not None for m in ("lightning", "tensorboard"))
 SPEC = "topk:ratio=0.1"
 MIN_NUMEL = 256
 BATCH, SAMPLES = 8, 64  # 64 samples / 2 ranks / 8 = 4 steps per epoch
@@ -85,8 +85,8 @@ def _worker(out: str, max_steps: int, ckpt: str | None) -> None:
 
 # --------------------------------------------------------------------------- the test
 pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not LIGHTNING, reason="PyTorch Lightning is not installed "
-                                 "(pip install 'gradpress[lightning]')")]
+              pytest.mark.skipif(not LIGHTNING, reason="PyTorch Lightning or TensorBoard is not "
+                                 "installed (pip install 'gradpress[lightning,tensorboard]')")]
 
 
 def _fit(out, max_steps: int, ckpt=None) -> None:  # noqa: ANN001
