@@ -26,7 +26,8 @@ def scatter_sparse(values: torch.Tensor, indices: torch.Tensor, shape: torch.Siz
     return out.reshape(shape)
 
 
-def sparse_sum(values: list[torch.Tensor], indices: list[torch.Tensor], numel: int, dtype: torch.dtype) -> torch.Tensor:
+def sparse_sum(values: list[torch.Tensor], indices: list[torch.Tensor], numel: int, dtype: torch.dtype,
+               out: torch.Tensor | None = None) -> torch.Tensor:
     """Flat dense sum of sparse (values, flat indices) pairs, accumulated in
     list order (one ``index_put_(accumulate=True)`` over their concatenation).
 
@@ -37,8 +38,12 @@ def sparse_sum(values: list[torch.Tensor], indices: list[torch.Tensor], numel: i
     over the pairs that hold it: equal to the rank-order fold of the dense
     decodes (adding an exact zero changes no finite value) and the same on
     every rank given the same lists. Not for CUDA, where accumulation order
-    is not fixed."""
-    out = torch.zeros(numel, dtype=dtype, device=values[0].device if values else None)
+    is not fixed. ``out``: a flat contiguous tensor of ``numel`` entries of
+    ``dtype`` to write the sum into (zeroed first), else a new one."""
+    if out is None:
+        out = torch.zeros(numel, dtype=dtype, device=values[0].device if values else None)
+    else:
+        out.zero_()
     if values:
         idx = torch.cat([i.reshape(-1).long() for i in indices])
         val = torch.cat([v.reshape(-1).to(dtype) for v in values])

@@ -56,12 +56,14 @@ class Allgather(Strategy):
         t2 = time.perf_counter()
         by_rank = [packets if r == self.rank else wire.unpack_packets(buf, packets, variable) for r, buf in enumerate(buffers)]
         if _sparse(compressor, packets):
-            results = [
-                sparse_sum([by_rank[r][i].tensors[0] for r in range(len(buffers))],
-                           [by_rank[r][i].tensors[1] for r in range(len(buffers))],
-                           p.numel, p.dtype).div_(self.world_size).view(p.shape)
-                for i, p in enumerate(packets)
-            ]
+            # written straight into the caller's output where it can (no dense temporary, no copy back)
+            results = []
+            for i, p in enumerate(packets):
+                dst = _flat_out(out, i, p)
+                total = sparse_sum([by_rank[r][i].tensors[0] for r in range(len(buffers))],
+                                   [by_rank[r][i].tensors[1] for r in range(len(buffers))], p.numel, p.dtype, dst)
+                total.div_(self.world_size)
+                results.append(out[i] if dst is not None and out is not None else total.view(p.shape))
         else:
             decoded_by_rank = [[compressor.decode(p) for p in theirs] for theirs in by_rank]
             results = [
@@ -80,3 +82,11 @@ def _sparse(compressor: Compressor, packets: list[Packet]) -> bool:
         return False
     return all(len(p.tensors) == 2 and p.tensors[1].device.type == "cpu" and not p.tensors[1].is_floating_point()
                and p.tensors[0].is_floating_point() for p in packets)
+
+
+def _flat_out(out: list[torch.Tensor] | None, i: int, packet: Packet) -> torch.Tensor | None:
+    """The caller's i-th output as a flat view, when the sum can be written there."""
+    o = out[i] if out is not None and i < len(out) else None
+    if o is None or o.dtype != packet.dtype or not o.is_contiguous() or o.numel() != packet.numel:
+        return None
+    return o.view(-1)
