@@ -154,3 +154,18 @@ def test_background_error_names_the_job_and_later_jobs_fail_fast() -> None:
     with pytest.raises(BackgroundError, match="inline"):
         Background("x").run("inline", boom)
     bg.close()
+
+
+def test_close_raises_a_failure_nobody_saw_but_not_one_already_raised() -> None:
+    def boom() -> None:
+        raise RuntimeError("Timed out waiting 5000ms for recv")
+
+    unseen = Background("unseen")
+    unseen.submit("of step 1", boom)
+    with pytest.raises(BackgroundError, match="of step 1 failed.*Timed out"):
+        unseen.close()
+    seen = Background("seen")
+    ticket = seen.submit("of step 1", boom)
+    with pytest.raises(BackgroundError):
+        seen.wait(ticket)
+    seen.close()  # a `finally: algo.close()` does not mask the error the loop is raising

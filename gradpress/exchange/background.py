@@ -65,6 +65,7 @@ class Background:
         self._jobs: queue.SimpleQueue[tuple[Ticket, Callable[[], Any]] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._failed: BaseException | None = None
+        self._reported = False
         self._open: list[Ticket] = []
         self._lock = threading.Lock()
         self.busy_s = 0.0
@@ -106,6 +107,7 @@ class Background:
         try:
             return ticket.future.result()
         except Exception as exc:
+            self._reported = True
             raise self._error(ticket.name, exc) from exc
         finally:
             with self._lock:
@@ -124,9 +126,15 @@ class Background:
         return len(self._open)
 
     def close(self) -> None:
-        """Wait for the jobs in flight, then stop the thread. Idempotent."""
+        """Wait for the jobs in flight, then stop the thread. Idempotent; a
+        failure already raised by :meth:`wait` is not raised again (a
+        ``finally: close()`` must not mask it), one never reported is."""
+        already = self._reported
         try:
             self.drain()
+        except BackgroundError:
+            if not already:
+                raise
         finally:
             if self._thread is not None:
                 self._jobs.put(None)
