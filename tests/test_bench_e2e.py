@@ -340,3 +340,12 @@ def test_seeds_need_train_to(tmp_path, capsys):
     assert "--seeds: only with --train-to" in capsys.readouterr().err
     assert cli_main(["bench", "e2e", "--seeds", "0", "--train-to", "0.5", "--out", str(tmp_path / "s")]) == 2
     assert "seeds: the count must be at least 1" in capsys.readouterr().err
+
+
+def test_profile_phases_of_the_allgather_step():
+    from gradpress.bench.e2e_profile import profile
+
+    phases = profile("topk:ratio=0.01", [(40, 30), (5, 40)], world=3, repeats=1)
+    assert "encode" in phases and "average: sparse_sum of 3 packets" in phases
+    assert all(v >= 0 for v in phases.values())
+    assert not any("sparse_sum" in k for k in profile("qsgd:levels=4", [(40, 30)], world=2, repeats=1))
