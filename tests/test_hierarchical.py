@@ -97,6 +97,7 @@ def _worker(rank: int, world: int) -> dict:
     out["no_divide"] = _error(lambda: _engine("none", "hierarchical:workers_per_host=3"))
     out["bad_outer"] = _error(lambda: _engine("none", "hierarchical:outer=ps"))
     out["bad_param"] = _error(lambda: _engine("none", "allgather:workers_per_host=2"))
+    out["vote"] = _error(lambda: _engine("signsgd", spec))
     out["ddp"] = _ddp(rank)
     dist.barrier()
     return out
@@ -242,3 +243,4 @@ def test_bad_layouts_fail_on_every_rank(results: list[dict]) -> None:
         assert "does not divide" in res["no_divide"]
         assert "'outer'" in res["bad_outer"] and "allgather" in res["bad_outer"]
         assert "takes no parameters" in res["bad_param"]
+        assert "vote" in res["vote"] and "allgather" in res["vote"]

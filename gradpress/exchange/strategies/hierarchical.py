@@ -98,11 +98,14 @@ class Hierarchical(Strategy):
         self.outer_name: str = values["outer"]
         given = int(values["workers_per_host"])
         layout_error = None
-        try:
-            self.workers_per_host = given or workers_per_host_from_env()
-            self._check_layout()
-        except ValueError as exc:
-            self.workers_per_host, layout_error = 1, str(exc)
+        if self.world_size == 1:  # a world of one (or no group yet: a configuration check) is one host
+            self.workers_per_host = 1
+        else:
+            try:
+                self.workers_per_host = given or workers_per_host_from_env()
+                self._check_layout()
+            except ValueError as exc:
+                self.workers_per_host, layout_error = 1, str(exc)
         self.hosts = self.world_size // self.workers_per_host
         self.host = self.rank // self.workers_per_host
         self.is_leader = self.rank % self.workers_per_host == 0
@@ -166,6 +169,9 @@ class Hierarchical(Strategy):
         return "allreduce" if compressor.is_summable else "allgather"
 
     def supports(self, compressor: Compressor) -> str | None:
+        if compressor.aggregation != "mean":
+            return (f"compressor {compressor.name!r} aggregates by {compressor.aggregation} vote, which needs every "
+                    "rank's packet; strategy 'hierarchical' sums each host densely first; use 'allgather'")
         name = self._outer_for(compressor)
         reason = get_strategy(name, None).supports(compressor)
         return f"between hosts ({name}): {reason}" if reason else None
