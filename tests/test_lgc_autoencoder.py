@@ -58,7 +58,7 @@ def test_autoencoder_learns_and_beats_topk_at_the_same_bytes() -> None:
     losses = []
     for _ in range(500):  # phase 2: train on the values every node holds at the master's indices
         grads = sample(g)
-        idx = select(grads[0], K).long()  # the master's indices, in its order of decreasing value
+        idx = select(grads[0], [(0, D, K)]).long()  # the master's indices, in its order of decreasing value
         losses.append(float(train_step(ae, opt, (grads[:, idx] / rms(grads[0, idx])).float())))
     first, last = sum(losses[:20]) / 20, sum(losses[-20:]) / 20
     assert last < 0.1 * first, (first, last)
@@ -71,7 +71,7 @@ def test_autoencoder_learns_and_beats_topk_at_the_same_bytes() -> None:
         for _ in range(30):
             grads = sample(g)
             mean = grads.mean(0)
-            idx = select(grads[0], K).long()
+            idx = select(grads[0], [(0, D, K)]).long()
             assert torch.equal(idx.sort().values, top_indices(grads[0], K))
             scale = rms(grads[0, idx])
             z = ae.encode((grads[0:1, idx] / scale).float())[0]
@@ -85,3 +85,12 @@ def test_autoencoder_learns_and_beats_topk_at_the_same_bytes() -> None:
             err_topk.append(float((sparse - mean).norm() / mean.norm()))
     lgc, topk = sum(err_lgc) / len(err_lgc), sum(err_topk) / len(err_topk)
     assert lgc < 0.9 * topk, (lgc, topk)
+
+
+@pytest.mark.parametrize("quotas", [[(0, 300, 7)], [(0, 100, 3), (100, 150, 1), (250, 50, 5)]])
+def test_select_keeps_each_segments_largest_in_decreasing_value_order(quotas: list[tuple[int, int, int]]) -> None:
+    acc = torch.randn(300, generator=torch.Generator().manual_seed(4))
+    idx = select(acc, quotas).long()
+    expected = torch.cat([torch.topk(acc[o:o + n].abs(), q).indices + o for o, n, q in quotas])
+    assert torch.equal(idx.sort().values, expected.sort().values)
+    assert torch.all(acc[idx][:-1] >= acc[idx][1:])  # the master's values form a monotone curve

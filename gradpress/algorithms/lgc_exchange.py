@@ -4,9 +4,9 @@ Abrahamyan et al., "Learned Gradient Compression for Distributed Deep
 Learning", IEEE TNNLS 2021. Every function takes this rank's accumulated
 gradient ``acc`` (the flat gradient of the whole model plus the error
 feedback residual) and returns the average every rank applies, this rank's
-new residual and the bytes it handed to collectives. The selection is one
-top-k over the concatenated model, its indices in the order of the leader's
-decreasing values (:func:`select`).
+new residual and the bytes it handed to collectives. The selection is a
+top-k per parameter tensor (quotas) or one over the concatenated model, its
+indices in the order of the leader's decreasing values (:func:`select`).
 
 * :func:`shared_topk` (phase 2): the leader's top-k indices are broadcast;
   every rank allgathers its values at those indices; the average is their
@@ -39,7 +39,7 @@ import torch.distributed as dist
 from gradpress.algorithms.lgc_autoencoder import LGCAutoencoder, rms
 from gradpress.transport.p2p import global_rank
 
-__all__ = ["Exchanged", "Wire", "select", "shared_topk", "ps_latent", "ring_latent"]
+__all__ = ["Exchanged", "Quotas", "Wire", "select", "total", "shared_topk", "ps_latent", "ring_latent"]
 
 
 @dataclass
@@ -106,19 +106,31 @@ class Wire:
         return out, out.numel() * out.element_size()
 
 
-def select(acc: torch.Tensor, k: int) -> torch.Tensor:
-    """The int32 indices of the k largest |acc|, ordered by decreasing
-    signed value of ``acc`` there: the autoencoder then sees a monotone
-    curve, which a 4:1 convolutional code represents well, and the order
-    costs nothing (the indices travel in it)."""
-    idx = torch.topk(acc.abs(), k, sorted=False).indices
+#: (offset, numel, kept) per segment of the flat gradient: a top-k quota per parameter tensor
+Quotas = list[tuple[int, int, int]]
+
+
+def total(quotas: Quotas) -> int:
+    """k: the number of values the quotas keep."""
+    return sum(q for _, _, q in quotas)
+
+
+def select(acc: torch.Tensor, quotas: Quotas) -> torch.Tensor:
+    """The int32 indices of the ``kept`` largest |acc| of each segment,
+    ordered by decreasing signed value of ``acc`` there: the autoencoder then
+    sees a monotone curve, which a 4:1 convolutional code represents well,
+    and the order costs nothing (the indices travel in it). One loop over
+    segments (parameter tensors), none over elements."""
+    mag = acc.abs()
+    idx = torch.cat([torch.topk(mag[o : o + n], q, sorted=False).indices + o for o, n, q in quotas])
     order = torch.sort(acc[idx], descending=True, stable=True).indices
     return idx[order].to(torch.int32)
 
 
-def shared_topk(wire: Wire, acc: torch.Tensor, k: int, leader: int) -> Exchanged:
+def shared_topk(wire: Wire, acc: torch.Tensor, quotas: Quotas, leader: int) -> Exchanged:
     """Phase 2: top-k at the leader's indices, values allgathered."""
-    mine = select(acc, k) if wire.rank == leader else torch.zeros(k, dtype=torch.int32, device=acc.device)
+    k = total(quotas)
+    mine = select(acc, quotas) if wire.rank == leader else torch.zeros(k, dtype=torch.int32, device=acc.device)
     (idx,), sent_idx = wire.broadcast([mine], leader)
     idx = idx.long()
     gathered, sent_val = wire.allgather([acc[idx]])
@@ -131,11 +143,12 @@ def shared_topk(wire: Wire, acc: torch.Tensor, k: int, leader: int) -> Exchanged
 
 
 @torch.no_grad()
-def ps_latent(wire: Wire, acc: torch.Tensor, k: int, k_inn: int, master: int, ae: LGCAutoencoder) -> Exchanged:
+def ps_latent(wire: Wire, acc: torch.Tensor, quotas: Quotas, k_inn: int, master: int,
+              ae: LGCAutoencoder) -> Exchanged:
     """Phase 3, parameter-server variant (module doc)."""
-    latent = ae.latent
+    latent, k = ae.latent, total(quotas)
     if wire.rank == master:
-        idx = select(acc, k)
+        idx = select(acc, quotas)
         scale = rms(acc[idx.long()]).reshape(1)
         z = ae.encode((acc[idx.long()] / scale).reshape(1, -1)).reshape(-1)
     else:
@@ -149,10 +162,10 @@ def ps_latent(wire: Wire, acc: torch.Tensor, k: int, k_inn: int, master: int, ae
     missed[idx] -= decoded[wire.rank]
     inn_idx = torch.topk(missed.abs(), k_inn, sorted=False).indices.sort().values
     gathered, sent_inn = wire.allgather([inn_idx.to(torch.int32), missed[inn_idx]])
-    total = torch.zeros_like(acc)
-    total[idx] = decoded.sum(0)
+    summed = torch.zeros_like(acc)
+    summed[idx] = decoded.sum(0)
     for r_idx, r_val in gathered:  # fixed rank order: identical sums on every rank
-        total.index_add_(0, r_idx.long(), r_val)
+        summed.index_add_(0, r_idx.long(), r_val)
     residual = missed
     residual[inn_idx] = 0
     parts = {"header": sent_head, "innovation": sent_inn}
@@ -160,14 +173,15 @@ def ps_latent(wire: Wire, acc: torch.Tensor, k: int, k_inn: int, master: int, ae
     if wire.rank == master:
         x = acc[idx]
         err = (decoded[master] - x).norm() / x.norm().clamp_min(torch.finfo(x.dtype).tiny)
-    return Exchanged(total / wire.world, residual, sent_head + sent_inn, parts, rel_error=err)
+    return Exchanged(summed / wire.world, residual, sent_head + sent_inn, parts, rel_error=err)
 
 
 @torch.no_grad()
-def ring_latent(wire: Wire, acc: torch.Tensor, k: int, leader: int, ae: LGCAutoencoder) -> Exchanged:
+def ring_latent(wire: Wire, acc: torch.Tensor, quotas: Quotas, leader: int, ae: LGCAutoencoder) -> Exchanged:
     """Phase 3, ring-allreduce variant (module doc)."""
+    k = total(quotas)
     if wire.rank == leader:
-        idx = select(acc, k)
+        idx = select(acc, quotas)
         scale = rms(acc[idx.long()]).reshape(1)
     else:
         idx = torch.zeros(k, dtype=torch.int32, device=acc.device)
