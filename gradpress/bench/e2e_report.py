@@ -70,8 +70,11 @@ def markdown(result: dict[str, Any]) -> str:
             if not r["ok"]:
                 lines.append(f"| {r['label']} | failed: {r['error']} | | | | | | | | |")
                 continue
+            label = r["label"]
+            if r.get("strategy") == "auto" and r.get("plan_counts"):  # what the planner chose
+                label += " (" + ", ".join(f"{k}={v}" for k, v in r["plan_counts"].items()) + ")"
             lines.append(
-                f"| {r['label']} | {_f(r['median_step_s'], '.3f', ' s')} | {_f(r['speedup'], '.2f', 'x')} "
+                f"| {label} | {_f(r['median_step_s'], '.3f', ' s')} | {_f(r['speedup'], '.2f', 'x')} "
                 f"| {human_bytes(r['payload_bytes_per_step'])} | {human_bytes(r['link_bytes_per_step'])} "
                 f"| {_f(r['ideal_s'], '.3f', ' s')} | {_f(r['measured_over_ideal'], '.2f')} "
                 f"| {_f(r['compress_s_per_step'], '.3f')} | {_f(r['comm_s_per_step'], '.3f')} "

@@ -59,6 +59,10 @@ def _step_row(cfg: RunConfig, res: Any, results: list[dict[str, Any] | None], tb
         row["measured_over_ideal"] = row["median_step_s"] / row["ideal_s"]
     strategy = row["strategy"]
     if cfg.kind == "gradpress":
+        counts: dict[str, int] = {}
+        for v in (r0.get("plan") or {}).values():
+            counts[v[0]] = counts.get(v[0], 0) + 1
+        row["plan_counts"] = dict(sorted(counts.items()))  # the planner's choice, per strategy (auto)
         planned = {v[0] for v in (r0.get("plan") or {}).values() if v[0] != "uncompressed"}
         strategy = planned.pop() if len(planned) == 1 else (None if planned else "allreduce")
         row["strategy_used"] = strategy
