@@ -1,0 +1,48 @@
+"""Shared sparse kernels (compress/sparse.py): the exact top-k by magnitude
+with a sampled candidate filter, against a reference computed here
+(float64 magnitudes, sorted)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gradpress.compress.sparse import topk_magnitude
+
+
+def _kth(x: torch.Tensor, k: int) -> float:
+    return float(x.double().abs().sort(descending=True).values[k - 1])
+
+
+@pytest.mark.parametrize("kind", ["normal", "heavy", "skewed", "zeros", "constant", "small"])
+def test_topk_magnitude_keeps_exactly_the_k_largest(kind: str) -> None:
+    gen = torch.Generator().manual_seed(3)
+    d = 200_003
+    x = {
+        "normal": lambda: torch.randn(d, generator=gen),
+        "heavy": lambda: torch.randn(d, generator=gen) ** 5,
+        # every large entry in one region: the strided sample sees few of them
+        "skewed": lambda: torch.cat([torch.randn(1000, generator=gen) * 100, torch.randn(d - 1000, generator=gen)]),
+        "zeros": lambda: torch.cat([torch.zeros(d - 50), torch.randn(50, generator=gen)]),
+        "constant": lambda: torch.full((d,), 0.5),
+        "small": lambda: torch.randn(300, generator=gen),
+    }[kind]()
+    for k in (1, 7, 200, 2000):
+        k = min(k, x.numel())
+        idx = topk_magnitude(x, k)
+        assert idx.numel() == k and idx.unique().numel() == k
+        kept = x.double().abs()[idx]
+        kth = _kth(x, k)
+        assert float(kept.min()) == kth  # nothing kept below the k-th magnitude
+        dropped = torch.ones(x.numel(), dtype=torch.bool)
+        dropped[idx] = False
+        if bool(dropped.any()):
+            assert float(x.double().abs()[dropped].max()) <= kth  # nothing dropped above it
+
+
+def test_topk_magnitude_nan_falls_back() -> None:
+    x = torch.randn(100_000)
+    x[5] = float("nan")
+    idx = topk_magnitude(x, 100)
+    want = torch.topk(x.abs(), 100, sorted=False).indices
+    assert torch.equal(idx.sort().values, want.sort().values)
