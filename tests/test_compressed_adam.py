@@ -119,7 +119,7 @@ def reference_onebit(steps: int, freeze: int, min_numel: int) -> list[torch.Tens
 
 
 def _run(rank: int, spec: str, compressor: str | None, steps: int, opt_cls: type = torch.optim.Adam,
-         wd: float = 0.0, watch: bool = False, **kw) -> dict:  # noqa: ANN003
+         wd: float = 0.0, watch: bool = False, unused: bool = False, **kw) -> dict:  # noqa: ANN003
     model = make_model()
     if rank == 1:  # the algorithm must start every rank from rank 0's weights
         with torch.no_grad():
@@ -131,6 +131,8 @@ def _run(rank: int, spec: str, compressor: str | None, steps: int, opt_cls: type
     for step in range(steps):
         opt.zero_grad()
         x, y = batch(rank, step)
+        if unused:  # input 0 always 0: column 0 of the first weight never has a gradient
+            x = torch.cat([torch.zeros_like(x[:, :1]), x[:, 1:]], dim=1)
         torch.nn.functional.mse_loss(model(x), y).backward()
         algo.step()
         params.append(flat(list(model.parameters())))
@@ -176,6 +178,10 @@ def _worker(rank: int, world: int) -> dict:
     run = _run(rank, "onebit_adam:freeze_step=3", None, 8, watch=True, min_numel=64)
     out["onebit"] = {k: run[k] for k in ("params", "v", "m", "stats")}
     out["onebit"]["describe"] = run["algo"].describe()
+    for spec in ("onebit_adam:freeze_step=2", "zeroone_adam:var_update_scaler=1,var_freeze_step=5"):
+        run = _run(rank, spec, None, 8, unused=True, min_numel=64)
+        out.setdefault("unused", []).append(run["model"][0].weight[:, 0].detach().clone())
+    out["init"] = make_model()[0].weight[:, 0].detach().clone()
     out["zo_adam"] = _run(rank, "zeroone_adam:var_update_scaler=1000", "none", 6)["params"]
     out["zo_frozen_none"] = _run(rank, "zeroone_adam:var_update_scaler=1000,var_freeze_step=3,local_step_clipper=1",
                                  "none", 7)["params"]
@@ -267,6 +273,15 @@ def test_zeroone_variance_schedule_and_replicas(results: list[dict]) -> None:
     for t in range(16):
         same = torch.equal(run0["params"][t], run1["params"][t])
         assert same == (t + 1 in synced), f"step {t + 1}"
+
+
+def test_coordinates_without_gradient_never_move(results: list[dict]) -> None:
+    """A coordinate whose gradient is always exactly 0 has v = 0: one bit
+    cannot send its zero momentum, and m / eps would throw it away; it must
+    stay where it started (1-bit Adam and 0/1 Adam, compressed stages)."""
+    for res in results:
+        for col in res["unused"]:
+            assert torch.equal(col, results[0]["init"])
 
 
 def test_bytes_after_freeze(results: list[dict]) -> None:

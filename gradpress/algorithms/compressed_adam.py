@@ -185,6 +185,17 @@ class CompressedAdam(Algorithm):
                 p.mul_(1 - lr * wd)
             p.addcdiv_(self.exp_avg[i], self._denom(i), value=-lr / self._bc1(i))
 
+    @torch.no_grad()
+    def _mask_unseen(self, tensors: list[torch.Tensor]) -> None:
+        """Zero ``tensors`` where ``v == 0``: coordinates whose gradient has
+        always been exactly 0 (embedding rows of tokens never seen). One bit
+        cannot say 0, so a compressed exchange gives them +-scale, and with
+        ``v = 0`` Adam would step them by ``lr * scale / eps``. The automatic
+        form of DeepSpeed's user-given ``exp_avg_mask``; a no-op without
+        compression (their momentum is exactly 0 then)."""
+        for t, v in zip(tensors, self.exp_avg_sq):
+            t.masked_fill_(v == 0, 0.0)
+
     def _begin_step(self) -> None:
         self.t += 1
         self._steps += 1

@@ -12,7 +12,11 @@ with Adam's Convergence Speed" (ICML). Algorithm 1 of the paper:
   the momenta are averaged by the compressed allreduce with error feedback
   on the worker side and on the server (chunk owner) side; every worker
   applies ``m / (sqrt(v) + eps)``. ``m`` is identical on every rank after
-  the exchange, so the next step starts from the same momentum.
+  the exchange, so the next step starts from the same momentum. Where
+  ``v == 0`` (coordinates that never had a gradient: embedding rows of
+  unseen tokens) the exchanged momentum is set to 0, since one bit cannot
+  say 0 and ``m / eps`` would throw them away (DeepSpeed asks the user for
+  an ``exp_avg_mask`` instead).
 
 Compressor: ``efsignsgd`` by default (one bit per element plus one fp32
 scale per tensor at the worker and per chunk at the owner). Its scale is
@@ -76,6 +80,7 @@ class OneBitAdam(CompressedAdam):
         else:
             self._moments(grads, update_v=False)
             self.sync(self.exp_avg)
+            self._mask_unseen(self.exp_avg)
             if skip and self.engine is not None and self.engine.last_step_skipped:
                 assert saved is not None
                 for m, s in zip(self.exp_avg, saved):

@@ -20,7 +20,8 @@ Training via 0/1 Adam" (ICLR 2023); the schedule follows DeepSpeed's
   is exchanged compressed as ``u * (sqrt(v) + eps)`` (minus the lr-weighted
   sum of its momenta), ``m`` becomes minus that average divided by the
   summed learning rates, and every replica becomes ``anchor + average /
-  (sqrt(v) + eps)``, identical again.
+  (sqrt(v) + eps)``, identical again. Exchanged values are zeroed where
+  ``v == 0`` (coordinates that never had a gradient), as in 1-bit Adam.
   ``H`` starts at 1 and doubles every ``local_step_scaler`` steps up to
   ``local_step_clipper``. At the freeze the residuals are cleared (they held
   gradient errors, and now hold momentum errors), as DeepSpeed does.
@@ -98,6 +99,7 @@ class ZeroOneAdam(CompressedAdam):
                 self.var_counter, self.var_interval = 0, self.var_interval * 2
         else:
             self.sync(grads)
+            self._mask_unseen(grads)
             self._moments(grads, update_v=False)
         self._apply()
         if self.frozen:  # the next step is local: the residuals change meaning
@@ -128,6 +130,7 @@ class ZeroOneAdam(CompressedAdam):
         denoms = [self._denom(i) for i in range(len(self.named))]
         change = [(p - a).mul_(d) for (_, p), a, d in zip(self.named, self.anchor, denoms)]
         self.sync(change)
+        self._mask_unseen(change)
         for i, ((_, p), a, u, d) in enumerate(zip(self.named, self.anchor, change, denoms)):
             if self.lrs[i] > 0:
                 self.exp_avg[i].copy_(u).mul_(-self._bc1(i) / self.lrs[i])
