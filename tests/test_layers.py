@@ -10,6 +10,7 @@ above ~400 lines.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -136,13 +137,37 @@ def test_the_checker_sees_a_planted_violation(tmp_path: Path) -> None:
     assert all(_layer(i) not in ALLOWED["exchange"] | {"exchange"} for i in found)
 
 
+def _method_modules(modules: dict[str, Path]) -> set[str]:
+    """Compressor files: modules of gradpress.compress with a line that is
+    ``@register`` (the kit, a library, only mentions it in prose)."""
+    return {name for name, path in modules.items()
+            if name.startswith("gradpress.compress.") and re.search(r"^@register\b", path.read_text(), re.M)}
+
+
 def test_method_files_import_no_other_method_file() -> None:
-    """Shared kernels (sparse scatter, sign packing, kept counts, sampling)
-    live in their own modules: a compressor file never imports another
-    compressor's file."""
+    """Shared kernels (sparse scatter, sign packing, kept counts, sampling,
+    the authoring kit) live in their own modules: a compressor file never
+    imports another compressor's file."""
     modules = _modules()
-    methods = {name for name, path in modules.items()
-               if name.startswith("gradpress.compress.") and "@register" in path.read_text()}
+    methods = _method_modules(modules)
     bad = [f"{name} imports {imported}" for name in methods for imported in _imports(modules[name], name)
            if imported in methods and imported != name]
     assert not bad, "\n".join(bad)
+
+
+def test_the_kit_is_a_library_that_imports_no_compressor() -> None:
+    """gradpress/compress/kit/ is a library of the compress layer, like
+    bits.py or sparse.py: compressor files import it, it imports no
+    compressor file and registers nothing. The frozen hand-written
+    references (gradpress/compress/handwritten/) register nothing either,
+    and no compressor file imports them (only tests and the benchmark)."""
+    modules = _modules()
+    methods = _method_modules(modules)
+    assert {"gradpress.compress.qsgd", "gradpress.compress.topk"} <= methods
+    for name, path in modules.items():
+        if name.startswith(("gradpress.compress.kit", "gradpress.compress.handwritten")):
+            assert name not in methods, f"{name} registers a compressor"
+            assert not _imports(path, name) & methods, f"{name} imports a compressor file"
+    users = [f"{name} imports the hand-written references" for name in methods
+             if any(i.startswith("gradpress.compress.handwritten") for i in _imports(modules[name], name))]
+    assert not users, "\n".join(users)

@@ -78,6 +78,10 @@ def test_mean_of_draws_is_x(spec: str) -> None:
     mean = draws.mean(0)
     se = draws.std(0) / math.sqrt(draws.shape[0])
     tol = 5 * se + 1e-5 * x.double().abs() + 1e-30
+    # an entry that never moved (a rare-event rounding: P(move) = 0.0004 for natural at -0.2501, so
+    # P(no move in 2000 draws) = 0.45 whatever the generator) may be off by 14 H / N, the rule of
+    # tests/test_extreme.py::bias (P(no move) >= 1e-6 needs P(move) <= 14 / N)
+    tol = torch.where(draws.std(0) > 0, tol, tol + 14 * float(draws.abs().max()) / draws.shape[0])
     bad = (mean - x.double()).abs() > tol
     assert not bad.any(), (spec, x[bad], mean[bad], se[bad])
     # some randomness is actually there (a deterministic rounding would be biased)

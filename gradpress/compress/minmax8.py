@@ -5,7 +5,8 @@ Per chunk of ``chunk`` consecutive elements: ``lo = min`` and ``hi = max``
 (fp32; fp64 for fp64 inputs); with ``step = (hi - lo) / 255`` each element
 becomes the uint8 code ``c = round((x - lo) / step)`` and decodes to
 ``lo + c * step``. With ``stochastic=True`` the rounding is
-``floor(v + U)``, U ~ Uniform[0, 1) from ``ctx.private_seed``, so the
+``floor(v + U)``, U ~ Uniform[0, 1) from ``ctx.private_seed`` (counter-based,
+fused into the quantizing kernel: :mod:`gradpress.compress.kit.rng`), so the
 quantizer is unbiased (``is_unbiased`` is True and error feedback is off by
 default); deterministic rounding is biased (error <= step/2 per element)
 and keeps error feedback on. A constant chunk decodes exactly.
@@ -21,6 +22,9 @@ derive the step from the transmitted lo and hi with the same function.
 Packet: ``[mins (fp32, one per chunk; fp64 for fp64 inputs), maxs (same),
 codes (uint8, one per element)]``, fixed size: d + 8*ceil(d/chunk) bytes
 (fp64 inputs: d + 16*ceil(d/chunk)).
+
+Declared with the authoring kit (:mod:`gradpress.compress.kit`); the frozen
+hand-written version is :mod:`gradpress.compress.handwritten.minmax8`.
 """
 
 from __future__ import annotations
@@ -29,65 +33,58 @@ import math
 
 import torch
 
-from gradpress.compress.base import Compressor, Context, Packet, Param, generator_for
-from gradpress.compress.numerics import compute_dtype, host_reads
+from gradpress.compress import kit
+from gradpress.compress.base import Context, Param
+from gradpress.compress.numerics import host_reads
 from gradpress.compress.registry import register
 
 LEVELS = 255
 
 
+def _codes(v, lo, step, f=None, *, key, drawn, stochastic):
+    """round((v - lo) / step) (or floor(... + U)) in 0..255; halved chunks: (v f - lo f) / step."""
+    y = (v - lo) * (1.0 / step) if f is None else (v * f - lo * f) / step
+    y = torch.floor(y + kit.uniform(y, key, drawn)) if stochastic else torch.round(y)
+    return y.clamp(0, LEVELS).to(torch.uint8)
+
+
+def _values(c, lo_f, step, f=None, *, key, drawn, big):
+    """lo + code * step; halved chunks doubled back, saturating."""
+    out = c.to(step.dtype) * step + lo_f
+    return out if f is None else (out / f).clamp(-big, big)
+
+
 @register
-class MinMax8(Compressor):
+class MinMax8(kit.KitCompressor):
     name = "minmax8"
     PARAMS = (
         Param("chunk", int, 1024, "chunk >= 1", lambda v: v >= 1, "elements per (min, max) pair"),
         Param("stochastic", bool, False, "true or false", None, "unbiased stochastic rounding"),
     )
+    FIELDS = (kit.Field("mins", "compute", "chunks"), kit.Field("maxs", "compute", "chunks"), kit.Field("codes", torch.uint8))
+    RANDOM = "private"
     summary = "8-bit per-chunk min-max quantization (ByteGrad / torch quantization hooks)"
 
     @property
     def is_unbiased(self) -> bool:
         return bool(self.stochastic)
 
-    def _encode(self, x: torch.Tensor, ctx: Context) -> Packet:
-        flat = x.reshape(-1).to(compute_dtype(x.dtype))
-        gen = generator_for(x.device, ctx.private_seed) if self.stochastic else None
-        codes = torch.empty(flat.numel(), dtype=torch.uint8, device=x.device)
-        los, his = [flat.new_empty(0)], [flat.new_empty(0)]
-        for grid, out in zip(_chunked(flat, self.chunk), _chunked(codes, self.chunk)):
-            lo, hi = torch.aminmax(grid, dim=1)  # one fused pass
-            f, lo_f, step = _frame(lo, hi)
-            if f is None:  # one fresh buffer, then in place; steps are normal, so 1 / step is finite
-                v = torch.sub(grid, lo[:, None]).mul_((1.0 / step)[:, None])
-            else:  # halved chunks; subnormal steps (1 / step overflows): divide
-                v = torch.mul(grid, f[:, None]).sub_(lo_f[:, None]).div_(step[:, None])
-            if gen is not None:
-                v.add_(torch.rand(v.shape, generator=gen, device=x.device, dtype=v.dtype)).floor_()
-            else:
-                v.round_()
-            out.copy_(v.clamp_(0, LEVELS))
-            los.append(lo)
-            his.append(hi)
-        return Packet([torch.cat(los), torch.cat(his), codes], x.shape, x.dtype)
+    def chunk_size(self, numel: int) -> int:
+        return self.chunk
 
-    def decode(self, packet: Packet) -> torch.Tensor:
-        lo, hi, codes = packet.tensors
-        d = math.prod(packet.shape)
+    def encode_fields(self, flat: torch.Tensor, dtype: torch.dtype, ctx: Context) -> dict[str, torch.Tensor]:
+        lo, hi = kit.reduce(flat, "minmax", self.chunk)
         f, lo_f, step = _frame(lo, hi)
-        out = codes[:d].to(lo.dtype)
-        start = 0
-        for grid in _chunked(out, self.chunk):  # lo + code * step, in place
-            rows = grid.shape[0]
-            grid.mul_(step[start : start + rows, None]).add_(lo_f[start : start + rows, None])
-            start += rows
-        if f is not None:  # halved chunks: double back, saturating
-            start = 0
-            big = torch.finfo(out.dtype).max
-            for grid in _chunked(out, self.chunk):
-                rows = grid.shape[0]
-                grid.div_(f[start : start + rows, None]).clamp_(-big, big)
-                start += rows
-        return out.to(packet.dtype).reshape(packet.shape)
+        stats = (lo, step) if f is None else (lo, step, f)
+        rnd = self.randomness(flat, ctx) if self.stochastic else {}
+        codes = kit.elementwise(_codes, flat, self.chunk, stats, **rnd, stochastic=bool(self.stochastic))
+        return {"mins": lo, "maxs": hi, "codes": codes}
+
+    def decode_fields(self, fields: dict[str, torch.Tensor], numel: int, dtype: torch.dtype) -> torch.Tensor:
+        f, lo_f, step = _frame(fields["mins"], fields["maxs"])
+        stats = (lo_f, step) if f is None else (lo_f, step, f)
+        big = torch.finfo(step.dtype).max
+        return kit.elementwise(_values, fields["codes"], self.chunk, stats, big=big).to(dtype)
 
 
 def _frame(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
@@ -112,14 +109,3 @@ def _frame(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor | None, tor
     short = (step < info.tiny) & (step * LEVELS < span)
     step = torch.where(short, torch.nextafter(step, torch.full_like(step, math.inf)), step)
     return f, lo_f, torch.where(span > 0, step, torch.ones_like(step))
-
-
-def _chunked(flat: torch.Tensor, chunk: int) -> list[torch.Tensor]:
-    """Views of ``flat`` as ``(d // chunk, chunk)`` whole chunks and a
-    ``(1, d % chunk)`` short last chunk (each only when non-empty)."""
-    d = flat.numel()
-    full = d // chunk * chunk
-    parts = [flat[:full].view(-1, chunk)] if full else []
-    if full < d:
-        parts.append(flat[full:].view(1, -1))
-    return parts

@@ -23,11 +23,16 @@ fp32, bf16 and fp64: 2^127), so entries at or above it become that power
 (a bias instead of an overflow to inf; for fp64, ``[1e300, -1e50, 3]``
 decodes to ``[2^127, -2^127, 2 or 4]``); inf stays inf and NaN becomes inf
 (both stay non-finite). Unbiased for every finite |t| below the saturation
-point. Coins come from ``ctx.private_seed``.
+point. Coins come from ``ctx.private_seed``, counter-based
+(:mod:`gradpress.compress.kit.rng`: 23 random bits per fp32 entry, 52 per
+fp64 entry from two counters), fused into the kernel that rounds.
 
 Packet: ``[exponent codes (uint8, d), sign bits (uint8, packed 8 per
 byte)]``: 9 bits per entry, d + ceil(d/8) bytes. A second-stage quantizer:
 ``topk:ratio=0.01>natural`` quantizes the values top-k keeps.
+
+Declared with the authoring kit (:mod:`gradpress.compress.kit`); the frozen
+hand-written version is :mod:`gradpress.compress.handwritten.natural`.
 """
 
 from __future__ import annotations
@@ -36,14 +41,15 @@ import math
 
 import torch
 
-from gradpress.compress.base import Compressor, Context, Packet, generator_for
-from gradpress.compress.bits import byte_table, pack_bits
-from gradpress.compress.numerics import host_reads
+from gradpress.compress import kit
+from gradpress.compress.base import Context
+from gradpress.compress.kit.rng import counter_bits
 from gradpress.compress.registry import register
 
-_MANTISSA_BITS = 23
-_MANTISSA_MASK = (1 << _MANTISSA_BITS) - 1
-_BIAS = 127
+__all__ = ["Natural", "max_exponent_code"]
+
+_BIAS, _BIAS64, _M64 = 127, 1023, 52
+_TINY_EXP64 = _BIAS64 - _BIAS + 1  # fp64 biased exponent of 2^-126, the smallest code's power
 
 
 def max_exponent_code(dtype: torch.dtype) -> int:
@@ -51,94 +57,58 @@ def max_exponent_code(dtype: torch.dtype) -> int:
     return min(254, _BIAS + math.floor(math.log2(torch.finfo(dtype).max)))
 
 
-def natural_round(x32: torch.Tensor, generator: torch.Generator, cap: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exponent codes (uint8) and sign mask (bool) of C_nat(x32), x32 flat fp32."""
-    bits = x32.view(torch.int32)
-    # e*2^23 + m + U, U uniform on 0..2^23-1, carries into the exponent with
-    # probability m / 2^23: ((bits + U) >> 23) mod 256 = e + Bernoulli(m / 2^23)
-    # (the sign bit only adds a multiple of 256). No rounding up at e >= cap.
-    u = torch.randint(0, 1 << _MANTISSA_BITS, x32.shape, generator=generator, device=x32.device, dtype=torch.int32)
-    if _may_reach(x32, cap):
-        u.masked_fill_((bits & 0x7FFFFFFF) >= (cap << _MANTISSA_BITS), 0)
-    codes = u.add_(bits).bitwise_right_shift_(_MANTISSA_BITS).to(torch.uint8)
-    return codes, bits < 0
+def _round32(x: torch.Tensor, *, key: torch.Tensor | None, drawn: torch.Tensor | None, cap: int) -> torch.Tensor:
+    """fp32 bits + U (U < 2^23) carry into the exponent with P = mantissa / 2^23;
+    no rounding up at e >= cap. Returns exponent code | sign << 8 (int32)."""
+    bits = x.view(torch.int32)
+    u = kit.random_bits(x, key, drawn, 23)
+    u = torch.where((bits & 0x7FFFFFFF) >= (cap << 23), torch.zeros_like(u), u)
+    return (((u + bits) >> 23) & 0xFF) | ((bits < 0).to(torch.int32) << 8)
 
 
-_MANTISSA64 = 52
-_BIAS64 = 1023
-_TINY_EXP64 = _BIAS64 - _BIAS + 1  # fp64 biased exponent of 2^-126, the smallest code's power
-
-
-def natural_round64(x64: torch.Tensor, generator: torch.Generator, cap: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exponent codes (uint8, fp32 meaning) and sign mask of C_nat(x64), x64
-    flat fp64, computed on the fp64 bits (no conversion to fp32).
-
-    With |t| = e * 2^52 + m in bits and U uniform on 0..2^52-1,
-    (|t|bits + U) >> 52 = e + Bernoulli(m / 2^52): the fp32 code is that
-    minus 896. The rare ranges (below 2^-126, at or above the cap,
-    non-finite) are fixed up only where present (CPU: one host read)."""
-    bits = x64.view(torch.int64)
+def _round64(x: torch.Tensor, *, key: torch.Tensor | None, drawn: torch.Tensor | None, cap: int) -> torch.Tensor:
+    """The same on fp64 bits (code = e64 + carry - 896); below 2^-126 rounded
+    between 0 and 2^-126, saturated at the cap, 255 for inf and NaN."""
+    bits = x.view(torch.int64)
     mag = bits & 0x7FFFFFFFFFFFFFFF
-    u = torch.empty_like(bits).random_(generator=generator).bitwise_and_((1 << _MANTISSA64) - 1)
-    code = torch.add(mag, u).bitwise_right_shift_(_MANTISSA64).sub_(_TINY_EXP64 - 1)
-    low_limit, high_limit = _TINY_EXP64 << _MANTISSA64, (_TINY_EXP64 - 1 + cap) << _MANTISSA64
-    if host_reads(x64) and x64.numel():
-        lo, hi = torch.aminmax(mag)
-        zeros = bool(lo == 0)
-        if zeros:  # zeros are common (ReLU): the smallest nonzero magnitude decides
-            lo = mag.masked_fill(mag == 0, high_limit).amin()
-        if bool((lo >= low_limit) & (hi < high_limit)):
-            if zeros:
-                code.clamp_(min=0)  # a zero's code is 0 - 896 + 0
-            return code.to(torch.uint8), bits < 0
-    # |t| < 2^-126: code 1 (2^-126) with P = |t| / 2^-126 = (|t| 2^178) / 2^52, else 0
-    tiny = mag < low_limit
-    up = u.to(torch.float64) < x64.abs().mul_(2.0 ** (_BIAS - 1 + _MANTISSA64))
-    code.masked_fill_(tiny, 0).add_(up.logical_and_(tiny))
-    code.masked_fill_(mag >= high_limit, cap)  # saturate at 2^(cap - 127)
-    code.masked_fill_(mag >= 0x7FF << _MANTISSA64, 255)  # inf and NaN
-    return code.to(torch.uint8), bits < 0
-
-
-def _may_reach(x32: torch.Tensor, cap: int) -> bool:
-    """False when no |x| reaches 2^(cap - 127) and all are finite (then the
-    cap cannot bind). On CPU one fused min/max read decides it; on other
-    devices the masking always runs (cheaper than a host sync)."""
-    if x32.device.type != "cpu" or x32.numel() == 0:
-        return x32.numel() > 0
-    lo, hi = torch.aminmax(x32)
-    limit = 2.0 ** (cap - _BIAS)
-    return not bool((lo > -limit) & (hi < limit))  # NaN compares False
-
-
-def natural_decode(codes: torch.Tensor, negative: torch.Tensor) -> torch.Tensor:
-    """fp32 values +-2^(code - 127) (code 0: zero, 255: inf)."""
-    bits = codes.to(torch.int32).bitwise_left_shift_(_MANTISSA_BITS)
-    return bits.bitwise_or_(negative.to(torch.int32).bitwise_left_shift_(31)).view(torch.float32)
+    if drawn is None:
+        idx = (torch.arange(x.numel(), device=x.device).view(x.shape) * 2 + key[2]).to(torch.int32)
+        u = ((counter_bits(key, idx).to(torch.int64) & 0xFFFFF) << 32) | (counter_bits(key, idx + 1).to(torch.int64) & 0xFFFFFFFF)
+    else:
+        u = drawn
+    code = ((mag + u) >> _M64) - (_TINY_EXP64 - 1)
+    tiny = mag < (_TINY_EXP64 << _M64)
+    up = u.to(torch.float64) < x.abs() * 2.0 ** (_BIAS - 1 + _M64)
+    code = torch.where(tiny, up.to(torch.int64), code)
+    code = torch.where(mag >= (_TINY_EXP64 - 1 + cap) << _M64, torch.full_like(code, cap), code)
+    code = torch.where(mag >= 0x7FF << _M64, torch.full_like(code, 255), code)
+    return code | ((bits < 0).to(torch.int64) << 8)
 
 
 @register
-class Natural(Compressor):
+class Natural(kit.KitCompressor):
     name = "natural"
+    FIELDS = (kit.Field("codes", torch.uint8), kit.Field("signs", torch.uint8, bits=1))
+    RANDOM = "private"
     unbiased = True
     summary = "natural compression C_nat: unbiased rounding to powers of two, 9 bits (Horvath et al. 2019)"
 
-    def variance_factor(self, numel: int) -> float:
-        return 1.0 / 8.0  # Horvath et al. 2019, Thm. 1
+    def torch_draw(self, gen: torch.Generator, flat: torch.Tensor) -> torch.Tensor:
+        if flat.dtype == torch.float64:  # the hand-written draws: 52 random bits, 23 bits for fp32
+            return torch.empty(flat.shape, dtype=torch.int64, device=flat.device).random_(generator=gen) & ((1 << _M64) - 1)
+        return torch.randint(0, 1 << 23, flat.shape, generator=gen, device=flat.device, dtype=torch.int32)
 
-    def _encode(self, x: torch.Tensor, ctx: Context) -> Packet:
-        gen = generator_for(x.device, ctx.private_seed)
-        if x.dtype == torch.float64:
-            codes, negative = natural_round64(x.reshape(-1).contiguous(), gen, max_exponent_code(x.dtype))
-            return Packet([codes, pack_bits(negative, 1)], x.shape, x.dtype)
-        x32 = x.reshape(-1).to(torch.float32).contiguous()
-        codes, negative = natural_round(x32, gen, max_exponent_code(x.dtype))
-        return Packet([codes, pack_bits(negative, 1)], x.shape, x.dtype)
+    def encode_fields(self, flat: torch.Tensor, dtype: torch.dtype, ctx: Context) -> dict[str, torch.Tensor]:
+        kernel = _round64 if flat.dtype == torch.float64 else _round32
+        if flat.dtype == torch.float64 and self.random_stream == "counter":
+            flat = flat.contiguous()
+        out = kit.elementwise(kernel, flat.contiguous(), flat.numel(), (), **self.randomness(flat, ctx),
+                              cap=max_exponent_code(dtype))
+        return {"codes": out.to(torch.uint8), "signs": kit.pack(out >> 8, 1)}
 
-    def decode(self, packet: Packet) -> torch.Tensor:
-        codes, signs = packet.tensors[0], packet.tensors[1]
-        d = math.prod(packet.shape)
-        sign_bits = byte_table(1, torch.int32, signs.device, torch.tensor([0, -(1 << 31)], dtype=torch.int32))
-        bits = codes.to(torch.int32).bitwise_left_shift_(_MANTISSA_BITS)
-        bits.bitwise_or_(sign_bits[signs.long()].reshape(-1)[:d])
-        return bits.view(torch.float32).to(packet.dtype).reshape(packet.shape)
+    def decode_fields(self, fields: dict[str, torch.Tensor], numel: int, dtype: torch.dtype) -> torch.Tensor:
+        signs = fields["signs"]
+        sign_bits = kit.byte_table(1, torch.int32, signs.device, torch.tensor([0, -(1 << 31)], dtype=torch.int32))
+        bits = fields["codes"].to(torch.int32).bitwise_left_shift_(23)
+        bits.bitwise_or_(kit.gather(sign_bits, signs).reshape(-1)[:numel])
+        return bits.view(torch.float32).to(dtype)

@@ -17,37 +17,33 @@ its fp64 value rounded to nearest (fp64 range, relative precision 2^-21).
 Packet: ``[means (fp32: non-negative mean, negative mean; int32 upper words
 for fp64 inputs), bits (uint8)]``, bits packed 8 per byte. Wire size: 8 +
 ceil(d/8) bytes.
+
+Declared with the authoring kit (:mod:`gradpress.compress.kit`); the frozen
+hand-written version is :mod:`gradpress.compress.handwritten.onebit`.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from gradpress.compress.base import Compressor, Context, Packet
-from gradpress.compress.bits import pack_bits
-from gradpress.compress.numerics import compute_dtype, pack_scale, side_means, unpack_scale
+from gradpress.compress import kit
+from gradpress.compress.base import Context
+from gradpress.compress.numerics import pack_scale, side_means, unpack_scale
 from gradpress.compress.registry import register
-from gradpress.compress.signs import unpack_two
 
 
 @register
-class OneBit(Compressor):
+class OneBit(kit.KitCompressor):
     name = "onebit"
-    contractive = True  # the two side means are the least-squares fit of the sign pattern
+    FIELDS = (kit.Field("means", "scale", 2), kit.Field("bits", torch.uint8, "numel", bits=1))
     summary = "1-bit SGD: sign mask + mean of each side, with error feedback (Seide et al. 2014)"
-    uses_context = False  # a pure function of x
 
-    def _encode(self, x: torch.Tensor, ctx: Context) -> Packet:
-        v = x.reshape(-1).to(compute_dtype(x.dtype))
+    def encode_fields(self, v: torch.Tensor, dtype: torch.dtype, ctx: Context) -> dict[str, torch.Tensor]:
         mask = v >= 0
         mean_pos, mean_neg = side_means(v, torch.count_nonzero(mask))
-        means = pack_scale(torch.stack([mean_pos, mean_neg]), x.dtype)
-        return Packet([means, pack_bits(mask, 1)], x.shape, x.dtype)
+        return {"means": pack_scale(torch.stack([mean_pos, mean_neg]), dtype), "bits": kit.pack(mask, 1)}
 
-    def decode(self, packet: Packet) -> torch.Tensor:
-        means, data = packet.tensors[0], packet.tensors[1]
-        d = math.prod(packet.shape)
-        values = unpack_scale(means, packet.dtype).flip(0).to(packet.dtype)  # bit 0 -> negative mean, 1 -> non-negative mean
-        return unpack_two(data, d, values).reshape(packet.shape)
+    def decode_fields(self, fields: dict[str, torch.Tensor], numel: int, dtype: torch.dtype) -> torch.Tensor:
+        values = unpack_scale(fields["means"], dtype).flip(0).to(dtype)  # bit 0 -> negative mean, 1 -> non-negative
+        data = fields["bits"]
+        return kit.gather(kit.byte_table(1, dtype, data.device, values), data).reshape(-1)[:numel]

@@ -5,7 +5,9 @@ Distributed Deep Learning". With clipping (``clip = c > 0``) the tensor is
 first clipped to [-c*sigma, c*sigma] where sigma is its population standard
 deviation *centered on its mean*, sqrt(mean((g - mean g)^2)), as the paper
 words it; then s = max|g| and q_i = s * sign(g_i) * Bernoulli(|g_i| / s),
-with coins from ``ctx.private_seed``.
+with coins from ``ctx.private_seed``
+(counter-based, fused into the kernel that compares and packs:
+:mod:`gradpress.compress.kit.rng`).
 
 The centered deviation, not the root mean square, is the documented choice:
 for a tensor with a large mean and a small spread (g = 1 + 1e-4 N(0, 1))
@@ -32,57 +34,57 @@ use that transmitted s, so ``clip=0`` is unbiased for every finite input.
 Packet: ``[scale (fp32, 1 entry; int32 upper word for fp64 inputs), codes
 (uint8)]`` with 2-bit codes (0: zero, 1: +s, 2: -s) packed 4 per byte. Wire
 size: 4 + ceil(d/4) bytes.
+
+Declared with the authoring kit (:mod:`gradpress.compress.kit`); the frozen
+hand-written version is :mod:`gradpress.compress.handwritten.terngrad`.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from gradpress.compress.base import Compressor, Context, Packet, Param, generator_for
-from gradpress.compress.bits import byte_table, pack_bits
+from gradpress.compress import kit
+from gradpress.compress.base import Context, Param
 from gradpress.compress.numerics import centered_std, compute_dtype, pack_scale, round_up_to, unpack_scale
 from gradpress.compress.registry import register
 
 
+def _ternary(g: torch.Tensor, s: torch.Tensor, *, key: torch.Tensor | None, drawn: torch.Tensor | None) -> torch.Tensor:
+    """2-bit codes 0 (zero), 1 (+s), 2 (-s): keep_i = U_i s < |g_i|."""
+    keep = kit.uniform(g, key, drawn) * s < g.abs()
+    return keep.to(torch.uint8) << (g < 0).to(torch.uint8)
+
+
 @register
-class TernGrad(Compressor):
+class TernGrad(kit.KitCompressor):
     name = "terngrad"
     PARAMS = (
         Param("clip", float, 2.5, "clip >= 0 (0 disables clipping)", lambda v: v >= 0,
               "clip to clip * std before quantizing"),
     )
+    FIELDS = (kit.Field("scale", "scale", 1), kit.Field("codes", torch.uint8, "numel", bits=2))
+    RANDOM = "private"
     summary = "TernGrad ternary {-s,0,s} stochastic quantization, 2 bits/element (Wen et al. 2017)"
 
     @property
     def is_unbiased(self) -> bool:
         return self.clip == 0
 
-    def _encode(self, x: torch.Tensor, ctx: Context) -> Packet:
-        g = x.reshape(-1).to(compute_dtype(x.dtype))
-        d = g.numel()
-        if d == 0:
-            return Packet([pack_scale(torch.zeros(1, dtype=g.dtype, device=g.device), x.dtype), pack_bits(torch.zeros(0, dtype=torch.uint8, device=g.device), 2)],
-                          x.shape, x.dtype)
+    def encode_fields(self, g: torch.Tensor, dtype: torch.dtype, ctx: Context) -> dict[str, torch.Tensor]:
+        if g.numel() == 0:
+            return {"scale": pack_scale(g.new_zeros(1), dtype), "codes": kit.pack(g.new_zeros(0, dtype=torch.uint8), 2)}
         lo, hi = torch.aminmax(g)
         s = torch.maximum(-lo, hi)  # max |g| (NaN propagates)
         if self.clip > 0:
             bound = self.clip * centered_std(g, lo, hi)
             s = torch.where(bound > 0, torch.minimum(s, bound), s)  # max |clip(g)| = min(max |g|, bound)
-        wire = pack_scale(round_up_to(s, x.dtype), x.dtype, away=True)
-        s = unpack_scale(wire, x.dtype).reshape(())  # the scale the decoder sees, >= the one computed
-        # keep_i = U_i < min(|g_i|, bound) / s  <=>  U_i s < |g_i|  (U_i s < s <= bound always)
-        a = g.abs()
-        u = torch.rand(d, generator=generator_for(g.device, ctx.private_seed), device=g.device, dtype=g.dtype)
-        keep = torch.lt(u.mul_(s), a)
-        del u, a
-        codes = keep.view(torch.uint8).bitwise_left_shift_((g < 0).view(torch.uint8))  # 0, 1 (+s), 2 (-s)
-        return Packet([wire, pack_bits(codes, 2)], x.shape, x.dtype)
+        wire = pack_scale(round_up_to(s, dtype), dtype, away=True)
+        s = unpack_scale(wire, dtype).reshape(())  # the scale the decoder sees, >= the one computed
+        codes = kit.elementwise(_ternary, g, g.numel(), (s,), **self.randomness(g, ctx))
+        return {"scale": wire, "codes": kit.pack(codes, 2)}
 
-    def decode(self, packet: Packet) -> torch.Tensor:
-        scale, data = packet.tensors[0], packet.tensors[1]
-        d = math.prod(packet.shape)
-        cdt = compute_dtype(packet.dtype)
-        values = (torch.tensor([0.0, 1.0, -1.0, 0.0], dtype=cdt, device=data.device) * unpack_scale(scale, packet.dtype)).to(packet.dtype)
-        return byte_table(2, packet.dtype, data.device, values)[data.long()].reshape(-1)[:d].reshape(packet.shape)
+    def decode_fields(self, fields: dict[str, torch.Tensor], numel: int, dtype: torch.dtype) -> torch.Tensor:
+        data = fields["codes"]
+        table = torch.tensor([0.0, 1.0, -1.0, 0.0], dtype=compute_dtype(dtype), device=data.device)
+        values = (table * unpack_scale(fields["scale"], dtype)).to(dtype)
+        return kit.gather(kit.byte_table(2, dtype, data.device, values), data).reshape(-1)[:numel]

@@ -5,33 +5,39 @@ Biased and contractive (class B3(d/k)), so error feedback is on by default.
 Packet: ``[values (input dtype), indices (int32)]``, 4 + element-size bytes per
 kept entry. Invariant: exactly the k largest |x| are kept (ties broken by
 ``torch.topk``).
+
+Declared with the authoring kit (:mod:`gradpress.compress.kit`); the frozen
+hand-written version is :mod:`gradpress.compress.handwritten.topk`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from gradpress.compress.base import Compressor, Context, Packet
+from gradpress.compress import kit
+from gradpress.compress.base import Context
 from gradpress.compress.params import ratio_param
 from gradpress.compress.registry import register
-from gradpress.compress.sparse import kept_count, scatter_sparse
+from gradpress.compress.sparse import kept_count
+
+
+def _k(comp: TopK, d: int) -> int:
+    return kept_count(d, comp.ratio)
 
 
 @register
-class TopK(Compressor):
+class TopK(kit.KitCompressor):
     name = "topk"
     PARAMS = (ratio_param(0.01),)
+    FIELDS = (kit.Field("values", "input", _k), kit.Field("indices", torch.int32, _k))
+    CONVERT = False  # values travel in the input's dtype
     values_index = 0
     exact_values = True
     summary = "top-k sparsification (Aji & Heafield 2017), values + int32 indices"
-    uses_context = False  # a pure function of x
 
-    def _encode(self, x: torch.Tensor, ctx: Context) -> Packet:
-        flat = x.reshape(-1)
-        k = kept_count(flat.numel(), self.ratio)
-        _, idx = torch.topk(flat.abs(), k, sorted=False)
-        return Packet([flat[idx], idx.to(torch.int32)], x.shape, x.dtype)
+    def encode_fields(self, flat: torch.Tensor, dtype: torch.dtype, ctx: Context) -> dict[str, torch.Tensor]:
+        values, indices = kit.select_topk(flat, _k(self, flat.numel()))
+        return {"values": values, "indices": indices}
 
-    def decode(self, packet: Packet) -> torch.Tensor:
-        values, indices = packet.tensors[0], packet.tensors[1]
-        return scatter_sparse(values, indices, packet.shape, packet.dtype)
+    def decode_fields(self, fields: dict[str, torch.Tensor], numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return kit.scatter(fields["values"], fields["indices"], numel, dtype)

@@ -1,0 +1,56 @@
+"""The compressor authoring kit (the CompLL half of HiPress: Bai et al.,
+SOSP 2021, "Gradient Compression Supercharged High-Performance Data
+Parallel DNN Training").
+
+A method author declares a compressor as a :class:`KitCompressor` subclass:
+typed ``PARAMS``, the packet's ``FIELDS``, whether it draws random numbers,
+and an ``encode_fields``/``decode_fields`` pair written with the primitives
+below. The kit derives the wire layout and exact byte count, the random
+stream, and a fused implementation of the element-wise kernels through
+``torch.compile`` (eager fallback; ``GRADPRESS_COMPILE``), see
+docs/authoring.md.
+
+This package is a library of the ``compress`` layer, like ``bits.py`` or
+``sparse.py``: compressor files import it, it imports no compressor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gradpress.compress.bits import byte_table
+from gradpress.compress.kit import compiler
+from gradpress.compress.kit.declare import KitCompressor
+from gradpress.compress.kit.layout import Field, FieldSize
+from gradpress.compress.kit.packing import pack as _pack
+from gradpress.compress.kit.packing import packed_nbytes
+from gradpress.compress.kit.packing import unpack as _unpack
+from gradpress.compress.kit.primitives import (
+    chunks,
+    elementwise,
+    gather,
+    random_bits,
+    reduce,
+    scatter,
+    select_mask,
+    select_topk,
+    uniform,
+)
+from gradpress.compress.kit.rng import counter_bits, counter_uniform, seed_words
+
+__all__ = [
+    "Field", "FieldSize", "KitCompressor", "byte_table", "chunks", "compiler", "counter_bits", "counter_uniform",
+    "elementwise", "gather", "pack", "packed_nbytes", "random_bits", "reduce", "scatter", "seed_words",
+    "select_mask", "select_topk", "uniform", "unpack",
+]
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack unsigned ``codes`` of ``bits`` bits (1..24) LSB-first into uint8
+    (:func:`gradpress.compress.kit.packing.pack`), compiled by policy."""
+    return compiler.run(_pack, codes.numel(), codes, bits)
+
+
+def unpack(data: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
+    """Inverse of :func:`pack` (:func:`gradpress.compress.kit.packing.unpack`)."""
+    return compiler.run(_unpack, numel, data, bits, numel)

@@ -1,0 +1,96 @@
+"""When and how the kit compiles a declaration's element-wise kernel.
+
+``torch.compile`` (Inductor: C++/OpenMP on CPU, Triton on CUDA) turns a
+kernel written with ordinary tensor ops into one fused loop: the element
+reads, the counter-based random bits, the arithmetic and the bit packing in
+one pass instead of one eager pass each.
+
+Policy (``GRADPRESS_COMPILE``, read at every call):
+
+* ``auto`` (default): compile when the tensor has at least
+  :data:`MIN_COMPILE_NUMEL` elements (below that a compile costs more than it
+  can ever save, and the test suite, whose tensors are small, never pays for
+  a compile); eager otherwise.
+* ``1``/``on``: compile at every size (the dedicated tests).
+* ``0``/``off``: never compile (the eager fallback).
+
+Each kernel is compiled with dynamic shapes, so one compile serves every
+size of one (kernel, dtype, device, static parameters) class; the compiled
+callables are cached here, keyed by the kernel function. A kernel whose
+compilation fails (no C++ compiler, an Inductor gap) falls back to eager for
+the rest of the process, with one warning. Eager and compiled kernels are
+the same ops on the same inputs and give bit-identical results for the
+element-wise integer and IEEE arithmetic the declarations use (tested).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["MIN_COMPILE_NUMEL", "mode", "forced", "run", "compiled_count"]
+
+#: smallest tensor that ``auto`` compiles for
+MIN_COMPILE_NUMEL = 1 << 18
+
+_MODES = {"auto": "auto", "": "auto", "1": "on", "on": "on", "true": "on", "0": "off", "off": "off", "false": "off"}
+_cache: dict[Callable[..., Any], Callable[..., Any]] = {}
+_failed: set[Callable[..., Any]] = set()
+_forced: list[str] = []
+
+
+def mode() -> str:
+    """``"auto"``, ``"on"`` or ``"off"``: :func:`forced` if active, else
+    ``GRADPRESS_COMPILE``; ValueError naming an unknown value."""
+    if _forced:
+        return _forced[-1]
+    raw = os.environ.get("GRADPRESS_COMPILE", "auto").strip().lower()
+    if raw not in _MODES:
+        raise ValueError(f"GRADPRESS_COMPILE got {raw!r}; allowed: auto, 1/on, 0/off")
+    return _MODES[raw]
+
+
+@contextlib.contextmanager
+def forced(value: str) -> Iterator[None]:
+    """Within the block, use compile mode ``value`` ("auto", "on", "off")
+    whatever the environment says (benchmarks and tests)."""
+    if value not in ("auto", "on", "off"):
+        raise ValueError(f"compile mode got {value!r}; allowed: auto, on, off")
+    _forced.append(value)
+    try:
+        yield
+    finally:
+        _forced.pop()
+
+
+def _wants(numel: int) -> bool:
+    m = mode()
+    return m == "on" or (m == "auto" and numel >= MIN_COMPILE_NUMEL)
+
+
+def compiled_count() -> int:
+    """Number of kernels compiled so far in this process."""
+    return len(_cache)
+
+
+def run(kernel: Callable[..., Any], numel: int, *args: Any, **kwargs: Any) -> Any:
+    """``kernel(*args, **kwargs)``, compiled when the policy says so for a
+    tensor of ``numel`` elements, eager otherwise."""
+    if not _wants(numel) or kernel in _failed:
+        return kernel(*args, **kwargs)
+    fn = _cache.get(kernel)
+    if fn is None:
+        fn = _cache[kernel] = torch.compile(kernel, dynamic=True)
+    try:
+        return fn(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - any compiler failure falls back to the same ops, eager
+        _failed.add(kernel)
+        _cache.pop(kernel, None)
+        warnings.warn(f"gradpress kit: compiling {kernel.__qualname__} failed ({type(exc).__name__}: {exc}); "
+                      "running it eagerly from now on", RuntimeWarning, stacklevel=2)
+        return kernel(*args, **kwargs)

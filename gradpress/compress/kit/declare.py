@@ -1,0 +1,139 @@
+"""A compressor declared from kit primitives: :class:`KitCompressor`.
+
+A declaration is a subclass that states, besides the usual ``name``,
+``PARAMS`` (typed, validated) and ``summary``:
+
+* ``FIELDS``: the packet's fields in wire order (:class:`Field`);
+* ``RANDOM``: ``"private"`` (independent per rank), ``"shared"`` (equal on
+  every rank) or None (a pure function of x);
+* ``encode_fields(flat, dtype, ctx) -> {field: tensor}`` and
+  ``decode_fields(fields, numel, dtype) -> flat tensor``, written with the
+  primitives of :mod:`gradpress.compress.kit.primitives` (``flat`` is the
+  input in its compute dtype, fp32 or fp64; ``dtype`` the input's own).
+
+From that the kit derives: the wire layout and the exact byte count for an
+input (:meth:`KitCompressor.layout`, :meth:`wire_bytes`, checked against
+every packet it builds), ``variable_size`` (a field of data-dependent
+count), ``uses_context`` (randomness), the random stream (counter-based and
+fused by default; :attr:`random_stream` ``"torch"`` draws from a torch
+generator instead, the stream of the hand-written compressors), and the
+compiled element-wise kernels (:mod:`gradpress.compress.kit.compiler`).
+``summable`` and ``unbiased`` are declared and held by the generic
+property tests (tests/test_unbiased.py, tests/test_compressors.py).
+Registration is the ordinary ``@register`` of the compressor registry.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+
+from gradpress.compress.base import Compressor, Context, Packet, generator_for
+from gradpress.compress.kit.layout import Field, FieldSize, nbytes, sizes
+from gradpress.compress.kit.rng import MAX_NUMEL, seed_words
+from gradpress.compress.numerics import compute_dtype
+
+__all__ = ["KitCompressor"]
+
+_STREAMS = ("counter", "torch")
+
+
+class KitCompressor(Compressor):
+    """Base class of kit declarations (see the module doc)."""
+
+    FIELDS: ClassVar[tuple[Field, ...]] = ()
+    RANDOM: ClassVar[str | None] = None
+    #: encode on the input converted to fp32 (fp64 stays fp64); False: as is
+    CONVERT: ClassVar[bool] = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.RANDOM not in (None, "private", "shared"):
+            raise TypeError(f"{cls.__name__}.RANDOM got {cls.RANDOM!r}; allowed: None, 'private', 'shared'")
+        names = [f.name for f in cls.FIELDS]
+        if len(set(names)) != len(names):
+            raise TypeError(f"{cls.__name__}.FIELDS repeats a field name: {names}")
+        cls.uses_context = cls.RANDOM is not None
+        cls.variable_size = any(f.count is None for f in cls.FIELDS)
+
+    def __init__(self, **params: Any) -> None:
+        super().__init__(**params)
+        self._stream = "counter"
+
+    # ----- the declaration's hooks ---------------------------------------------
+    def chunk_size(self, numel: int) -> int:
+        """Entries per chunk (per-chunk statistics, ``count="chunks"``
+        fields); the whole tensor by default."""
+        return max(numel, 1)
+
+    def encode_fields(self, flat: torch.Tensor, dtype: torch.dtype, ctx: Context) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def decode_fields(self, fields: dict[str, torch.Tensor], numel: int, dtype: torch.dtype) -> torch.Tensor:
+        raise NotImplementedError
+
+    def torch_draw(self, gen: torch.Generator, flat: torch.Tensor) -> torch.Tensor:
+        """The ``random_stream="torch"`` draws for ``flat``: one uniform per
+        element in its dtype (override for integer draws)."""
+        return torch.rand(flat.numel(), generator=gen, device=flat.device, dtype=flat.dtype)
+
+    # ----- derived -----------------------------------------------------------------
+    @property
+    def random_stream(self) -> str:
+        """``"counter"`` (fused counter-based bits, the default) or
+        ``"torch"`` (a torch generator seeded like the hand-written
+        compressors: their exact draws, one eager pass)."""
+        return self._stream
+
+    @random_stream.setter
+    def random_stream(self, value: str) -> None:
+        if value not in _STREAMS:
+            raise ValueError(f"compressor {self.name!r}: random_stream got {value!r}; allowed: {', '.join(_STREAMS)}")
+        self._stream = value
+
+    def layout(self, numel: int, dtype: torch.dtype = torch.float32) -> list[FieldSize]:
+        """The fields of a packet for ``numel`` elements of ``dtype``."""
+        return sizes(self.FIELDS, self, numel, dtype)
+
+    def wire_bytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
+        """Exact payload bytes from the layout (variable-size declarations:
+        the base class's probe)."""
+        n = nbytes(self.FIELDS, self, numel, dtype)
+        return super().wire_bytes(numel, dtype) if n is None else n
+
+    def randomness(self, flat: torch.Tensor, ctx: Context, salt: int = 0) -> dict[str, torch.Tensor | None]:
+        """``{"key": ..., "drawn": ...}`` for :func:`~gradpress.compress.kit.primitives.elementwise`:
+        a counter key from the declared seed, or torch-generator draws."""
+        if self.RANDOM is None:
+            raise TypeError(f"compressor {self.name!r} declares RANDOM = None but asked for random numbers")
+        seed = ctx.private_seed if self.RANDOM == "private" else ctx.shared_seed
+        if self._stream == "torch":
+            return {"key": None, "drawn": self.torch_draw(generator_for(flat.device, seed), flat)}
+        return {"key": seed_words(seed, flat.device, salt), "drawn": None}
+
+    def _encode(self, x: torch.Tensor, ctx: Context) -> Packet:
+        if x.numel() > MAX_NUMEL:
+            raise ValueError(f"compressor {self.name!r}: {x.numel()} elements; allowed: at most {MAX_NUMEL} per tensor")
+        flat = x.reshape(-1)
+        if self.CONVERT:
+            flat = flat.to(compute_dtype(x.dtype))
+        fields = self.encode_fields(flat, x.dtype, ctx)
+        tensors = []
+        for want in self.layout(x.numel(), x.dtype):
+            t = fields.pop(want.name).reshape(-1).contiguous()
+            if t.dtype != want.dtype or (want.count is not None and t.numel() * t.element_size() != want.nbytes):
+                raise RuntimeError(f"compressor {self.name!r}: field {want.name!r} is {t.numel()} x {t.dtype}; "
+                                   f"the declared layout says {want.nbytes} bytes of {want.dtype}")
+            tensors.append(t)
+        if fields:
+            raise RuntimeError(f"compressor {self.name!r}: encode_fields returned undeclared fields {sorted(fields)}")
+        return Packet(tensors, x.shape, x.dtype)
+
+    def fields(self, packet: Packet) -> dict[str, torch.Tensor]:
+        """``{field name: payload tensor}`` of ``packet`` (``extract``)."""
+        return {f.name: t for f, t in zip(self.FIELDS, packet.tensors)}
+
+    def decode(self, packet: Packet) -> torch.Tensor:
+        out = self.decode_fields(self.fields(packet), packet.numel, packet.dtype)
+        return out.reshape(packet.shape)

@@ -1,0 +1,93 @@
+"""The kit's ``pack``/``unpack``: unsigned integer codes of any width 1..24
+bits, densely packed least significant bit first into ``ceil(n * bits / 8)``
+bytes: the same bit stream as :func:`gradpress.compress.bits.pack_bits`
+(tested bit for bit), written only with shape-generic tensor ops (a pad, a
+2-D view, shifts and ors over the <= 8 codes of a group) so that
+``torch.compile`` fuses it into the kernel that produces the codes.
+
+A group of L = 8 / gcd(bits, 8) codes fills B = bits * L / 8 whole bytes;
+byte k of a group is the or of the (at most 4) codes that overlap it, each
+shifted into place. Invariant: ``unpack(pack(c, b), b, n) == c`` for codes
+below 2^b; padding bits are zero.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["pack", "unpack", "packed_nbytes"]
+
+
+def packed_nbytes(numel: int, bits: int) -> int:
+    """Bytes that ``numel`` codes of ``bits`` bits occupy."""
+    return (numel * bits + 7) // 8
+
+
+def _check(bits: int) -> tuple[int, int]:
+    if not isinstance(bits, int) or not 1 <= bits <= 24:
+        raise ValueError(f"kit.pack: bits got {bits!r}; allowed: an int in 1..24")
+    per = 8 // math.gcd(bits, 8)
+    return per, bits * per // 8
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 bit stream of the flat unsigned ``codes`` (each < 2**bits)."""
+    per, nb = _check(bits)
+    codes = codes.reshape(-1)
+    n = codes.numel()
+    if bits == 8:
+        return codes.to(torch.uint8)
+    m = -(-n // per)
+    wide = torch.int32 if bits > 8 else torch.uint8
+    grid = F.pad(codes.to(wide), (0, m * per - n)).view(m, per)
+    if nb == 1:  # 1, 2, 4 bits: every code of the group lands in one byte
+        acc = grid[:, 0]
+        for j in range(1, per):
+            acc = acc | (grid[:, j] << (j * bits))
+        return acc
+    grid = grid.to(torch.int32)
+    cols = []
+    for k in range(nb):
+        acc = None
+        for j in range(per):
+            start = j * bits
+            if start + bits <= 8 * k or start >= 8 * k + 8:
+                continue
+            shift = start - 8 * k
+            term = grid[:, j] << shift if shift >= 0 else grid[:, j] >> -shift
+            acc = term if acc is None else acc | term
+        cols.append(acc & 0xFF)
+    return torch.stack(cols, dim=1).to(torch.uint8).reshape(-1)[: packed_nbytes(n, bits)]
+
+
+def unpack(data: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
+    """Inverse of :func:`pack`: ``numel`` codes, uint8 for bits <= 8, int32
+    for wider codes. ValueError when ``data`` has the wrong byte count."""
+    per, nb = _check(bits)
+    data = data.reshape(-1)
+    if data.numel() != packed_nbytes(numel, bits):
+        raise ValueError(f"kit.unpack: packed buffer has {data.numel()} bytes; expected "
+                         f"{packed_nbytes(numel, bits)} for {numel} codes of {bits} bits")
+    if bits == 8:
+        return data.clone()
+    m = -(-numel // per)
+    mask = (1 << bits) - 1
+    if nb == 1:
+        grid = data.view(m, 1)
+        shifts = torch.arange(0, 8, bits, device=data.device, dtype=torch.uint8)
+        return ((grid >> shifts) & mask).reshape(-1)[:numel]
+    grid = F.pad(data.to(torch.int32), (0, m * nb - data.numel())).view(m, nb)
+    cols = []
+    for j in range(per):
+        start = j * bits
+        acc = None
+        for k in range(start // 8, (start + bits - 1) // 8 + 1):
+            shift = 8 * k - start
+            term = grid[:, k] << shift if shift >= 0 else grid[:, k] >> -shift
+            acc = term if acc is None else acc | term
+        cols.append(acc & mask)
+    out = torch.stack(cols, dim=1).reshape(-1)[:numel]
+    return out.to(torch.uint8) if bits <= 8 else out

@@ -1,0 +1,145 @@
+"""The kit's primitives over flat tensors, the vocabulary of a declaration.
+
+* element-wise ``map``: :func:`elementwise` runs a *kernel* (a function of
+  plain tensor ops, written once) over the tensor cut into chunks, compiled
+  by :mod:`gradpress.compress.kit.compiler` or eager; per-chunk statistics
+  broadcast along the chunk, random draws are fused in (:func:`uniform`,
+  :func:`random_bits` inside a kernel);
+* ``reduce`` per chunk: :func:`reduce` (``norm``, ``absmax``, ``minmax``,
+  ``sum``), range-safe (:mod:`gradpress.compress.numerics`);
+* ``select``/``filter``: :func:`select_topk`, :func:`select_mask`;
+* ``scatter``/``gather``: :func:`scatter`, :func:`gather`;
+* ``pack``/``unpack`` (:mod:`gradpress.compress.kit.packing`) and the
+  fields of a packet (``concat``/``extract``:
+  :meth:`gradpress.compress.kit.declare.KitCompressor.fields`).
+
+Invariants: no ``.item()`` and no Python loop over elements; a chunk loop
+is over at most two views (the whole chunks and the short last one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from gradpress.compress.kit import compiler
+from gradpress.compress.kit.rng import counter_bits, counter_uniform
+from gradpress.compress.numerics import row_norms
+
+__all__ = ["chunks", "reduce", "elementwise", "uniform", "random_bits", "select_topk", "select_mask",
+           "scatter", "gather"]
+
+
+def chunks(flat: torch.Tensor, chunk: int) -> list[torch.Tensor]:
+    """``flat`` as 2-D views: ``(d // chunk, chunk)`` whole chunks, then the
+    short last chunk as ``(1, d % chunk)`` (each only when non-empty)."""
+    d = flat.numel()
+    full = d // chunk * chunk
+    parts = [flat[:full].view(-1, chunk)] if full else []
+    if full < d:
+        parts.append(flat[full:].view(1, -1))
+    return parts
+
+
+_REDUCERS: dict[str, Callable[[torch.Tensor], Any]] = {
+    "norm": row_norms,
+    "absmax": lambda r: r.abs().amax(dim=1),
+    "minmax": lambda r: torch.aminmax(r, dim=1),
+    "sum": lambda r: r.sum(dim=1),
+}
+
+
+def reduce(flat: torch.Tensor, op: str, chunk: int) -> Any:
+    """Per-chunk ``op`` of ``flat`` (one entry per chunk, the short last
+    chunk included): ``norm`` (L2, no overflow or underflow), ``absmax``,
+    ``sum``, or ``minmax`` (a ``(mins, maxs)`` pair)."""
+    if op not in _REDUCERS:
+        raise ValueError(f"kit.reduce: op got {op!r}; allowed: {', '.join(_REDUCERS)}")
+    parts = [_REDUCERS[op](r) for r in chunks(flat, max(chunk, 1))]
+    if op == "minmax":
+        if not parts:
+            return flat.new_zeros(0), flat.new_zeros(0)
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    return torch.cat(parts) if parts else flat.new_zeros(0)
+
+
+def elementwise(kernel: Callable[..., torch.Tensor], flat: torch.Tensor, chunk: int,
+                per_chunk: tuple[torch.Tensor, ...] = (), key: torch.Tensor | None = None,
+                drawn: torch.Tensor | None = None, **static: Any) -> torch.Tensor:
+    """Flat result of ``kernel(v, *stats, key=, drawn=, **static)`` over
+    ``flat`` cut into chunks (:func:`chunks`); ``v`` is a ``(rows, chunk)``
+    view and each ``per_chunk`` tensor (one entry per chunk) comes as a
+    ``(rows, 1)`` column, so ``v * stat`` broadcasts along the chunk.
+
+    Randomness: ``key`` (from :func:`gradpress.compress.kit.rng.seed_words`)
+    makes counter-based draws inside the kernel, the element index counted
+    over the whole flat tensor; ``drawn`` passes values drawn beforehand
+    (one per element of ``flat``: the torch-generator stream). ``static``
+    values are Python constants (a compile specializes on them)."""
+    d = flat.numel()
+    parts = chunks(flat, max(chunk, 1))
+    outs, start, row = [], 0, 0
+    for v in parts:
+        rows, n = v.shape[0], v.numel()
+        stats = tuple(s[row: row + rows, None] if s.dim() else s for s in per_chunk)
+        part_key = None if key is None else torch.cat([key[:2], key[2:] + start])
+        part_drawn = None if drawn is None else drawn[start: start + n].view(v.shape)
+        outs.append(compiler.run(kernel, n, v, *stats, key=part_key, drawn=part_drawn, **static).reshape(-1))
+        start += n
+        row += rows
+    if not outs:
+        return kernel(flat.view(0, 1), *(s[:0, None] if s.dim() else s for s in per_chunk), key=key,
+                      drawn=None if drawn is None else drawn.view(0, 1), **static).reshape(-1)
+    if len(outs) == 1:
+        return outs[0]
+    assert start == d
+    return torch.cat(outs)
+
+
+def _index(v: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    return (torch.arange(v.numel(), dtype=torch.int32, device=v.device) + key[2]).view(v.shape)
+
+
+def uniform(v: torch.Tensor, key: torch.Tensor | None, drawn: torch.Tensor | None) -> torch.Tensor:
+    """Inside a kernel: uniform [0, 1) draws shaped like ``v`` in its dtype,
+    counter-based from ``key`` or the pre-drawn ``drawn``."""
+    if drawn is not None:
+        return drawn
+    assert key is not None, "kit.uniform: the kernel was given neither a key nor drawn values"
+    return counter_uniform(key, _index(v, key), v.dtype)
+
+
+def random_bits(v: torch.Tensor, key: torch.Tensor | None, drawn: torch.Tensor | None, bits: int) -> torch.Tensor:
+    """Inside a kernel: uniform integers in [0, 2^bits) (int32, bits <= 31)
+    shaped like ``v``, counter-based from ``key`` or the pre-drawn ``drawn``."""
+    if drawn is not None:
+        return drawn
+    assert key is not None, "kit.random_bits: the kernel was given neither a key nor drawn values"
+    return (counter_bits(key, _index(v, key)) >> (32 - bits)) & ((1 << bits) - 1)
+
+
+def select_topk(flat: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(values, int32 indices)`` of the ``k`` entries of largest magnitude
+    (``torch.topk``, unsorted; ties as it breaks them)."""
+    _, idx = torch.topk(flat.abs(), k, sorted=False)
+    return flat[idx], idx.to(torch.int32)
+
+
+def select_mask(flat: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(values, int32 indices)`` where ``mask`` holds (a threshold filter:
+    ``select_mask(x, x.abs() >= tau)``); variable size."""
+    idx = torch.nonzero(mask.reshape(-1)).reshape(-1)
+    return flat[idx], idx.to(torch.int32)
+
+
+def scatter(values: torch.Tensor, indices: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """Flat tensor of ``numel`` zeros of ``dtype`` with ``values`` at ``indices``."""
+    out = torch.zeros(numel, dtype=dtype, device=values.device)
+    return out.index_put_((indices.long(),), values.to(dtype))
+
+
+def gather(table: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """``table[codes]``: decode codes through a small value table."""
+    return table[codes.long()]

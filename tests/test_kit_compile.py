@@ -1,0 +1,77 @@
+"""The kit's compiled path (torch.compile, Inductor) against its eager path:
+the same declaration gives byte-identical packets and decodes either way,
+on a tensor of whole chunks and on a ragged one (a short last chunk run by
+the same kernel), on the random methods' counter stream. Also the policy:
+``GRADPRESS_COMPILE=0`` never compiles, and a kernel whose compilation fails
+falls back to eager with one warning.
+
+These are the suite's only compiles (tests/conftest.py sets
+GRADPRESS_COMPILE=0 for everything else): a few kernels, with dynamic
+shapes, so each compiles once."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gradpress.compress import Context, create, kit
+from gradpress.compress.kit import compiler
+
+SPECS = ["qsgd", "terngrad", "natural", "onebit", "minmax8:stochastic=true"]
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_compiled_encode_and_decode_are_byte_identical_to_eager(spec: str) -> None:
+    for d in (8192, 8192 + 300):  # whole chunks; a ragged tail
+        x = torch.randn(d, generator=torch.Generator().manual_seed(d)) * 5
+        x[7] = 0.0
+        x[11] = -1e-41
+        ctx = Context(key="c", step=2, rank=1, world_size=2, seed=3)
+        with compiler.forced("off"):
+            eager = create(spec)
+            pe = eager.encode(x, ctx)
+            de = eager.decode(pe)
+        with compiler.forced("on"):
+            comp = create(spec)
+            pc = comp.encode(x, ctx)
+            dc = comp.decode(pc)
+        assert all(_same(a, b) for a, b in zip(pe.tensors, pc.tensors)), (spec, d)
+        assert _same(de, dc), (spec, d)
+    assert compiler.compiled_count() > 0
+
+
+def test_policy_off_never_compiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GRADPRESS_COMPILE", "0")
+    calls = []
+    monkeypatch.setattr(torch, "compile", lambda *a, **k: calls.append(a) or (lambda *x, **y: None))
+
+    def k(v: torch.Tensor, *, key: torch.Tensor | None, drawn: torch.Tensor | None) -> torch.Tensor:
+        return v + 1
+
+    out = kit.elementwise(k, torch.zeros(1 << 20), 1 << 20)
+    assert not calls and float(out.sum()) == 1 << 20
+    monkeypatch.setenv("GRADPRESS_COMPILE", "maybe")
+    with pytest.raises(ValueError, match="GRADPRESS_COMPILE got 'maybe'"):
+        compiler.mode()
+
+
+def test_a_failing_compile_falls_back_to_eager_with_a_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*a: object, **k: object) -> object:
+        def fn(*x: object, **y: object) -> object:
+            raise RuntimeError("no compiler here")
+        return fn
+
+    monkeypatch.setattr(torch, "compile", broken)
+
+    def k2(v: torch.Tensor, *, key: torch.Tensor | None, drawn: torch.Tensor | None) -> torch.Tensor:
+        return v * 2
+
+    with compiler.forced("on"), pytest.warns(RuntimeWarning, match="running it eagerly"):
+        out = kit.elementwise(k2, torch.ones(10), 10)
+    assert torch.equal(out, torch.full((10,), 2.0))
+    with compiler.forced("on"):  # no second warning: the kernel stays eager
+        assert torch.equal(kit.elementwise(k2, torch.ones(10), 10), torch.full((10,), 2.0))

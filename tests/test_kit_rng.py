@@ -1,0 +1,102 @@
+"""Statistical quality of the kit's counter-based generator
+(gradpress/compress/kit/rng.py): uniformity of bytes and of the top bits,
+independence of neighbouring elements and of streams from different seeds,
+and the invariants the compressors rely on (same bits on every rank for the
+same seed, in eager and in a chunked call). References are computed here
+from the chi-square formula; thresholds are the 1e-6 upper quantiles
+(so a correct generator fails with probability about 1e-6 per check)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from gradpress.compress import kit
+from gradpress.compress.base import Context
+from gradpress.compress.kit.rng import counter_bits, counter_uniform, seed_words
+
+N = 1 << 20
+
+
+def _chi2_limit(df: int) -> float:
+    """Upper 1e-6 quantile of chi-square(df), Wilson-Hilferty approximation."""
+    z = 4.753  # P(Z > z) = 1e-6
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def _chi2(counts: torch.Tensor) -> float:
+    expected = counts.sum().double() / counts.numel()
+    return float(((counts.double() - expected) ** 2 / expected).sum())
+
+
+def _bits(seed: int, n: int = N) -> torch.Tensor:
+    return counter_bits(seed_words(seed), torch.arange(n, dtype=torch.int32))
+
+
+def test_every_byte_of_the_32_bits_is_uniform() -> None:
+    h = _bits(12345)
+    for shift in (0, 8, 16, 24):
+        counts = torch.bincount(((h >> shift) & 0xFF).long(), minlength=256)
+        assert _chi2(counts) < _chi2_limit(255), shift
+
+
+def test_uniform_floats_fill_1024_equal_bins_and_stay_in_0_1() -> None:
+    for dtype in (torch.float32, torch.float64):
+        u = counter_uniform(seed_words(7), torch.arange(N, dtype=torch.int32), dtype)
+        assert float(u.min()) >= 0 and float(u.max()) < 1
+        counts = torch.bincount((u * 1024).long(), minlength=1024)
+        assert _chi2(counts) < _chi2_limit(1023)
+        assert abs(float(u.double().mean()) - 0.5) < 5 * math.sqrt(1 / 12 / N)
+
+
+def test_neighbouring_elements_are_independent() -> None:
+    """Serial test: pairs (top 4 bits of element i, of element i + lag) fill
+    the 256 cells uniformly; lag 1 and lags crossing a 16-bit boundary."""
+    h = _bits(99)
+    top = ((h >> 28) & 0xF).long()
+    for lag in (1, 2, 3, 1 << 16):
+        pairs = top[:-lag] * 16 + top[lag:]
+        assert _chi2(torch.bincount(pairs, minlength=256)) < _chi2_limit(255), lag
+    # and the serial correlation of the uniforms is within 5 standard errors of 0
+    u = counter_uniform(seed_words(99), torch.arange(N, dtype=torch.int32), torch.float64)
+    c = torch.corrcoef(torch.stack([u[:-1], u[1:]]))[0, 1]
+    assert abs(float(c)) < 5 / math.sqrt(N)
+
+
+def test_streams_of_consecutive_steps_and_ranks_are_independent() -> None:
+    """The private seeds of consecutive steps (and of two ranks) give
+    uncorrelated uniforms and pairs that fill the 256 cells uniformly."""
+    idx = torch.arange(N, dtype=torch.int32)
+    seeds = [Context(key="w", step=s, rank=r, seed=3).private_seed for s, r in ((1, 0), (2, 0), (1, 1))]
+    us = [counter_uniform(seed_words(s), idx, torch.float64) for s in seeds]
+    for a, b in ((0, 1), (0, 2)):
+        c = torch.corrcoef(torch.stack([us[a], us[b]]))[0, 1]
+        assert abs(float(c)) < 5 / math.sqrt(N)
+        pairs = (us[a] * 16).long() * 16 + (us[b] * 16).long()
+        assert _chi2(torch.bincount(pairs, minlength=256)) < _chi2_limit(255)
+
+
+def test_bernoulli_rare_events_have_the_right_rate() -> None:
+    """Stochastic rounding depends on the tails: P(U < p) for small p,
+    against the binomial's 5 standard deviations."""
+    u = counter_uniform(seed_words(2024), torch.arange(N, dtype=torch.int32), torch.float32).double()
+    for p in (1e-4, 1e-3, 0.5, 1 - 1e-3):
+        hits = float((u < p).sum())
+        assert abs(hits - N * p) < 5 * math.sqrt(N * p * (1 - p)) + 1, p
+
+
+def test_shared_randomness_is_identical_for_the_same_seed_and_chunking_does_not_change_it() -> None:
+    """Every rank derives the same key from the shared seed, so the draws
+    are the same; a kernel run chunk by chunk sees the same element indices."""
+    seed = Context(key="k", step=5, rank=0, seed=1).shared_seed
+    assert seed == Context(key="k", step=5, rank=3, seed=1).shared_seed
+    flat = torch.randn(1000)
+
+    def draw(v: torch.Tensor, *, key: torch.Tensor | None, drawn: torch.Tensor | None) -> torch.Tensor:
+        return kit.uniform(v, key, drawn)
+
+    whole = kit.elementwise(draw, flat, 1000, key=seed_words(seed))
+    chunked = kit.elementwise(draw, flat, 64, key=seed_words(seed))  # 15 whole chunks + a short one
+    assert torch.equal(whole, chunked)
+    assert torch.equal(whole, counter_uniform(seed_words(seed), torch.arange(1000, dtype=torch.int32), torch.float32))
