@@ -161,6 +161,17 @@ def test_nothing_lost_in_phase3(variant: str, ps: list[dict], ring: list[dict]) 
             assert (avg - sent).norm() < 0.5 * sent.norm()
 
 
+def test_ps_without_innovation_sends_only_the_masters_message() -> None:
+    """innovation=0: no innovation collective at all (no empty collective);
+    replicas still agree."""
+    results = run_workers(_run, 2, "lgc:dense_steps=0,ae_steps=2,ratio=0.05,innovation=0,variant=ps", 4)
+    k, latent = results[0]["k"], results[0]["latent"]
+    assert results[0]["k_inn"] == 0
+    assert results[0]["bytes"][3] == 4 * k + 4 * latent + 4
+    for a, b in zip(results[0]["grad"], results[1]["grad"]):
+        assert torch.equal(a, b)
+
+
 def test_autoencoder_trained_in_phase2_only(ps: list[dict]) -> None:
     for r in ps:
         assert len(r["losses"]) == AE

@@ -161,7 +161,7 @@ def ps_latent(wire: Wire, acc: torch.Tensor, quotas: Quotas, k_inn: int, master:
     missed = acc.clone()
     missed[idx] -= decoded[wire.rank]
     inn_idx = torch.topk(missed.abs(), k_inn, sorted=False).indices.sort().values
-    gathered, sent_inn = wire.allgather([inn_idx.to(torch.int32), missed[inn_idx]])
+    gathered, sent_inn = wire.allgather([inn_idx.to(torch.int32), missed[inn_idx]]) if k_inn else ([], 0)
     summed = torch.zeros_like(acc)
     summed[idx] = decoded.sum(0)
     for r_idx, r_val in gathered:  # fixed rank order: identical sums on every rank
