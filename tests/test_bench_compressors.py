@@ -121,6 +121,7 @@ def test_matrix_methods_run_on_a_matrix_view(tmp_path):
         (["--compressors", "nosuch"], "unknown compressor 'nosuch'"),
         (["--compressors", "topk:ratio=2"], "'ratio' got 2.0"),
         (["--compressors", ""], "--compressors"),
+        (["--variants", "fast"], "--variants got 'fast'; allowed: comma-separated default, compiled, eager, hand"),
     ],
 )
 def test_bad_values_give_clear_errors(tmp_path, capsys, argv, message):
@@ -199,3 +200,28 @@ def test_peak_memory_is_measured_on_cpu():
         return b.sum()
 
     assert 8 * n <= peak_extra_bytes(two_temporaries, torch.device("cpu")) < 8 * n + 65536
+
+
+def test_variants_put_kit_and_hand_written_side_by_side(tmp_path, capsys):
+    """--variants: each kit declaration runs as registered, eager, and as the
+    frozen hand-written version it replaced (same wire size); other methods
+    only as registered. Two copy rooflines (1 thread, all threads) per size,
+    and the table says which one the fractions use."""
+    result = _run(tmp_path, "--compressors", "qsgd:levels=4,bucket=64,fp16", "--sizes", "3000",
+                  "--variants", "default,eager,hand")
+    out = capsys.readouterr().out
+    rows = {r["compressor"]: r for r in result["rows"] if r["kind"] == "method"}
+    assert set(rows) == {"qsgd:levels=4,bucket=64", "qsgd:levels=4,bucket=64 [eager]",
+                         "qsgd:levels=4,bucket=64 [hand]", "fp16"}
+    assert rows["qsgd:levels=4,bucket=64 [hand]"]["variant"] == "hand"
+    assert rows["qsgd:levels=4,bucket=64 [hand]"]["note"] == "hand-written reference"
+    assert len({r["wire_bytes"] for n, r in rows.items() if n.startswith("qsgd")}) == 1
+    assert all(r["threads"] == 1 for r in rows.values())
+    pair = result["rooflines"]["3000"]
+    assert pair["1"] > 0 and pair["all"] > 0 and pair["run_threads"] == 1
+    assert result["roofline"]["3000"] == pair["run"]
+    assert "1 thread" in out and "all threads" in out and "this run's 1 thread(s)" in out
+    kinds = {(t["compressor"], t["target"]) for t in result["targets"]}
+    assert ("qsgd:levels=4,bucket=64", "kit encode not slower than the hand-written version") in kinds
+    assert not any(c.endswith("[hand]") and "roofline" in t for c, t in kinds)
+    assert "--variants default,eager,hand" in result["command"]

@@ -21,7 +21,7 @@ import torch
 
 from gradpress.bench.args import positive_int
 from gradpress.bench.compressors_report import _json_safe, format_table
-from gradpress.bench.compressors_rows import ROW_FIELDS, bench_method, bench_reference
+from gradpress.bench.compressors_rows import ROW_FIELDS, VARIANTS, bench_method, bench_reference
 from gradpress.bench.compressors_sweep import evaluate_targets, run_benchmark
 from gradpress.bench.data import DATA_KINDS
 from gradpress.bench.specs import parse_compressors, parse_sizes
@@ -49,6 +49,11 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the input data (default: 0)")
     p.add_argument("--threads", type=positive_int("--threads"), default=None,
                    help="CPU threads for torch (default: torch's choice); 1 gives stable figures on a shared machine")
+    p.add_argument("--variants", default="default",
+                   help="comma-separated implementations to measure side by side: default (the registered "
+                        "compressor under GRADPRESS_COMPILE), compiled and eager (kit declarations forced to "
+                        "torch.compile or eager), hand (the frozen hand-written version a kit declaration "
+                        "replaced); e.g. 'compiled,eager,hand' (default: default)")
     p.add_argument("--json", metavar="FILE", default=None, help="write rows, skips, targets as JSON to FILE")
     p.add_argument("--out", metavar="DIR", default="bench-results",
                    help="directory for bench.png (default: bench-results)")
@@ -58,6 +63,10 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
 def main(args: argparse.Namespace) -> int:
     specs = parse_compressors(args.compressors)
     sizes = parse_sizes(args.sizes)
+    variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
+    bad = [v for v in variants if v not in VARIANTS]
+    if bad or not variants:
+        raise ValueError(f"--variants got {args.variants!r}; allowed: comma-separated {', '.join(VARIANTS)}")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device got 'cuda' but CUDA is not available on this machine; allowed here: cpu")
     if args.json:
@@ -68,17 +77,20 @@ def main(args: argparse.Namespace) -> int:
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"--out got {args.out!r}, which is a file; allowed: a directory")
 
+    all_threads = torch.get_num_threads()  # torch's default, before --threads: the all-thread roofline
     if args.threads is not None:
         torch.set_num_threads(args.threads)
 
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
-    result = run_benchmark(specs, sizes, args.device, args.data, args.repeats, args.warmup, args.seed, log)
+    result = run_benchmark(specs, sizes, args.device, args.data, args.repeats, args.warmup, args.seed, log,
+                           variants, all_threads)
     result["command"] = "gradpress bench compressors " + " ".join(
         f"--{k} {v}" for k, v in (("compressors", args.compressors), ("sizes", args.sizes),
                                   ("device", args.device), ("data", args.data), ("repeats", args.repeats),
-                                  ("threads", args.threads)) if v is not None)
+                                  ("threads", args.threads), ("variants", args.variants if args.variants != "default" else None))
+        if v is not None)
     print(format_table(result))
     from gradpress.bench.plot import plot_throughput
 

@@ -34,8 +34,15 @@ def format_table(result: dict[str, Any]) -> str:
             f"{_fmt(r['speedup_vs_topk'], '.2f'):>8} {_fmt(r['peak_temp_ratio'], '.2f'):>8}"
         )
     lines.append("")
+    pairs = result.get("rooflines", {})
     for size, roof in result["roofline"].items():
-        lines.append(f"copy roofline at {int(size):,} elements: {roof:.2f} GB/s (bytes read + written)")
+        pair = pairs.get(size)
+        if pair is None:
+            lines.append(f"copy roofline at {int(size):,} elements: {roof:.2f} GB/s (bytes read + written)")
+            continue
+        lines.append(f"copy roofline at {int(size):,} elements (bytes read + written, best of several runs): "
+                     f"1 thread {pair['1']:.2f} GB/s, all threads {pair['all']:.2f} GB/s; "
+                     f"%roof uses {roof:.2f} GB/s, measured at this run's {pair['run_threads']} thread(s)")
     for s in result["skipped"]:
         lines.append(f"skipped {s['compressor']} at {s['numel']:,}: {s['reason']}")
     missed = [t for t in result["targets"] if not t["met"]]

@@ -37,8 +37,11 @@ from gradpress.bench.data import matrix_shape
 from gradpress.bench.measure import peak_extra_bytes, time_call
 from gradpress.bench.specs import build, density_of
 from gradpress.compress.base import Compressor, Context, Packet
+from gradpress.compress.handwritten import HANDWRITTEN, handwritten
+from gradpress.compress.kit import compiler
+from gradpress.compress.spec import parse_stage
 
-__all__ = ["ROW_FIELDS", "bench_method", "bench_reference"]
+__all__ = ["ROW_FIELDS", "VARIANTS", "bench_method", "bench_reference", "variant_applies"]
 
 #: fields every JSON row carries
 ROW_FIELDS = (
@@ -46,8 +49,13 @@ ROW_FIELDS = (
     "encode_s", "decode_s", "encode_gbps", "decode_gbps", "wire_bytes", "ratio", "rel_error",
     "roofline_gbps", "encode_roofline_fraction",
     "density_target", "density_achieved", "density_quality", "reported_quality", "speedup_vs_topk",
-    "peak_temp_bytes", "peak_temp_ratio", "note",
+    "peak_temp_bytes", "peak_temp_ratio", "note", "variant", "threads",
 )
+
+#: implementations ``--variants`` can compare for a kit declaration: the
+#: registered one compiled (torch.compile) or eager, and the frozen
+#: hand-written version it replaced (gradpress/compress/handwritten/)
+VARIANTS = ("default", "compiled", "eager", "hand")
 
 
 class _Skip(Exception):
@@ -102,7 +110,38 @@ def _rel_error(out: torch.Tensor, x: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(out.reshape(x.shape).double() - xd) / denom) if denom > 0 else 0.0
 
 
-def _prepare(spec: str, x: torch.Tensor) -> tuple[_Runner, Any, torch.Tensor, str]:
+def variant_applies(spec: str, variant: str) -> bool:
+    """Whether ``variant`` means something for ``spec``: ``default`` always;
+    ``compiled``/``eager`` for kit declarations; ``hand`` where a frozen
+    hand-written version exists (a single-stage spec)."""
+    if variant == "default":
+        return True
+    if ">" in spec:
+        return False
+    name, _ = parse_stage(spec)
+    if variant == "hand":
+        return name in HANDWRITTEN
+    from gradpress.compress.kit import KitCompressor
+    from gradpress.compress.registry import get_class
+
+    return issubclass(get_class(name), KitCompressor)
+
+
+def _builder(variant: str) -> Any:
+    if variant != "hand":
+        return build
+
+    def build_hand(spec: str) -> tuple[Compressor, str]:
+        name, params = parse_stage(spec)
+        return handwritten(name, **params), "hand-written reference"
+    return build_hand
+
+
+def _compile_mode(variant: str) -> str:
+    return {"compiled": "on", "eager": "off"}.get(variant, compiler.mode())
+
+
+def _prepare(spec: str, x: torch.Tensor, builder: Any = build) -> tuple[_Runner, Any, torch.Tensor, str]:
     """``(runner, first encoded, first decoded, note)`` on ``x`` or, when the
     method rejects 1-D input (or, for a multi-round method, its protocol
     declines it), on its matrix view; raises _Skip with every reason when
@@ -115,12 +154,12 @@ def _prepare(spec: str, x: torch.Tensor) -> tuple[_Runner, Any, torch.Tensor, st
         candidates.append(x.view(rows, cols))
     for cand in candidates:
         try:
-            comp, note = build(spec)
+            comp, note = builder(spec)
             if comp.rounds > 1:
                 _, out = comp.begin(cand, Context(step=1, seed=comp.seed))
                 if out is None:
                     raise _Skip("the multi-round protocol declines this shape (it would travel dense)")
-                comp, note = build(spec)  # fresh again: begin may have touched state
+                comp, note = builder(spec)  # fresh again: begin may have touched state
             runner = _Runner(comp, cand)
             encoded = runner.encode()
             out = runner.decode(encoded)
@@ -135,7 +174,8 @@ def _prepare(spec: str, x: torch.Tensor) -> tuple[_Runner, Any, torch.Tensor, st
 def _base_row(spec: str, name: str, kind: str, x: torch.Tensor, data: str, roof: float) -> dict[str, Any]:
     row: dict[str, Any] = dict.fromkeys(ROW_FIELDS)
     row.update(compressor=spec, name=name, kind=kind, numel=x.numel(), shape=list(x.shape),
-               device=str(x.device), data=data, roofline_gbps=roof, note="")
+               device=str(x.device), data=data, roofline_gbps=roof, note="", variant="default",
+               threads=torch.get_num_threads())
     return row
 
 
@@ -149,12 +189,23 @@ def _finish_row(row: dict[str, Any], nbytes_in: int, t_enc: float, t_dec: float 
     row["encode_roofline_fraction"] = row["encode_gbps"] / row["roofline_gbps"]
 
 
-def bench_method(spec: str, x: torch.Tensor, data: str, roof: float, repeats: int, warmup: int) -> dict[str, Any]:
-    """One row for compressor ``spec`` on ``x``; raises _Skip."""
-    runner, first, out, note = _prepare(spec, x)
+def bench_method(spec: str, x: torch.Tensor, data: str, roof: float, repeats: int, warmup: int,
+                 variant: str = "default") -> dict[str, Any]:
+    """One row for compressor ``spec`` on ``x`` (``variant``: see
+    :data:`VARIANTS`; compiled/eager force the kit's compile policy for
+    every call of the row, warm-up and compilation excluded from the
+    timing); raises _Skip."""
+    with compiler.forced(_compile_mode(variant)):
+        return _bench_method(spec, x, data, roof, repeats, warmup, variant)
+
+
+def _bench_method(spec: str, x: torch.Tensor, data: str, roof: float, repeats: int, warmup: int,
+                  variant: str) -> dict[str, Any]:
+    runner, first, out, note = _prepare(spec, x, _builder(variant))
     comp = runner.comp
-    row = _base_row(spec, comp.name, "method", runner.x, data, roof)
-    row["note"] = note
+    label = spec if variant == "default" else f"{spec} [{variant}]"
+    row = _base_row(label, comp.name, "method", runner.x, data, roof)
+    row.update(note=note, variant=variant)
     # error, density and wire size of the fresh instance's first call: for
     # stateful methods (momentum, residual-like accumulators) later calls
     # compress accumulated state, not x

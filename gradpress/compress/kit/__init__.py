@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from gradpress.compress.bits import byte_table
+from gradpress.compress.bits import byte_table, pack_bits, unpack_bits
 from gradpress.compress.kit import compiler
 from gradpress.compress.kit.declare import KitCompressor
 from gradpress.compress.kit.layout import Field, FieldSize
@@ -46,11 +46,17 @@ __all__ = [
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack unsigned ``codes`` of ``bits`` bits (1..24) LSB-first into uint8
-    (:func:`gradpress.compress.kit.packing.pack`), compiled by policy."""
-    return compiler.run(_pack, codes.numel(), codes, bits)
+    """Pack unsigned ``codes`` of ``bits`` bits (1..24) LSB-first into uint8:
+    compiled (:func:`gradpress.compress.kit.packing.pack`) when the policy
+    compiles, else the eager kernels of :mod:`gradpress.compress.bits`
+    (the same bit stream, tested)."""
+    if compiler.compiles(codes.numel()):
+        return compiler.run(_pack, codes.numel(), codes, bits)
+    return pack_bits(codes, bits)
 
 
 def unpack(data: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
-    """Inverse of :func:`pack` (:func:`gradpress.compress.kit.packing.unpack`)."""
-    return compiler.run(_unpack, numel, data, bits, numel)
+    """Inverse of :func:`pack` (uint8 codes for bits <= 8, int32 wider)."""
+    if compiler.compiles(numel):
+        return compiler.run(_unpack, numel, data, bits, numel)
+    return unpack_bits(data, bits, numel)

@@ -8,9 +8,10 @@ one pass instead of one eager pass each.
 Policy (``GRADPRESS_COMPILE``, read at every call):
 
 * ``auto`` (default): compile when the tensor has at least
-  :data:`MIN_COMPILE_NUMEL` elements (below that a compile costs more than it
-  can ever save, and the test suite, whose tensors are small, never pays for
-  a compile); eager otherwise.
+  :data:`MIN_COMPILE_NUMEL` elements (16K: below that a compiled call's
+  guards and launch cost about what the eager ops do); eager otherwise.
+  One compile per kernel serves every larger size (dynamic shapes); the
+  test suite sets ``GRADPRESS_COMPILE=0`` (tests/conftest.py).
 * ``1``/``on``: compile at every size (the dedicated tests).
 * ``0``/``off``: never compile (the eager fallback).
 
@@ -33,10 +34,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["MIN_COMPILE_NUMEL", "mode", "forced", "run", "compiled_count"]
+__all__ = ["MIN_COMPILE_NUMEL", "compiled_count", "compiles", "forced", "mode", "run"]
 
 #: smallest tensor that ``auto`` compiles for
-MIN_COMPILE_NUMEL = 1 << 18
+MIN_COMPILE_NUMEL = 1 << 14
 
 _MODES = {"auto": "auto", "": "auto", "1": "on", "on": "on", "true": "on", "0": "off", "off": "off", "false": "off"}
 _cache: dict[Callable[..., Any], Callable[..., Any]] = {}
@@ -68,7 +69,8 @@ def forced(value: str) -> Iterator[None]:
         _forced.pop()
 
 
-def _wants(numel: int) -> bool:
+def compiles(numel: int) -> bool:
+    """Whether the policy compiles a kernel over ``numel`` elements."""
     m = mode()
     return m == "on" or (m == "auto" and numel >= MIN_COMPILE_NUMEL)
 
@@ -81,7 +83,7 @@ def compiled_count() -> int:
 def run(kernel: Callable[..., Any], numel: int, *args: Any, **kwargs: Any) -> Any:
     """``kernel(*args, **kwargs)``, compiled when the policy says so for a
     tensor of ``numel`` elements, eager otherwise."""
-    if not _wants(numel) or kernel in _failed:
+    if not compiles(numel) or kernel in _failed:
         return kernel(*args, **kwargs)
     fn = _cache.get(kernel)
     if fn is None:

@@ -48,16 +48,16 @@ def seed_words(seed: int, device: torch.device | str = "cpu", salt: int = 0) -> 
 
 
 def _lowbias32(h: torch.Tensor) -> torch.Tensor:
-    h = h ^ ((h >> 16) & 0xFFFF)
-    h = h * _M1
-    h = h ^ ((h >> 15) & 0x1FFFF)
-    h = h * _M2
-    return h ^ ((h >> 16) & 0xFFFF)
+    """Wellons' lowbias32 on int32 ``h``, in place (``h`` must be a fresh
+    tensor: eager code then allocates one temporary, not eleven)."""
+    h.bitwise_xor_((h >> 16).bitwise_and_(0xFFFF)).mul_(_M1)
+    h.bitwise_xor_((h >> 15).bitwise_and_(0x1FFFF)).mul_(_M2)
+    return h.bitwise_xor_((h >> 16).bitwise_and_(0xFFFF))
 
 
 def counter_bits(key: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """32 random bits (int32, any sign) for every int32 ``index``."""
-    return _lowbias32(_lowbias32(index + key[0]) ^ key[1])
+    return _lowbias32(_lowbias32(index + key[0]).bitwise_xor_(key[1]))
 
 
 def counter_uniform(key: torch.Tensor, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
