@@ -49,12 +49,11 @@ __all__ = ["MAX_LEVELS", "QSGD", "compute_dtype"]
 MAX_LEVELS = (1 << 23) - 1  # level + sign must fit the 24-bit packer
 
 
-def _levels(v, a, c=None, *, key, drawn, s):
-    """(level << 1) | sign, level = min(floor(|v| a + U), s) (or |v| / a * c)."""
+def _levels(v, a, c=None, *, key, drawn, bits, s):
+    """(level << 1) | sign, level = min(floor(|v| a + U), s) (or |v| / a * c), packed."""
     y = v.abs() * a if c is None else v.abs() / a * c
     level = torch.fmin(torch.floor(y + kit.uniform(y, key, drawn)), torch.tensor(s, dtype=y.dtype, device=y.device))
-    wide = torch.uint8 if s <= 127 else torch.int32
-    return level.to(wide) * 2 + (v < 0).to(wide)
+    return kit.pack_rows(level.to(torch.int32) * 2 + (v < 0).to(torch.int32), bits)
 
 
 def _values(c, scale, *, key, drawn, cdt, wide):
@@ -97,8 +96,8 @@ class QSGD(kit.KitCompressor):
             stats = (factor,)
         else:  # s / n overflows for norms below s / max (subnormal buckets): |v| / n first, then times s
             stats = (torch.where(pos, n, torch.ones_like(n)), torch.where(pos, torch.full_like(n, s), torch.zeros_like(n)))
-        codes = kit.elementwise(_levels, flat, b, stats, **self.randomness(flat, ctx), s=s)
-        return {"norms": wire, "codes": kit.pack(codes, self.bits)}
+        codes = kit.elementwise(_levels, flat, b, stats, **self.randomness(flat, ctx), pack=self.bits, s=s)
+        return {"norms": wire, "codes": codes}
 
     def decode_fields(self, fields: dict[str, torch.Tensor], numel: int, dtype: torch.dtype) -> torch.Tensor:
         cdt, s = compute_dtype(dtype), float(self.levels)

@@ -48,11 +48,14 @@ from gradpress.compress.base import Context, Param
 from gradpress.compress.numerics import centered_std, compute_dtype, pack_scale, round_up_to, unpack_scale
 from gradpress.compress.registry import register
 
+TILE = 4096  # elements per row of the kernel (the scale is one scalar)
 
-def _ternary(g: torch.Tensor, s: torch.Tensor, *, key: torch.Tensor | None, drawn: torch.Tensor | None) -> torch.Tensor:
-    """2-bit codes 0 (zero), 1 (+s), 2 (-s): keep_i = U_i s < |g_i|."""
+
+def _ternary(g: torch.Tensor, s: torch.Tensor, *, key: torch.Tensor | None, drawn: torch.Tensor | None,
+             bits: int | None) -> torch.Tensor:
+    """2-bit codes 0 (zero), 1 (+s), 2 (-s): keep_i = U_i s < |g_i|, packed."""
     keep = kit.uniform(g, key, drawn) * s < g.abs()
-    return keep.to(torch.uint8) << (g < 0).to(torch.uint8)
+    return kit.pack_rows(keep.to(torch.int32) * (1 + (g < 0).to(torch.int32)), bits)
 
 
 @register
@@ -80,8 +83,8 @@ class TernGrad(kit.KitCompressor):
             s = torch.where(bound > 0, torch.minimum(s, bound), s)  # max |clip(g)| = min(max |g|, bound)
         wire = pack_scale(round_up_to(s, dtype), dtype, away=True)
         s = unpack_scale(wire, dtype).reshape(())  # the scale the decoder sees, >= the one computed
-        codes = kit.elementwise(_ternary, g, g.numel(), (s,), **self.randomness(g, ctx))
-        return {"scale": wire, "codes": kit.pack(codes, 2)}
+        codes = kit.elementwise(_ternary, g, TILE, (s,), **self.randomness(g, ctx), pack=2)  # s: one scalar
+        return {"scale": wire, "codes": codes}
 
     def decode_fields(self, fields: dict[str, torch.Tensor], numel: int, dtype: torch.dtype) -> torch.Tensor:
         data = fields["codes"]

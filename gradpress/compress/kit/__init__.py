@@ -22,13 +22,12 @@ from gradpress.compress.bits import byte_table, pack_bits, unpack_bits
 from gradpress.compress.kit import compiler
 from gradpress.compress.kit.declare import KitCompressor
 from gradpress.compress.kit.layout import Field, FieldSize
-from gradpress.compress.kit.packing import pack as _pack
 from gradpress.compress.kit.packing import packed_nbytes
-from gradpress.compress.kit.packing import unpack as _unpack
 from gradpress.compress.kit.primitives import (
     chunks,
     elementwise,
     gather,
+    pack_rows,
     random_bits,
     reduce,
     scatter,
@@ -40,23 +39,20 @@ from gradpress.compress.kit.rng import counter_bits, counter_uniform, seed_words
 
 __all__ = [
     "Field", "FieldSize", "KitCompressor", "byte_table", "chunks", "compiler", "counter_bits", "counter_uniform",
-    "elementwise", "gather", "pack", "packed_nbytes", "random_bits", "reduce", "scatter", "seed_words",
+    "elementwise", "gather", "pack", "pack_rows", "packed_nbytes", "random_bits", "reduce", "scatter", "seed_words",
     "select_mask", "select_topk", "uniform", "unpack",
 ]
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack unsigned ``codes`` of ``bits`` bits (1..24) LSB-first into uint8:
-    compiled (:func:`gradpress.compress.kit.packing.pack`) when the policy
-    compiles, else the eager kernels of :mod:`gradpress.compress.bits`
-    (the same bit stream, tested)."""
-    if compiler.compiles(codes.numel()):
-        return compiler.run(_pack, codes.numel(), codes, bits)
+    """Pack unsigned ``codes`` of ``bits`` bits (1..24) LSB-first into uint8,
+    ``ceil(n * bits / 8)`` bytes. A standalone pack runs the eager kernels of
+    :mod:`gradpress.compress.bits` (word-wide multiply and shift tricks,
+    faster than a compiled gather of strided columns, measured); inside a
+    kernel, :func:`pack_rows` fuses packing into the kernel instead."""
     return pack_bits(codes, bits)
 
 
 def unpack(data: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
     """Inverse of :func:`pack` (uint8 codes for bits <= 8, int32 wider)."""
-    if compiler.compiles(numel):
-        return compiler.run(_unpack, numel, data, bits, numel)
     return unpack_bits(data, bits, numel)

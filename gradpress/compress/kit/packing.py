@@ -18,7 +18,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-__all__ = ["pack", "unpack", "packed_nbytes"]
+__all__ = ["pack", "pack_groups", "unpack", "packed_nbytes"]
 
 
 def packed_nbytes(numel: int, bits: int) -> int:
@@ -43,11 +43,22 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     m = -(-n // per)
     wide = torch.int32 if bits > 8 else torch.uint8
     grid = F.pad(codes.to(wide), (0, m * per - n)).view(m, per)
-    if nb == 1:  # 1, 2, 4 bits: every code of the group lands in one byte
+    return pack_groups(grid, bits)[: packed_nbytes(n, bits)]
+
+
+def pack_groups(grid: torch.Tensor, bits: int) -> torch.Tensor:
+    """Packed bytes of ``(m, L)`` codes, L = 8 / gcd(bits, 8) codes per
+    group (whole groups: no padding, so a compiled kernel has no masked
+    load); flat uint8, ``m * bits * L / 8`` bytes."""
+    per, nb = _check(bits)
+    if bits == 8:
+        return grid.reshape(-1).to(torch.uint8)
+    if nb == 1:  # 1, 2, 4 bits: every code of the group lands in one byte (int32 shifts vectorize)
+        grid = grid.to(torch.int32)
         acc = grid[:, 0]
         for j in range(1, per):
             acc = acc | (grid[:, j] << (j * bits))
-        return acc
+        return acc.to(torch.uint8)
     grid = grid.to(torch.int32)
     cols = []
     for k in range(nb):
@@ -60,7 +71,7 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
             term = grid[:, j] << shift if shift >= 0 else grid[:, j] >> -shift
             acc = term if acc is None else acc | term
         cols.append(acc & 0xFF)
-    return torch.stack(cols, dim=1).to(torch.uint8).reshape(-1)[: packed_nbytes(n, bits)]
+    return torch.stack(cols, dim=1).to(torch.uint8).reshape(-1)
 
 
 def unpack(data: torch.Tensor, bits: int, numel: int) -> torch.Tensor:

@@ -19,16 +19,17 @@ is over at most two views (the whole chunks and the short last one).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from gradpress.compress.kit import compiler
+from gradpress.compress.kit import compiler, packing
 from gradpress.compress.kit.rng import counter_bits, counter_uniform
 from gradpress.compress.numerics import row_norms
 
-__all__ = ["chunks", "reduce", "elementwise", "uniform", "random_bits", "select_topk", "select_mask",
+__all__ = ["chunks", "reduce", "elementwise", "pack_rows", "uniform", "random_bits", "select_topk", "select_mask",
            "scatter", "gather"]
 
 
@@ -67,35 +68,66 @@ def reduce(flat: torch.Tensor, op: str, chunk: int) -> Any:
 
 def elementwise(kernel: Callable[..., torch.Tensor], flat: torch.Tensor, chunk: int,
                 per_chunk: tuple[torch.Tensor, ...] = (), key: torch.Tensor | None = None,
-                drawn: torch.Tensor | None = None, **static: Any) -> torch.Tensor:
-    """Flat result of ``kernel(v, *stats, key=, drawn=, **static)`` over
-    ``flat`` cut into chunks (:func:`chunks`); ``v`` is a ``(rows, chunk)``
-    view and each ``per_chunk`` tensor (one entry per chunk) comes as a
-    ``(rows, 1)`` column, so ``v * stat`` broadcasts along the chunk.
+                drawn: torch.Tensor | None = None, pack: int | None = None, **static: Any) -> torch.Tensor:
+    """Flat result of ``kernel(v, *stats, key=, drawn=, **static)``
+    over ``flat`` cut into chunks (:func:`chunks`); ``v`` is a ``(rows,
+    chunk)`` view and each ``per_chunk`` tensor (one entry per chunk) comes
+    as a ``(rows, 1)`` column, so ``v * stat`` broadcasts along the chunk.
 
     Randomness: ``key`` (from :func:`gradpress.compress.kit.rng.seed_words`)
     makes counter-based draws inside the kernel, the element index counted
     over the whole flat tensor; ``drawn`` passes values drawn beforehand
     (one per element of ``flat``: the torch-generator stream). ``static``
-    values are Python constants (a compile specializes on them)."""
-    d = flat.numel()
+    values are Python constants (a compile specializes on them).
+
+    ``pack``: the kernel returns unsigned codes of ``pack`` bits and the
+    result is their packed stream (:func:`gradpress.compress.kit.packing.pack`).
+    When a chunk holds whole bytes of codes (``chunk * pack % 8 == 0``) the
+    kernel packs each row itself, fused: with ``pack`` the kernel also takes
+    ``bits`` and ends with ``return pack_rows(codes, bits)`` (the identity
+    for ``bits=None``, given to the short last chunk and to chunks that do
+    not hold whole bytes, which are packed afterwards); the packed rows
+    concatenate to the packed stream."""
     parts = chunks(flat, max(chunk, 1))
-    outs, start, row = [], 0, 0
+    fuse = pack is not None and (chunk * pack) % 8 == 0
+    outs, codes, start, row = [], [], 0, 0
     for v in parts:
         rows, n = v.shape[0], v.numel()
         stats = tuple(s[row: row + rows, None] if s.dim() else s for s in per_chunk)
         part_key = None if key is None else torch.cat([key[:2], key[2:] + start])
         part_drawn = None if drawn is None else drawn[start: start + n].view(v.shape)
-        outs.append(compiler.run(kernel, n, v, *stats, key=part_key, drawn=part_drawn, **static).reshape(-1))
+        bits = pack if fuse and v.shape[1] == chunk else None
+        extra = {} if pack is None else {"bits": bits}
+        out = compiler.run(kernel, n, v, *stats, key=part_key, drawn=part_drawn, **extra, **static).reshape(-1)
+        (codes if pack is not None and bits is None else outs).append(out)
         start += n
         row += rows
-    if not outs:
+    if pack is not None:
+        if codes:
+            outs.append(_pack_stream(torch.cat(codes) if len(codes) > 1 else codes[0], pack))
+        if not outs:
+            return _pack_stream(flat.new_zeros(0, dtype=torch.uint8), pack)
+    elif not outs:
         return kernel(flat.view(0, 1), *(s[:0, None] if s.dim() else s for s in per_chunk), key=key,
                       drawn=None if drawn is None else drawn.view(0, 1), **static).reshape(-1)
-    if len(outs) == 1:
-        return outs[0]
-    assert start == d
-    return torch.cat(outs)
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def _pack_stream(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    from gradpress.compress.bits import pack_bits  # the eager word-wide kernels (see kit.pack)
+
+    return pack_bits(codes, bits)
+
+
+def pack_rows(codes: torch.Tensor, bits: int | None) -> torch.Tensor:
+    """Inside a kernel: the ``(rows, c)`` codes packed row by row, ``(rows,
+    c * bits / 8)`` uint8 (``c * bits`` a multiple of 8); ``bits=None``
+    returns ``codes`` unchanged. Same LSB-first stream as
+    :func:`gradpress.compress.kit.packing.pack` of the flattened codes."""
+    if bits is None:
+        return codes
+    per = 8 // math.gcd(bits, 8)
+    return packing.pack_groups(codes.reshape(-1, per), bits).view(codes.shape[0], -1)
 
 
 def _index(v: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
