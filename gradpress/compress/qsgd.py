@@ -49,11 +49,11 @@ __all__ = ["MAX_LEVELS", "QSGD", "compute_dtype"]
 MAX_LEVELS = (1 << 23) - 1  # level + sign must fit the 24-bit packer
 
 
-def _levels(v, a, c=None, *, key, drawn, bits, s):
+def _levels(v, a, c=None, *, key, drawn, bits, fuse, s):
     """(level << 1) | sign, level = min(floor(|v| a + U), s) (or |v| / a * c), packed."""
     y = v.abs() * a if c is None else v.abs() / a * c
     level = torch.fmin(torch.floor(y + kit.uniform(y, key, drawn)), torch.tensor(s, dtype=y.dtype, device=y.device))
-    return kit.pack_rows(level.to(torch.int32) * 2 + (v < 0).to(torch.int32), bits)
+    return kit.pack_rows(level.to(torch.int32) * 2 + (v < 0).to(torch.int32), bits, fuse)
 
 
 def _values(c, scale, *, key, drawn, cdt, wide):

@@ -52,10 +52,10 @@ TILE = 4096  # elements per row of the kernel (the scale is one scalar)
 
 
 def _ternary(g: torch.Tensor, s: torch.Tensor, *, key: torch.Tensor | None, drawn: torch.Tensor | None,
-             bits: int | None) -> torch.Tensor:
+             bits: int, fuse: bool) -> torch.Tensor:
     """2-bit codes 0 (zero), 1 (+s), 2 (-s): keep_i = U_i s < |g_i|, packed."""
     keep = kit.uniform(g, key, drawn) * s < g.abs()
-    return kit.pack_rows(keep.to(torch.int32) * (1 + (g < 0).to(torch.int32)), bits)
+    return kit.pack_rows(keep.to(torch.int32) * (1 + (g < 0).to(torch.int32)), bits, fuse)
 
 
 @register

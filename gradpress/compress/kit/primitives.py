@@ -29,8 +29,12 @@ from gradpress.compress.kit import compiler, packing
 from gradpress.compress.kit.rng import counter_bits, counter_uniform
 from gradpress.compress.numerics import row_norms
 
-__all__ = ["chunks", "reduce", "elementwise", "pack_rows", "uniform", "random_bits", "select_topk", "select_mask",
+__all__ = ["FUSED_WIDTHS", "chunks", "reduce", "elementwise", "pack_rows", "uniform", "random_bits", "select_topk", "select_mask",
            "scatter", "gather"]
+
+
+#: code widths a kernel packs itself (see :func:`elementwise`)
+FUSED_WIDTHS = (1, 2, 4)
 
 
 def chunks(flat: torch.Tensor, chunk: int) -> list[torch.Tensor]:
@@ -82,24 +86,26 @@ def elementwise(kernel: Callable[..., torch.Tensor], flat: torch.Tensor, chunk: 
 
     ``pack``: the kernel returns unsigned codes of ``pack`` bits and the
     result is their packed stream (:func:`gradpress.compress.kit.packing.pack`).
-    When a chunk holds whole bytes of codes (``chunk * pack % 8 == 0``) the
-    kernel packs each row itself, fused: with ``pack`` the kernel also takes
-    ``bits`` and ends with ``return pack_rows(codes, bits)`` (the identity
-    for ``bits=None``, given to the short last chunk and to chunks that do
-    not hold whole bytes, which are packed afterwards); the packed rows
-    concatenate to the packed stream."""
+    The kernel then also takes ``bits`` (= ``pack``) and ``fuse`` and ends
+    with ``return pack_rows(codes, bits, fuse)``. ``fuse`` is True when the
+    kernel should pack each row itself: widths 1, 2 and 4 (a byte holds whole
+    codes) on chunks of whole bytes; the packed rows concatenate to the
+    stream. Otherwise (wider or odd widths, whose compiled byte gathers were
+    measured slower than :func:`gradpress.compress.bits.pack_bits`, and the
+    short last chunk) it returns the codes, uint8 or int32, packed afterwards.
+    """
     parts = chunks(flat, max(chunk, 1))
-    fuse = pack is not None and (chunk * pack) % 8 == 0
+    fuse = pack in FUSED_WIDTHS and (chunk * pack) % 8 == 0
     outs, codes, start, row = [], [], 0, 0
     for v in parts:
         rows, n = v.shape[0], v.numel()
         stats = tuple(s[row: row + rows, None] if s.dim() else s for s in per_chunk)
         part_key = None if key is None else torch.cat([key[:2], key[2:] + start])
         part_drawn = None if drawn is None else drawn[start: start + n].view(v.shape)
-        bits = pack if fuse and v.shape[1] == chunk else None
-        extra = {} if pack is None else {"bits": bits}
+        fused = fuse and v.shape[1] == chunk
+        extra = {} if pack is None else {"bits": pack, "fuse": fused}
         out = compiler.run(kernel, n, v, *stats, key=part_key, drawn=part_drawn, **extra, **static).reshape(-1)
-        (codes if pack is not None and bits is None else outs).append(out)
+        (codes if pack is not None and not fused else outs).append(out)
         start += n
         row += rows
     if pack is not None:
@@ -119,13 +125,13 @@ def _pack_stream(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return pack_bits(codes, bits)
 
 
-def pack_rows(codes: torch.Tensor, bits: int | None) -> torch.Tensor:
-    """Inside a kernel: the ``(rows, c)`` codes packed row by row, ``(rows,
-    c * bits / 8)`` uint8 (``c * bits`` a multiple of 8); ``bits=None``
-    returns ``codes`` unchanged. Same LSB-first stream as
-    :func:`gradpress.compress.kit.packing.pack` of the flattened codes."""
-    if bits is None:
-        return codes
+def pack_rows(codes: torch.Tensor, bits: int, fuse: bool) -> torch.Tensor:
+    """Inside a kernel: with ``fuse``, the ``(rows, c)`` codes packed row by
+    row, ``(rows, c * bits / 8)`` uint8 (the same LSB-first stream as
+    :func:`gradpress.compress.kit.packing.pack` of the flattened codes);
+    without, the codes as uint8 (``bits <= 8``) or int32, unpacked."""
+    if not fuse:
+        return codes.to(torch.uint8 if bits <= 8 else torch.int32)
     per = 8 // math.gcd(bits, 8)
     return packing.pack_groups(codes.reshape(-1, per), bits).view(codes.shape[0], -1)
 
