@@ -148,8 +148,11 @@ def parse_configs(text: str, option: str = "--configs") -> list[RunConfig]:
                              f"{compressor.name!r} (a {compressor.rounds}-round allreduce protocol); allowed: collective, auto, allreduce")
         label = (f"gradpress {'' if algo == 'ddp' else algo + '/'}{spec}" + ("" if strategy == "collective" else f"@{strategy}")
                  + ("" if error_feedback is None else ("+ef" if error_feedback else "+noef")))
+        # a multi-round protocol (PowerSGD) runs on the same single DDP bucket as PyTorch's PowerSGD
+        # baseline, so the two compare on the same bucketing (one round pair per step, after backward)
         out.append(RunConfig("gradpress", label, spec=spec, strategy=strategy, start=_start_iter(compressor),
-                             error_feedback=error_feedback, algorithm=algo))
+                             error_feedback=error_feedback, algorithm=algo,
+                             single_bucket=compressor.rounds > 1 and algo == "ddp"))
     _check_unique(out, option)
     return out
 

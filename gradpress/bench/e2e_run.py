@@ -98,7 +98,8 @@ def run_e2e(args: argparse.Namespace) -> dict[str, Any]:
             row["speedup"] = ref["time_to_target_s"] / row["time_to_target_s"]
     if any(c.single_bucket for c in configs):
         notes.append("PyTorch's powerSGD_hook runs with a single DDP bucket (bucket_cap_mb = model size + 1 MiB): "
-                     "with several buckets on gloo its allreduces can be issued in different orders on different ranks.")
+                     "with several buckets on gloo its allreduces can be issued in different orders on different ranks. "
+                     "gradpress PowerSGD (multi-round) runs on the same single bucket, so both compare on one bucketing.")
     starts = [c for c in configs if c.start > args.warmup]
     if mode == "step" and starts:
         notes.append("warm-up raised to the compression start for: "
