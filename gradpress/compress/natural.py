@@ -59,11 +59,11 @@ def max_exponent_code(dtype: torch.dtype) -> int:
 
 def _round32(x: torch.Tensor, *, key: torch.Tensor | None, drawn: torch.Tensor | None, cap: int) -> torch.Tensor:
     """fp32 bits + U (U < 2^23) carry into the exponent with P = mantissa / 2^23;
-    no rounding up at e >= cap. Returns exponent code | sign << 8 (int32)."""
+    no rounding up at e >= cap. Returns the exponent codes (uint8)."""
     bits = x.view(torch.int32)
     u = kit.random_bits(x, key, drawn, 23)
     u = torch.where((bits & 0x7FFFFFFF) >= (cap << 23), torch.zeros_like(u), u)
-    return (((u + bits) >> 23) & 0xFF) | ((bits < 0).to(torch.int32) << 8)
+    return (((u + bits) >> 23) & 0xFF).to(torch.uint8)
 
 
 def _round64(x: torch.Tensor, *, key: torch.Tensor | None, drawn: torch.Tensor | None, cap: int) -> torch.Tensor:
@@ -82,7 +82,7 @@ def _round64(x: torch.Tensor, *, key: torch.Tensor | None, drawn: torch.Tensor |
     code = torch.where(tiny, up.to(torch.int64), code)
     code = torch.where(mag >= (_TINY_EXP64 - 1 + cap) << _M64, torch.full_like(code, cap), code)
     code = torch.where(mag >= 0x7FF << _M64, torch.full_like(code, 255), code)
-    return code | ((bits < 0).to(torch.int64) << 8)
+    return code.to(torch.uint8)
 
 
 @register
@@ -100,11 +100,10 @@ class Natural(kit.KitCompressor):
 
     def encode_fields(self, flat: torch.Tensor, dtype: torch.dtype, ctx: Context) -> dict[str, torch.Tensor]:
         kernel = _round64 if flat.dtype == torch.float64 else _round32
-        if flat.dtype == torch.float64 and self.random_stream == "counter":
-            flat = flat.contiguous()
-        out = kit.elementwise(kernel, flat.contiguous(), flat.numel(), (), **self.randomness(flat, ctx),
+        flat = flat.contiguous()
+        out = kit.elementwise(kernel, flat, flat.numel(), (), **self.randomness(flat, ctx),
                               cap=max_exponent_code(dtype))
-        return {"codes": out.to(torch.uint8), "signs": kit.pack(out >> 8, 1)}
+        return {"codes": out, "signs": kit.pack(torch.signbit(flat), 1)}  # signbit: -0.0 and NaN's sign too
 
     def decode_fields(self, fields: dict[str, torch.Tensor], numel: int, dtype: torch.dtype) -> torch.Tensor:
         signs = fields["signs"]
