@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["fused_allreduce", "allgather_bytes"]
+__all__ = ["fused_allreduce", "allgather_bytes", "allgather_with_head"]
 
 
 def fused_allreduce(tensors: list[torch.Tensor], group: dist.ProcessGroup | None) -> tuple[list[torch.Tensor], int]:
@@ -45,23 +45,49 @@ def allgather_bytes(buffer: torch.Tensor, group: dist.ProcessGroup | None, world
     ``variable``: one int64 size exchange first, then padding to the largest,
     rounded up to 8 bytes; gloo has no allgatherv). Returns the per-rank
     buffers and the bytes handed over."""
+    _, buffers, sent = allgather_with_head(buffer, None, group, world_size, variable)
+    return buffers, sent
+
+
+def allgather_with_head(buffer: torch.Tensor, head: torch.Tensor | None, group: dist.ProcessGroup | None,
+                        world_size: int, variable: bool) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
+    """As :func:`allgather_bytes`, with a uint8 ``head`` of the same length on
+    every rank travelling in the first collective (with the sizes when
+    ``variable``, else in front of the buffer): one collective fewer for a
+    caller that has small fixed-size data to share (the engine's prelude).
+    Returns (per-rank heads, per-rank buffers, bytes handed over); every
+    buffer starts 8-byte aligned."""
+    head = head if head is not None else torch.zeros(0, dtype=torch.uint8, device=buffer.device)
+    h = head.numel()
+    h8 = (h + 7) // 8 * 8
     if world_size == 1 or not dist.is_initialized():
         # nothing travels, but count what would be handed over, as the allreduce paths do
-        return [buffer], buffer.numel()
+        return [head], [buffer], h + buffer.numel()
+    gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     sent = 0
     if variable:
-        size = torch.tensor([buffer.numel()], dtype=torch.int64, device=buffer.device)
-        sizes_out = [torch.empty_like(size) for _ in range(world_size)]
-        dist.all_gather(sizes_out, size, group=group)
-        sent += size.numel() * size.element_size()
-        sizes = [int(s) for s in torch.cat(sizes_out).tolist()]
+        first = torch.zeros(h8 + 8, dtype=torch.uint8, device=buffer.device)
+        first[:h] = head
+        first[h8:].view(torch.int64).fill_(buffer.numel())
+        got = torch.empty(world_size * first.numel(), dtype=torch.uint8, device=buffer.device)
+        gather_single(got, first, group=group)
+        sent += first.numel()
+        rows = got.view(world_size, -1)
+        heads = [rows[r, :h] for r in range(world_size)]
+        sizes = [int(s) for s in rows[:, h8:].contiguous().view(torch.int64).reshape(-1).tolist()]
+        offset = 0
     else:
         sizes = [buffer.numel()] * world_size
-    width = (max(sizes) + 7) // 8 * 8
+        offset = h8
+    width = offset + (max(sizes) + 7) // 8 * 8
     padded = torch.zeros(width, dtype=torch.uint8, device=buffer.device)
-    padded[: buffer.numel()] = buffer
+    if not variable:
+        padded[:h] = head
+    padded[offset : offset + buffer.numel()] = buffer
     gathered = torch.empty(world_size * width, dtype=torch.uint8, device=buffer.device)
-    gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     gather_single(gathered, padded, group=group)
     sent += width
-    return [gathered[r * width : r * width + sizes[r]] for r in range(world_size)], sent
+    if not variable:
+        heads = [gathered[r * width : r * width + h] for r in range(world_size)]
+    buffers = [gathered[r * width + offset : r * width + offset + sizes[r]] for r in range(world_size)]
+    return heads, buffers, sent

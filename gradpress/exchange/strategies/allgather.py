@@ -1,5 +1,12 @@
 """``allgather``: the general path for any compressor.
 
+The engine's prelude (the call's uncompressed tensors and NaN/Inf flags)
+travels in the first collective when it is small (<= 64 KiB): with the size
+exchange for variable-size packets, else in front of the packets; every rank
+then sums the ranks' preludes in rank order (bit-identical everywhere). One
+collective fewer per call than summing it apart; a larger prelude is
+allreduced first, as before.
+
 All of a call's packets travel as one byte buffer (see
 :mod:`gradpress.transport.wire`).
 Variable-size packets first exchange their sizes (one int64 per rank), then
@@ -29,13 +36,17 @@ from gradpress.exchange.base import ExchangeResult, Prelude, Strategy, aggregate
 from gradpress.exchange.costs import CostModel
 from gradpress.exchange.feedback import Feedback
 from gradpress.transport import wire
-from gradpress.transport.collectives import allgather_bytes
+from gradpress.transport.collectives import allgather_with_head, fused_allreduce
+
+#: largest prelude (bytes) that travels inside the allgather instead of its own allreduce
+PRELUDE_INLINE = 1 << 16
 
 
 @register_strategy("allgather")
 class Allgather(Strategy):
     order = 1
     general = True
+    carries_prelude = True
 
     @classmethod
     def predict(cls, costs: CostModel, numel: int, world_size: int, summable: bool) -> tuple[float, int]:
@@ -48,12 +59,24 @@ class Allgather(Strategy):
         feedback: Feedback | None, *, prelude: Prelude | None = None, out: list[torch.Tensor] | None = None,
     ) -> ExchangeResult:
         t0 = time.perf_counter()
+        sent, comm = 0, 0.0
+        head = _prelude_bytes(prelude) if prelude is not None else None
+        if prelude is not None and head is None:  # too large to ride along: summed on its own first
+            summed, sent = fused_allreduce(prelude.tensors, self.group)
+            comm = time.perf_counter() - t0
+            if prelude.on_summed(summed):
+                return ExchangeResult([], sent, comm_s=comm, stopped=True)
+            t0 = time.perf_counter()
         packets, residuals = encode_local(compressor, tensors, ctxs, 1.0, feedback)
         variable = bool(compressor.variable_size)
         buffer = wire.pack_packets(packets, variable)
         t1 = time.perf_counter()
-        buffers, sent = allgather_bytes(buffer, self.group, self.world_size, variable)
+        heads, buffers, nbytes = allgather_with_head(buffer, head, self.group, self.world_size, variable)
+        sent += nbytes
         t2 = time.perf_counter()
+        comm += t2 - t1
+        if head is not None and prelude is not None and prelude.on_summed(_sum_preludes(heads, prelude.tensors)):
+            return ExchangeResult([], sent, compress_s=t1 - t0, comm_s=comm, stopped=True)
         by_rank = [packets if r == self.rank else wire.unpack_packets(buf, packets, variable) for r, buf in enumerate(buffers)]
         if _sparse(compressor, packets):
             # written straight into the caller's output where it can (no dense temporary, no copy back)
@@ -71,7 +94,7 @@ class Allgather(Strategy):
                 for i in range(len(packets))
             ]
         compress_s = (t1 - t0) + (time.perf_counter() - t2)
-        return ExchangeResult(results, sent, residuals, [p.nbytes for p in packets], compress_s, t2 - t1)
+        return ExchangeResult(results, sent, residuals, [p.nbytes for p in packets], compress_s, comm)
 
 
 def _sparse(compressor: Compressor, packets: list[Packet]) -> bool:
@@ -90,3 +113,33 @@ def _flat_out(out: list[torch.Tensor] | None, i: int, packet: Packet) -> torch.T
     if o is None or o.dtype != packet.dtype or not o.is_contiguous() or o.numel() != packet.numel:
         return None
     return o.view(-1)
+
+
+def _prelude_bytes(prelude: Prelude) -> torch.Tensor | None:
+    """The prelude's tensors as one uint8 buffer (each padded to 8 bytes), or
+    None when it is larger than :data:`PRELUDE_INLINE`."""
+    parts = []
+    for t in prelude.tensors:
+        raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        parts.append(raw)
+        if raw.numel() % 8:
+            parts.append(raw.new_zeros(8 - raw.numel() % 8))
+    total = sum(p.numel() for p in parts)
+    if total > PRELUDE_INLINE:
+        return None
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8)
+
+
+def _sum_preludes(heads: list[torch.Tensor], like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Every rank's prelude summed in rank order, shaped like ``like``."""
+    out = []
+    offset = 0
+    for t in like:
+        n = t.numel() * t.element_size()
+        parts = [h[offset : offset + n].view(t.dtype).view(t.shape) for h in heads]
+        total = parts[0].clone()
+        for p in parts[1:]:
+            total += p
+        out.append(total)
+        offset += (n + 7) // 8 * 8
+    return out
