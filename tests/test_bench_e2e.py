@@ -120,6 +120,7 @@ def test_bad_baseline(text, words):
     (["--workload", "mnist1d-cnn", "--params", "1M"], ["--params", "mnist1d-cnn"]),
     (["--params", "lots"], ["--params", "lots"]),
     (["--lr", "-1"], ["--lr", "positive"]),
+    (["--optimizer", "lbfgs"], ["--optimizer", "lbfgs", "momentum"]),
 ])
 def test_cli_rejects_bad_arguments_before_building_a_cluster(argv, words, tmp_path, capsys):
     out = tmp_path / "out"
@@ -138,6 +139,14 @@ def test_wire_factor_and_command_line():
                                       "--steps", "4", "--out", "x y"])
     line = command_line(args)
     assert "--configs topk:ratio=0.01@ring" in line and "--params 1M" in line and "'x y'" in line
+    args = build_parser().parse_args(["bench", "e2e", "--workload", "mnist1d-cnn", "--optimizer", "adam",
+                                      "--configs", "topk:ratio=0.01", "--steps", "4", "--out", "x"])
+    assert "--optimizer adam" in command_line(args)
+    from gradpress.bench.e2e_args import _resolve
+
+    assert _resolve(args)["optimizer"] == "adam"
+    args.optimizer = None
+    assert _resolve(args)["optimizer"] == "momentum"  # mnist1d-cnn's default
     assert build_parser().parse_args(__import__("shlex").split(line)[1:]).steps == 4  # it parses back
     args = build_parser().parse_args(["bench", "e2e", "--nodes", "2", "--workers-per-node", "2", "--intra-bandwidth",
                                       "1gbit", "--configs", "fp16@hierarchical"])

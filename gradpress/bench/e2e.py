@@ -77,6 +77,8 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", dest="batch_size", type=positive_int("--batch-size"), default=None,
                    help="batch size per worker (default: the workload's)")
     p.add_argument("--lr", type=float, default=None, help="learning rate (default: the workload's)")
+    p.add_argument("--optimizer", default=None, metavar="NAME",
+                   help="sgd, momentum or adam (default: the workload's; mnist1d-cnn: momentum)")
     p.add_argument("--threads", type=positive_int("--threads"), default=None,
                    help="torch threads per worker (default: max(1, cores // nodes))")
     p.add_argument("--seed", type=int, default=0, help="seed of weights, data and shared randomness (default 0)")

@@ -50,6 +50,11 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
     lr = defaults["lr"] if args.lr is None else args.lr
     if not (isinstance(lr, (int, float)) and lr > 0 and lr < float("inf")):
         raise ValueError(f"--lr got {args.lr!r}; allowed: a positive finite number")
+    from gradpress.train.optim import OPTIMIZERS
+
+    optimizer = getattr(args, "optimizer", None) or defaults["optimizer"]
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"--optimizer got {optimizer!r}; allowed: {', '.join(OPTIMIZERS)}")
     if args.timeout <= 0:
         raise ValueError(f"--timeout got {args.timeout!r}; allowed: seconds > 0")
     if args.time_limit is not None and args.time_limit <= 0:
@@ -62,7 +67,7 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "mode": mode, "workload": workload, "params": params, "hidden": args.hidden, "rate": rate,
         "batch_size": args.batch_size or defaults["batch_size"], "lr": float(lr),
-        "optimizer": defaults["optimizer"], "schedule": defaults["schedule"], "epochs": defaults["epochs"],
+        "optimizer": optimizer, "schedule": defaults["schedule"], "epochs": defaults["epochs"],
         "threads": args.threads or max(1, cpus // world), "configs": configs, "out": out, "cpus": cpus,
         "workers_per_node": per, "world": world,
     }
@@ -78,7 +83,8 @@ def command_line(args: argparse.Namespace) -> str:
     if args.workload:
         parts += ["--workload", args.workload]
     for flag, value in (("--params", args.params), ("--hidden", args.hidden), ("--batch-size", args.batch_size),
-                        ("--lr", args.lr), ("--threads", args.threads)):
+                        ("--lr", args.lr), ("--optimizer", getattr(args, "optimizer", None)),
+                        ("--threads", args.threads)):
         if value is not None:
             parts += [flag, str(value)]
     parts += ["--configs", args.configs, "--baselines", args.baselines, "--seed", str(args.seed)]
