@@ -93,6 +93,9 @@ class Natural(kit.KitCompressor):
     unbiased = True
     summary = "natural compression C_nat: unbiased rounding to powers of two, 9 bits (Horvath et al. 2019)"
 
+    def variance_factor(self, numel: int) -> float:
+        return 1.0 / 8.0  # Horvath et al. 2019, Thm. 1
+
     def torch_draw(self, gen: torch.Generator, flat: torch.Tensor) -> torch.Tensor:
         if flat.dtype == torch.float64:  # the hand-written draws: 52 random bits, 23 bits for fp32
             return torch.empty(flat.shape, dtype=torch.int64, device=flat.device).random_(generator=gen) & ((1 << _M64) - 1)

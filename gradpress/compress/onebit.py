@@ -37,6 +37,7 @@ class OneBit(kit.KitCompressor):
     name = "onebit"
     FIELDS = (kit.Field("means", "scale", 2), kit.Field("bits", torch.uint8, "numel", bits=1))
     summary = "1-bit SGD: sign mask + mean of each side, with error feedback (Seide et al. 2014)"
+    contractive = True  # the two side means are the least-squares fit of the sign pattern
 
     def encode_fields(self, v: torch.Tensor, dtype: torch.dtype, ctx: Context) -> dict[str, torch.Tensor]:
         mask = v >= 0

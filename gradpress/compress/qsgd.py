@@ -37,6 +37,8 @@ sign), the codes a ``pack``. The frozen hand-written version is
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from gradpress.compress import kit
@@ -77,6 +79,11 @@ class QSGD(kit.KitCompressor):
     RANDOM = "private"
     unbiased = True
     summary = "QSGD stochastic s-level quantization with per-bucket L2 norms (Alistarh et al. 2017)"
+
+    def variance_factor(self, numel: int) -> float:
+        """Alistarh et al. 2017, Lemma 3.1, with the bucket (omega grows with it)."""
+        b = min(self.bucket if self.bucket > 0 else numel, max(numel, 1))
+        return min(b / self.levels**2, math.sqrt(b) / self.levels)
 
     @property
     def bits(self) -> int:
