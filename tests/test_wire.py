@@ -35,6 +35,30 @@ def test_pack_bits_odd_lengths_every_width(bits: int) -> None:
         assert torch.equal(out.to(torch.int64), codes), (bits, n)
 
 
+def _bit_stream(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Reference: every code expanded into its bits, LSB first, regrouped 8 per byte."""
+    stream = ((codes.long().unsqueeze(1) >> torch.arange(bits)) & 1).reshape(-1)
+    stream = torch.cat([stream, stream.new_zeros(-stream.numel() % 8)])
+    return (stream.view(-1, 8) << torch.arange(8)).sum(1).to(torch.uint8)
+
+
+@pytest.mark.parametrize("bits", range(1, 25))
+def test_bits_and_kit_packers_write_the_reference_bit_stream(bits: int) -> None:
+    """Both packers (compress/bits.py's word-wide and byte-column paths, and
+    the kit's compile-friendly one) against the bit-expansion reference,
+    and back."""
+    from gradpress.compress.kit import packing
+
+    gen = torch.Generator().manual_seed(bits)
+    for n in (0, 1, 7, 37, 1000):
+        codes = torch.randint(0, 1 << bits, (n,), generator=gen, dtype=torch.int64)
+        want = _bit_stream(codes, bits)
+        for pack, unpack in ((bitpack.pack_bits, bitpack.unpack_bits), (packing.pack, packing.unpack)):
+            got = pack(codes, bits)
+            assert torch.equal(got, want), (pack.__module__, bits, n)
+            assert torch.equal(unpack(got, bits, n).to(torch.int64), codes), (unpack.__module__, bits, n)
+
+
 def test_pack_bits_is_dense_lsb_first() -> None:
     # 1-bit: bit i of byte 0 is code i
     packed = bitpack.pack_bits(torch.tensor([1, 0, 1, 1, 0, 0, 0, 1, 1]), 1)

@@ -157,6 +157,40 @@ def _unpack_narrow(data: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
 # O(L + B) vectorized passes instead of O(bits) passes over a bit matrix.
 
 
+def byte_columns(grid: torch.Tensor, bits: int, nb: int) -> list[torch.Tensor]:
+    """The ``nb`` bytes of each group of ``grid`` (int32 codes, one group of L
+    codes per row): byte k is the or of the (at most 4) codes overlapping it,
+    shifted into place; higher bits are left for the caller to drop."""
+    cols = []
+    for k in range(nb):
+        acc = None
+        for j in range(grid.shape[1]):
+            start = j * bits
+            if start + bits <= 8 * k or start >= 8 * k + 8:
+                continue
+            shift = start - 8 * k
+            term = grid[:, j] << shift if shift >= 0 else grid[:, j] >> -shift
+            acc = term if acc is None else acc | term
+        cols.append(acc)
+    return cols
+
+
+def code_columns(grid: torch.Tensor, bits: int, per: int) -> list[torch.Tensor]:
+    """Inverse of :func:`byte_columns`: the ``per`` codes of each row of
+    ``grid`` (int32 bytes, one group per row), each the or of the bytes it
+    overlaps; bits above ``bits`` are left for the caller to mask."""
+    cols = []
+    for j in range(per):
+        start = j * bits
+        acc = None
+        for k in range(start // 8, (start + bits - 1) // 8 + 1):
+            shift = 8 * k - start
+            term = grid[:, k] << shift if shift >= 0 else grid[:, k] >> -shift
+            acc = term if acc is None else acc | term
+        cols.append(acc)
+    return cols
+
+
 def _group(bits: int) -> tuple[int, int]:
     per = 8 // math.gcd(bits, 8)
     return per, bits * per // 8
@@ -186,15 +220,7 @@ def _pack_groups(codes: torch.Tensor, bits: int, nbytes: int) -> torch.Tensor:
             acc |= grid[:, j] << (j * bits)
         return acc.view(torch.uint8).view(m, word[1])[:, :nb].reshape(-1)[:nbytes]
     out = torch.empty(m, nb, dtype=torch.uint8, device=codes.device)
-    for k in range(nb):
-        acc = None
-        for j in range(per):
-            start = j * bits
-            if start + bits <= 8 * k or start >= 8 * k + 8:
-                continue
-            shift = start - 8 * k
-            term = grid[:, j] << shift if shift >= 0 else grid[:, j] >> -shift
-            acc = term if acc is None else acc | term
+    for k, acc in enumerate(byte_columns(grid, bits, nb)):
         out[:, k] = acc  # the uint8 store keeps the low 8 bits
     return out.reshape(-1)[:nbytes]
 
@@ -216,13 +242,6 @@ def _unpack_groups(data: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
     else:
         flat = torch.zeros(m * nb, dtype=torch.int32, device=data.device)
         flat[: data.numel()] = data
-        grid = flat.view(m, nb)
-        for j in range(per):
-            start = j * bits
-            acc = None
-            for k in range(start // 8, (start + bits - 1) // 8 + 1):
-                shift = 8 * k - start
-                term = grid[:, k] << shift if shift >= 0 else grid[:, k] >> -shift
-                acc = term if acc is None else acc | term
+        for j, acc in enumerate(code_columns(flat.view(m, nb), bits, per)):
             out[:, j] = acc & mask
     return out.reshape(-1)[:numel]

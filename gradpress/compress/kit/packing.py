@@ -18,6 +18,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from gradpress.compress.bits import byte_columns, code_columns
+
 __all__ = ["pack", "pack_groups", "unpack", "packed_nbytes"]
 
 
@@ -59,18 +61,7 @@ def pack_groups(grid: torch.Tensor, bits: int) -> torch.Tensor:
         for j in range(1, per):
             acc = acc | (grid[:, j] << (j * bits))
         return acc.to(torch.uint8)
-    grid = grid.to(torch.int32)
-    cols = []
-    for k in range(nb):
-        acc = None
-        for j in range(per):
-            start = j * bits
-            if start + bits <= 8 * k or start >= 8 * k + 8:
-                continue
-            shift = start - 8 * k
-            term = grid[:, j] << shift if shift >= 0 else grid[:, j] >> -shift
-            acc = term if acc is None else acc | term
-        cols.append(acc & 0xFF)
+    cols = [acc & 0xFF for acc in byte_columns(grid.to(torch.int32), bits, nb)]
     return torch.stack(cols, dim=1).to(torch.uint8).reshape(-1)
 
 
@@ -91,14 +82,6 @@ def unpack(data: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
         shifts = torch.arange(0, 8, bits, device=data.device, dtype=torch.uint8)
         return ((grid >> shifts) & mask).reshape(-1)[:numel]
     grid = F.pad(data.to(torch.int32), (0, m * nb - data.numel())).view(m, nb)
-    cols = []
-    for j in range(per):
-        start = j * bits
-        acc = None
-        for k in range(start // 8, (start + bits - 1) // 8 + 1):
-            shift = 8 * k - start
-            term = grid[:, k] << shift if shift >= 0 else grid[:, k] >> -shift
-            acc = term if acc is None else acc | term
-        cols.append(acc & mask)
+    cols = [acc & mask for acc in code_columns(grid, bits, per)]
     out = torch.stack(cols, dim=1).reshape(-1)[:numel]
     return out.to(torch.uint8) if bits <= 8 else out
