@@ -7,6 +7,7 @@ with the worker's traceback text.
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 import tempfile
@@ -94,3 +95,37 @@ def run_until_rank0_reports(entry: Callable[..., None], world: int, args: tuple,
                     p.kill()
                     p.join(timeout=5)
     return result, waited
+
+
+def fault_entry(rank: int, world: int, port: int, how: str, setup: Callable[..., Callable[[int], None]],
+                setup_args: tuple, fault_step: int, steps: int, outdir: str) -> None:
+    """A worker for :func:`run_until_rank0_reports` in dead/stuck-peer tests:
+    join the group (its default timeout 120 s, so only the code under test's
+    own timeout can fire first), ``step = setup(rank, *setup_args)``, then
+    ``step(i)`` for ``i < steps``; rank 1 dies (``how="exit"``) or hangs
+    (``"stuck"``) at ``fault_step``. Writes ``rank{r}.pt`` with ``error``,
+    ``traceback``, ``steps`` and ``elapsed`` (seconds from the start of the
+    failing step), then leaves at once (``os._exit``: no waiting on a dead
+    peer in ``destroy_process_group`` or atexit)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    result: dict = {"error": None}
+    t0 = time.monotonic()
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+        step = setup(rank, *setup_args)
+        for i in range(steps):
+            if rank == 1 and i == fault_step:
+                if how == "exit":
+                    os._exit(1)
+                time.sleep(120)  # "stuck": never joins the step
+            t0 = time.monotonic()
+            step(i)
+        result["steps"] = steps
+    except BaseException as exc:  # noqa: BLE001
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        result["traceback"] = traceback.format_exc()
+    result["elapsed"] = time.monotonic() - t0
+    torch.save(result, os.path.join(outdir, f"tmp{rank}.pt"))
+    os.replace(os.path.join(outdir, f"tmp{rank}.pt"), os.path.join(outdir, f"rank{rank}.pt"))
+    os._exit(0)

@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import io
 import math
-import os
-import time
-import traceback
+from collections.abc import Callable
 
 import pytest
 import torch
-import torch.distributed as dist
-from distributed import run_until_rank0_reports, run_workers
+from distributed import fault_entry, run_until_rank0_reports, run_workers
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradpress
@@ -327,41 +324,23 @@ TIMEOUT = 5.0
 FAULT_STEP = 3
 
 
-def _fault_entry(rank: int, world: int, port: int, how: str, outdir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    import datetime
+def _fault_setup(rank: int) -> Callable[[int], None]:
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    algo = algorithms.create("comprex:staleness=1", model, opt, strategy="ring", min_numel=MIN_NUMEL,
+                             timeout=TIMEOUT)
 
-    result: dict = {"error": None}
-    t0 = time.monotonic()
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
-        model = make_model()
-        opt = torch.optim.SGD(model.parameters(), lr=LR)
-        algo = algorithms.create("comprex:staleness=1", model, opt, strategy="ring", min_numel=MIN_NUMEL,
-                                 timeout=TIMEOUT)
-        for step in range(FAULT_STEP + 3):
-            if rank == 1 and step == FAULT_STEP:
-                if how == "exit":
-                    os._exit(1)
-                time.sleep(120)
-            t0 = time.monotonic()
-            opt.zero_grad()
-            loss_of(model, rank, step).backward()
-            algo.step()
-        result["steps"] = FAULT_STEP + 3
-    except BaseException as exc:  # noqa: BLE001
-        result["error"] = f"{type(exc).__name__}: {exc}"
-        result["traceback"] = traceback.format_exc()
-    result["elapsed"] = time.monotonic() - t0
-    torch.save(result, os.path.join(outdir, f"tmp{rank}.pt"))
-    os.replace(os.path.join(outdir, f"tmp{rank}.pt"), os.path.join(outdir, f"rank{rank}.pt"))
-    os._exit(0)
+    def step(i: int) -> None:
+        opt.zero_grad()
+        loss_of(model, rank, i).backward()
+        algo.step()
+
+    return step
 
 
 @pytest.mark.parametrize("how", ["exit", "stuck"])
 def test_dead_or_stuck_peer_during_background_exchange_raises(how: str) -> None:
-    result, waited = run_until_rank0_reports(_fault_entry, 2, (how,), 60.0)
+    result, waited = run_until_rank0_reports(fault_entry, 2, (how, _fault_setup, (), FAULT_STEP, FAULT_STEP + 3), 60.0)
     assert result is not None, f"rank 0 neither finished nor raised within {waited:.0f} s (peer {how})"
     assert result["error"] is not None, f"rank 0 finished {result.get('steps')} steps without its peer"
     assert "BackgroundError" in result["error"] and "background exchange of step" in result["error"], result["error"]

@@ -4,16 +4,13 @@ dead or stuck peer named within the timeout."""
 
 from __future__ import annotations
 
-import datetime
 import io
-import os
-import time
-import traceback
+from collections.abc import Callable
 
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import run_until_rank0_reports, run_workers
+from distributed import fault_entry, run_until_rank0_reports, run_workers
 from test_gossip import check_pushsum, consensus_run, loss_of, make_mlp
 
 import gradpress.algorithms as algorithms
@@ -180,35 +177,15 @@ TIMEOUT = 5.0
 FAULT_STEP = 3
 
 
-def _fault_entry(rank: int, world: int, port: int, how: str, spec: str, outdir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    result: dict = {"error": None}
-    t0 = time.monotonic()
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
-        model = make_mlp()
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        algo = algorithms.create(spec, model, opt, timeout=TIMEOUT)
-        for step in range(FAULT_STEP + 4):
-            if rank == 1 and step == FAULT_STEP:
-                if how == "exit":
-                    os._exit(1)
-                time.sleep(120)
-            t0 = time.monotonic()
-            _run(model, opt, algo, rank, range(step, step + 1))
-        result["steps"] = FAULT_STEP + 4
-    except BaseException as exc:  # noqa: BLE001
-        result["error"] = f"{type(exc).__name__}: {exc}"
-        result["traceback"] = traceback.format_exc()
-    result["elapsed"] = time.monotonic() - t0
-    torch.save(result, os.path.join(outdir, f"tmp{rank}.pt"))
-    os.replace(os.path.join(outdir, f"tmp{rank}.pt"), os.path.join(outdir, f"rank{rank}.pt"))
-    os._exit(0)
+def _fault_setup(rank: int, spec: str) -> Callable[[int], None]:
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    algo = algorithms.create(spec, model, opt, timeout=TIMEOUT)
+    return lambda i: _run(model, opt, algo, rank, range(i, i + 1))
 
 
 def _run_fault(how: str, spec: str, deadline: float = 90.0) -> dict | None:
-    return run_until_rank0_reports(_fault_entry, 2, (how, spec), deadline)[0]
+    return run_until_rank0_reports(fault_entry, 2, (how, _fault_setup, (spec,), FAULT_STEP, FAULT_STEP + 4), deadline)[0]
 
 
 @pytest.mark.parametrize("how,spec", [("exit", "sgp:overlap=1"), ("stuck", "choco")])

@@ -21,15 +21,12 @@ Invariants held here (docs/guarantees.md lists them one per line):
 from __future__ import annotations
 
 import io
-import os
-import time
-import traceback
+from collections.abc import Callable
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-from distributed import run_until_rank0_reports, run_workers
+from distributed import fault_entry, run_until_rank0_reports, run_workers
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradpress
@@ -580,39 +577,17 @@ FAULT_STEP = 3
 HOOK_TIMEOUT = 5.0
 
 
-def _fault_entry(rank: int, world: int, port: int, how: str, outdir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    import datetime
-
-    result: dict = {"error": None}
-    t0 = time.monotonic()
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
-        model = make_model()
-        ddp = DDP(model, bucket_cap_mb=BUCKET_MB)
-        gradpress.ddp.register(ddp, TOPK, strategy="collective", min_numel=MIN_NUMEL, timeout=HOOK_TIMEOUT)
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
-        x, y = make_data(rank)
-        for i in range(FAULT_STEP + 3):
-            if rank == 1 and i == FAULT_STEP:
-                if how == "exit":
-                    os._exit(1)
-                time.sleep(120)  # "stuck": never joins the step
-            t0 = time.monotonic()
-            _sgd_step(ddp, opt, x, y)
-        result["steps"] = FAULT_STEP + 3
-    except BaseException as exc:  # noqa: BLE001
-        result["error"] = f"{type(exc).__name__}: {exc}"
-        result["traceback"] = traceback.format_exc()
-    result["elapsed"] = time.monotonic() - t0  # from the start of the failing step
-    torch.save(result, os.path.join(outdir, f"tmp{rank}.pt"))
-    os.replace(os.path.join(outdir, f"tmp{rank}.pt"), os.path.join(outdir, f"rank{rank}.pt"))
-    os._exit(0)  # do not wait on a dead peer in destroy_process_group / atexit
+def _fault_setup(rank: int) -> Callable[[int], None]:
+    model = make_model()
+    ddp = DDP(model, bucket_cap_mb=BUCKET_MB)
+    gradpress.ddp.register(ddp, TOPK, strategy="collective", min_numel=MIN_NUMEL, timeout=HOOK_TIMEOUT)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    x, y = make_data(rank)
+    return lambda i: _sgd_step(ddp, opt, x, y)
 
 
 def _run_fault(how: str, deadline: float = 60.0) -> tuple[dict | None, float]:
-    return run_until_rank0_reports(_fault_entry, 2, (how,), deadline)
+    return run_until_rank0_reports(fault_entry, 2, (how, _fault_setup, (), FAULT_STEP, FAULT_STEP + 3), deadline)
 
 
 @pytest.mark.parametrize("how", ["exit", "stuck"])
