@@ -190,6 +190,27 @@ class Algorithm:
         self._steps += 1
         self._last = {"bytes": 0, "dense": self._dense_per_step}
 
+    def gradients(self) -> list[torch.Tensor]:
+        """Each parameter's local gradient (zeros where ``.grad`` is None, so
+        every rank exchanges the same tensors)."""
+        return [p.grad if p.grad is not None else torch.zeros_like(p) for _, p in self.named]
+
+    @torch.no_grad()
+    def ddp_step(self, keys: list[str] | None = None) -> None:
+        """DDP's step: average the gradients through the engine (keyed as
+        :meth:`sync`), average the floating buffers, then the (identical)
+        local optimizer step; the step's bytes are those of the averaging."""
+        grads = self.gradients()
+        self._last["bytes"] = 0
+        self.sync(grads, keys=keys)
+        for (_, p), g in zip(self.named, grads):
+            if p.grad is None:
+                p.grad = g
+        self.average_plain(list(self.model.buffers()))
+        sent = self._last["bytes"]
+        self.local_step()
+        self._last["bytes"] = sent
+
     def sync(self, tensors: list[torch.Tensor], keys: list[str] | None = None) -> None:
         """Average ``tensors`` (keyed by parameter name by default) over the
         group through the engine, in place; counts one exchange."""

@@ -73,7 +73,7 @@ BIAS_PARAM = Param("bias_correction", bool, True, "true or false", None,
 
 class CompressedAdam(Algorithm):
     """Adam owned by the algorithm; subclasses implement :meth:`step` with
-    :meth:`_grads`, :meth:`_exact_average`, :meth:`_moments`, :meth:`_apply`."""
+    :meth:`gradients` (base class), :meth:`_exact_average`, :meth:`_moments`, :meth:`_apply`."""
 
     default_compressor = "efsignsgd"
 
@@ -130,11 +130,6 @@ class CompressedAdam(Algorithm):
         b1, b2 = g["betas"]
         decoupled = isinstance(self.optimizer, torch.optim.AdamW) or bool(g.get("decoupled_weight_decay", False))
         return float(g["lr"]), float(b1), float(b2), float(g["eps"]), float(g["weight_decay"]), decoupled
-
-    def _grads(self) -> list[torch.Tensor]:
-        """Each parameter's local gradient (zeros where ``.grad`` is None, so
-        every rank exchanges the same tensors)."""
-        return [p.grad if p.grad is not None else torch.zeros_like(p) for _, p in self.named]
 
     def _exact_average(self, grads: list[torch.Tensor]) -> None:
         """Average ``grads`` uncompressed, in place (DDP's reduction)."""

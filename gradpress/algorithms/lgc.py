@@ -149,20 +149,9 @@ class LGC(Algorithm):
         else:
             self.compressed_step()
 
-    @torch.no_grad()
     def dense_step(self) -> None:
         """Phase 1: DDP's step (gradients averaged through the engine)."""
-        params = [p for _, p in self.named]
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        self._last["bytes"] = 0
-        self.sync(grads)
-        for p, g in zip(params, grads):
-            if p.grad is None:
-                p.grad = g
-        self.average_plain(list(self.model.buffers()))
-        sent = self._last["bytes"]
-        self.local_step()
-        self._last["bytes"] = sent
+        self.ddp_step()
 
     @torch.no_grad()
     def compressed_step(self) -> None:
@@ -170,7 +159,7 @@ class LGC(Algorithm):
         step, phase = self._steps, self.phase
         self._last["bytes"] = 0
         params = [p for _, p in self.named]
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+        flat = torch.cat([g.reshape(-1) for g in self.gradients()])
         acc = flat + self.residual
         leader = self.leader_at(step)
         t0 = time.perf_counter()

@@ -108,19 +108,9 @@ class LocalSGD(Algorithm):
     @torch.no_grad()
     def synchronous_step(self) -> None:
         """DDP's step: average the gradients, then the (identical) optimizer step."""
-        params = [p for _, p in self.named]
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        self._last["bytes"] = 0
-        self.sync(grads, keys=[GRAD + n for n, _ in self.named])
-        for p, g in zip(params, grads):
-            if p.grad is None:
-                p.grad = g
-        self.average_plain(list(self.model.buffers()))
-        sent = self._last["bytes"]
-        self.local_step()
-        self._last["bytes"] = sent
+        self.ddp_step(keys=[GRAD + n for n, _ in self.named])
         if self._steps == self.switch:
-            for a, p in zip(self.anchor, params):
+            for a, (_, p) in zip(self.anchor, self.named):
                 a.copy_(p)
 
     @torch.no_grad()

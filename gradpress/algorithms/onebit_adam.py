@@ -70,7 +70,7 @@ class OneBitAdam(CompressedAdam):
         compressed = self.frozen
         saved = [m.clone() for m in self.exp_avg] if skip else None
         self._begin_step()
-        grads = self._grads()
+        grads = self.gradients()
         if not compressed:
             self._exact_average(grads)
             if skip and not all(bool(torch.isfinite(g).all()) for g in grads):  # the same sums on every rank

@@ -90,7 +90,7 @@ class ZeroOneAdam(CompressedAdam):
             self._local_step()
             return
         self._begin_step()
-        grads = self._grads()
+        grads = self.gradients()
         if self.t % self.var_interval == 0:
             self._exact_average(grads)
             self._moments(grads, update_v=True)
@@ -109,7 +109,7 @@ class ZeroOneAdam(CompressedAdam):
     @torch.no_grad()
     def _local_step(self) -> None:
         self._begin_step()
-        self._moments(self._grads(), update_v=False)
+        self._moments(self.gradients(), update_v=False)
         self._apply()
         for i in range(len(self.named)):
             self.lrs[i] += self._hyper(i)[0]
