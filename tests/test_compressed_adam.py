@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_workers
+from test_algorithms import batch, make_model
 
 import gradpress.algorithms as algorithms
 
@@ -20,16 +21,6 @@ LR = 0.01
 BETAS = (0.9, 0.999)
 EPS = 1e-8
 
-
-def make_model() -> torch.nn.Module:
-    torch.manual_seed(7)
-    return torch.nn.Sequential(torch.nn.Linear(6, 40), torch.nn.Tanh(), torch.nn.Linear(40, 3)).double()
-
-
-def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    x = torch.randn(16, 6, generator=g, dtype=torch.float64)
-    return x, torch.sin(x[:, :3] * 2.0)
 
 
 def grads_at(params: list[torch.Tensor], rank: int, step: int) -> list[torch.Tensor]:
