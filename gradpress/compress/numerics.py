@@ -107,6 +107,17 @@ def _scaled_row_norms(rows: torch.Tensor, ord: float) -> torch.Tensor:
     return m * torch.linalg.vector_norm(rows / safe[:, None], ord, dim=1)
 
 
+def chunks(flat: torch.Tensor, chunk: int) -> list[torch.Tensor]:
+    """``flat`` as 2-D views: ``(d // chunk, chunk)`` whole chunks, then the
+    short last chunk as ``(1, d % chunk)`` (each only when non-empty)."""
+    d = flat.numel()
+    full = d // chunk * chunk
+    parts = [flat[:full].view(-1, chunk)] if full else []
+    if full < d:
+        parts.append(flat[full:].view(1, -1))
+    return parts
+
+
 def row_norms(rows: torch.Tensor, ord: float = 2.0) -> torch.Tensor:
     """||row||_ord of every row of the 2-D ``rows`` (floating, computed in its
     dtype), without the overflow or underflow of the powers inside: rows whose

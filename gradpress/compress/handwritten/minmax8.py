@@ -30,7 +30,7 @@ import math
 import torch
 
 from gradpress.compress.base import Compressor, Context, Packet, Param, generator_for
-from gradpress.compress.numerics import compute_dtype, host_reads
+from gradpress.compress.numerics import chunks, compute_dtype, host_reads
 
 LEVELS = 255
 
@@ -52,7 +52,7 @@ class MinMax8(Compressor):
         gen = generator_for(x.device, ctx.private_seed) if self.stochastic else None
         codes = torch.empty(flat.numel(), dtype=torch.uint8, device=x.device)
         los, his = [flat.new_empty(0)], [flat.new_empty(0)]
-        for grid, out in zip(_chunked(flat, self.chunk), _chunked(codes, self.chunk)):
+        for grid, out in zip(chunks(flat, self.chunk), chunks(codes, self.chunk)):
             lo, hi = torch.aminmax(grid, dim=1)  # one fused pass
             f, lo_f, step = _frame(lo, hi)
             if f is None:  # one fresh buffer, then in place; steps are normal, so 1 / step is finite
@@ -74,14 +74,14 @@ class MinMax8(Compressor):
         f, lo_f, step = _frame(lo, hi)
         out = codes[:d].to(lo.dtype)
         start = 0
-        for grid in _chunked(out, self.chunk):  # lo + code * step, in place
+        for grid in chunks(out, self.chunk):  # lo + code * step, in place
             rows = grid.shape[0]
             grid.mul_(step[start : start + rows, None]).add_(lo_f[start : start + rows, None])
             start += rows
         if f is not None:  # halved chunks: double back, saturating
             start = 0
             big = torch.finfo(out.dtype).max
-            for grid in _chunked(out, self.chunk):
+            for grid in chunks(out, self.chunk):
                 rows = grid.shape[0]
                 grid.div_(f[start : start + rows, None]).clamp_(-big, big)
                 start += rows
@@ -110,14 +110,3 @@ def _frame(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor | None, tor
     short = (step < info.tiny) & (step * LEVELS < span)
     step = torch.where(short, torch.nextafter(step, torch.full_like(step, math.inf)), step)
     return f, lo_f, torch.where(span > 0, step, torch.ones_like(step))
-
-
-def _chunked(flat: torch.Tensor, chunk: int) -> list[torch.Tensor]:
-    """Views of ``flat`` as ``(d // chunk, chunk)`` whole chunks and a
-    ``(1, d % chunk)`` short last chunk (each only when non-empty)."""
-    d = flat.numel()
-    full = d // chunk * chunk
-    parts = [flat[:full].view(-1, chunk)] if full else []
-    if full < d:
-        parts.append(flat[full:].view(1, -1))
-    return parts

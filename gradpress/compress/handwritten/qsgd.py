@@ -35,22 +35,19 @@ import torch
 
 from gradpress.compress.base import Compressor, Context, Packet, Param, generator_for
 from gradpress.compress.bits import pack_bits, unpack_bits
-from gradpress.compress.numerics import compute_dtype, host_reads, pack_scale, row_norms, saturate_, unpack_scale
+from gradpress.compress.numerics import (
+    chunks,
+    compute_dtype,
+    host_reads,
+    pack_scale,
+    row_norms,
+    saturate_,
+    unpack_scale,
+)
 
 __all__ = ["MAX_LEVELS", "QSGD", "compute_dtype"]
 
 MAX_LEVELS = (1 << 23) - 1  # level + sign must fit the 24-bit packer
-
-
-def _rows(flat: torch.Tensor, b: int) -> list[torch.Tensor]:
-    """``flat`` as 2-D views: ``(d // b, b)`` whole buckets, then the short
-    last bucket as one row (each only when non-empty)."""
-    d = flat.numel()
-    full = d // b * b
-    parts = [flat[:full].view(-1, b)] if full else []
-    if full < d:
-        parts.append(flat[full:].view(1, -1))
-    return parts
 
 
 class QSGD(Compressor):
@@ -82,7 +79,7 @@ class QSGD(Compressor):
         d = flat.numel()
         b = self._bucket(d)
         s = float(self.levels)
-        rows = _rows(flat, b)
+        rows = chunks(flat, b)
         norms = torch.cat([row_norms(r) for r in rows]) if rows else flat.new_zeros(0)
         wire = pack_scale(norms, x.dtype, away=True, saturate=True)
         n = unpack_scale(wire, x.dtype)  # the norm the decoder sees (>= the true one unless saturated)
@@ -92,12 +89,12 @@ class QSGD(Compressor):
         pos = n > 0  # NaN norms (non-finite buckets) give y = 0 here and decode non-finite
         factor = torch.where(pos, s / n, torch.zeros_like(n))
         if host_reads(n) and bool(torch.isfinite(factor).all()):
-            for r, f in zip(_rows(y, b), factor.split([r.shape[0] for r in rows])):
+            for r, f in zip(chunks(y, b), factor.split([r.shape[0] for r in rows])):
                 r.mul_(f[:, None])
         else:
             div = torch.where(pos, n, torch.ones_like(n))
             keep = torch.where(pos, torch.full_like(n, s), torch.zeros_like(n))
-            for r, q, k in zip(_rows(y, b), div.split([r.shape[0] for r in rows]), keep.split([r.shape[0] for r in rows])):
+            for r, q, k in zip(chunks(y, b), div.split([r.shape[0] for r in rows]), keep.split([r.shape[0] for r in rows])):
                 r.div_(q[:, None]).mul_(k[:, None])
         # floor(y + U) is floor(y) + Bernoulli(y - floor(y)): one draw, one pass
         u = torch.rand(d, generator=generator_for(flat.device, ctx.private_seed), device=flat.device, dtype=flat.dtype)

@@ -27,7 +27,7 @@ import torch
 
 from gradpress.compress.kit import compiler, packing
 from gradpress.compress.kit.rng import counter_bits, counter_uniform
-from gradpress.compress.numerics import row_norms
+from gradpress.compress.numerics import chunks, row_norms
 
 __all__ = ["FUSED_WIDTHS", "chunks", "reduce", "elementwise", "pack_rows", "uniform", "random_bits", "select_topk", "select_mask",
            "scatter", "gather"]
@@ -35,17 +35,6 @@ __all__ = ["FUSED_WIDTHS", "chunks", "reduce", "elementwise", "pack_rows", "unif
 
 #: code widths a kernel packs itself (see :func:`elementwise`)
 FUSED_WIDTHS = (1, 2, 4)
-
-
-def chunks(flat: torch.Tensor, chunk: int) -> list[torch.Tensor]:
-    """``flat`` as 2-D views: ``(d // chunk, chunk)`` whole chunks, then the
-    short last chunk as ``(1, d % chunk)`` (each only when non-empty)."""
-    d = flat.numel()
-    full = d // chunk * chunk
-    parts = [flat[:full].view(-1, chunk)] if full else []
-    if full < d:
-        parts.append(flat[full:].view(1, -1))
-    return parts
 
 
 _REDUCERS: dict[str, Callable[[torch.Tensor], Any]] = {
