@@ -74,3 +74,15 @@ def scalar_tags(logdir: Path) -> dict[str, list[float]]:
         for tag in acc.Tags()["scalars"]:
             out.setdefault(tag, []).extend(e.value for e in sorted(acc.Scalars(tag), key=lambda e: e.step))
     return out
+
+
+def leave() -> None:
+    """End a launched worker once its results are written: torch sometimes
+    aborts at interpreter teardown ("terminate called without an active
+    exception"), which would fail a finished run; leave at once, as the
+    other test workers do (tests/distributed.py)."""
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

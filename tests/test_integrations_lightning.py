@@ -159,8 +159,6 @@ def test_callback_refuses_another_strategy_a_foreign_world_size_and_warns_withou
 
 if __name__ == "__main__":
     _worker(sys.argv[1], int(sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 else None)
-    # torch sometimes aborts at interpreter teardown ("terminate called without an active
-    # exception") after everything is written: leave at once, as the other workers do
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    from integration_helpers import leave
+
+    leave()
