@@ -77,6 +77,33 @@ def test_parse_baselines():
     assert [c.kind for c in parse_baselines("ddp")] == ["ddp"]
 
 
+def test_per_configuration_learning_rate(tmp_path):
+    """``+lr=X`` (issue 13: each method at the rate a sweep chose for it)
+    reaches the job file the workers read; the others keep ``--lr``; the
+    report says which rates were shared."""
+    from argparse import Namespace
+
+    from gradpress.bench.e2e_jobs import _Runner
+    from gradpress.bench.e2e_report import lr_text
+
+    cfgs = parse_configs("topk:ratio=0.01@allgather+noef+lr=0.05,sgp/+lr=0.3,fp16")
+    assert [(c.lr, c.error_feedback) for c in cfgs] == [(0.05, False), (0.3, None), (None, None)]
+    assert cfgs[0].label == "gradpress topk:ratio=0.01@allgather+noef+lr=0.05" and cfgs[1].label.endswith("/none+lr=0.3")
+    assert RunConfig.from_dict(cfgs[0].to_dict()) == cfgs[0]
+    base = parse_baselines("ddp+lr=0.2,powersgd:rank=2+lr=0.4")
+    assert [(c.kind, c.lr, c.label) for c in base] == [
+        ("ddp", 0.2, "torch ddp+lr=0.2"), ("torch-powersgd", 0.4, "torch powersgd r=2+lr=0.4")]
+    assert parse_baselines("fp16")[0].lr is None
+    settings = {"out": tmp_path, "threads": 1, "workload": "mnist1d-cnn", "params": None, "hidden": None,
+                "batch_size": 16, "lr": 0.1, "optimizer": "momentum", "schedule": "cosine", "epochs": 20}
+    runner = _Runner(None, settings, Namespace(seed=0, warmup=2, steps=3))
+    jobs = [json.loads(runner.job(f"t{i}", "train", c).read_text()) for i, c in enumerate(cfgs)]
+    assert [j["lr"] for j in jobs] == [0.05, 0.3, 0.1]
+    assert json.loads(runner.job("compute", "compute", None).read_text())["lr"] == 0.1
+    assert lr_text(0.1, ["torch ddp", "gradpress fp16"]) == "lr 0.1 for every configuration"
+    assert "except" in lr_text(0.1, [c.label for c in cfgs]) and "2 of 3" in lr_text(0.1, [c.label for c in cfgs])
+
+
 @pytest.mark.parametrize("text,words", [
     ("topk:ratoi=0.01", ["--configs", "ratoi", "allowed parameters: ratio"]),
     ("topkk:ratio=0.01", ["--configs", "topkk", "allowed"]),
@@ -85,7 +112,10 @@ def test_parse_baselines():
     ("powersgd:rank=2@allgather", ["--configs", "allgather", "allowed: collective, auto, allreduce"]),
     ("topk,topk", ["--configs", "twice"]),
     ("@ring", ["--configs", "no compressor spec"]),
-    ("topk@ring+fast", ["--configs", "+fast", "+ef, +noef"]),
+    ("topk@ring+fast", ["--configs", "+fast", "+ef, +noef, +lr=X"]),
+    ("topk@ring+lr=0", ["--configs", "+lr got '0'", "positive finite"]),
+    ("topk@ring+lr=fast", ["--configs", "+lr got 'fast'"]),
+    ("topk@ring+ef+noef", ["--configs", "'+noef'", "each once"]),
     ("ddp:period=2/topk", ["--configs", "'ddp:period=2/topk'", "takes no parameters"]),
     ("ddp/topk:ratoi=0.01", ["--configs", "ratoi"]),
     ("nosuch:peers=1/topk", ["--configs", "unknown algorithm 'nosuch'", "allowed: ddp, ", "localsgd"]),
@@ -104,6 +134,8 @@ def test_bad_config_spec_names_the_field(text, words):
     ("powersgd:rank=0", ["rank", ">= 1"]),
     ("powersgd:rank=x", ["rank", "'x'", "integer"]),
     ("powersgd:start=1", ["start", ">= 2"]),
+    ("ddp+ef", ["--baselines", "'+ef'", "+lr=X"]),
+    ("fp16+lr=-1", ["--baselines", "+lr got '-1'"]),
 ])
 def test_bad_baseline(text, words):
     with pytest.raises(ValueError) as exc:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from gradpress.cli import main as cli
@@ -35,3 +36,15 @@ def test_sgp_with_overlap_and_compression_trains_and_resumes_exactly(tmp_path, c
     assert [r["loss"] for r in _rows(full)] == [r["loss"] for r in _rows(part)]
     assert [r.get("metric") for r in _rows(full)] == [r.get("metric") for r in _rows(part)]
     assert json.loads((part / "summary.json").read_text())["bytes_total"] == s["bytes_total"]
+    # metrics.jsonl carries the consensus distance of every evaluation (issue 17); the last one
+    # is recomputed here in float64 from the per-rank models of the final checkpoint
+    evaluated = [r for r in _rows(full) if "metric" in r]
+    assert evaluated and all("consensus_distance" in r for r in evaluated)
+    assert [r["consensus_distance"] for r in evaluated] == [r.get("consensus_distance") for r in _rows(part)
+                                                             if "metric" in r]
+    final = torch.load(full / "checkpoint.pt", weights_only=True)["ranks"]
+    names = [k for k in final[0]["model"] if k.endswith(("weight", "bias"))]
+    xs = [torch.cat([final[r]["model"][k].double().flatten() for k in names]) for r in range(2)]
+    mean = (xs[0] + xs[1]) / 2
+    expected = sum(float((x - mean).norm()) for x in xs) / 2 / float(mean.norm())
+    assert expected > 0 and evaluated[-1]["consensus_distance"] == pytest.approx(expected, rel=1e-9)

@@ -17,12 +17,16 @@ Syntax (``docs/e2e.md``):
   ``@STRATEGY`` is one of :func:`gradpress.exchange.available` (default ``collective``:
   the compressor on every eligible tensor; ``auto`` plans per tensor);
   ``+ef`` / ``+noef`` force error feedback on / off (default: the
-  compressor's own default, on for biased methods).
+  compressor's own default, on for biased methods); ``+lr=X`` trains this
+  configuration at learning rate X instead of ``--lr`` (the rate a
+  ``gradpress compare --lr-sweep`` chose for it: ``sweep.json``). Options
+  combine: ``topk:ratio=0.01@allgather+noef+lr=0.05``.
 * ``--baselines``: comma-separated PyTorch baselines: ``ddp`` (plain DDP, no
   hook), ``fp16`` (``default_hooks.fp16_compress_hook``),
   ``powersgd:rank=R`` (``powerSGD_hook``; optional ``start=I``, the
   ``start_powerSGD_iter``, default 2). Plain ``ddp`` is the reference of every
-  speed-up and always runs (first), listed or not.
+  speed-up and always runs (first), listed or not. A baseline takes
+  ``+lr=X`` as well (``ddp+lr=0.05`` sets the reference's own rate).
 
 Invariant: every configuration is validated here, in the parent, before any
 cluster is built; a bad one raises ``ValueError`` naming the option, the
@@ -31,6 +35,7 @@ value and what is allowed.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -53,6 +58,7 @@ class RunConfig:
     ``start``: for every kind, the first step at which compression is active
     (the worker warms up at least that many steps).
     ``single_bucket``: run DDP with one bucket (PyTorch PowerSGD on gloo).
+    ``lr``: this configuration's own learning rate (``+lr=X``; None: ``--lr``).
     """
 
     kind: str
@@ -64,6 +70,7 @@ class RunConfig:
     single_bucket: bool = False
     error_feedback: bool | None = None
     algorithm: str = "ddp"
+    lr: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -88,6 +95,34 @@ def _split_specs(text: str, option: str) -> list[str]:
     if not tokens:
         raise ValueError(f"{option} got {text!r}; allowed: a comma-separated list of configurations")
     return tokens
+
+
+def _options(token: str, option: str, allowed: tuple[str, ...]) -> tuple[str, dict[str, Any]]:
+    """Split ``BODY+opt+opt`` into BODY and its options: ``ef``/``noef`` (error
+    feedback, when ``"ef"`` is allowed) and ``lr=X`` (a positive finite rate)."""
+    body, *opts = token.split("+")
+    out: dict[str, Any] = {}
+    allowed_text = ", ".join(f"+{a}" for a in allowed)
+    for opt in (o.strip() for o in opts):
+        key, eq, value = opt.partition("=")
+        if "ef" in allowed and opt in ("ef", "noef") and "error_feedback" not in out:
+            out["error_feedback"] = opt == "ef"
+        elif key == "lr" and eq and "lr" not in out:
+            try:
+                lr = float(value)
+            except ValueError:
+                lr = float("nan")
+            if not math.isfinite(lr) or lr <= 0:
+                raise ValueError(f"{option}: configuration {token!r}: +lr got {value!r}; allowed: a positive finite number")
+            out["lr"] = lr
+        else:
+            raise ValueError(f"{option}: configuration {token!r}: unknown or repeated option '+{opt}'; "
+                             f"allowed: {allowed_text}, each once")
+    return body, out
+
+
+def _lr_label(lr: float | None) -> str:
+    return "" if lr is None else f"+lr={lr:g}"
 
 
 def _start_iter(compressor: Any) -> int:
@@ -120,17 +155,9 @@ def parse_configs(text: str, option: str = "--configs") -> list[RunConfig]:
 
     out: list[RunConfig] = []
     for token in _split_specs(text, option):
-        error_feedback: bool | None = None
         algo, rest = _algorithm(token, option)
-        body, plus, flag = rest.rpartition("+")
-        if plus:
-            if flag.strip() not in ("ef", "noef"):
-                raise ValueError(f"{option}: configuration {token!r}: unknown option '+{flag.strip()}'; "
-                                 "allowed: +ef, +noef (error feedback on / off)")
-            error_feedback = flag.strip() == "ef"
-            token_body = body
-        else:
-            token_body = rest
+        token_body, opts = _options(rest, option, ("ef", "noef", "lr=X"))
+        error_feedback: bool | None = opts.get("error_feedback")
         spec, _, strategy = token_body.partition("@")
         spec, strategy = spec.strip(), (strategy.strip() or "collective")
         if not spec:
@@ -147,11 +174,11 @@ def parse_configs(text: str, option: str = "--configs") -> list[RunConfig]:
             raise ValueError(f"{option}: configuration {token!r}: strategy {strategy!r} cannot carry "
                              f"{compressor.name!r} (a {compressor.rounds}-round allreduce protocol); allowed: collective, auto, allreduce")
         label = (f"gradpress {'' if algo == 'ddp' else algo + '/'}{spec}" + ("" if strategy == "collective" else f"@{strategy}")
-                 + ("" if error_feedback is None else ("+ef" if error_feedback else "+noef")))
+                 + ("" if error_feedback is None else ("+ef" if error_feedback else "+noef")) + _lr_label(opts.get("lr")))
         # a multi-round protocol (PowerSGD) runs on the same single DDP bucket as PyTorch's PowerSGD
         # baseline, so the two compare on the same bucketing (one round pair per step, after backward)
         out.append(RunConfig("gradpress", label, spec=spec, strategy=strategy, start=_start_iter(compressor),
-                             error_feedback=error_feedback, algorithm=algo,
+                             error_feedback=error_feedback, algorithm=algo, lr=opts.get("lr"),
                              single_bucket=compressor.rounds > 1 and algo == "ddp"))
     _check_unique(out, option)
     return out
@@ -167,11 +194,14 @@ def parse_baselines(text: str, option: str = "--baselines") -> list[RunConfig]:
         return out
     allowed = "ddp, fp16, powersgd:rank=R[,start=I]"
     for token in _split_specs(text, option):
-        name = token.strip()
+        body, opts = _options(token, option, ("lr=X",))
+        name, lr = body.strip(), opts.get("lr")
         if name == "ddp":
+            if lr is not None:
+                out[0] = RunConfig("ddp", "torch ddp" + _lr_label(lr), lr=lr)
             continue
         if name == "fp16":
-            out.append(RunConfig("torch-fp16", "torch fp16"))
+            out.append(RunConfig("torch-fp16", "torch fp16" + _lr_label(lr), lr=lr))
             continue
         m = _POWERSGD_RE.match(name)
         if not m:
@@ -191,8 +221,8 @@ def parse_baselines(text: str, option: str = "--baselines") -> list[RunConfig]:
         if params["start"] < 2:
             raise ValueError(f"{option}: baseline {name!r}: start got {params['start']}; allowed: an integer >= 2 "
                              "(PyTorch's powerSGD_hook with error feedback and warm start needs start_powerSGD_iter > 1)")
-        out.append(RunConfig("torch-powersgd", f"torch powersgd r={params['rank']}", rank=params["rank"],
-                             start=params["start"], single_bucket=True))
+        out.append(RunConfig("torch-powersgd", f"torch powersgd r={params['rank']}" + _lr_label(lr), rank=params["rank"],
+                             start=params["start"], single_bucket=True, lr=lr))
     _check_unique(out, option)
     return out
 

@@ -30,7 +30,8 @@ class _Runner:
         s = self.s
         job = {
             "mode": mode, "tag": tag, "result_dir": str(self.raw.resolve()), "workload": s["workload"],
-            "params": s["params"], "hidden": s["hidden"], "batch_size": s["batch_size"], "lr": s["lr"],
+            "params": s["params"], "hidden": s["hidden"], "batch_size": s["batch_size"],
+            "lr": config.lr if config is not None and config.lr is not None else s["lr"],
             "optimizer": s["optimizer"], "schedule": s["schedule"], "epochs": s["epochs"], "seed": self.args.seed,
             "threads": s["threads"], "warmup": self.args.warmup, "steps": self.args.steps,
             "n_batches": min(8, self.args.warmup + self.args.steps + 8),

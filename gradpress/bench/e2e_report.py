@@ -41,6 +41,16 @@ def human_bytes(n: float | None) -> str:
     return f"{n:.2f} GB"
 
 
+def lr_text(lr: float, labels: list[str]) -> str:
+    """How the learning rate was set: shared by every configuration, or
+    ``--lr`` unless a label carries its own ``+lr=`` (issue 13: a table says
+    whether its methods share one rate, and which)."""
+    own = [lab for lab in labels if "+lr=" in lab]
+    if not own:
+        return f"lr {lr:g} for every configuration"
+    return f"lr {lr:g} except where a configuration names its own (+lr=, {len(own)} of {len(labels)})"
+
+
 def _f(v: Any, fmt: str, suffix: str = "") -> str:
     if v is None or (isinstance(v, float) and not math.isfinite(v)):
         return "n/a"
@@ -56,6 +66,7 @@ def markdown(result: dict[str, Any]) -> str:
              f"{s.get('intra_bandwidth') or 'unshaped loopback'}), " if per > 1 else f"{s['nodes']} nodes, ")
     lines.append(f"{hosts}{s['bandwidth']} per link direction ({s['bandwidth_bits']:,} bit/s), "
                  f"workload {s['workload']} ({s['parameters']:,} parameters), batch {s['batch_size']} per worker, "
+                 f"{s['optimizer']} {lr_text(s['lr'], [r['label'] for r in result['rows']])}, "
                  f"{s['threads']} thread(s) per worker, torch {s['torch']}, {s['cpus']} CPU(s).")
     lines.append("")
     if result["mode"] == "step":

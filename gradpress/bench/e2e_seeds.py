@@ -54,14 +54,15 @@ def combine(results: list[dict[str, Any]], seeds: list[int], command: str) -> di
 
 
 def markdown(result: dict[str, Any]) -> str:
-    from gradpress.bench.e2e_report import human_bytes
+    from gradpress.bench.e2e_report import human_bytes, lr_text
 
     s = result["setup"]
     n = len(result["seeds"])
     lines = [f"# gradpress bench e2e (train, {n} seeds)", "", "Command:", "", "```", result["command"], "```", "",
              f"{s['nodes']} nodes, {s['bandwidth']} per link direction ({s['bandwidth_bits']:,} bit/s), "
              f"workload {s['workload']} ({s['parameters']:,} parameters), batch {s['batch_size']} per worker, "
-             f"{s['optimizer']} lr {s['lr']} for every configuration, {s['threads']} thread(s) per worker, "
+             f"{s['optimizer']} {lr_text(s['lr'], [g['label'] for g in result['aggregate']])}, "
+             f"{s['threads']} thread(s) per worker, "
              f"torch {s['torch']}, {s['cpus']} CPU(s). Seeds: {', '.join(map(str, result['seeds']))}.", "",
              f"Target: {s['metric']} >= {result['target']} (evaluated every {s['eval_every']} steps; the clock stops "
              "while evaluating). Over seeds: mean ± sample std [min, max]; time and steps over the seeds that "

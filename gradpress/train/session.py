@@ -130,6 +130,9 @@ class _Logger:
         if evaluating:
             r.metric_value = evaluate(r.wl, r.algo.eval_model(), r.device, r.rank, r.world)
             row["metric"] = r.metric_value
+            distance = r.algo.stats.get("consensus_distance")  # gossip: measured by this evaluation
+            if distance is not None:
+                row["consensus_distance"] = distance
             r.history.append({"step": t.step, "bytes_total": stats["bytes_sent"], "metric": r.metric_value,
                               "loss": row["loss"]})
         r.metrics.write(row)
