@@ -197,3 +197,33 @@ def test_charlm_transformer_builds_learns_and_is_causal():
     assert d["epochs"] * ((n_train // 4) // d["batch_size"]) >= 300  # at least 300 steps with 4 workers
     with pytest.raises(ValueError, match="hidden=30 must be a multiple of 4"):
         workloads.build("charlm-transformer", hidden=30, samples=4, text_bytes=20_000)
+
+
+def test_budget_note_names_the_epochs_that_reach_the_tuned_schedule():
+    """mnist1d-cnn's defaults were tuned at 1,240 steps (4 workers x batch 16
+    x 20 epochs, docs/train.md): 8 workers get 31 steps per epoch and are told
+    that --epochs 40 reaches it; the tuned setting itself gets no note."""
+    mnist_train = 4000  # MNIST-1D's training split
+    per_epoch = {w: mnist_train // (w * 16) for w in (2, 4, 8)}
+    assert per_epoch == {2: 125, 4: 62, 8: 31}
+    assert workloads.budget_note("mnist1d-cnn", 20, per_epoch[4]) is None
+    assert workloads.budget_note("mnist1d-cnn", 20, per_epoch[2]) is None
+    note = workloads.budget_note("mnist1d-cnn", 20, per_epoch[8])
+    assert note is not None and "620 steps" in note and "1240" in note and "--epochs 40 gives 1240" in note
+    assert "--epochs 83 gives 1245" in workloads.budget_note("mnist1d-cnn", 20, 15)  # batch 64: ceil(1240 / 15)
+    assert workloads.budget_note("wide-mlp", 1, 3) is None  # no tuned length stated
+
+
+@pytest.mark.parametrize("samples,epochs,printed", [(None, 20, True), (None, 40, False), (256, 20, False)])
+def test_train_prints_the_budget_note(monkeypatch, capsys, tmp_path, samples, epochs, printed):
+    """`gradpress train` prints the note after its summary line on rank 0, not
+    for a shrunk data set (--samples: a quick check)."""
+    import argparse
+
+    from gradpress.train import cli
+
+    summary = {"workload": "mnist1d-cnn", "epochs": epochs, "steps_per_epoch": 31, "out": str(tmp_path)}
+    monkeypatch.setattr(cli, "run", lambda args: summary)
+    monkeypatch.setattr(cli, "summary_line", lambda s: "summary")
+    assert cli.run_cli(argparse.Namespace(samples=samples)) == 0
+    assert ("--epochs 40 gives 1240" in capsys.readouterr().out) is printed

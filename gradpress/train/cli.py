@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from gradpress import workloads
 from gradpress.train.args import add_arguments
 from gradpress.train.launch import WorkerFailed, run
 from gradpress.train.report import METRICS, SUMMARY, human_bytes
@@ -50,6 +51,10 @@ def run_cli(args: argparse.Namespace) -> int:
             print(f"note: no tensor went through the compressor (strategy {summary['strategy']!r}: the plan left "
                   "every tensor dense, or all are 1-D / below --min-numel); force one with --strategy "
                   "collective or lower --min-numel")
+        if getattr(args, "samples", None) is None:  # a shrunk data set is a quick check, not a budget
+            note = workloads.budget_note(summary["workload"], summary["epochs"], summary["steps_per_epoch"])
+            if note:
+                print(note)
         print(f"metrics: {Path(summary['out']) / METRICS}  summary: {Path(summary['out']) / SUMMARY}")
     bad = summary.get("diverged_at_step")
     if bad is not None:

@@ -15,7 +15,7 @@ from typing import Any
 from gradpress.workloads import charlm, charlm_transformer, digits, mnist1d, userdata, wide
 from gradpress.workloads.base import Workload, WorkloadSpec
 
-__all__ = ["Workload", "WorkloadSpec", "names", "get", "build", "defaults", "DEFAULT"]
+__all__ = ["Workload", "WorkloadSpec", "names", "get", "build", "defaults", "budget_note", "DEFAULT"]
 
 DEFAULT = "mnist1d-cnn"
 
@@ -24,7 +24,8 @@ _SPECS: dict[str, WorkloadSpec] = {
     for s in (
         WorkloadSpec("mnist1d-cnn", mnist1d.build_cnn,
                      {"epochs": 20, "lr": 0.1, "batch_size": 16, "optimizer": "momentum", "schedule": "cosine"},
-                     "MNIST-1D, the paper's small CNN (metric: test accuracy; ~94% published)"),
+                     "MNIST-1D, the paper's small CNN (metric: test accuracy; ~94% published)",
+                     tuned_steps=1240),  # 20 epochs x 62 steps: 4 workers x batch 16 (docs/train.md)
         WorkloadSpec("mnist1d-mlp", mnist1d.build_mlp,
                      {"epochs": 12, "lr": 0.003, "batch_size": 32, "optimizer": "adam", "schedule": "cosine"},
                      "MNIST-1D, MLP 40-100-100-10 (~68% published)"),
@@ -62,6 +63,19 @@ def get(name: str) -> WorkloadSpec:
 def defaults(name: str) -> dict[str, Any]:
     """Training defaults for ``name`` (epochs, lr, batch_size, optimizer)."""
     return dict(get(name).defaults)
+
+
+def budget_note(name: str, epochs: int, steps_per_epoch: int) -> str | None:
+    """A note when the schedule (``epochs`` x ``steps_per_epoch``) is shorter
+    than the one ``name``'s defaults were tuned at, with the epochs that reach
+    it; None otherwise (or when the workload states no tuned length)."""
+    tuned = get(name).tuned_steps
+    horizon = epochs * steps_per_epoch
+    if tuned is None or horizon >= tuned or steps_per_epoch < 1:
+        return None
+    need = -(-tuned // steps_per_epoch)
+    return (f"note: the schedule is {horizon} steps ({epochs} epochs x {steps_per_epoch} steps); {name}'s defaults "
+            f"were tuned at {tuned} steps (docs/train.md): --epochs {need} gives {need * steps_per_epoch}")
 
 
 def build(name: str, **options: Any) -> Workload:

@@ -53,12 +53,17 @@ class Workload:
 
 @dataclass(frozen=True)
 class WorkloadSpec:
-    """Registry entry: a builder and the training defaults that suit it."""
+    """Registry entry: a builder and the training defaults that suit it.
+    ``tuned_steps``: the schedule length (steps) at which the defaults were
+    tuned (docs/train.md); a run whose schedule is shorter is told how many
+    epochs would reach it (more workers or a larger batch mean fewer steps per
+    epoch)."""
 
     name: str
     build: Callable[..., Workload]
     defaults: dict[str, Any]
     doc: str
+    tuned_steps: int | None = None
 
 
 def mlp(sizes: list[int]) -> nn.Sequential:
