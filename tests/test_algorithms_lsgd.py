@@ -1,9 +1,12 @@
 """Leader SGD on 2 and 4 gloo workers against a float64 reference the test
 computes itself (Teng et al. 2019: every tau steps the worker with the lowest
 mean training loss since the last election leads, ties to the lowest rank;
-x <- (1 - c) x + c x_leader): same leader on every rank, c = 1 copies the
-leader exactly, the loss is captured from backward() or given to step(),
-compressed leader broadcasts with residuals, bit-identical resume."""
+x <- (1 - c) x + c x_leader; with prox = P, every local step also moves
+x <- x + (P / tau) (x_leader - x) toward the last election's leader, the
+paper's per-step pulling term as the authors' code applies it): same leader
+on every rank, c = 1 copies the leader exactly, the loss is captured from
+backward() or given to step(), compressed leader broadcasts with residuals,
+bit-identical resume."""
 
 from __future__ import annotations
 
@@ -25,13 +28,17 @@ def flat(model: torch.nn.Module) -> torch.Tensor:
 
 
 def reference(world: int, steps: int, tau: int, c: float, groups: int = 1, c_local: float = 0.0,
-              c_global: float = 0.0, tau_global: int = 1) -> tuple[list[torch.Tensor], list[tuple[int, list[int]]]]:
+              c_global: float = 0.0, tau_global: int = 1,
+              prox: float = 0.0) -> tuple[list[torch.Tensor], list[tuple[int, list[int]]]]:
     """Final parameters of every worker and the leaders of every election
     (global, then each group's)."""
     models = [make_model() for _ in range(world)]
     window: list[list[float]] = [[] for _ in range(world)]
     size = world // groups
     leaders = []
+    start = flat(make_model())
+    x_global = [start] * world  # the per-step pull's targets: the start, then the last elected leaders
+    x_local = [start] * world
     for s in range(steps):
         t = s + 1
         for rank, m in enumerate(models):
@@ -42,6 +49,14 @@ def reference(world: int, steps: int, tau: int, c: float, groups: int = 1, c_loc
             with torch.no_grad():
                 for p in m.parameters():
                     p -= LR * p.grad
+            if prox:
+                x = flat(m)
+                if groups == 1:
+                    new = x + prox / tau * (x_global[rank] - x)
+                else:
+                    new = x + prox / tau_global * (x_global[rank] - x) + prox / tau * (x_local[rank] - x)
+                with torch.no_grad():
+                    torch.nn.utils.vector_to_parameters(new, m.parameters())
         due_local = groups > 1 and t % tau == 0
         due_global = t % tau == 0 if groups == 1 else t % tau_global == 0
         if not (due_local or due_global):
@@ -52,6 +67,11 @@ def reference(world: int, steps: int, tau: int, c: float, groups: int = 1, c_loc
         local = [min(means[g * size:(g + 1) * size])[1] for g in range(groups)]
         leaders.append((lead, local))
         before = [flat(m) for m in models]
+        for rank in range(world):
+            if due_global:
+                x_global[rank] = before[lead]
+            if due_local:
+                x_local[rank] = before[local[rank // size]]
         for rank, m in enumerate(models):
             x = before[rank]
             if groups == 1:
@@ -101,6 +121,19 @@ def _worker(rank: int, world: int) -> dict:
     out["explicit"] = train(rank, model, opt, algo, 0, STEPS, explicit=True)
     model, opt, algo = build(rank, "lsgd:tau=2,c=1")
     out["copy"] = train(rank, model, opt, algo, 0, STEPS)
+    # the per-step pull, and its targets through a resume in the middle of a period
+    model, opt, algo = build(rank, "lsgd:tau=3,c=0.5,prox=0.6")
+    first = train(rank, model, opt, algo, 0, 4)["params"]
+    buf = io.BytesIO()
+    torch.save({"algo": algo.state_dict(), "model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    straight = train(rank, model, opt, algo, 4, STEPS)["params"]
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    model, opt, algo = build(rank, "lsgd:tau=3,c=0.5,prox=0.6")
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    algo.load_state_dict(saved["algo"])
+    out["prox"] = {"straight": first + straight, "again": train(rank, model, opt, algo, 4, STEPS)["params"]}
     # compressed leader broadcast: residuals, the leader copy agrees on every rank, resume mid-window
     spec, kw = "lsgd:tau=2,c=0.5", {"compressor": "topk:ratio=0.2", "min_numel": 64}
     model, opt, algo = build(rank, spec, **kw)
@@ -129,7 +162,10 @@ def _worker(rank: int, world: int) -> dict:
 
 def _worker4(rank: int, world: int) -> dict:
     model, opt, algo = build(rank, "lsgd:tau=2,groups=2,c_local=0.5,c_global=0.25,tau_global=4")
-    return train(rank, model, opt, algo, 0, 8)
+    out = train(rank, model, opt, algo, 0, 8)
+    model, opt, algo = build(rank, "lsgd:tau=2,groups=2,c_local=0.5,c_global=0.25,tau_global=4,prox=0.5")
+    out["prox"] = train(rank, model, opt, algo, 0, 8)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -161,6 +197,17 @@ def test_pull_strength_one_copies_the_leader_exactly(results: list[dict]) -> Non
     for t in range(2, STEPS + 1, 2):
         assert torch.equal(results[0]["copy"]["params"][t - 1], results[1]["copy"]["params"][t - 1]), t
     assert not torch.equal(results[0]["copy"]["params"][0], results[1]["copy"]["params"][0])  # local between
+
+
+def test_per_step_pull_matches_the_reference_and_resumes_exactly(results: list[dict]) -> None:
+    ref, _ = reference(2, STEPS, 3, 0.5, prox=0.6)
+    plain, _ = reference(2, STEPS, 3, 0.5)
+    for rank, res in enumerate(results):
+        got = res["prox"]["straight"][-1]
+        assert close(got, ref[rank]), (got - ref[rank]).abs().max()
+        assert not close(got, plain[rank])  # the per-step pull changed the trajectory
+        for a, b in zip(res["prox"]["straight"][4:], res["prox"]["again"]):
+            assert torch.equal(a, b)
 
 
 def test_stats_and_evaluation_model(results: list[dict]) -> None:
@@ -196,3 +243,8 @@ def test_local_and_global_leaders_on_four_workers() -> None:
     for rank in range(4):
         assert close(res[rank]["params"][-1], ref[rank]), (res[rank]["params"][-1] - ref[rank]).abs().max()
         assert [res[rank]["leaders"][t - 1] for t in (2, 4, 6, 8)] == leaders
+    ref, leaders = reference(4, 8, 2, 0.0, groups=2, c_local=0.5, c_global=0.25, tau_global=4, prox=0.5)
+    for rank in range(4):
+        got = res[rank]["prox"]["params"][-1]
+        assert close(got, ref[rank]), (got - ref[rank]).abs().max()
+        assert [res[rank]["prox"]["leaders"][t - 1] for t in (2, 4, 6, 8)] == leaders

@@ -16,6 +16,19 @@ Multi-leader variant (``groups=G``): ranks form G consecutive groups; every
 ``tau_global`` steps the *global* leader pulls everyone with ``c_global``;
 when both are due, ``x <- x + c_local (x_l - x) + c_global (x_g - x)``.
 
+Per-step pull (``prox=P``, default 0): between elections every local step
+also moves the worker toward the leaders' parameters of the last election,
+``x <- x + (P / tau) (x_leader - x)`` (groups: ``P / tau`` toward the local
+leader, ``P / tau_global`` toward the global one, from the same ``x``), so
+that a period's per-step pulls add up to about ``P``. This is the paper's
+pulling term ``-lambda (x - x_leader)`` of every step's update, taken after
+the gradient step with the leader refreshed every ``tau`` steps, as the
+authors' code does it (github.com/yunfei-teng/LSGD, ``codes/
+worker_stoc_optim.py``: ``p1 / l_comm``, ``p2 / g_comm``, on by default there,
+next to the jump ``c`` at each communication). Before the first election the
+target is the common starting point. It costs no communication: the target
+is the copy each rank already received at the election (compressed: ``ref``).
+
 The global leader's parameters travel dense (one broadcast) with the
 default compressor; with another compressor they go through the exchange
 engine with error feedback: every rank keeps ``ref``, the compressed image
@@ -31,7 +44,9 @@ scalar computed from it reports itself when ``backward()`` is called on it.
 
 Invariants: every rank elects the same leaders (one allgather of the running
 losses; every rank decides from the same vector); a worker with ``c = 1``
-holds the leader's parameters bit for bit after the pull; ``eval_model()``
+holds the leader's parameters bit for bit after the pull; the per-step
+pull's targets are bit-identical on every rank (the broadcast copy, or
+``ref``); ``eval_model()``
 (collective) is the last global leader's current model on every rank.
 """
 
@@ -88,6 +103,8 @@ class LSGD(Algorithm):
         Param("c_global", float, 0.1, "number in (0, 1]", _unit, "pull toward the global leader (groups > 1)"),
         Param("tau_global", int, 32, "integer >= 1", lambda v: v >= 1,
               "steps between global leader pulls (groups > 1)"),
+        Param("prox", float, 0.0, "number in [0, 1]", lambda v: 0 <= v <= 1,
+              "per-step pull toward the last election's leader, prox / tau per local step (0: none)"),
     )
     summary = ("leader SGD: every tau steps the worker with the lowest running loss is the leader and "
                "every worker moves x <- (1 - c) x + c x_leader (optional local and global leaders)")
@@ -119,6 +136,10 @@ class LSGD(Algorithm):
                 if self.rank in range(g * size, (g + 1) * size):
                     self.subgroup = sub
         self.ref = [p.detach().clone() for _, p in self.named] if self.compressed else []
+        #: the per-step pull's targets (the last elected leaders' parameters; the start before the first)
+        prox = self.prox > 0  # type: ignore[attr-defined]
+        self.target = {"global": [p.detach().clone() for _, p in self.named] if prox and not self.compressed else [],
+                       "local": [p.detach().clone() for _, p in self.named] if prox and self.groups > 1 else []}  # type: ignore[attr-defined]
         self._eval: torch.nn.Module | None = None
 
     # ------------------------------------------------------------------ loss
@@ -147,6 +168,8 @@ class LSGD(Algorithm):
         self._window = [mean if self._window[0] is None else self._window[0] + mean, self._window[1] + 1]
         self._seen = [None, 0]
         self.local_step()
+        if self.prox > 0:  # type: ignore[attr-defined]
+            self.prox_pull()
         t, groups = self._steps, self.groups  # type: ignore[attr-defined]
         if groups == 1:
             due_local, due_global = False, t % self.tau == 0  # type: ignore[attr-defined]
@@ -154,6 +177,24 @@ class LSGD(Algorithm):
             due_local, due_global = t % self.tau == 0, t % self.tau_global == 0  # type: ignore[attr-defined]
         if due_local or due_global:
             self.pull(due_local, due_global)
+
+    @torch.no_grad()
+    def prox_pull(self) -> None:
+        """One step's pull toward the last election's leaders:
+        ``x <- x + (prox / tau_g) (x_g - x) [+ (prox / tau) (x_l - x)]``
+        (``tau_g``: ``tau`` with one group, ``tau_global`` with several)."""
+        groups = self.groups  # type: ignore[attr-defined]
+        pulls = [(self.prox / (self.tau if groups == 1 else self.tau_global),  # type: ignore[attr-defined]
+                  self.ref if self.compressed else self.target["global"])]
+        if groups > 1:
+            pulls.append((self.prox / self.tau, self.target["local"]))  # type: ignore[attr-defined]
+        for i, (_, p) in enumerate(self.named):
+            if len(pulls) == 1:
+                p.lerp_(pulls[0][1][i], pulls[0][0])
+            else:
+                x = p.detach().clone()
+                for a, target in pulls:
+                    p.add_(target[i] - x, alpha=a)
 
     # ---------------------------------------------------------------- leaders
     def elect(self) -> torch.Tensor:
@@ -218,10 +259,14 @@ class LSGD(Algorithm):
         if due_global:
             c = self.c if self.groups == 1 else self.c_global  # type: ignore[attr-defined]
             targets.append((c, self.global_leader_params(self.leaders["global"])))
+            if self.target["global"]:
+                self.target["global"] = [t.clone() for t in targets[-1][1]]
         if due_local:
             assert self.subgroup is not None
             src = self.leaders["local"][self.rank // (self.world_size // self.groups)]  # type: ignore[attr-defined]
             targets.append((self.c_local, self.broadcast_params(src, self.subgroup)))  # type: ignore[attr-defined]
+            if self.target["local"]:
+                self.target["local"] = [t.clone() for t in targets[-1][1]]
         for i, (_, p) in enumerate(self.named):
             if len(targets) == 1:
                 p.lerp_(targets[0][1][i], targets[0][0])  # weight 1: exactly the leader's
@@ -258,7 +303,8 @@ class LSGD(Algorithm):
             window[0], window[1] = self._window[0].cpu(), self._window[1]
         return {"window": window, "leaders": {"global": self.leaders["global"],
                                                              "local": list(self.leaders["local"])},
-                "last_losses": self.last_losses.clone(), "ref": [r.clone() for r in self.ref]}
+                "last_losses": self.last_losses.clone(), "ref": [r.clone() for r in self.ref],
+                "target": {k: [t.clone() for t in v] for k, v in self.target.items()}}
 
     def load_extra_state(self, state: Mapping[str, Any]) -> None:
         if "window" not in state or len(state.get("ref", [])) != len(self.ref):
@@ -270,6 +316,12 @@ class LSGD(Algorithm):
         self.last_losses = state["last_losses"].clone()
         for r, saved in zip(self.ref, state["ref"]):
             r.copy_(saved)
+        target = state.get("target", {"global": [], "local": []})
+        for key, mine in self.target.items():
+            if len(target.get(key, [])) != len(mine):
+                raise ValueError(f"lsgd state: per-step pull target {key!r} missing or of another model")
+            for t, saved in zip(mine, target[key]):
+                t.copy_(saved)
 
     def close(self) -> None:
         self._hook.remove()
