@@ -119,6 +119,11 @@ def _worker(rank: int, world: int) -> dict:
     out["eval_leader"] = algo.leaders["global"]
     model, opt, algo = build(rank, "lsgd:tau=3,c=0.5")
     out["explicit"] = train(rank, model, opt, algo, 0, STEPS, explicit=True)
+    model, opt, algo = build(rank, "lsgd:tau=3,c=0.5,evaluate=average")
+    train(rank, model, opt, algo, 0, STEPS - 1)  # between elections: the workers differ
+    out["eval_average"] = {"eval": flat(algo.eval_model()), "own": flat(model)}
+    train(rank, model, opt, algo, STEPS - 1, STEPS)  # evaluating left training untouched
+    out["eval_average"]["after"] = flat(model)
     model, opt, algo = build(rank, "lsgd:tau=2,c=1")
     out["copy"] = train(rank, model, opt, algo, 0, STEPS)
     # the per-step pull, and its targets through a resume in the middle of a period
@@ -219,6 +224,17 @@ def test_stats_and_evaluation_model(results: list[dict]) -> None:
     assert torch.equal(results[0]["eval"], results[1]["eval"])  # every rank evaluates the leader's model
     leader = results[0]["eval_leader"]
     assert torch.equal(results[0]["eval"], results[leader]["own"])
+
+
+def test_average_evaluation_is_the_mean_of_the_workers(results: list[dict]) -> None:
+    ref, _ = reference(2, STEPS - 1, 3, 0.5)
+    mean = (ref[0] + ref[1]) / 2
+    assert not close(ref[0], ref[1])
+    for rank, res in enumerate(results):
+        r = res["eval_average"]
+        assert close(r["eval"], mean), (r["eval"] - mean).abs().max()
+        assert close(r["own"], ref[rank])
+        assert torch.equal(r["after"], res["probe"]["params"][-1])  # same trajectory as without evaluating
 
 
 def test_compressed_leader_broadcast_keeps_residuals_and_resumes_exactly(results: list[dict]) -> None:

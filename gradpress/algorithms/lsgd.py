@@ -46,8 +46,10 @@ Invariants: every rank elects the same leaders (one allgather of the running
 losses; every rank decides from the same vector); a worker with ``c = 1``
 holds the leader's parameters bit for bit after the pull; the per-step
 pull's targets are bit-identical on every rank (the broadcast copy, or
-``ref``); ``eval_model()``
-(collective) is the last global leader's current model on every rank.
+``ref``); ``eval_model()`` (collective) is the same model on every rank:
+the last global leader's current one (``evaluate=leader``, the default) or
+the workers' average (``evaluate=average``, as the authors' code tests its
+"center" model).
 """
 
 from __future__ import annotations
@@ -105,6 +107,8 @@ class LSGD(Algorithm):
               "steps between global leader pulls (groups > 1)"),
         Param("prox", float, 0.0, "number in [0, 1]", lambda v: 0 <= v <= 1,
               "per-step pull toward the last election's leader, prox / tau per local step (0: none)"),
+        Param("evaluate", str, "leader", "leader or average", lambda v: v in ("leader", "average"),
+              "the model eval_model() returns: the last global leader's, or the workers' average"),
     )
     summary = ("leader SGD: every tau steps the worker with the lowest running loss is the leader and "
                "every worker moves x <- (1 - c) x + c x_leader (optional local and global leaders)")
@@ -281,10 +285,20 @@ class LSGD(Algorithm):
     # ------------------------------------------------------------ evaluation
     @torch.no_grad()
     def eval_model(self) -> torch.nn.Module:
-        """The last global leader's current model, on every rank (collective;
-        this broadcast is evaluation, not training, and is not counted)."""
+        """``evaluate=leader``: the last global leader's current model, on
+        every rank; ``evaluate=average``: the workers' average (the "center"
+        model the authors' code tests). Collective; this traffic is
+        evaluation, not training, and is not counted."""
         if self.world_size == 1:
             return self.model
+        if self.evaluate == "average":  # type: ignore[attr-defined]
+            if self._consensus is not None:
+                return self.consensus_model()
+            self._hook.remove()  # the copy must not carry the loss-capturing hook
+            try:
+                return self.consensus_model()
+            finally:
+                self._hook = self.model.register_forward_hook(self._tag)
         if self._eval is None:
             self._hook.remove()
             self._eval = copy.deepcopy(self.model)
