@@ -43,9 +43,9 @@ GROUPS: dict[str, tuple[list[str], list[str], int]] = {
                     "gradpress/transport/p2p.py", "gradpress/exchange/stats.py"],
                    ["tests/test_wire.py", "tests/test_accounting.py"], 4),
     "spec": (["gradpress/compress/spec.py", "gradpress/compress/registry.py"],
-             ["tests/test_spec_registry.py", "tests/test_compressors.py"], 25),
+             ["tests/test_spec_registry.py", "tests/test_compressors.py"], 30),
     "quantizers": ([f"gradpress/compress/{m}.py" for m in ("qsgd", "natural", "randomk", "terngrad", "dithering")],
-                   ["tests/test_power.py", "tests/test_unbiased.py"], 12),
+                   ["tests/test_power.py", "tests/test_unbiased.py"], 30),
 }
 #: binary operators that never occur in these modules' arithmetic on tensors and floats: replacing
 #: ``+`` by ``<<`` or ``%`` only gives type errors (incompetent mutants), never a plausible bug
@@ -87,19 +87,52 @@ def write_config(path: Path, modules: list[str], tests: list[str]) -> None:
     path.write_text("\n".join(lines))
 
 
-def sample(session: Path, keep: int, seed: str) -> tuple[int, int]:
-    """Mark all but ``keep`` pending work items (a seeded random choice) skipped."""
+def compiles(module_path: str, operator_name: str, occurrence: int) -> bool:
+    """Whether the mutant is valid Python: cosmic-ray also rewrites the bare ``*`` of a keyword-only
+    signature (``def f(a, *, b)`` -> ``def f(a, +, b)``), a syntax error that every test "kills"."""
+    from cosmic_ray.mutating import mutate_code
+    from cosmic_ray.plugins import get_operator
+
+    code = mutate_code(Path(module_path).read_text(), get_operator(operator_name)(), occurrence)
+    try:
+        compile(code or "", module_path, "exec")
+    except SyntaxError:
+        return False
+    return True
+
+
+def sample(session: Path, keep: int, seed: str, work: Path) -> tuple[int, int, int]:
+    """Mark all but ``keep`` pending work items (a seeded random choice) skipped.
+
+    Invariant: the same code and seed give the same sample, and a larger ``keep`` gives a superset
+    (``random.sample`` draws a prefix-consistent sequence); a drawn mutant that does not compile is
+    replaced by the next seeded draw and counted (third value returned), never run.
+    """
     from cosmic_ray.work_db import use_db
     from cosmic_ray.work_item import WorkerOutcome, WorkResult
 
     with use_db(str(session)) as db:
-        pending = sorted(db.pending_work_items, key=lambda w: w.job_id)
+        # job ids are random (uuid4): order by what the mutant is, so the same code gives the same sample
+        pending = sorted(db.pending_work_items, key=lambda w: (str(w.mutations[0].module_path),
+                                                               w.mutations[0].operator_name, w.mutations[0].occurrence))
         rng = random.Random(seed)
-        chosen = set(w.job_id for w in rng.sample(pending, min(keep, len(pending))))
+        drawn = rng.sample(pending, min(keep, len(pending)))
+        rest = [w for w in pending if w.job_id not in {d.job_id for d in drawn}]
+        chosen: set[str] = set()
+        invalid = 0
+        while drawn:
+            w = drawn.pop(0)
+            m = w.mutations[0]
+            if compiles(str(work / m.module_path), m.operator_name, m.occurrence):
+                chosen.add(w.job_id)
+            else:
+                invalid += 1
+                if rest:
+                    drawn.append(rest.pop(rng.randrange(len(rest))))
         for w in pending:
             if w.job_id not in chosen:
                 db.set_result(w.job_id, WorkResult(worker_outcome=WorkerOutcome.SKIPPED, output="not sampled"))
-        return len(pending), len(chosen)
+        return len(pending), len(chosen), invalid
 
 
 def results(session: Path) -> list[dict]:
@@ -122,12 +155,14 @@ def run_group(work: Path, name: str, modules: list[str], tests: list[str], keep:
     env = dict(os.environ, PYTHONPATH=str(work))
     subprocess.run([tool("cosmic-ray"), "init", str(cfg), str(session), "--force"], cwd=work, check=True, env=env)
     subprocess.run([tool("cr-filter-operators"), str(session), str(cfg)], cwd=work, check=True, env=env)
-    total, chosen = sample(session, keep, seed=f"gradpress-{name}")
+    total, chosen, invalid = sample(session, keep, seed=f"gradpress-{name}", work=work)
     t0 = time.time()
     subprocess.run([tool("cosmic-ray"), "exec", str(cfg), str(session)], cwd=work, check=True, env=env)
-    rows = [r for r in results(session) if r["worker"] != "skipped"]
-    return {"name": name, "modules": modules, "tests": tests, "candidates": total, "sampled": chosen,
-            "seconds": round(time.time() - t0), "rows": rows}
+    every = results(session)
+    per_module = {m: sum(1 for r in every if r["module"] == m) for m in {r["module"] for r in every}}
+    rows = [r for r in every if r["worker"] != "skipped"]
+    return {"name": name, "modules": modules, "tests": tests, "candidates": total, "sampled": chosen, "invalid": invalid,
+            "per_module": per_module, "seconds": round(time.time() - t0), "rows": rows}
 
 
 def score(rows: list[dict]) -> tuple[int, int, int, str]:
@@ -139,26 +174,31 @@ def score(rows: list[dict]) -> tuple[int, int, int, str]:
 
 
 def report(groups: list[dict]) -> str:
-    out = ["| group | modules | tests | mutants (candidates) | sampled | killed | survived | incompetent | score | time |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+    out = ["| group | modules | tests | mutants (candidates) | sampled | redrawn (no compile) | killed | survived | "
+           "incompetent | score | time |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     all_rows = []
     for g in groups:
         k, s, o, pct = score(g["rows"])
         all_rows += g["rows"]
         out.append(f"| {g['name']} | {', '.join(Path(m).name for m in g['modules'])} | "
-                   f"{', '.join(Path(t).name for t in g['tests'])} | {g['candidates']} | {g['sampled']} | {k} | {s} | "
+                   f"{', '.join(Path(t).name for t in g['tests'])} | {g['candidates']} | {g['sampled']} | {g.get('invalid', 0)} | "
+                   f"{k} | {s} | "
                    f"{o} | {pct} | {g['seconds']} s |")
     k, s, o, pct = score(all_rows)
-    out.append(f"| **all** | | | | {len(all_rows)} | {k} | {s} | {o} | **{pct}** | "
+    out.append(f"| **all** | | | | {len(all_rows)} | {sum(g.get('invalid', 0) for g in groups)} | {k} | {s} | {o} | **{pct}** | "
                f"{sum(g['seconds'] for g in groups)} s |")
-    out += ["", "Per module:", "", "| module | killed | survived | score |", "|---|---|---|---|"]
-    for module in sorted({r["module"] for r in all_rows}):
-        k, s, o, pct = score([r for r in all_rows if r["module"] == module])
-        out.append(f"| {module} | {k} | {s} | {pct} |")
+    out += ["", "Per module:", "", "| module | candidates | sampled | killed | survived | score |",
+            "|---|---|---|---|---|---|"]
+    candidates = {m: c for g in groups for m, c in g.get("per_module", {}).items()}
+    for module in sorted(candidates):
+        rows = [r for r in all_rows if r["module"] == module]
+        k, s, o, pct = score(rows)
+        out.append(f"| {module} | {candidates[module]} | {len(rows)} | {k} | {s} | {pct} |")
     survivors = [r for r in all_rows if r["test"] == "survived"]
     out += ["", f"Survivors ({len(survivors)}):", ""]
     for r in survivors:
-        out += [f"- `{r['module']}` line {r['line'] + 1}, {r['operator']} #{r['occurrence']}:", "", "```diff",
+        out += [f"- `{r['module']}` line {r['line']}, {r['operator']} #{r['occurrence']}:", "", "```diff",
                 (r["diff"] or "").strip(), "```", ""]
     return "\n".join(out)
 

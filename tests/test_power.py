@@ -187,3 +187,42 @@ def test_qsgd_tiny_single_bucket_is_unbiased() -> None:
     assert bool(((Z + Z_POWER) * se <= 0.10 * v.abs()).all())
     mean = _mean_of_copies(f"qsgd:levels={s},bucket=0", base, 1, draws)
     assert bool(((mean - v).abs() <= Z * se + 1e-6 * v.abs()).all()), (mean, v)
+
+
+def _omega_reference(d: int, s: int, p: float, natural: bool) -> float | None:
+    """The stated variance bounds, omega with E||C(x) - x||^2 <= omega ||x||^2,
+    written out from the papers: natural dithering (Horvath et al. 2019,
+    "Natural compression for distributed deep learning", the bound for
+    natural dithering with a p-norm):
+    ``1/8 + d^(1/r) 2^(1-s) min(1, d^(1/r) 2^(1-s))`` with ``r = min(p, 2)``;
+    standard dithering with p = 2 (Alistarh et al. 2017, QSGD, Lemma 3.1):
+    ``min(d / s^2, sqrt(d) / s)``; no bound stated otherwise (None)."""
+    if natural:
+        r = min(p, 2.0)
+        t = math.pow(d, 1.0 / r) * math.pow(2.0, 1 - s)
+        return 1.0 / 8.0 + t * min(1.0, t)
+    if p != 2.0:
+        return None
+    return min(d / (s * s), math.sqrt(d) / s)
+
+
+@pytest.mark.parametrize("d, levels, p, natural, bucket", [
+    (16, 8, 2.0, True, 0),      # t = 4 * 2^-7 < 1: omega = 1/8 + t^2
+    (4096, 3, 2.0, True, 0),    # t = 16: omega = 1/8 + t
+    (100, 5, 1.0, True, 0),     # r = 1
+    (300, 7, math.inf, True, 64),  # r = 2, one bucket of 64 sets d
+    (64, 4, 2.0, False, 0),     # d / s^2 = 4 > sqrt(d) / s = 2
+    (10, 8, 2.0, False, 0),     # d / s^2 < sqrt(d) / s
+    (50, 4, 3.0, False, 0),     # no bound for standard dithering with p != 2
+])
+def test_dithering_variance_factor_is_the_stated_bound(d: int, levels: int, p: float, natural: bool, bucket: int) -> None:
+    """``variance_factor`` (the omega the planner and the literature checks
+    use) equals the paper's bound computed here for the tensor's bucket, on
+    both sides of ``t = 1`` where ``min(1, t)`` switches."""
+    spec = f"dithering:levels={levels},p={'inf' if math.isinf(p) else p},natural={str(natural).lower()},bucket={bucket}"
+    got = create(spec).variance_factor(d)
+    want = _omega_reference(bucket if 0 < bucket < d else d, levels, p, natural)
+    if want is None:
+        assert got is None
+    else:
+        assert got == pytest.approx(want, rel=1e-12, abs=0.0), (spec, got, want)
