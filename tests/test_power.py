@@ -46,19 +46,25 @@ def _ctx(i: int) -> Context:
     return Context(key="power", step=i, rank=i % 3, world_size=3, seed=11)
 
 
-def _mean_of_copies(spec: str, base: torch.Tensor, copies: int, draws: int) -> torch.Tensor:
+def _mean_of_copies(spec: str, base: torch.Tensor, copies: int, draws: int, dtype: torch.dtype = torch.float32,
+                    stream: str | None = None) -> torch.Tensor:
     comp = create(spec)
-    x = base.float().repeat(copies)
+    if stream is not None:
+        comp.random_stream = stream
+    x = base.float().to(dtype).repeat(copies)
     acc = torch.zeros(base.numel(), dtype=F64)
     for i in range(draws):
         acc += comp.decode(comp.encode(x, _ctx(i))).double().view(copies, -1).sum(0)
     return acc / (draws * copies)
 
 
-def powered(spec: str, base: torch.Tensor, sigma: torch.Tensor, copies: int) -> None:
+def powered(spec: str, base: torch.Tensor, sigma: torch.Tensor, copies: int, dtype: torch.dtype = torch.float32,
+            stream: str | None = None) -> None:
     """Draw until every coordinate has the samples a 2% bias needs, then
     check the mean against the tolerance; ``sigma``: per-coordinate standard
-    deviation of one sample, from the method's definition."""
+    deviation of one sample, from the method's definition; ``dtype``: the
+    tensors' dtype, ``stream``: the compressor's ``random_stream`` (None: its
+    default)."""
     x = base.float().double()
     nonzero = x.abs() > 0
     need = ((Z + Z_POWER) * sigma[nonzero] / (BIAS * x.abs()[nonzero])).pow(2).max().item()
@@ -66,7 +72,7 @@ def powered(spec: str, base: torch.Tensor, sigma: torch.Tensor, copies: int) -> 
     n = draws * copies
     se = sigma / math.sqrt(n)
     assert bool(((Z + Z_POWER) * se[nonzero] <= BIAS * x.abs()[nonzero]).all())  # the test has its power
-    mean = _mean_of_copies(spec, base, copies, draws)
+    mean = _mean_of_copies(spec, base, copies, draws, dtype, stream)
     tol = Z * se + 1e-6 * x.abs() + 1e-30
     bad = (mean - x).abs() > tol
     assert not bad.any(), (spec, x[bad], mean[bad], tol[bad], f"relative bias {((mean - x) / x)[bad]}")
@@ -86,13 +92,18 @@ def test_qsgd_every_coordinate_within_two_percent() -> None:
     powered(f"qsgd:levels={s},bucket={b}", base, step * (f * (1 - f)).sqrt(), copies=8192)
 
 
-def test_natural_every_coordinate_within_two_percent() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+@pytest.mark.parametrize("stream", ["counter", "torch"])
+def test_natural_every_coordinate_within_two_percent(dtype: torch.dtype, stream: str) -> None:
     """Natural compression: stochastic rounding to the neighbouring powers of
-    two; detectable bias 2% on every coordinate."""
+    two; detectable bias 2% on every coordinate, for both random streams and
+    for the fp32 and the fp64 rounding (fp64 carries 52 random bits into the
+    exponent, fp32 23: a wrong mask biases or breaks one of the four)."""
     base = torch.tensor([3.0, -2.5, 1.3, -0.7, 0.45, -5.5, 0.11, 1.9, 7.0])
     a = base.double().abs()
     lo = torch.exp2(torch.floor(torch.log2(a)))
-    powered("natural", base, ((2 * lo - a) * (a - lo)).clamp_min(0).sqrt(), copies=4096)
+    powered("natural", base, ((2 * lo - a) * (a - lo)).clamp_min(0).sqrt(), copies=4096, dtype=dtype,
+            stream=stream)
 
 
 def test_terngrad_every_coordinate_within_two_percent() -> None:
