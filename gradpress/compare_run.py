@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from gradpress import compare, compare_report, compare_stats, train
+from gradpress import compare, compare_report, compare_stats, train, workloads
 
 __all__ = ["run", "sweep"]
 
@@ -45,10 +45,6 @@ def sweep(configs: list[Any], rates: list[float], steps: int | None, seeds: list
     return {"rule": compare_stats.BEST_LR_RULE, "rates": rates, "steps": steps, "seeds": seeds, "methods": methods}
 
 
-#: workloads whose metric is an accuracy in [0, 1]
-_ACCURACY = ("mnist1d-cnn", "mnist1d-mlp", "digits-mlp", "data-mlp", "wide-mlp")
-
-
 def run(compressors: str | Iterable[str] | None, options: Mapping[str, Any] | None = None, *,
         out: str = "runs/compare", target: float | None = None,
         algorithms: str | Iterable[str] | None = None, seeds: str | int | list[int] | None = None,
@@ -79,7 +75,8 @@ def run(compressors: str | Iterable[str] | None, options: Mapping[str, Any] | No
         raise ValueError(f"sweep-steps must be a positive integer, got {sweep_steps!r}")
     root = Path(out)
     configs = compare._plan_runs(compressors, algorithms, opts, root)  # validate everything before training
-    if target is not None and not (target > 0 and (target <= 1 or configs[0].workload not in _ACCURACY)):
+    accuracy = workloads.get(configs[0].workload).metric == "accuracy"
+    if target is not None and not (target > 0 and (target <= 1 or not accuracy)):
         raise ValueError(f"target must be a metric value the runs can reach: > 0, and <= 1 for an accuracy "
                          f"(workload {configs[0].workload!r}), got {target!r}")
     seed_list = compare_stats.parse_seeds(seeds, configs[0].seed)

@@ -36,6 +36,7 @@ def test_build_forward_step_deterministic(name):
         assert torch.equal(ta, tb)
     for pa, pb in zip(a.model.parameters(), b.model.parameters()):
         assert torch.equal(pa, pb)
+    assert a.metric == workloads.get(name).metric  # the registry states it without building (compare's target check)
     x, y = a.train
     assert len(x) == len(y) == TINY[name]["samples"]
     assert len(a.test[1]) >= 1
@@ -129,6 +130,7 @@ def test_userdata_ok(tmp_path):
     assert w.train[0].shape == (80, 6) and w.test[0].shape == (20, 6)
     assert set(w.train[1].tolist()) <= {0, 1}
     assert w.model(w.test[0]).shape == (20, 2)
+    assert w.metric == workloads.get("data-mlp").metric
 
 
 @pytest.mark.parametrize("arrays,match", [
@@ -174,7 +176,8 @@ def test_charlm_transformer_builds_learns_and_is_causal():
     b = workloads.build("charlm-transformer", **TINY["charlm-transformer"])
     for pa, pb in zip(a.model.parameters(), b.model.parameters()):
         assert torch.equal(pa, pb)
-    assert a.metric == "bits_per_char" and not a.higher_is_better and not a.classifier
+    assert a.metric == "bits_per_char" == workloads.get("charlm-transformer").metric
+    assert not a.higher_is_better and not a.classifier
     x, y = a.train
     assert x.shape == (16, charlm.SEQ_LEN) and torch.equal(x[:, 1:], y[:, :-1])
     with torch.no_grad():  # causal: changing the last byte leaves every earlier prediction as it was

@@ -34,11 +34,11 @@ _SPECS: dict[str, WorkloadSpec] = {
                      "scikit-learn digits 8x8, MLP 64-128-10"),
         WorkloadSpec("charlm-lstm", charlm.build,
                      {"epochs": 3, "lr": 0.003, "batch_size": 32, "optimizer": "adam", "schedule": "cosine"},
-                     "character LSTM on standard-library sources (metric: bits per character)"),
+                     "character LSTM on standard-library sources (metric: bits per character)", metric="bits_per_char"),
         WorkloadSpec("charlm-transformer", charlm_transformer.build,
                      {"epochs": 5, "lr": 0.002, "batch_size": 16, "optimizer": "adam", "schedule": "cosine"},
                      "character transformer (2 blocks, 0.47M parameters) on standard-library sources, "
-                     "where Adam matters (metric: bits per character)"),
+                     "where Adam matters (metric: bits per character)", metric="bits_per_char"),
         WorkloadSpec("wide-mlp", wide.build,
                      {"epochs": 1, "lr": 0.05, "batch_size": 64, "optimizer": "momentum", "schedule": "constant"},
                      "synthetic wide MLP, size set by --params (communication-heavy)"),

@@ -64,6 +64,8 @@ class WorkloadSpec:
     defaults: dict[str, Any]
     doc: str
     tuned_steps: int | None = None
+    #: the metric its :class:`Workload` reports (``accuracy``: a fraction in [0, 1])
+    metric: str = "accuracy"
 
 
 def mlp(sizes: list[int]) -> nn.Sequential:
