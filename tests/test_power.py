@@ -115,10 +115,13 @@ def test_terngrad_every_coordinate_within_two_percent() -> None:
     powered("terngrad:clip=0", base, (a * (a.max() - a)).sqrt(), copies=8192)
 
 
+@pytest.mark.parametrize("bucket", [0, 8])
 @pytest.mark.parametrize("natural", [False, True])
-def test_dithering_every_coordinate_within_two_percent(natural: bool) -> None:
+def test_dithering_every_coordinate_within_two_percent(natural: bool, bucket: int) -> None:
     """Random dithering with the infinity norm (y = |x| / max), 4 levels,
-    standard or natural; detectable bias 2% on every coordinate."""
+    standard or natural, one norm for the whole tensor or one per bucket of 8
+    (every bucket is one copy of the base vector, so its norm and the
+    variances are the same); detectable bias 2% on every coordinate."""
     s = 4
     base = torch.tensor([1.0, -0.9, 0.7, -0.6, 0.45, -0.8, 0.35, 0.55])
     a = base.double().abs()
@@ -130,7 +133,7 @@ def test_dithering_every_coordinate_within_two_percent(natural: bool) -> None:
         levels = torch.arange(s + 1, dtype=F64) / s
     lo = torch.stack([levels[levels <= v].max() for v in y])
     hi = torch.stack([levels[levels >= v].min() for v in y])
-    spec = f"dithering:levels={s},p=inf,natural={'true' if natural else 'false'}"
+    spec = f"dithering:levels={s},p=inf,natural={'true' if natural else 'false'},bucket={bucket}"
     powered(spec, base, norm * ((hi - y) * (y - lo)).clamp_min(0).sqrt(), copies=4096)
 
 
