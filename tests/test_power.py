@@ -240,3 +240,52 @@ def test_dithering_variance_factor_is_the_stated_bound(d: int, levels: int, p: f
         assert got is None
     else:
         assert got == pytest.approx(want, rel=1e-12, abs=0.0), (spec, got, want)
+
+
+def _on_levels(d: int, b: int, levels: list[float]) -> torch.Tensor:
+    """``d`` entries in buckets of ``b``; bucket j has norm ``m_j = 2^(j % 5 - 2)``
+    (its first entry), every entry is ``+-m_j * level`` with ``level`` one of
+    the quantizer's levels: the draws cannot move them (exact in fp32)."""
+    idx = torch.arange(d)
+    m = torch.exp2((idx // b % 5 - 2).to(torch.float64))
+    level = torch.tensor(levels, dtype=torch.float64)[idx % len(levels)]
+    level[idx % b == 0] = 1.0
+    sign = 1.0 - 2.0 * (idx % 3 == 1).to(torch.float64)
+    return (m * level * sign).float()
+
+
+@pytest.mark.parametrize("natural", [False, True])
+def test_dithering_entries_on_levels_are_exact_across_buckets_and_spans(natural: bool) -> None:
+    """Dithering with the infinity norm, 4 levels, buckets of 24 on 65636
+    entries: the CPU span (2^16 entries, ``compress/spans.py``) ends inside a
+    bucket and the last bucket is short, so every piece of the per-bucket
+    scaling (head of a bucket, whole buckets, tail) is used; an entry whose
+    ``|x| / norm`` is a level is deterministic and must come back exactly
+    (levels k/4, or 2^(k-4) natural), with each bucket's own norm."""
+    s, b, d = 4, 24, (1 << 16) + 100
+    assert (1 << 16) % b and d % b  # a bucket straddles the span boundary; a short last bucket
+    levels = [0.0] + [2.0 ** (k - s) for k in range(1, s + 1)] if natural else [k / s for k in range(s + 1)]
+    x = _on_levels(d, b, levels)
+    comp = create(f"dithering:levels={s},p=inf,natural={'true' if natural else 'false'},bucket={b}")
+    for i in range(3):
+        out = comp.decode(comp.encode(x, _ctx(i)))
+        bad = out != x
+        assert not bad.any(), (bad.nonzero()[:5].reshape(-1).tolist(), out[bad][:5], x[bad][:5])
+
+
+@pytest.mark.parametrize("levels", [13, 130, 1300])
+def test_qsgd_entries_on_levels_are_exact_narrow_and_wide_codes(levels: int) -> None:
+    """QSGD, one bucket, x = (3, -4, 0, 12, 0, 0, -0, 0) (norm 13) and
+    (1.5, -2, 0, 6) (norm 6.5): the norm is exact and ``|x| s / norm`` an
+    integer level for s a multiple of 13,
+    so every draw gives x back up to the float rounding of ``level * norm / s``
+    (relative 1e-6). s = 130 and 1300 need more than 8 code bits: the wide
+    codes' decoding (sign applied in floating point) is used."""
+    x = torch.tensor([3.0, -4.0, 0.0, 12.0, 0.0, 0.0, -0.0, 0.0, 1.5, -2.0, 0.0, 6.0])
+    comp = create(f"qsgd:levels={levels},bucket=0")
+    for half in (x[:8], x[8:]):
+        want = half.double()
+        assert float(want.norm()) in (13.0, 6.5)
+        for i in range(4):
+            out = comp.decode(comp.encode(half, _ctx(i))).double()
+            assert torch.allclose(out, want, rtol=1e-6, atol=0.0), (levels, out, want)
