@@ -20,7 +20,7 @@ WORLD = 2
 LR = 0.01
 BETAS = (0.9, 0.999)
 EPS = 1e-8
-
+ONEBIT_CHUNK = 256  # 1-bit Adam's default scale chunk (docs/results/compressed-adam-charlm-transformer.md)
 
 
 def grads_at(params: list[torch.Tensor], rank: int, step: int) -> list[torch.Tensor]:
@@ -63,17 +63,20 @@ def reference_adam(steps: int, v_steps: list[bool], wd: float = 0.0, decoupled: 
     return out
 
 
-def scaled_sign(x: torch.Tensor) -> torch.Tensor:
-    """efsignsgd by definition: mean|x| * sign(x), sign(0) = +1."""
-    return x.abs().mean() * torch.where(x >= 0, 1.0, -1.0).to(x.dtype)
+def scaled_sign(x: torch.Tensor, chunk: int = 0) -> torch.Tensor:
+    """efsignsgd by definition: mean|x_k| * sign(x_k) over each run x_k of
+    ``chunk`` consecutive entries of the flat x (0: the whole x), sign(0) = +1."""
+    step = chunk or max(x.numel(), 1)
+    return torch.cat([c.abs().mean() * torch.where(c >= 0, 1.0, -1.0).to(x.dtype) for c in x.split(step)])
 
 
-def reference_onebit(steps: int, freeze: int, min_numel: int) -> list[torch.Tensor]:
+def reference_onebit(steps: int, freeze: int, min_numel: int, chunk: int = 0) -> list[torch.Tensor]:
     """1-bit Adam (Tang et al. 2021, Algorithm 1) with DeepSpeed's compressed
     allreduce, float64: each worker adds its residual to its momentum, sends
-    the scaled sign of each of the N chunks; the owner of a chunk averages
-    the N decoded chunks, adds its own residual and sends the scaled sign of
-    that; residuals keep what each compression dropped."""
+    the scaled sign of each of the N partitions (one scale per ``chunk``
+    entries of a partition; 0: per partition); the owner of a partition
+    averages the N decoded partitions, adds its own residual and sends the
+    scaled sign of that; residuals keep what each compression dropped."""
     params = [p.detach().clone() for p in make_model().parameters()]
     m = [torch.zeros_like(p) for p in params]
     v = [torch.zeros_like(p) for p in params]
@@ -92,14 +95,14 @@ def reference_onebit(steps: int, freeze: int, min_numel: int) -> list[torch.Tens
                 m[i] = sum(b1 * m[i] + (1 - b1) * gr[i] for gr in per_rank) / WORLD
             else:
                 local = [(b1 * m[i] + (1 - b1) * gr[i]).reshape(-1) + werr[r][i] for r, gr in enumerate(per_rank)]
-                chunks_sent = [[scaled_sign(c) for c in torch.tensor_split(x, WORLD)] for x in local]
+                chunks_sent = [[scaled_sign(c, chunk) for c in torch.tensor_split(x, WORLD)] for x in local]
                 for r in range(WORLD):
                     werr[r][i] = local[r] - torch.cat(chunks_sent[r])
                 result = []
                 for k in range(WORLD):
                     owner_err = torch.tensor_split(serr[k][i], WORLD)[k]
                     s = sum(chunks_sent[r][k] for r in range(WORLD)) / WORLD + owner_err
-                    c = scaled_sign(s)
+                    c = scaled_sign(s, chunk)
                     torch.tensor_split(serr[k][i], WORLD)[k].copy_(s - c)
                     result.append(c)
                 m[i] = torch.cat(result).reshape(p.shape)
@@ -169,6 +172,7 @@ def _worker(rank: int, world: int) -> dict:
     run = _run(rank, "onebit_adam:freeze_step=3", None, 8, watch=True, min_numel=64)
     out["onebit"] = {k: run[k] for k in ("params", "v", "m", "stats")}
     out["onebit"]["describe"] = run["algo"].describe()
+    out["onebit_chunk"] = _run(rank, "onebit_adam:freeze_step=3", "efsignsgd:chunk=16", 8, min_numel=64)["params"]
     for spec in ("onebit_adam:freeze_step=2", "zeroone_adam:var_update_scaler=1,var_freeze_step=5"):
         run = _run(rank, spec, None, 8, unused=True, min_numel=64)
         out.setdefault("unused", []).append(run["model"][0].weight[:, 0].detach().clone())
@@ -179,7 +183,7 @@ def _worker(rank: int, world: int) -> dict:
     run = _run(rank, "zeroone_adam:var_update_scaler=2,var_freeze_step=9,local_step_scaler=2,local_step_clipper=4",
                None, 16, watch=True, min_numel=64)
     out["zo"] = {k: run[k] for k in ("params", "v", "m", "stats")}
-    out["resume_onebit"] = _resume(rank, "onebit_adam:freeze_step=2", "efsignsgd", 4, 4, min_numel=64)
+    out["resume_onebit"] = _resume(rank, "onebit_adam:freeze_step=2", "efsignsgd:chunk=16", 4, 4, min_numel=64)
     out["resume_zo"] = _resume(rank, "zeroone_adam:var_update_scaler=2,var_freeze_step=4,local_step_scaler=1,"
                                "local_step_clipper=4", "efsignsgd", 7, 6, min_numel=64)
     errors = {}
@@ -237,6 +241,17 @@ def test_onebit_compressed_allreduce_with_both_residuals(results: list[dict]) ->
         _close(res["onebit"]["params"], want, 1e-5)
 
 
+def test_onebit_chunked_scale_matches_reference(results: list[dict]) -> None:
+    """``efsignsgd:chunk=16`` (one scale per 16 entries of each partition, at
+    the worker and at the owner) against the float64 reference with the same
+    per-chunk scale: 120- and 60-entry partitions, so several chunks each and
+    a short last one."""
+    want = reference_onebit(8, 3, 64, chunk=16)
+    for res in results:
+        _close(res["onebit_chunk"], want, 1e-5)
+    assert not torch.allclose(want[-1], reference_onebit(8, 3, 64)[-1], rtol=1e-5, atol=1e-5)  # the chunks matter
+
+
 def test_variance_frozen_and_replicas_identical(results: list[dict]) -> None:
     run0, run1 = results[0]["onebit"], results[1]["onebit"]
     for t in range(8):
@@ -247,7 +262,7 @@ def test_variance_frozen_and_replicas_identical(results: list[dict]) -> None:
         elif t:
             assert not torch.equal(run0["v"][t], run0["v"][t - 1])
     assert results[0]["onebit"]["describe"]["strategy"] == "ps"
-    assert results[0]["onebit"]["describe"]["compressor"] == "efsignsgd"
+    assert results[0]["onebit"]["describe"]["compressor"] == algorithms.get_class("onebit_adam").default_compressor
 
 
 def test_zeroone_variance_schedule_and_replicas(results: list[dict]) -> None:
@@ -307,6 +322,5 @@ def test_refuses_other_optimizers(results: list[dict]) -> None:
 
 
 def test_registered_with_default_compressor() -> None:
-    for name in ("onebit_adam", "zeroone_adam"):
-        cls = algorithms.get_class(name)
-        assert cls.default_compressor == "efsignsgd"
+    assert algorithms.get_class("onebit_adam").default_compressor == f"efsignsgd:chunk={ONEBIT_CHUNK}"
+    assert algorithms.get_class("zeroone_adam").default_compressor == "efsignsgd"
