@@ -289,3 +289,33 @@ def test_qsgd_entries_on_levels_are_exact_narrow_and_wide_codes(levels: int) -> 
         for i in range(4):
             out = comp.decode(comp.encode(half, _ctx(i))).double()
             assert torch.allclose(out, want, rtol=1e-6, atol=0.0), (levels, out, want)
+
+
+#: (spec, accepted): the edges of every parameter range the unbiased quantizers state
+#: (QSGD: 1 <= levels <= 2^23 - 1, bucket >= 0; dithering: 1 <= levels <= 65535, 120 when natural,
+#: p >= 1 or inf, bucket >= 0; TernGrad: clip >= 0; random-k: 0 < ratio <= 1)
+RANGE_EDGES = [
+    ("qsgd:levels=1", True), ("qsgd:levels=0", False), (f"qsgd:levels={(1 << 23) - 1}", True),
+    (f"qsgd:levels={1 << 23}", False), ("qsgd:bucket=0", True), ("qsgd:bucket=-1", False),
+    ("dithering:levels=1", True), ("dithering:levels=0", False), ("dithering:levels=65535", True),
+    ("dithering:levels=65536", False), ("dithering:levels=120,natural=true", True),
+    ("dithering:levels=121,natural=true", False), ("dithering:p=1", True), ("dithering:p=1.5", True),
+    ("dithering:p=inf", True), ("dithering:p=0.99", False), ("dithering:p=0", False),
+    ("dithering:bucket=0", True), ("dithering:bucket=-1", False),
+    ("terngrad:clip=0", True), ("terngrad:clip=2.5", True), ("terngrad:clip=-0.1", False),
+    ("randomk:ratio=1", True), ("randomk:ratio=0.001", True), ("randomk:ratio=0", False), ("randomk:ratio=1.01", False),
+]
+
+
+@pytest.mark.parametrize("spec, accepted", RANGE_EDGES, ids=[s for s, _ in RANGE_EDGES])
+def test_quantizer_parameter_ranges_are_the_stated_ones(spec: str, accepted: bool) -> None:
+    """Each stated range's edges: the edge itself is accepted, one step
+    outside is refused with a ``ValueError`` naming the parameter (a range
+    check with the wrong comparison lets a biased or undefined setting
+    through, e.g. a norm order p < 1, which is not a norm)."""
+    if accepted:
+        create(spec)
+        return
+    name = spec.split(":")[1].split("=")[0]
+    with pytest.raises(ValueError, match=f"parameter '{name}'"):
+        create(spec)
