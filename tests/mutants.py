@@ -140,10 +140,11 @@ def results(session: Path) -> list[dict]:
     con = sqlite3.connect(session)
     rows = con.execute(
         "SELECT m.module_path, m.operator_name, m.occurrence, m.start_pos_row, r.worker_outcome, r.test_outcome, "
-        "r.diff FROM mutation_specs m JOIN work_results r ON m.job_id = r.job_id"
+        "r.diff, substr(r.output, 1, 40), m.job_id FROM mutation_specs m JOIN work_results r ON m.job_id = r.job_id"
     ).fetchall()
     con.close()
-    out = [dict(zip(("module", "operator", "occurrence", "line", "worker", "test", "diff"), r)) for r in rows]
+    out = [dict(zip(("module", "operator", "occurrence", "line", "worker", "test", "diff", "note", "job"), r))
+           for r in rows]
     for r in out:  # enums are stored by name
         r["worker"] = (r["worker"] or "").lower()
         r["test"] = (r["test"] or "").lower()
@@ -159,11 +160,41 @@ def run_group(work: Path, name: str, modules: list[str], tests: list[str], keep:
     total, chosen, invalid = sample(session, keep, seed=f"gradpress-{name}", work=work)
     t0 = time.time()
     subprocess.run([tool("cosmic-ray"), "exec", str(cfg), str(session)], cwd=work, check=True, env=env)
-    every = results(session)
-    per_module = {m: sum(1 for r in every if r["module"] == m) for m in {r["module"] for r in every}}
-    rows = [r for r in every if r["worker"] != "skipped"]
-    return {"name": name, "modules": modules, "tests": tests, "candidates": total, "sampled": chosen, "invalid": invalid,
-            "per_module": per_module, "seconds": round(time.time() - t0), "rows": rows}
+    meta = {"name": name, "modules": modules, "tests": tests, "candidates": total, "sampled": chosen,
+            "invalid": invalid, "seconds": round(time.time() - t0)}
+    (work / f"mutants-{name}.json").write_text(json.dumps(meta))
+    return load_group(work, name)
+
+
+def load_group(work: Path, name: str) -> dict:
+    """A finished group of ``work``: its metadata and every sampled mutant's outcome."""
+    group = json.loads((work / f"mutants-{name}.json").read_text())
+    every = [r for r in results(work / f"mutants-{name}.sqlite") if r["note"] != "Filtered operator"]
+    group["per_module"] = {m: sum(1 for r in every if r["module"] == m) for m in {r["module"] for r in every}}
+    group["rows"] = [r for r in every if r["worker"] != "skipped"]
+    return group
+
+
+def recheck(work: Path, name: str) -> list[dict]:
+    """Run the survivors of a kept group again, against the tests as they are now
+    (the test files are copied over the kept tree; the mutated modules are not):
+    a survivor that got a test must now be killed. Returns the survivors' new rows."""
+    for f in subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z", "tests"], cwd=ROOT, check=True,
+                            capture_output=True).stdout.decode().split("\0"):
+        if f and (ROOT / f).is_file():
+            (work / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / f, work / f)
+    modules, tests, _ = GROUPS[name]
+    cfg, session = work / f"mutants-{name}.toml", work / f"mutants-{name}.sqlite"
+    write_config(cfg, modules, tests)
+    jobs = [r["job"] for r in results(session) if r["test"] == "survived"]
+    con = sqlite3.connect(session)
+    con.executemany("DELETE FROM work_results WHERE job_id = ?", [(j,) for j in jobs])
+    con.commit()
+    con.close()
+    env = dict(os.environ, PYTHONPATH=str(work))
+    subprocess.run([tool("cosmic-ray"), "exec", str(cfg), str(session)], cwd=work, check=True, env=env)
+    return [r for r in results(session) if r["job"] in jobs]
 
 
 def score(rows: list[dict]) -> tuple[int, int, int, str]:
@@ -210,11 +241,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scale", type=float, default=1.0)
     parser.add_argument("--group", action="append", choices=sorted(GROUPS))
     parser.add_argument("--keep", help="keep the work directory (its sessions) at this path")
+    parser.add_argument("--recheck", metavar="DIR",
+                        help="run the survivors of the groups kept in DIR (--keep) again against the current tests")
     args = parser.parse_args(argv)
     if not Path(tool("cosmic-ray")).exists():
         print("cosmic-ray is not installed: pip install -e '.[mutants]'", file=sys.stderr)
         return 2
     Path(args.report).parent.mkdir(parents=True, exist_ok=True)
+    if args.recheck:
+        work = Path(args.recheck)
+        names = args.group or [n for n in GROUPS if (work / f"mutants-{n}.json").exists()]
+        rows = [r for n in names for r in recheck(work, n)]
+        text = "\n".join([f"Survivors run again against the current tests ({len(rows)}):", ""] + [
+            f"- `{r['module']}` line {r['line']}, {r['operator']} #{r['occurrence']}: {r['test'] or r['worker']}"
+            for r in rows])
+        Path(args.report).write_text(text + "\n")
+        print(text)
+        return 0
     work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="gradpress-mutants-"))
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
