@@ -18,17 +18,19 @@ with Adam's Convergence Speed" (ICML). Algorithm 1 of the paper:
   say 0 and ``m / eps`` would throw them away (DeepSpeed asks the user for
   an ``exp_avg_mask`` instead).
 
-Compressor: ``efsignsgd:chunk=256`` by default (one bit per element plus
-one fp32 scale per 256 consecutive elements of each partition, at the
-worker and at the owner: 1.125 bits per element). Its scale is
+Compressor: ``efsignsgd:chunk=64`` by default (one bit per element plus
+one fp32 scale per 64 consecutive elements of each partition, at the
+worker and at the owner: 1.5 bits per element). Its scale is
 ``||x_k||_1 / |x_k|`` per chunk, the scale that minimises
 ``||x_k - s sign(x_k)||``; DeepSpeed's 1-bit Adam uses ``||x||_2 /
 sqrt(d)`` with one scale per flattened buffer at the worker and one per
-partition at the server. The finer scale is the one deviation chosen for
-accuracy: on ``charlm-transformer`` (4 workers, 325 steps) it brings the
-momentum's compression error down where a tensor mixes magnitudes
-(embedding rows, the q/k/v blocks), and the rule that chose 256 and the
-measurements are in docs/results/compressed-adam-charlm-transformer.md.
+partition at the server. The finer scale is a deviation chosen for
+accuracy: where a tensor mixes magnitudes (embedding rows, the q/k/v
+blocks of an attention projection) it lowers the momentum's compression
+error. 64 is the rule's choice (the best 3-seed mean at a 25% warm-up on
+``charlm-transformer`` among the chunks tried, 0, 256 and 64, all >= 10x
+fewer bytes than DDP); measurements and commands in
+docs/results/compressed-adam-charlm-transformer.md.
 Any registered compressor is allowed (``compressor="efsignsgd"`` for one
 scale per partition, ``"topk:ratio=0.01"``...). The exchange
 itself, bias correction and the optimizer contract are described in
@@ -64,7 +66,7 @@ PARAMS = (
 class OneBitAdam(CompressedAdam):
     name = "onebit_adam"
     PARAMS = PARAMS
-    default_compressor = "efsignsgd:chunk=256"  # one scale per 256 elements (results page: the rule)
+    default_compressor = "efsignsgd:chunk=64"  # one scale per 64 elements (results page: the rule)
     summary = ("1-bit Adam (Tang et al. 2021): exact Adam warm-up, then frozen variance and the momentum "
                "exchanged compressed with worker- and server-side error feedback")
 
