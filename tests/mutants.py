@@ -33,7 +33,7 @@ PYTEST = f"{sys.executable} -m pytest -x -q -p no:cacheprovider -o addopts= --ti
 #: name -> (modules, tests, sampled mutants)
 GROUPS: dict[str, tuple[list[str], list[str], int]] = {
     "feedback": (["gradpress/exchange/feedback.py"],
-                 ["tests/test_references.py", "tests/test_config_fields.py"], 6),
+                 ["tests/test_references.py", "tests/test_config_fields.py", "tests/test_mutants_feedback.py"], 6),
     "engine": (["gradpress/exchange/engine.py", "gradpress/exchange/base.py"],
                ["tests/test_references.py", "tests/test_accounting.py", "tests/test_config_fields.py",
                 "tests/test_mutants_engine.py"], 4),

@@ -319,3 +319,25 @@ def test_quantizer_parameter_ranges_are_the_stated_ones(spec: str, accepted: boo
     name = spec.split(":")[1].split("=")[0]
     with pytest.raises(ValueError, match=f"parameter '{name}'"):
         create(spec)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+def test_natural_outputs_are_powers_of_two_bit_exactly(dtype: torch.dtype) -> None:
+    """Natural compression (Horvath et al. 2019) rounds to a neighbouring
+    power of two: a power of two (either sign, exponents -30..30) comes back
+    bit for bit, and every output of arbitrary inputs is 0 or +-2^e exactly
+    (``frexp`` mantissa 0.5), with the input's sign. A stray bit in the
+    decoded word (the sign table, the exponent shift) is a relative error
+    of 2^-23, which no statistical test sees."""
+    e = torch.arange(-30, 31, dtype=torch.float64)
+    pow2 = torch.cat([torch.exp2(e), -torch.exp2(e)]).to(dtype)
+    comp = create("natural")
+    for i in range(3):
+        out = comp.decode(comp.encode(pow2, _ctx(i)))
+        assert torch.equal(out, pow2), (out - pow2).abs().max()
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(5), dtype=torch.float64).to(dtype)
+    for i in range(3):
+        out = comp.decode(comp.encode(x, _ctx(i)))
+        mant, _ = torch.frexp(out[out != 0])
+        assert bool((mant.abs() == 0.5).all()), out[out != 0][mant.abs() != 0.5][:5]
+        assert torch.equal(torch.signbit(out), torch.signbit(x))
