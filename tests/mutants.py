@@ -44,8 +44,7 @@ GROUPS: dict[str, tuple[list[str], list[str], int]] = {
                     "gradpress/transport/p2p.py", "gradpress/exchange/stats.py"],
                    ["tests/test_wire.py", "tests/test_accounting.py"], 4),
     "spec": (["gradpress/compress/spec.py", "gradpress/compress/registry.py"],
-             ["tests/test_spec_registry.py", "tests/test_compressors.py",
-                                                                        "tests/test_mutants_spec.py"], 30),
+             ["tests/test_spec_registry.py", "tests/test_compressors.py", "tests/test_mutants_spec.py"], 30),
     "quantizers": ([f"gradpress/compress/{m}.py" for m in ("qsgd", "natural", "randomk", "terngrad", "dithering")],
                    ["tests/test_power.py", "tests/test_unbiased.py"], 30),
 }
