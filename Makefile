@@ -21,9 +21,10 @@ lint: setup
 
 # sampled mutation testing of the core modules (cosmic-ray, on a copy of the tree; ~30 min on 2 cores;
 # report in bench-results/mutants-report.md, see docs/testing.md); not part of `make test`
+MUTANTS_ARGS ?=
 mutants: setup
 	@$(PIP) install -q -e ".[mutants]"
-	$(PYTHON) tests/mutants.py --report bench-results/mutants-report.md
+	$(PYTHON) tests/mutants.py --report bench-results/mutants-report.md $(MUTANTS_ARGS)
 
 # tests that assert wall-clock speed (emulated link goodput): benchmarks, not unit tests
 timing: setup
