@@ -29,11 +29,12 @@ def flat(model: torch.nn.Module) -> torch.Tensor:
 
 def reference(world: int, steps: int, tau: int, c: float, groups: int = 1, c_local: float = 0.0,
               c_global: float = 0.0, tau_global: int = 1,
-              prox: float = 0.0) -> tuple[list[torch.Tensor], list[tuple[int, list[int]]]]:
+              prox: float = 0.0, last: int = 0) -> tuple[list[torch.Tensor], list[tuple[int, list[int]]]]:
     """Final parameters of every worker and the leaders of every election
     (global, then each group's)."""
     models = [make_model() for _ in range(world)]
     window: list[list[float]] = [[] for _ in range(world)]
+    history: list[list[float]] = [[] for _ in range(world)]  # every step's loss (the election window `last`)
     size = world // groups
     leaders = []
     start = flat(make_model())
@@ -46,6 +47,7 @@ def reference(world: int, steps: int, tau: int, c: float, groups: int = 1, c_loc
             loss = loss_of(m, rank, s)
             loss.backward()
             window[rank].append(float(loss.detach()))
+            history[rank].append(float(loss.detach()))
             with torch.no_grad():
                 for p in m.parameters():
                     p -= LR * p.grad
@@ -62,6 +64,8 @@ def reference(world: int, steps: int, tau: int, c: float, groups: int = 1, c_loc
         if not (due_local or due_global):
             continue
         means = [(sum(w) / len(w), r) for r, w in enumerate(window)]
+        if last:
+            means = [(sum(h[-last:]) / len(h[-last:]), r) for r, h in enumerate(history)]
         window = [[] for _ in range(world)]
         lead = min(means)[1]
         local = [min(means[g * size:(g + 1) * size])[1] for g in range(groups)]
@@ -139,6 +143,21 @@ def _worker(rank: int, world: int) -> dict:
     opt.load_state_dict(saved["opt"])
     algo.load_state_dict(saved["algo"])
     out["prox"] = {"straight": first + straight, "again": train(rank, model, opt, algo, 4, STEPS)["params"]}
+    # the election over each worker's last 4 steps, through a resume between elections
+    model, opt, algo = build(rank, "lsgd:tau=2,c=0.5,window=4")
+    first = train(rank, model, opt, algo, 0, 5)
+    buf = io.BytesIO()
+    torch.save({"algo": algo.state_dict(), "model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    straight = train(rank, model, opt, algo, 5, STEPS)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    model, opt, algo = build(rank, "lsgd:tau=2,c=0.5,window=4")
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    algo.load_state_dict(saved["algo"])
+    again = train(rank, model, opt, algo, 5, STEPS)
+    out["window"] = {"params": first["params"] + straight["params"], "leaders": first["leaders"] + straight["leaders"],
+                     "again": again["params"]}
     # compressed leader broadcast: residuals, the leader copy agrees on every rank, resume mid-window
     spec, kw = "lsgd:tau=2,c=0.5", {"compressor": "topk:ratio=0.2", "min_numel": 64}
     model, opt, algo = build(rank, spec, **kw)
@@ -212,6 +231,18 @@ def test_per_step_pull_matches_the_reference_and_resumes_exactly(results: list[d
         assert close(got, ref[rank]), (got - ref[rank]).abs().max()
         assert not close(got, plain[rank])  # the per-step pull changed the trajectory
         for a, b in zip(res["prox"]["straight"][4:], res["prox"]["again"]):
+            assert torch.equal(a, b)
+
+
+def test_election_window_matches_the_reference_and_resumes_exactly(results: list[dict]) -> None:
+    ref, leaders = reference(2, STEPS, 2, 0.5, last=4)
+    _, since = reference(2, STEPS, 2, 0.5)
+    assert [lead for lead, _ in leaders] != [lead for lead, _ in since]  # the window changed some election
+    for rank, res in enumerate(results):
+        got = res["window"]["params"][-1]
+        assert close(got, ref[rank]), (got - ref[rank]).abs().max()
+        assert [res["window"]["leaders"][t - 1] for t in (2, 4, 6, 8)] == leaders
+        for a, b in zip(res["window"]["params"][5:], res["window"]["again"]):
             assert torch.equal(a, b)
 
 

@@ -22,6 +22,11 @@ Multi-leader variant (``groups=G``): ranks form G consecutive groups; every
 ``tau_global`` steps the *global* leader pulls everyone with ``c_global``;
 when both are due, ``x <- x + c_local (x_l - x) + c_global (x_g - x)``.
 
+Election window (``window=W``, default 0): the loss a worker reports is
+the mean over its last W steps instead of the steps since the last
+election (the authors' code keeps a running mean of the last 10 batches,
+``avg_size``, whatever the communication period).
+
 Per-step pull (``prox=P``, default 0): between elections every local step
 also moves the worker toward the leaders' parameters of the last election,
 ``x <- x + (P / tau) (x_leader - x)`` (groups: ``P / tau`` toward the local
@@ -113,6 +118,8 @@ class LSGD(Algorithm):
               "steps between global leader pulls (groups > 1)"),
         Param("prox", float, 0.0, "number in [0, 1]", lambda v: 0 <= v <= 1,
               "per-step pull toward the last election's leader, prox / tau per local step (0: none)"),
+        Param("window", int, 0, "integer >= 0", lambda v: v >= 0,
+              "the election compares each worker's mean loss over its last `window` steps (0: since the last election)"),
         Param("evaluate", str, "leader", "leader or average", lambda v: v in ("leader", "average"),
               "the model eval_model() returns: the last global leader's, or the workers' average"),
     )
@@ -130,6 +137,8 @@ class LSGD(Algorithm):
         #: sums stay on the loss's device (no host sync per step)
         self._seen: list[Any] = [None, 0]
         self._window: list[Any] = [None, 0]
+        #: with window > 0: the last `window` step means (float64, on the loss's device)
+        self._recent: list[torch.Tensor] = []
         #: leader ranks (group ranks) of the last election: global, then each group's; losses seen
         self.leaders = {"global": 0, "local": [g * (self.world_size // groups) for g in range(groups)]}
         self.last_losses = torch.full((self.world_size,), math.nan, dtype=torch.float64)
@@ -176,6 +185,8 @@ class LSGD(Algorithm):
                                "the loss from the model's output in training mode and call backward() on it")
         mean = self._seen[0] / self._seen[1]
         self._window = [mean if self._window[0] is None else self._window[0] + mean, self._window[1] + 1]
+        if self.window:  # type: ignore[attr-defined]
+            self._recent = [*self._recent, mean][-self.window:]  # type: ignore[attr-defined]
         self._seen = [None, 0]
         self.local_step()
         if self.prox > 0:  # type: ignore[attr-defined]
@@ -211,6 +222,8 @@ class LSGD(Algorithm):
         """Gather every rank's running loss (one allgather); set ``leaders``."""
         device = device_of(self.group)
         mine = (self._window[0] / self._window[1] if self._window[1] else torch.tensor(math.nan, dtype=torch.float64))
+        if self.window and self._recent:  # type: ignore[attr-defined]
+            mine = torch.stack(self._recent).mean()
         self._window = [None, 0]
         losses = [torch.zeros((), dtype=torch.float64, device=device) for _ in range(self.world_size)]
         dist.all_gather(losses, mine.reshape(()).to(device), group=self.group)
@@ -321,7 +334,8 @@ class LSGD(Algorithm):
         window = torch.zeros(2, dtype=torch.float64)
         if self._window[1]:
             window[0], window[1] = self._window[0].cpu(), self._window[1]
-        return {"window": window, "leaders": {"global": self.leaders["global"],
+        recent = torch.stack(self._recent).cpu() if self._recent else torch.zeros(0, dtype=torch.float64)
+        return {"window": window, "recent": recent, "leaders": {"global": self.leaders["global"],
                                                              "local": list(self.leaders["local"])},
                 "last_losses": self.last_losses.clone(), "ref": [r.clone() for r in self.ref],
                 "target": {k: [t.clone() for t in v] for k, v in self.target.items()}}
@@ -332,6 +346,7 @@ class LSGD(Algorithm):
         window = state["window"]
         device = next(iter(self.model.parameters())).device
         self._window = [window[0].to(device), int(window[1])] if int(window[1]) else [None, 0]
+        self._recent = list(state.get("recent", torch.zeros(0, dtype=torch.float64)).to(device).unbind())
         self.leaders = {"global": int(state["leaders"]["global"]), "local": [int(v) for v in state["leaders"]["local"]]}
         self.last_losses = state["last_losses"].clone()
         for r, saved in zip(self.ref, state["ref"]):
