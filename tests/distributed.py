@@ -129,3 +129,21 @@ def fault_entry(rank: int, world: int, port: int, how: str, setup: Callable[...,
     torch.save(result, os.path.join(outdir, f"tmp{rank}.pt"))
     os.replace(os.path.join(outdir, f"tmp{rank}.pt"), os.path.join(outdir, f"rank{rank}.pt"))
     os._exit(0)
+
+
+def worlds_fixture(worker: Callable[[int, int], Any], worlds: tuple[int, ...] = (2, 3),
+                   name: str = "world_results") -> Any:
+    """A module-scoped pytest fixture ``name`` giving ``(world, results)``:
+    ``worker`` run once per world size on that many gloo workers (cached, so
+    every test of the module reads the same run)."""
+    import pytest
+
+    cache: dict[int, list[Any]] = {}
+
+    @pytest.fixture(scope="module", params=list(worlds), name=name)
+    def fixture(request: Any) -> tuple[int, list[Any]]:
+        if request.param not in cache:
+            cache[request.param] = run_workers(worker, request.param)
+        return request.param, cache[request.param]
+
+    return fixture

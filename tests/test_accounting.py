@@ -24,7 +24,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import run_workers
+from distributed import worlds_fixture
 
 import gradpress
 import gradpress.algorithms as algorithms
@@ -223,14 +223,7 @@ def _worker(rank: int, world: int) -> dict:
     return out
 
 
-_CACHE: dict[int, list[dict]] = {}
-
-
-@pytest.fixture(scope="module", params=[2, 3])
-def world_results(request) -> tuple[int, list[dict]]:  # noqa: ANN001
-    if request.param not in _CACHE:
-        _CACHE[request.param] = run_workers(_worker, request.param)
-    return request.param, _CACHE[request.param]
+world_results = worlds_fixture(_worker)
 
 
 def _check(res: dict, what: object) -> None:

@@ -101,6 +101,23 @@ def build(rank: int, spec: str, **kw):  # noqa: ANN003, ANN201
     return model, opt, algorithms.create(spec, model, opt, **kw)
 
 
+def _straight_and_resumed(rank: int, spec: str, split: int) -> tuple[dict, dict, dict]:
+    """Train ``spec`` to ``split``, save everything, train on to STEPS
+    (straight); then rebuild, load the save and train the same steps again."""
+    model, opt, algo = build(rank, spec)
+    first = train(rank, model, opt, algo, 0, split)
+    buf = io.BytesIO()
+    torch.save({"algo": algo.state_dict(), "model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    straight = train(rank, model, opt, algo, split, STEPS)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    model, opt, algo = build(rank, spec)
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    algo.load_state_dict(saved["algo"])
+    return first, straight, train(rank, model, opt, algo, split, STEPS)
+
+
 def train(rank: int, model, opt, algo, start: int, stop: int, explicit: bool = False) -> dict:  # noqa: ANN001
     params, leaders = [], []
     for step in range(start, stop):
@@ -131,31 +148,10 @@ def _worker(rank: int, world: int) -> dict:
     model, opt, algo = build(rank, "lsgd:tau=2,c=1")
     out["copy"] = train(rank, model, opt, algo, 0, STEPS)
     # the per-step pull, and its targets through a resume in the middle of a period
-    model, opt, algo = build(rank, "lsgd:tau=3,c=0.5,prox=0.6")
-    first = train(rank, model, opt, algo, 0, 4)["params"]
-    buf = io.BytesIO()
-    torch.save({"algo": algo.state_dict(), "model": model.state_dict(), "opt": opt.state_dict()}, buf)
-    straight = train(rank, model, opt, algo, 4, STEPS)["params"]
-    buf.seek(0)
-    saved = torch.load(buf, weights_only=True)
-    model, opt, algo = build(rank, "lsgd:tau=3,c=0.5,prox=0.6")
-    model.load_state_dict(saved["model"])
-    opt.load_state_dict(saved["opt"])
-    algo.load_state_dict(saved["algo"])
-    out["prox"] = {"straight": first + straight, "again": train(rank, model, opt, algo, 4, STEPS)["params"]}
+    first, straight, again = _straight_and_resumed(rank, "lsgd:tau=3,c=0.5,prox=0.6", 4)
+    out["prox"] = {"straight": first["params"] + straight["params"], "again": again["params"]}
     # the election over each worker's last 4 steps, through a resume between elections
-    model, opt, algo = build(rank, "lsgd:tau=2,c=0.5,window=4")
-    first = train(rank, model, opt, algo, 0, 5)
-    buf = io.BytesIO()
-    torch.save({"algo": algo.state_dict(), "model": model.state_dict(), "opt": opt.state_dict()}, buf)
-    straight = train(rank, model, opt, algo, 5, STEPS)
-    buf.seek(0)
-    saved = torch.load(buf, weights_only=True)
-    model, opt, algo = build(rank, "lsgd:tau=2,c=0.5,window=4")
-    model.load_state_dict(saved["model"])
-    opt.load_state_dict(saved["opt"])
-    algo.load_state_dict(saved["algo"])
-    again = train(rank, model, opt, algo, 5, STEPS)
+    first, straight, again = _straight_and_resumed(rank, "lsgd:tau=2,c=0.5,window=4", 5)
     out["window"] = {"params": first["params"] + straight["params"], "leaders": first["leaders"] + straight["leaders"],
                      "again": again["params"]}
     # compressed leader broadcast: residuals, the leader copy agrees on every rank, resume mid-window

@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import run_workers
+from distributed import worlds_fixture
 
 from gradpress.exchange import Synchronizer
 
@@ -54,14 +54,7 @@ def _worker(rank: int, world: int) -> dict:
     return out
 
 
-_CACHE: dict[int, list[dict]] = {}
-
-
-@pytest.fixture(scope="module", params=[2, 3])
-def world_results(request) -> tuple[int, list[dict]]:  # noqa: ANN001
-    if request.param not in _CACHE:
-        _CACHE[request.param] = run_workers(_worker, request.param)
-    return request.param, _CACHE[request.param]
+world_results = worlds_fixture(_worker)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

@@ -29,7 +29,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import run_workers
+from distributed import worlds_fixture
 
 import gradpress
 import gradpress.algorithms as algorithms
@@ -137,15 +137,7 @@ def _worker(rank: int, world: int) -> dict:
     return out
 
 
-_CACHE: dict[int, list[dict]] = {}
-
-
-@pytest.fixture(scope="module", params=[2, 3])
-def world_results(request) -> tuple[int, list[dict]]:  # noqa: ANN001
-    world = request.param
-    if world not in _CACHE:
-        _CACHE[world] = run_workers(_worker, world)
-    return world, _CACHE[world]
+world_results = worlds_fixture(_worker)
 
 
 # --------------------------------------------------------------- references
