@@ -147,3 +147,22 @@ def worlds_fixture(worker: Callable[[int, int], Any], worlds: tuple[int, ...] = 
         return request.param, cache[request.param]
 
     return fixture
+
+
+def checkpoint(**objects: Any) -> dict[str, Any]:
+    """Each object's ``state_dict()`` through ``torch.save`` and
+    ``torch.load(weights_only=True)``, as a resumed run reads its
+    checkpoint: plain tensors that share no storage with the live objects
+    (taken now; training on does not change it)."""
+    import io
+
+    buf = io.BytesIO()
+    torch.save({name: obj.state_dict() for name, obj in objects.items()}, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+def restore(saved: dict[str, Any], **objects: Any) -> None:
+    """Load ``saved[name]`` (from :func:`checkpoint`) into each named object."""
+    for name, obj in objects.items():
+        obj.load_state_dict(saved[name])

@@ -4,12 +4,10 @@ the reference)."""
 
 from __future__ import annotations
 
-import io
-
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import run_workers
+from distributed import checkpoint, restore, run_workers
 
 import gradpress.algorithms as algorithms
 
@@ -81,23 +79,19 @@ def _worker(rank: int, world: int) -> dict:
                                  "describe": run["algo"].describe()}
     # compressed delta with error feedback; then a resume that must continue exactly
     run = _train(rank, "localsgd:period=2", "topk:ratio=0.1", 4, min_numel=64)
-    buf = io.BytesIO()
-    torch.save({"algo": run["algo"].state_dict(), "model": run["model"].state_dict(),
-                "opt": run["opt"].state_dict()}, buf)
+    saved = checkpoint(algo=run["algo"], model=run["model"], opt=run["opt"])
     cont = []
     for step in range(4, 8):
         run["opt"].zero_grad()
         loss_of(run["model"], rank, step).backward()
         run["algo"].step()
         cont.append(torch.cat([p.detach().reshape(-1) for p in run["model"].parameters()]))
-    buf.seek(0)
-    saved = torch.load(buf, weights_only=True)
     model = make_model()
-    model.load_state_dict(saved["model"])
+    restore(saved, model=model)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    opt.load_state_dict(saved["opt"])
+    restore(saved, opt=opt)
     algo = algorithms.create("localsgd:period=2", model, opt, compressor="topk:ratio=0.1", min_numel=64)
-    algo.load_state_dict(saved["algo"])
+    restore(saved, algo=algo)
     resumed = []
     for step in range(4, 8):
         opt.zero_grad()

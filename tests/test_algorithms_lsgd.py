@@ -10,12 +10,10 @@ bit-identical resume."""
 
 from __future__ import annotations
 
-import io
-
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import run_workers
+from distributed import checkpoint, restore, run_workers
 from test_algorithms import LR, loss_of, make_model
 
 import gradpress.algorithms as algorithms
@@ -106,15 +104,10 @@ def _straight_and_resumed(rank: int, spec: str, split: int) -> tuple[dict, dict,
     (straight); then rebuild, load the save and train the same steps again."""
     model, opt, algo = build(rank, spec)
     first = train(rank, model, opt, algo, 0, split)
-    buf = io.BytesIO()
-    torch.save({"algo": algo.state_dict(), "model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    saved = checkpoint(algo=algo, model=model, opt=opt)
     straight = train(rank, model, opt, algo, split, STEPS)
-    buf.seek(0)
-    saved = torch.load(buf, weights_only=True)
     model, opt, algo = build(rank, spec)
-    model.load_state_dict(saved["model"])
-    opt.load_state_dict(saved["opt"])
-    algo.load_state_dict(saved["algo"])
+    restore(saved, model=model, opt=opt, algo=algo)
     return first, straight, train(rank, model, opt, algo, split, STEPS)
 
 
@@ -158,16 +151,11 @@ def _worker(rank: int, world: int) -> dict:
     spec, kw = "lsgd:tau=2,c=0.5", {"compressor": "topk:ratio=0.2", "min_numel": 64}
     model, opt, algo = build(rank, spec, **kw)
     first = train(rank, model, opt, algo, 0, 5)["params"]
-    buf = io.BytesIO()
-    torch.save({"algo": algo.state_dict(), "model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    saved = checkpoint(algo=algo, model=model, opt=opt)
     straight = train(rank, model, opt, algo, 5, STEPS)["params"]
     out["ref_copy"] = torch.cat([r.reshape(-1) for r in algo.ref])
-    buf.seek(0)
-    saved = torch.load(buf, weights_only=True)
     model, opt, algo = build(rank, spec, **kw)
-    model.load_state_dict(saved["model"])
-    opt.load_state_dict(saved["opt"])
-    algo.load_state_dict(saved["algo"])
+    restore(saved, model=model, opt=opt, algo=algo)
     again = train(rank, model, opt, algo, 5, STEPS)["params"]
     out["compressed"] = {"first": first, "straight": straight, "again": again, "saved": saved["algo"],
                          "stats": algo.stats}

@@ -5,13 +5,12 @@ compressed outer gradients keep their residuals; bit-identical resume."""
 
 from __future__ import annotations
 
-import io
 import math
 
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import run_workers
+from distributed import checkpoint, restore, run_workers
 from test_algorithms import LR, WORLD, loss_of, make_model
 
 import gradpress.algorithms as algorithms
@@ -162,17 +161,12 @@ def resumed(rank: int, spec: str, cut: int, steps: int, kind: str = "sgd", **kw)
     weights_only checkpoint (fresh model, optimizer and algorithm)."""
     model, opt, algo = build(rank, spec, kind, **kw)
     straight = train(rank, model, opt, algo, 0, cut)
-    buf = io.BytesIO()
-    torch.save({"algo": algo.state_dict(), "model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    saved = checkpoint(algo=algo, model=model, opt=opt)
     straight += train(rank, model, opt, algo, cut, steps)
     algo.close()  # waits for the exchanges in flight
     stats = algo.stats
-    buf.seek(0)
-    saved = torch.load(buf, weights_only=True)
     model, opt, algo = build(rank, spec, kind, **kw)
-    model.load_state_dict(saved["model"])  # after building: building takes rank 0's parameters
-    opt.load_state_dict(saved["opt"])
-    algo.load_state_dict(saved["algo"])
+    restore(saved, model=model, opt=opt, algo=algo)  # after building: building takes rank 0's parameters
     again = train(rank, model, opt, algo, cut, steps)
     algo.close()
     return {"straight": straight[cut:], "again": again, "stats": stats, "stats_again": algo.stats,

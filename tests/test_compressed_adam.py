@@ -6,12 +6,10 @@ feedback, identical replicas, bit-identical resume."""
 
 from __future__ import annotations
 
-import io
-
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import run_workers
+from distributed import checkpoint, restore, run_workers
 from test_algorithms import batch, make_model
 
 import gradpress.algorithms as algorithms
@@ -138,8 +136,7 @@ def _run(rank: int, spec: str, compressor: str | None, steps: int, opt_cls: type
 
 def _resume(rank: int, spec: str, compressor: str, first: int, then: int, **kw) -> dict:  # noqa: ANN003
     run = _run(rank, spec, compressor, first, **kw)
-    buf = io.BytesIO()
-    torch.save({"algo": run["algo"].state_dict(), "model": run["model"].state_dict()}, buf)
+    saved = checkpoint(algo=run["algo"], model=run["model"])
 
     def go(model: torch.nn.Module, algo: algorithms.Algorithm, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
         out = []
@@ -152,13 +149,10 @@ def _resume(rank: int, spec: str, compressor: str, first: int, then: int, **kw) 
         return out
 
     cont = go(run["model"], run["algo"], run["opt"])
-    buf.seek(0)
-    saved = torch.load(buf, weights_only=True)
     model = make_model()
     opt = torch.optim.Adam(model.parameters(), lr=LR, betas=BETAS, eps=EPS)
     algo = algorithms.create(spec, model, opt, compressor=compressor, **kw)
-    model.load_state_dict(saved["model"])  # after the construction's broadcast: replicas may differ
-    algo.load_state_dict(saved["algo"])
+    restore(saved, model=model, algo=algo)  # the model after the construction's broadcast: replicas may differ
     return {"cont": cont, "resumed": go(model, algo, opt), "keys": sorted(saved["algo"]["exchange"]["feedback"]["residuals"]),
             "extra": sorted(saved["algo"]["extra"])}
 

@@ -4,13 +4,12 @@ dead or stuck peer named within the timeout."""
 
 from __future__ import annotations
 
-import io
 from collections.abc import Callable
 
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import fault_entry, run_until_rank0_reports, run_workers
+from distributed import checkpoint, fault_entry, restore, run_until_rank0_reports, run_workers
 from test_gossip import check_pushsum, consensus_run, loss_of, make_mlp
 
 import gradpress.algorithms as algorithms
@@ -61,15 +60,10 @@ def _worker(rank: int, world: int) -> dict:
     for spec, comp in RESUME:
         model, opt, algo = _build(spec, comp)
         _run(model, opt, algo, rank, range(5))
-        buf = io.BytesIO()
-        torch.save({"algo": algo.state_dict(), "model": model.state_dict(), "opt": opt.state_dict()}, buf)
+        saved = checkpoint(algo=algo, model=model, opt=opt)
         cont = _run(model, opt, algo, rank, range(5, 10))
-        buf.seek(0)
-        saved = torch.load(buf, weights_only=True)
         model2, opt2, algo2 = _build(spec, comp)
-        model2.load_state_dict(saved["model"])
-        opt2.load_state_dict(saved["opt"])
-        algo2.load_state_dict(saved["algo"])
+        restore(saved, model=model2, opt=opt2, algo=algo2)
         resumed = _run(model2, opt2, algo2, rank, range(5, 10))
         out[spec] = {"cont": cont, "resumed": resumed, "stats": algo2.stats, "first": cont[0]}
     out["errors"] = _errors(rank)
