@@ -209,13 +209,19 @@ class LSGD(Algorithm):
                   self.ref if self.compressed else self.target["global"])]
         if groups > 1:
             pulls.append((self.prox / self.tau, self.target["local"]))  # type: ignore[attr-defined]
+        self._move_toward(pulls)
+
+    @torch.no_grad()
+    def _move_toward(self, pulls: list[tuple[float, list[torch.Tensor]]]) -> None:
+        """``x <- x + sum_k c_k (t_k - x)`` for every parameter, all pulls from
+        the same ``x``; one pull is ``lerp_`` (weight 1: exactly the target's)."""
         for i, (_, p) in enumerate(self.named):
             if len(pulls) == 1:
                 p.lerp_(pulls[0][1][i], pulls[0][0])
             else:
                 x = p.detach().clone()
-                for a, target in pulls:
-                    p.add_(target[i] - x, alpha=a)
+                for c, target in pulls:
+                    p.add_(target[i] - x, alpha=c)
 
     # ---------------------------------------------------------------- leaders
     def elect(self) -> torch.Tensor:
@@ -290,13 +296,7 @@ class LSGD(Algorithm):
             targets.append((self.c_local, self.broadcast_params(src, self.subgroup)))  # type: ignore[attr-defined]
             if self.target["local"]:
                 self.target["local"] = [t.clone() for t in targets[-1][1]]
-        for i, (_, p) in enumerate(self.named):
-            if len(targets) == 1:
-                p.lerp_(targets[0][1][i], targets[0][0])  # weight 1: exactly the leader's
-            else:
-                x = p.detach().clone()
-                for c, target in targets:
-                    p.add_(target[i] - x, alpha=c)
+        self._move_toward(targets)
         if not (self.compressed and due_global):  # no engine call closed this exchange
             self._exchanges += 1
             self._count(0, end_of_step=True)
