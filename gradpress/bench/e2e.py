@@ -65,12 +65,13 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--params", default=None, help="wide-mlp size, e.g. 10M (default 10M for wide-mlp)")
     p.add_argument("--hidden", type=positive_int("--hidden"), default=None, help="width/channels of the workload")
     p.add_argument("--configs", default=DEFAULT_CONFIGS,
-                   help="gradpress configurations SPEC[@STRATEGY][+ef|+noef], comma-separated "
+                   help="gradpress configurations [ALGORITHM/]SPEC[@STRATEGY][+ef|+noef][+lr=X], comma-separated; "
+                        "+lr=X: this configuration's own learning rate "
                         f"(default {DEFAULT_CONFIGS!r}); strategies: collective (default), auto, allreduce, allgather, ring, "
                         "ps, hierarchical (hosts of --workers-per-node ranks)")
     p.add_argument("--baselines", default=DEFAULT_BASELINES,
                    help=f"PyTorch baselines: ddp, fp16, powersgd:rank=R[,start=I] (default {DEFAULT_BASELINES!r}); "
-                        "plain ddp always runs")
+                        "plain ddp always runs; +lr=X gives a baseline its own learning rate (ddp+lr=0.05)")
     p.add_argument("--steps", type=positive_int("--steps"), default=5, help="measured steps (default 5)")
     p.add_argument("--warmup", type=positive_int("--warmup"), default=2,
                    help="warm-up steps (default 2; at least the configuration's compression start)")

@@ -4,7 +4,7 @@ configurations, parsed from ``--baselines`` and ``--configs``.
 Syntax (``docs/e2e.md``):
 
 * ``--configs``: comma-separated gradpress configurations
-  ``[ALGORITHM/]COMPRESSOR_SPEC[@STRATEGY][+ef|+noef]``, e.g.
+  ``[ALGORITHM/]COMPRESSOR_SPEC[@STRATEGY][+ef|+noef][+lr=X]``, e.g.
   ``topk:ratio=0.01@allgather``, ``qsgd:levels=4,bucket=512@ring``,
   ``powersgd:rank=4,start_iter=2``, ``topk:ratio=0.001@allgather+noef``,
   ``localsgd:period=8/topk:ratio=0.01@allgather``, ``localsgd:period=8/``.
@@ -149,7 +149,7 @@ def _algorithm(token: str, option: str) -> tuple[str, str]:
 
 
 def parse_configs(text: str, option: str = "--configs") -> list[RunConfig]:
-    """gradpress configurations ``[ALGORITHM/]SPEC[@STRATEGY][+ef|+noef]`` (see the module doc)."""
+    """gradpress configurations ``[ALGORITHM/]SPEC[@STRATEGY][+ef|+noef][+lr=X]`` (see the module doc)."""
     from gradpress.compress import create
     from gradpress.train.algorithm import strategy_names
 
