@@ -2,8 +2,10 @@
 (gradpress/compress/handwritten/): with ``random_stream = "torch"`` (the
 same torch-generator draws) every payload byte and every decoded bit is
 identical, on every dtype, on empty/short/ragged tensors and on extreme
-values; deterministic methods (onebit, topk, minmax8) are identical with
-the default stream too. With the default counter stream the random methods
+values; deterministic methods (onebit, minmax8) are identical with
+the default stream too. ``topk`` (ascending indices, ties to the lowest
+index, unlike ``torch.topk``'s order) is checked against the rule computed
+here in Python floats, and against the hand-written decode on tie-free input. With the default counter stream the random methods
 are checked in distribution against the method's own formula (computed
 here in float64). Also: the derived layout is the exact wire size."""
 
@@ -32,6 +34,30 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
             and torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)))
 
 
+def _topk_reference(x: torch.Tensor, k: int) -> torch.Tensor:
+    """The top-k rule by its definition, in Python floats (float64): rank by
+    |x| descending with NaN above every number, ties to the lower index;
+    the k kept indices in ascending order."""
+    mags = [abs(v) for v in x.double().tolist()]
+    order = sorted(range(len(mags)), key=lambda i: (0 if math.isnan(mags[i]) else 1,
+                                                     0.0 if math.isnan(mags[i]) else -mags[i], i))
+    return torch.tensor(sorted(order[:k]), dtype=torch.int64)
+
+
+def _check_topk(comp, x: torch.Tensor, ratio: float) -> None:  # noqa: ANN001
+    """``topk``'s packet against :func:`_topk_reference`: int32 indices,
+    the input's own bytes as values; the decode places them in zeros."""
+    k = min(x.numel(), max(1, math.ceil(ratio * x.numel()))) if x.numel() else 0
+    want = _topk_reference(x, k)
+    packet = comp.encode(x)
+    values, indices = packet.tensors
+    assert _same(indices, want.to(torch.int32)), (x.dtype, x.numel())
+    assert _same(values, x.reshape(-1)[want]), (x.dtype, x.numel())
+    dense = torch.zeros(x.numel(), dtype=x.dtype)
+    dense[want] = x.reshape(-1)[want]
+    assert _same(comp.decode(packet), dense.reshape(x.shape))
+
+
 def _input(d: int, dtype: torch.dtype, extreme: bool, seed: int = 0) -> torch.Tensor:
     x = torch.randn(d, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 3
     if extreme and d > len(EXTREME):
@@ -51,6 +77,16 @@ def test_bit_identical_to_the_hand_written_version_with_the_same_draws(name: str
     for d in (0, 1, 7, 1000, 4099):
         x = _input(d, dtype, extreme)
         kit_c, ref = create(name, **params), handwritten(name, **params)
+        if name == "topk":
+            # the kit's top-k keeps the same set as the hand-written torch.topk but in ascending
+            # index order, ties to the lowest index: checked against the rule itself, and the same
+            # decode as the hand-written version when nothing ties at the k-th magnitude
+            _check_topk(kit_c, x, params["ratio"])
+            mags = x.double().abs().sort(descending=True).values
+            k = math.ceil(params["ratio"] * d)
+            if not extreme and 0 < k < d and mags[k - 1] != mags[k]:  # no tie at the k-th magnitude
+                assert _same(kit_c.decode(kit_c.encode(x)), ref.decode(ref.encode(x))), (dtype, d)
+            continue
         if kit_c.RANDOM:
             kit_c.random_stream = "torch"
         ctx = Context(key="t", step=3, rank=1, world_size=2, seed=5)
@@ -67,6 +103,9 @@ def test_bit_identical_to_the_hand_written_version_with_the_same_draws(name: str
 def test_deterministic_methods_are_identical_with_the_default_stream(name: str, params: dict) -> None:
     for dtype in DTYPES:
         x = _input(3000, dtype, True, seed=1)
+        if name == "topk":
+            _check_topk(create(name, **params), x, params["ratio"])
+            continue
         got, want = create(name, **params).encode(x), handwritten(name, **params).encode(x)
         assert all(_same(a, b) for a, b in zip(got.tensors, want.tensors)), (name, dtype)
 
@@ -129,3 +168,24 @@ def test_derived_layout_is_the_exact_wire_size_for_every_declaration() -> None:
                 assert [f.name for f in fields] == [f.name for f in comp.FIELDS]
                 assert sum(f.nbytes for f in fields) == packet.nbytes == comp.wire_bytes(d, dtype), (name, dtype, d)
                 assert [f.dtype for f in fields] == [t.dtype for t in packet.tensors]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_topk_ties_and_nan_follow_the_rule(dtype: torch.dtype) -> None:
+    """Ties at the k-th magnitude (a constant tensor, mostly zeros with
+    signed zeros, +-equal pairs), NaN above +-inf, on the fast candidate path
+    (large d, small ratio) and the whole-tensor path, against the rule."""
+    gen = torch.Generator().manual_seed(11)
+    d = 70_001
+    cases = [
+        torch.full((d,), 0.5),
+        torch.cat([torch.randn(40, generator=gen), torch.zeros(d // 2), -torch.zeros(d - 40 - d // 2)]),
+        torch.randn(d, generator=gen).round(),  # many exact ties at every integer magnitude
+        torch.tensor([1.0, -1.0, 2.0, -2.0, 1.0] * 201),
+    ]
+    spiky = torch.randn(d, generator=gen)
+    spiky[[5, 999, 60_000]] = torch.tensor([math.nan, math.inf, -math.inf])
+    cases.append(spiky)
+    for x in cases:
+        for ratio in (0.001, 0.01, 0.3):
+            _check_topk(create("topk", ratio=ratio), x.to(dtype), ratio)

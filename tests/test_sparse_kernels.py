@@ -1,6 +1,7 @@
 """Shared sparse kernels (compress/sparse.py): the exact top-k by magnitude
 with a sampled candidate filter, against a reference computed here
-(float64 magnitudes, sorted)."""
+(float64 magnitudes, a stable full sort: ties to the lowest index; indices
+ascending)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,10 @@ def test_topk_magnitude_keeps_exactly_the_k_largest(kind: str) -> None:
         k = min(k, x.numel())
         idx = topk_magnitude(x, k)
         assert idx.numel() == k and idx.unique().numel() == k
+        # the rule: the k first of a stable sort by float64 magnitude, descending (ties: lower index
+        # first), returned in ascending index order
+        order = torch.sort(x.double().abs(), descending=True, stable=True).indices
+        assert torch.equal(idx, order[:k].sort().values), (kind, k)
         kept = x.double().abs()[idx]
         kth = _kth(x, k)
         assert float(kept.min()) == kth  # nothing kept below the k-th magnitude
@@ -45,4 +50,5 @@ def test_topk_magnitude_nan_falls_back() -> None:
     x[5] = float("nan")
     idx = topk_magnitude(x, 100)
     want = torch.topk(x.abs(), 100, sorted=False).indices
-    assert torch.equal(idx.sort().values, want.sort().values)
+    assert torch.equal(idx, want.sort().values)
+    assert 5 in idx.tolist()  # NaN ranks above every number

@@ -57,29 +57,61 @@ _OVERSAMPLE = 2.0
 _SAMPLE_STRIDE = 64
 
 
-def topk_magnitude(flat: torch.Tensor, k: int) -> torch.Tensor:
-    """Flat indices (int64, unsorted) of ``k`` entries of largest magnitude:
-    exactly the set ``torch.topk(flat.abs(), k)`` selects, up to ties at the
-    k-th magnitude.
+#: integer view of each float dtype (for :func:`_rank_keys`)
+_BITS = {torch.float32: torch.int32, torch.float64: torch.int64, torch.float16: torch.int16,
+         torch.bfloat16: torch.int16}
 
-    On large tensors a full ``torch.topk`` is the step's largest cost (240 ms
+
+def _rank_keys(mag: torch.Tensor) -> torch.Tensor:
+    """Integers ordered as ``torch.topk`` orders the magnitudes ``mag``
+    (``|x|``: no sign bit set): the bit patterns of non-negative floats
+    increase with their value, and every NaN maps to the largest integer
+    (NaN ranks above +inf, and all NaNs rank alike, whatever their payload)."""
+    ints = _BITS.get(mag.dtype)
+    if ints is None:  # integer input: its own values
+        return mag
+    keys = mag.contiguous().view(ints)
+    return torch.where(torch.isnan(mag), torch.iinfo(ints).max, keys)
+
+
+def _first_k(keys: torch.Tensor, k: int) -> torch.Tensor:
+    """Mask of the ``k`` largest ``keys``, ties at the k-th key resolved
+    to the lowest positions."""
+    kth = torch.topk(keys, k, sorted=False).values.min()
+    above = keys > kth
+    tied = keys == kth
+    need = k - above.sum()
+    return above | (tied & (tied.cumsum(0) <= need))
+
+
+def topk_magnitude(flat: torch.Tensor, k: int) -> torch.Tensor:
+    """Flat indices (int64, **ascending**) of the ``k`` entries of largest
+    magnitude. Ranking as ``torch.topk(flat.abs(), k)`` ranks (NaN above
+    every number); ties at the k-th magnitude go to the lowest indices, so
+    the result is a function of the values alone (``torch.topk`` breaks
+    ties and orders its unsorted output as its kernel happens to).
+
+    On large tensors a full ``torch.topk`` is the step's largest cost (110 ms
     at 10M entries on one CPU thread, docs/bench.md). Here a strided sample
     (1 in 64) estimates the magnitude t above which about 2k entries lie; the
-    entries with |x| >= t are found in one comparison pass and the top-k is
-    taken among them (exact: every entry left out is below t, and at least k
-    are not). When fewer than k pass (a skewed tensor), it falls back to the
-    full ``torch.topk``. NaN magnitudes always pass the filter (``not a < t``),
-    so they rank as ``torch.topk`` ranks them (above every number)."""
+    entries with |x| >= t are found in one comparison pass (ascending) and
+    the top-k is taken among them (exact: every entry left out is below t,
+    and at least k are not, so every entry tied with the k-th is a candidate).
+    When fewer than k pass (a skewed tensor) or the sample holds a NaN, the
+    selection runs on the whole tensor. NaN magnitudes always pass the filter
+    (``not a < t``)."""
     d = flat.numel()
-    a = flat.abs()
     if k <= 0:
         return torch.zeros(0, dtype=torch.int64, device=flat.device)
-    if d < 8 * _SAMPLE_STRIDE or k * _OVERSAMPLE * 4 > d:
-        return torch.topk(a, k, sorted=False).indices
-    sample = a[::_SAMPLE_STRIDE]
-    want = min(sample.numel(), max(1, math.ceil(_OVERSAMPLE * k * sample.numel() / d)))
-    t = torch.topk(sample, want, sorted=False).values.min()
-    cand = torch.nonzero(a.lt(t).logical_not_()).reshape(-1)
-    if cand.numel() < k or bool(torch.isnan(t)):
-        return torch.topk(a, k, sorted=False).indices
-    return cand[torch.topk(a[cand], k, sorted=False).indices]
+    if k >= d:
+        return torch.arange(d, device=flat.device)
+    a = flat.reshape(-1).abs()
+    if d >= 8 * _SAMPLE_STRIDE and k * _OVERSAMPLE * 4 <= d:
+        sample = a[::_SAMPLE_STRIDE]
+        want = min(sample.numel(), max(1, math.ceil(_OVERSAMPLE * k * sample.numel() / d)))
+        t = torch.topk(sample, want, sorted=False).values.min()
+        if not bool(torch.isnan(t)):
+            cand = torch.nonzero(a.lt(t).logical_not_()).reshape(-1)
+            if cand.numel() >= k:
+                return cand[_first_k(_rank_keys(a[cand]), k)]
+    return torch.nonzero(_first_k(_rank_keys(a), k)).reshape(-1)

@@ -3,8 +3,12 @@
 Aji & Heafield 2017; Stich et al. 2018 ("Sparsified SGD with memory").
 Biased and contractive (class B3(d/k)), so error feedback is on by default.
 Packet: ``[values (input dtype), indices (int32)]``, 4 + element-size bytes per
-kept entry. Invariant: exactly the k largest |x| are kept (ties broken by
-``torch.topk``).
+kept entry, indices ascending. Invariant: exactly the k largest |x| are kept
+(NaN ranks above every number; ties at the k-th magnitude go to the lowest
+indices), selected by :func:`gradpress.compress.sparse.topk_magnitude`
+(a sampled candidate filter, 3-4x faster than ``torch.topk`` at 10M). The
+hand-written version keeps the same set when there is no tie at the k-th
+magnitude, in ``torch.topk``'s order.
 
 Declared with the authoring kit (:mod:`gradpress.compress.kit`); the frozen
 hand-written version is :mod:`gradpress.compress.handwritten.topk`.

@@ -28,6 +28,7 @@ import torch
 from gradpress.compress.kit import compiler, packing
 from gradpress.compress.kit.rng import counter_bits, counter_uniform
 from gradpress.compress.numerics import chunks, row_norms
+from gradpress.compress.sparse import topk_magnitude
 
 __all__ = ["FUSED_WIDTHS", "chunks", "reduce", "elementwise", "pack_rows", "uniform", "random_bits", "select_topk", "select_mask",
            "scatter", "gather"]
@@ -148,9 +149,12 @@ def random_bits(v: torch.Tensor, key: torch.Tensor | None, drawn: torch.Tensor |
 
 
 def select_topk(flat: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(values, int32 indices)`` of the ``k`` entries of largest magnitude
-    (``torch.topk``, unsorted; ties as it breaks them)."""
-    _, idx = torch.topk(flat.abs(), k, sorted=False)
+    """``(values, int32 indices)`` of the ``k`` entries of largest magnitude,
+    indices ascending; NaN ranks above every number and ties at the k-th
+    magnitude go to the lowest indices
+    (:func:`gradpress.compress.sparse.topk_magnitude`: a sampled candidate
+    filter, then an exact top-k among the candidates)."""
+    idx = topk_magnitude(flat, k)
     return flat[idx], idx.to(torch.int32)
 
 
