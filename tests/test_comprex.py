@@ -9,6 +9,7 @@ peer during the background exchange raises a clear error, not a hang."""
 from __future__ import annotations
 
 import io
+import json
 import math
 from collections.abc import Callable
 
@@ -19,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradpress
 import gradpress.algorithms as algorithms
+from gradpress.cli import main as cli
 
 LR = 0.05
 MIN_NUMEL = 64
@@ -47,13 +49,23 @@ def flat(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
 
 
-def train(algo, model, opt, rank: int, steps: range) -> list[torch.Tensor]:  # noqa: ANN001
+def shared(algo) -> torch.Tensor:  # noqa: ANN001
+    """The shared weights x (the model holds the look-ahead's prediction)."""
+    return torch.cat([w.detach().reshape(-1).clone() for w in algo.weights()])
+
+
+def train(algo, model, opt, rank: int, steps: range, record: list | None = None,  # noqa: ANN001
+          data_rank: int | None = None) -> list[torch.Tensor]:
+    """Run ``steps``; returns the model's parameters after each step (and
+    appends the shared weights to ``record``)."""
     out = []
     for step in steps:
         opt.zero_grad()
-        loss_of(model, rank, step).backward()
+        loss_of(model, rank if data_rank is None else data_rank, step).backward()
         algo.step()
         out.append(flat(model))
+        if record is not None:
+            record.append(shared(algo))
     return out
 
 
@@ -67,7 +79,8 @@ def ratio_at(t: int, start: float, target: float, warmup: int) -> float:
 
 
 def reference(world: int, steps: int, *, staleness: int, mode: str, clip: float, ratio: float | None,
-              start: float = 1.0, warmup: int = 0, momentum: float = 0.9) -> list[torch.Tensor]:
+              start: float = 1.0, warmup: int = 0, momentum: float = 0.9,
+              lookahead: bool = False) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
     """Comprex by its definition in float64, all workers in one process.
 
     Every worker computes its gradient at the common parameters x_t on its
@@ -77,16 +90,35 @@ def reference(world: int, steps: int, *, staleness: int, mode: str, clip: float,
     and x <- x - mean(sent) applied at step t + staleness; ``mode='sgd'``:
     x <- x - LR mean(g) applied at step t + staleness. 1-D tensors and tensors
     below MIN_NUMEL travel uncompressed (the engine's rule); ``ratio`` None: no
-    compression at all."""
+    compression at all.
+
+    ``lookahead``: worker r computes its gradient at x minus its own momentum
+    buffers m_r as they were when each exchange still in flight was launched
+    (SpecTrain's weight prediction), not at x.
+
+    Returns the shared weights x after every step and, per worker, the
+    weights its model holds after every step (x, or the prediction)."""
     model = make_model()
     params = list(model.parameters())
+    x = [p.detach().clone() for p in params]
     m = [[torch.zeros_like(p) for p in params] for _ in range(world)]
     e = [[torch.zeros_like(p) for p in params] for _ in range(world)]
     queue: list[list[torch.Tensor]] = []
+    stand_ins: list[list[list[torch.Tensor]]] = []  # per exchange in flight, per worker: m_r at its launch
     history = []
+    held: list[list[torch.Tensor]] = [[] for _ in range(world)]
+
+    def forward_point(r: int) -> list[torch.Tensor]:
+        if not lookahead:
+            return [xi.clone() for xi in x]
+        return [xi - sum((s[r][i] for s in stand_ins), torch.zeros_like(xi)) for i, xi in enumerate(x)]
+
     for t in range(steps):
         sent_all = []
         for r in range(world):
+            with torch.no_grad():
+                for p, v in zip(params, forward_point(r)):
+                    p.copy_(v)
             model.zero_grad()
             loss_of(model, r, t).backward()
             grads = [p.grad.clone() for p in params]
@@ -112,13 +144,15 @@ def reference(world: int, steps: int, *, staleness: int, mode: str, clip: float,
                 sent.append(s.reshape(p.shape))
             sent_all.append(sent)
         queue.append([sum(s[i] for s in sent_all) / world for i in range(len(params))])
+        stand_ins.append([[mi.clone() for mi in m[r]] for r in range(world)])
         if len(queue) > staleness:
             update = queue.pop(0)
-            with torch.no_grad():
-                for p, u in zip(params, update):
-                    p -= u
-        history.append(flat(model))
-    return history
+            stand_ins.pop(0)
+            x = [xi - u for xi, u in zip(x, update)]
+        history.append(torch.cat([xi.reshape(-1) for xi in x]))
+        for r in range(world):
+            held[r].append(torch.cat([v.reshape(-1) for v in forward_point(r)]))
+    return history, held
 
 
 # ------------------------------------------------------------------- workers
@@ -161,11 +195,17 @@ def _ddp_vs_staleness0(rank: int, world: int) -> dict:
 
 CASES = {
     # name: (spec, compressor, reference keywords)
-    "stale1-comprex-topk": ("comprex:staleness=1,clip=1.0,schedule=exponential,start_ratio=1.0,warmup=4",
+    "stale1-comprex-topk": ("comprex:staleness=1,clip=1.0,schedule=exponential,start_ratio=1.0,warmup=4,"
+                            "lookahead=off",
                             "topk:ratio=0.1", {"staleness": 1, "mode": "comprex", "clip": 1.0, "ratio": 0.1,
                                                "start": 1.0, "warmup": 4}),
-    "stale2-comprex-topk": ("comprex:staleness=2,clip=0", "topk:ratio=0.2",
+    "stale2-comprex-topk": ("comprex:staleness=2,clip=0,lookahead=off", "topk:ratio=0.2",
                             {"staleness": 2, "mode": "comprex", "clip": 0.0, "ratio": 0.2}),
+    "stale1-lookahead-topk": ("comprex:staleness=1,clip=1.0", "topk:ratio=0.1",
+                              {"staleness": 1, "mode": "comprex", "clip": 1.0, "ratio": 0.1, "lookahead": True}),
+    "stale2-lookahead-topk": ("comprex:staleness=2,clip=0,momentum=0.5", "topk:ratio=0.2",
+                              {"staleness": 2, "mode": "comprex", "clip": 0.0, "ratio": 0.2, "momentum": 0.5,
+                               "lookahead": True}),
     "stale0-comprex-none": ("comprex:staleness=0,clip=2.0,momentum=0.5", "none",
                             {"staleness": 0, "mode": "comprex", "clip": 2.0, "ratio": None, "momentum": 0.5}),
     "stale1-sgd-none": ("comprex:staleness=1,update=optimizer,clip=0", "none",
@@ -181,12 +221,14 @@ def _against_reference(rank: int, world: int) -> dict:
         opt = torch.optim.SGD(model.parameters(), lr=LR)
         algo = algorithms.create(spec, model, opt, compressor=compressor, strategy="collective", min_numel=MIN_NUMEL)
         densities = []
-        hist = []
+        hist: list[torch.Tensor] = []
+        held = []
         for step in range(REF_STEPS):
-            hist += train(algo, model, opt, rank, range(step, step + 1))
+            held += train(algo, model, opt, rank, range(step, step + 1), record=hist)
             densities.append(algo.stats["density"])
-        out[name] = {"history": hist, "densities": densities, "stats": algo.stats}
         algo.close()
+        out[name] = {"history": hist, "held": held, "densities": densities, "stats": algo.stats,
+                     "after_close": flat(model)}
     return out
 
 
@@ -197,7 +239,10 @@ def _replicas_and_resume(rank: int, world: int) -> dict:
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     algo = algorithms.create("comprex:staleness=2,rebroadcast_every=3", model, opt, compressor="topk:ratio=0.1",
                              strategy="ring", min_numel=MIN_NUMEL)
-    out["replicas"] = train(algo, model, opt, rank, range(6))  # the last step re-broadcasts
+    out["replicas"] = []
+    train(algo, model, opt, rank, range(6), record=out["replicas"])  # the last step re-broadcasts
+    evaluated = algo.eval_model()
+    out["evaluated"] = torch.cat([p.detach().reshape(-1) for p in evaluated.parameters()])
     out["buffers_after_rebroadcast"] = torch.cat([b.reshape(-1).double() for b in model.buffers()
                                                   if b.is_floating_point()])
     out["replica_stats"] = algo.stats
@@ -212,7 +257,8 @@ def _replicas_and_resume(rank: int, world: int) -> dict:
             a = algorithms.create(spec, m, o, compressor="topk:ratio=0.1", strategy="ring", min_numel=MIN_NUMEL)
             return m, o, a
         m, o, a = build()
-        straight = train(a, m, o, rank, range(8))
+        straight_x: list[torch.Tensor] = []
+        straight = train(a, m, o, rank, range(8), record=straight_x)
         a.close()
         m, o, a = build()
         train(a, m, o, rank, range(4))
@@ -225,15 +271,55 @@ def _replicas_and_resume(rank: int, world: int) -> dict:
         m.load_state_dict(state["model"])
         o.load_state_dict(state["opt"])
         a.load_state_dict(state["algo"])
-        resumed = train(a, m, o, rank, range(4, 8))
-        out[name] = {"straight": straight[4:], "resumed": resumed, "in_flight": in_flight,
+        resumed_x: list[torch.Tensor] = []
+        resumed = train(a, m, o, rank, range(4, 8), record=resumed_x)
+        out[name] = {"straight": straight[4:] + straight_x[4:], "resumed": resumed + resumed_x, "in_flight": in_flight,
                      "stats": (a.stats["bytes_sent"], a.stats["exchanges"])}
         a.close()
     return out
 
 
+def heavy_ball(steps: int, momentum: float = 0.9) -> list[torch.Tensor]:
+    """Synchronous heavy ball by its formula in float64 on rank 0's data:
+    m <- momentum m + LR g(x), x <- x - m; the iterates x_1 .. x_steps+1."""
+    model = make_model()
+    params = list(model.parameters())
+    m = [torch.zeros_like(p) for p in params]
+    out = []
+    for t in range(steps + 1):
+        model.zero_grad()
+        loss_of(model, 0, t).backward()
+        with torch.no_grad():
+            for i, p in enumerate(params):
+                m[i] = momentum * m[i] + LR * p.grad
+                p -= m[i]
+        out.append(flat(model))
+    return out
+
+
+def _lookahead_is_heavy_ball(rank: int, world: int) -> dict:
+    """Every rank on rank 0's data, no compression: the stand-ins are exact."""
+    out = {}
+    for name, spec in (("on", "comprex:staleness=1,clip=0"), ("off", "comprex:staleness=1,clip=0,lookahead=off")):
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        algo = algorithms.create(spec, model, opt, compressor="none", strategy="collective", min_numel=MIN_NUMEL)
+        shared_x: list[torch.Tensor] = []
+        out[name] = {"held": train(algo, model, opt, rank, range(6), record=shared_x, data_rank=0),
+                     "shared": shared_x}
+        algo.close()
+    try:
+        model = make_model()
+        algorithms.create("comprex:lookahead=on,update=optimizer", model, torch.optim.SGD(model.parameters(), lr=LR))
+        out["lookahead_optimizer"] = None
+    except ValueError as exc:
+        out["lookahead_optimizer"] = str(exc)
+    return out
+
+
 def _two_workers(rank: int, world: int) -> dict:
-    return {**_ddp_vs_staleness0(rank, world), **_replicas_and_resume(rank, world)}
+    return {**_ddp_vs_staleness0(rank, world), **_replicas_and_resume(rank, world),
+            "heavy_ball": _lookahead_is_heavy_ball(rank, world)}
 
 
 @pytest.fixture(scope="module")
@@ -277,13 +363,19 @@ def test_configuration_errors_name_the_field(sync_results: list[dict]) -> None:
 @pytest.mark.parametrize("name", list(CASES))
 def test_staleness_applies_the_averaged_update_of_step_t_minus_s(ref_results: list[dict], name: str) -> None:
     kw = CASES[name][2]
-    ref = reference(3, REF_STEPS, **kw)
+    ref, ref_held = reference(3, REF_STEPS, **kw)
     for rank, r in enumerate(ref_results):
         got = r[name]["history"]
         for step, (a, b) in enumerate(zip(got, ref)):
             assert torch.allclose(a, b, rtol=0, atol=1e-12), \
                 f"{name}: rank {rank} step {step} off the reference by {(a - b).abs().max():.3g}"
+        for step, (a, b) in enumerate(zip(r[name]["held"], ref_held[rank])):
+            assert torch.allclose(a, b, rtol=0, atol=1e-12), \
+                f"{name}: rank {rank}'s model after step {step} off the reference by {(a - b).abs().max():.3g}"
         assert torch.equal(got[-1], ref_results[0][name]["history"][-1]), f"{name}: replicas differ"
+        assert torch.equal(r[name]["after_close"], got[-1]), f"{name}: close() did not leave the shared weights"
+    if kw.get("lookahead"):  # the prediction is rank-local: the models differ while the shared weights do not
+        assert not torch.equal(ref_results[0][name]["held"][-1], ref_results[1][name]["held"][-1])
     s = kw["staleness"]
     first = ref_results[0][name]["history"]
     initial = flat(make_model())
@@ -302,10 +394,26 @@ def test_schedule_moves_the_density_every_rank_alike(ref_results: list[dict]) ->
         assert key in stats
 
 
+def test_lookahead_without_compression_evaluates_at_the_heavy_ball_iterates(two_results: list[dict]) -> None:
+    hb = heavy_ball(6)
+    for r in two_results:
+        run = r["heavy_ball"]
+        for t, (held, want) in enumerate(zip(run["on"]["held"], hb)):  # after step t the model holds x_{t+1}
+            assert torch.allclose(held, want, rtol=0, atol=1e-12), \
+                f"step {t}: the look-ahead's prediction is {(held - want).abs().max():.3g} off heavy ball"
+        for t, (x, want) in enumerate(zip(run["on"]["shared"][1:], hb)):  # the shared weights lag one step
+            assert torch.allclose(x, want, rtol=0, atol=1e-12), f"step {t + 1}: shared weights off heavy ball"
+        # without the look-ahead the stale gradient is taken elsewhere: the same check fails
+        assert not torch.allclose(run["off"]["held"][-1], hb[5], rtol=0, atol=1e-6)
+        assert "lookahead" in r["heavy_ball"]["lookahead_optimizer"] and "update" in r["heavy_ball"]["lookahead_optimizer"]
+
+
 def test_replicas_identical_after_every_step(state_results: list[dict]) -> None:
     a, b = state_results
     for step, (x, y) in enumerate(zip(a["replicas"], b["replicas"])):
         assert torch.equal(x, y), f"replicas differ after step {step}"
+    assert torch.equal(a["evaluated"], b["evaluated"]), "the evaluated models differ"
+    assert torch.equal(a["evaluated"], a["replicas"][-1]), "eval_model() does not hold the shared weights"
     assert torch.equal(a["buffers_after_rebroadcast"], b["buffers_after_rebroadcast"]), "rebroadcast left buffers apart"
     assert a["replica_stats"]["rebroadcasts"] == 2
 
@@ -317,6 +425,30 @@ def test_checkpoint_between_steps_resumes_bit_identically(state_results: list[di
         assert run["in_flight"] >= 1, "the checkpoint should have been taken with exchanges in flight"
         for step, (x, y) in enumerate(zip(run["straight"], run["resumed"])):
             assert torch.equal(x, y), f"{name}: resumed step {4 + step} differs by {(x - y).abs().max():.3g}"
+
+
+def test_train_resume_with_lookahead_is_exact(tmp_path) -> None:  # noqa: ANN001
+    """``gradpress train`` with the look-ahead: two epochs straight == one
+    epoch, stop, resume: bit-identical losses and accuracy. The checkpoint
+    holds each rank's own prediction (the models differ) and the shared
+    weights (identical)."""
+    common = ["train", "--nproc", "2", "--workload", "mnist1d-cnn", "--hidden", "8", "--samples", "256",
+              "--batch-size", "16", "--epochs", "2", "--algorithm", "comprex:staleness=1",
+              "--compressor", "topk:ratio=0.05", "--strategy", "allgather", "--min-numel", "64",
+              "--log-every", "1", "--no-progress"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert cli([*common, "--out", str(full)]) == 0
+    assert cli([*common, "--out", str(part), "--steps", "8"]) == 0
+    ckpt = torch.load(part / "checkpoint.pt", weights_only=True)
+    extra = [ckpt["ranks"][r]["algorithm"]["extra"] for r in range(2)]
+    assert all(torch.equal(a, b) for a, b in zip(extra[0]["shared_weights"], extra[1]["shared_weights"]))
+    models = [ckpt["ranks"][r]["model"] for r in range(2)]
+    assert any(not torch.equal(models[0][k], models[1][k]) for k in models[0])
+    assert len(extra[0]["pending"]) == 1 and "proxy" in extra[0]["pending"][0]
+    assert cli([*common, "--out", str(part), "--resume"]) == 0
+    rows = [[json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()] for d in (full, part)]
+    assert [r["loss"] for r in rows[0]] == [r["loss"] for r in rows[1]]
+    assert [r.get("metric") for r in rows[0]] == [r.get("metric") for r in rows[1]]
 
 
 # -------------------------------------------------------------------- faults

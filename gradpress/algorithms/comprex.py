@@ -36,13 +36,24 @@ feedback; gradpress's ``ring`` strategy) names two features beyond its ring:
   statistics, which stay local between broadcasts) and guards against
   nondeterministic kernels. ``update=optimizer`` instead writes the averaged
   (stale) gradient into ``.grad`` and calls the user's optimizer (Adam...).
+* **Look-ahead** (``lookahead``, gradpress's addition, on by default with
+  the Comprex optimizer and staleness >= 1; :mod:`.comprex_lookahead`): a
+  stale update under heavy-ball momentum is stable only for a learning rate
+  38x smaller than the synchronous one (momentum 0.9; one step of delay),
+  and training at the synchronous rate ends at chance. Each rank therefore
+  computes its gradient at the weights the update will meet, ``x`` minus its
+  own momentum buffers of the exchanges still in flight (SpecTrain's weight
+  prediction); the shared weights ``x`` stay bit-identical on every rank,
+  the model holds the rank-local prediction between steps, and evaluation,
+  ``close`` and the re-broadcast use ``x`` (:meth:`Comprex.weights`).
 
 Invariants:
 
 * Every rank launches step t's exchange with the same keys, sizes and
   density (the schedule is a function of t) and applies the same averaged
-  update in the same step, so parameters (and, with ``update=optimizer``,
-  the optimizer's state) are bit-identical on every rank after every step.
+  update in the same step, so the shared weights (and, with
+  ``update=optimizer``, the optimizer's state) are bit-identical on every
+  rank after every step; without the look-ahead they are the parameters.
 * Nothing in flight is lost: ``state_dict`` waits for the exchanges in
   flight and saves their averaged results with the step they are due, the
   momentum buffers and the engine's residuals; a resumed run is
@@ -57,12 +68,14 @@ Invariants:
 from __future__ import annotations
 
 import collections
+import copy
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from gradpress.algorithms.base import Algorithm
+from gradpress.algorithms.comprex_lookahead import LookAhead
 from gradpress.algorithms.comprex_optim import LocalMomentum, clip_by_total_norm
 from gradpress.algorithms.comprex_schedule import SCHEDULES, RatioSchedule, ratio_holder
 from gradpress.algorithms.registry import register
@@ -108,6 +121,9 @@ class Comprex(Algorithm):
               "exchanges over which the schedule reaches the compressor's ratio (0: target at once)"),
         Param("stages", int, 0, "integer in [0, warmup]", lambda v: v >= 0,
               "0: the density moves every step; S: it is constant over S equal stages (DGC: one per epoch)"),
+        Param("lookahead", str, "auto", "auto, on or off", lambda v: v in ("auto", "on", "off"),
+              "compute each gradient at the weights its stale update will meet, predicted from the local momentum "
+              "(auto: on with update=comprex and staleness >= 1; needs update=comprex)"),
         Param("rebroadcast_every", int, 0, "integer >= 0 (0: never)", lambda v: v >= 0,
               "broadcast rank 0's weights and buffers every N steps (removes drift; buffers stay local otherwise)"),
     )
@@ -123,10 +139,18 @@ class Comprex(Algorithm):
             raise ValueError(f"algorithm {self.name!r}: parameter 'schedule' got {self.schedule!r} "  # type: ignore[attr-defined]
                              f"but compressor {self.engine.compressor.spec()!r} has no 'ratio'; allowed: "
                              "schedule=constant, or a compressor with a ratio (topk, randomk, dgc, ...)")
+        if self.lookahead == "on" and self.update != "comprex":  # type: ignore[attr-defined]
+            raise ValueError(f"algorithm {self.name!r}: parameter 'lookahead' is 'on' but 'update' is "
+                             f"{self.update!r}; allowed: lookahead=on with update=comprex (the prediction "  # type: ignore[attr-defined]
+                             "uses the local momentum only the Comprex optimizer keeps), or lookahead=auto/off")
+        self.lookahead_on = self.lookahead == "on" or (  # type: ignore[attr-defined]
+            self.lookahead == "auto" and self.update == "comprex" and self.staleness > 0)  # type: ignore[attr-defined]
+        self.look: LookAhead | None = None
+        self._eval_copy: torch.nn.Module | None = None
         self._holder = holder
         self._target = target
         params = [p for _, p in self.named]
-        self._groups = self._param_groups(params)
+        self._group_of = self._param_groups(params)
         self.momentum_state = LocalMomentum(params, self.momentum)  # type: ignore[attr-defined]
         self.pending: collections.deque[dict[str, Any]] = collections.deque()
         self.background = Background(f"{self.name} rank {self.rank}")
@@ -135,9 +159,20 @@ class Comprex(Algorithm):
         self.rebroadcasts = 0
         self.density = target
 
-    def _param_groups(self, params: list[torch.Tensor]) -> list[dict[str, Any]]:
-        """The optimizer's parameter group of each trainable parameter."""
-        where = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}
+    def after_broadcast(self) -> None:
+        if self.lookahead_on:
+            self.look = LookAhead([p for _, p in self.named])
+
+    def weights(self) -> list[torch.Tensor]:
+        """The shared weights ``x``, bit-identical on every rank (with the
+        look-ahead the model's parameters hold this rank's prediction)."""
+        return self.look.shadow if self.look is not None else [p.detach() for _, p in self.named]
+
+    def _param_groups(self, params: list[torch.Tensor]) -> list[int]:
+        """The index of each trainable parameter's group in the optimizer.
+        An index, not the group: ``optimizer.load_state_dict`` replaces the
+        group dicts (a resumed run's schedule writes its rates into the new ones)."""
+        where = {id(p): i for i, g in enumerate(self.optimizer.param_groups) for p in g["params"]}
         missing = [n for n, p in self.named if id(p) not in where]
         if missing:
             raise ValueError(f"algorithm {self.name!r}: parameter {missing[0]!r} is not in the optimizer; "
@@ -152,6 +187,8 @@ class Comprex(Algorithm):
         t = self._steps
         item: dict[str, Any] = {"step": t, "exchange": self._exchanges, "ratio": self.schedule_fn(t),
                                 "update": self._payload(), "bytes": 0, "skipped": False}
+        if self.look is not None:  # this rank's stand-in for the update in flight
+            item["proxy"] = [m.clone() for m in self.momentum_state.buffers]
         self._exchanges += 1
         self.density = item["ratio"]
         name = f"of step {t}"
@@ -167,6 +204,8 @@ class Comprex(Algorithm):
         every = self.rebroadcast_every  # type: ignore[attr-defined]
         if every and self._steps % every == 0:
             self.rebroadcast()
+        if self.look is not None:
+            self.look.predict([it["proxy"] for it in self.pending])
 
     def _payload(self) -> list[torch.Tensor]:
         """This rank's tensors to average: the clipped gradient (update=optimizer), or
@@ -176,9 +215,10 @@ class Comprex(Algorithm):
         clip_by_total_norm(grads, self.clip)  # type: ignore[attr-defined]
         if self.update == "optimizer":  # type: ignore[attr-defined]
             return grads
-        lrs = [float(g["lr"]) for g in self._groups]
-        wds = [float(g.get("weight_decay", 0.0) or 0.0) for g in self._groups]
-        return self.momentum_state.update(grads, params, lrs, wds)
+        groups = [self.optimizer.param_groups[i] for i in self._group_of]
+        lrs = [float(g["lr"]) for g in groups]
+        wds = [float(g.get("weight_decay", 0.0) or 0.0) for g in groups]
+        return self.momentum_state.update(grads, self.weights(), lrs, wds)
 
     def _exchange(self, item: dict[str, Any]) -> None:
         """Average ``item['update']`` in place at the item's density (runs on
@@ -203,7 +243,9 @@ class Comprex(Algorithm):
             self.background.wait(ticket)
         params = [p for _, p in self.named]
         if not item["skipped"]:
-            if self.update == "comprex":  # type: ignore[attr-defined]
+            if self.look is not None:
+                self.look.apply(item["update"])
+            elif self.update == "comprex":  # type: ignore[attr-defined]
                 torch._foreach_sub_(params, [u.to(p.dtype) for p, u in zip(params, item["update"])])
             else:
                 for p, u in zip(params, item["update"]):
@@ -218,7 +260,11 @@ class Comprex(Algorithm):
         """Every rank takes rank 0's parameters and buffers (the exchanges in
         flight finish first: they use the same group). Bytes counted."""
         self.background.drain()
+        if self.look is not None:
+            self.look.write_back()
         self.broadcast_model()
+        if self.look is not None:
+            self.look.load_state_dict([p.detach() for _, p in self.named])
         sent = sum(t.numel() * t.element_size() for t in [*self.model.parameters(), *self.model.buffers()])
         sent = sent if self.world_size > 1 else 0
         self.applied_bytes += sent
@@ -229,10 +275,22 @@ class Comprex(Algorithm):
         """Parameters are identical on every rank: the model itself, unless
         it has floating buffers (BatchNorm statistics stay local between
         re-broadcasts): then their average (collective)."""
+        model = self.model
         if any(b.is_floating_point() for b in self.model.buffers()) and self.world_size > 1:
             self.background.drain()
-            return self.consensus_model()
-        return self.model
+            model = self.consensus_model()
+        if self.look is None:
+            return model
+        if self._eval_copy is None:  # the shared weights, not this rank's prediction
+            self._eval_copy = copy.deepcopy(self.model)
+        with torch.no_grad():
+            for d, s in zip(self._eval_copy.buffers(), model.buffers()):
+                d.copy_(s)
+            names = {n for n, _ in self.named}
+            dst = [p for n, p in self._eval_copy.named_parameters() if n in names]
+            for d, x in zip(dst, self.look.shadow):
+                d.copy_(x)
+        return self._eval_copy
 
     # ------------------------------------------------------------------ stats
     @property
@@ -261,20 +319,32 @@ class Comprex(Algorithm):
 
     def extra_state(self) -> dict[str, Any]:
         pending = [{"step": it["step"], "exchange": it["exchange"], "ratio": it["ratio"], "bytes": it["bytes"],
-                    "skipped": it["skipped"], "update": [u.clone() for u in it["update"]]} for it in self.pending]
-        return {"momentum": self.momentum_state.state_dict(), "pending": pending, "applied_bytes": self.applied_bytes,
+                    "skipped": it["skipped"], "update": [u.clone() for u in it["update"]],
+                    **({"proxy": [u.clone() for u in it["proxy"]]} if "proxy" in it else {})} for it in self.pending]
+        shared = {"shared_weights": self.look.state_dict()} if self.look is not None else {}
+        return {**shared, "momentum": self.momentum_state.state_dict(), "pending": pending,
+                "applied_bytes": self.applied_bytes,
                 "applied": self.applied, "rebroadcasts": self.rebroadcasts, "density": self.density}
 
     def load_extra_state(self, state: Mapping[str, Any]) -> None:
         self.momentum_state.load_state_dict(state.get("momentum", []))
         shapes = [tuple(p.shape) for _, p in self.named]
         pending = []
+        if self.look is not None:
+            if "shared_weights" not in state:
+                raise ValueError(f"{self.name} state: 'shared_weights' missing (saved without the look-ahead); "
+                                 "allowed: resume with the lookahead setting the checkpoint was made with")
+            self.look.load_state_dict(state["shared_weights"])
         for it in state.get("pending", []):
-            if [tuple(u.shape) for u in it["update"]] != shapes:
-                raise ValueError(f"{self.name} state: an exchange in flight does not match this model")
+            proxy = it.get("proxy") if self.look is not None else None
+            if [tuple(u.shape) for u in it["update"]] != shapes or (
+                    self.look is not None and (proxy is None or [tuple(u.shape) for u in proxy] != shapes)):
+                raise ValueError(f"{self.name} state: an exchange in flight does not match this model "
+                                 "(or was saved without the look-ahead's stand-in)")
             pending.append({"step": int(it["step"]), "exchange": int(it["exchange"]), "ratio": float(it["ratio"]),
                             "bytes": int(it["bytes"]), "skipped": bool(it["skipped"]),
-                            "update": [u.clone() for u in it["update"]]})
+                            "update": [u.clone() for u in it["update"]],
+                            **({"proxy": [u.clone() for u in proxy]} if proxy is not None else {})})
         self.pending = collections.deque(pending)
         self.applied_bytes = int(state.get("applied_bytes", 0))
         self.applied = int(state.get("applied", 0))
@@ -282,5 +352,10 @@ class Comprex(Algorithm):
         self.density = float(state.get("density", self._target))
 
     def close(self) -> None:
-        """Wait for the exchanges in flight and stop the background thread."""
-        self.background.close()
+        """Wait for the exchanges in flight, stop the background thread and,
+        with the look-ahead, leave the shared weights in the model."""
+        try:
+            self.background.close()
+        finally:
+            if self.look is not None:
+                self.look.write_back()
