@@ -15,7 +15,12 @@ The outer gradient travels through the exchange engine like every other
 exchange in gradpress, so any registered compressor shrinks it further,
 with error feedback (``compressor="topk:ratio=0.05"``; the residuals live in
 the engine, keyed by parameter name, and survive across synchronizations and
-``state_dict``). Floating buffers (BatchNorm statistics) are averaged plain
+``state_dict``). ``residual_decay=beta`` < 1 decays the residual before each
+compression (``p = beta * e + Delta``, send ``C(p)``, keep ``e = p - C(p)``):
+the residual becomes a local momentum of the outer gradient applied *before*
+compression, as DeMo (Peng et al. 2024) and SparseLoCo (Sarfi et al. 2025,
+beta 0.95 with outer lr 1 and no outer momentum) do, instead of only the
+outer momentum applied after averaging. Floating buffers (BatchNorm statistics) are averaged plain
 at each synchronization.
 
 Invariants: ``theta`` and the outer optimizer's momentum are bit-identical on
@@ -43,6 +48,9 @@ PARAMS = (
     Param("outer_lr", float, 0.7, "number > 0", lambda v: v > 0, "outer SGD learning rate"),
     Param("outer_momentum", float, 0.9, "number in [0, 1)", lambda v: 0 <= v < 1, "outer SGD momentum"),
     Param("nesterov", bool, True, "true or false (true needs outer_momentum > 0)", None, "Nesterov outer momentum"),
+    Param("residual_decay", float, 1.0, "number in [0, 1] (below 1 needs error feedback)", lambda v: 0 <= v <= 1,
+          "error-feedback residual decay beta: each worker compresses beta * e + Delta (1: plain error feedback; "
+          "below 1 the residual is a local momentum of the outer gradient, as in DeMo / SparseLoCo)"),
 )
 
 
@@ -58,6 +66,14 @@ class DiLoCo(Algorithm):
             raise ValueError(f"algorithm {self.name!r}: parameter 'nesterov' is true but 'outer_momentum' is 0 "
                              "(Nesterov needs momentum); allowed: nesterov=false with outer_momentum=0, "
                              "or outer_momentum > 0")
+        assert self.engine is not None
+        if self.residual_decay != 1.0:  # type: ignore[attr-defined]
+            if not self.engine.error_feedback:
+                raise ValueError(f"algorithm {self.name!r}: parameter 'residual_decay' is "
+                                 f"{self.residual_decay} but error feedback is off (the decay acts on the "  # type: ignore[attr-defined]
+                                 "residual); allowed: residual_decay=1, or a compressor with error feedback on")
+            # the engine's residual store: p = beta * e + Delta is compressed, e <- p - C(p)
+            self.engine.feedback.beta = self.residual_decay  # type: ignore[attr-defined]
 
     def after_broadcast(self) -> None:
         #: the outer parameters theta, identical on every rank

@@ -1,0 +1,164 @@
+"""DiLoCo's ``residual_decay``: the compressed outer gradient's error-feedback
+residual decayed by beta before each compression (DeMo / SparseLoCo's local
+momentum before compression), on 2 gloo workers against a float64 reference
+the test computes itself (its own top-k; no gradpress code in the reference)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from distributed import checkpoint, restore, run_workers
+from test_algorithms import WORLD
+from test_algorithms_outer import Workers, build, resumed, train
+
+import gradpress.algorithms as algorithms
+
+STEPS = 12
+RATIO = 0.1
+MIN_NUMEL = 64
+
+
+def ref_diloco_topk(steps: int, period: int, lr: float, mu: float, nesterov: bool,
+                    beta: float) -> tuple[list[torch.Tensor], list[list[torch.Tensor | None]]]:
+    """DiLoCo with plain SGD inside and a top-k outer gradient with decayed
+    error feedback: every H steps each worker i forms
+    p_i = beta * e_i + (theta - x_i) for every 2-D tensor of at least
+    MIN_NUMEL entries, keeps the ceil(RATIO * d) entries of largest magnitude
+    q_i, sets e_i = p_i - q_i; the other tensors go uncompressed. Delta =
+    mean_i q_i; theta <- theta - lr * (Delta + mu * v) (Nesterov; v <- mu v +
+    Delta, v = Delta at the first outer step); workers restart from theta.
+    Returns the workers' flat parameters and their residuals per tensor."""
+    w = Workers("sgd")
+    theta = [p.detach().clone() for p in w.models[0].parameters()]
+    buf: list[torch.Tensor | None] = [None] * len(theta)
+    resid: list[list[torch.Tensor | None]] = [[None] * len(theta) for _ in range(WORLD)]
+    for s in range(steps):
+        w.grads(s)
+        for o in w.opts:
+            o.step()
+        if (s + 1) % period:
+            continue
+        with torch.no_grad():
+            for i, ps in enumerate(w.params()):
+                compressed = theta[i].dim() > 1 and theta[i].numel() >= MIN_NUMEL
+                sent = []
+                for r, p in enumerate(ps):
+                    delta = theta[i] - p.detach()
+                    if not compressed:
+                        sent.append(delta)
+                        continue
+                    e = resid[r][i]
+                    acc = delta if e is None else beta * e + delta
+                    flat = acc.reshape(-1)
+                    k = math.ceil(RATIO * flat.numel())
+                    keep = torch.zeros_like(flat)
+                    idx = flat.abs().topk(k).indices
+                    keep[idx] = flat[idx]
+                    resid[r][i] = (flat - keep).reshape(acc.shape)
+                    sent.append(keep.reshape(acc.shape))
+                d = sum(sent) / WORLD
+                if mu:
+                    buf[i] = d.clone() if buf[i] is None else mu * buf[i] + d
+                    step = d + mu * buf[i] if nesterov else buf[i]
+                else:
+                    step = d
+                theta[i] = theta[i] - lr * step
+                for p in ps:
+                    p.copy_(theta[i])
+    return w.flats(), resid
+
+
+def _residuals(algo) -> dict[str, torch.Tensor]:  # noqa: ANN001
+    return {n: r.clone() for n, r in algo.state_dict()["exchange"]["feedback"]["residuals"].items()}
+
+
+def _worker(rank: int, world: int) -> dict:
+    out: dict = {}
+    kw = {"compressor": f"topk:ratio={RATIO}", "min_numel": MIN_NUMEL}
+    for name, spec in (("decay", "diloco:period=3,outer_lr=0.7,outer_momentum=0.5,residual_decay=0.8"),
+                       ("sparseloco", "diloco:period=4,outer_lr=1,outer_momentum=0,nesterov=false,residual_decay=0.95"),
+                       ("plain", "diloco:period=3,outer_lr=0.7,outer_momentum=0.5")):
+        model, opt, algo = build(rank, spec, **kw)
+        out[name] = train(rank, model, opt, algo, 0, STEPS)
+        out[name + "_resid"] = _residuals(algo)
+        out[name + "_names"] = [n for n, _ in model.named_parameters()]
+    out["resume"] = resumed(rank, "diloco:period=3,outer_momentum=0.5,residual_decay=0.8", 7, STEPS, **kw)
+    # the decay is restored from the checkpoint onto a fresh algorithm
+    model, opt, algo = build(rank, "diloco:period=3,outer_momentum=0.5,residual_decay=0.8", **kw)
+    saved = checkpoint(algo=algo, model=model, opt=opt)
+    model, opt, algo = build(rank, "diloco:period=3,outer_momentum=0.5,residual_decay=0.8", **kw)
+    restore(saved, model=model, opt=opt, algo=algo)
+    out["beta_after_restore"] = algo.engine.feedback.beta
+    errors = {}
+    for spec, extra in (("diloco:residual_decay=0.9", {"compressor": "none"}),
+                        ("diloco:residual_decay=0.9", {"compressor": "topk:ratio=0.1", "error_feedback": False})):
+        try:
+            build(rank, spec, **extra)
+            errors[str(extra)] = None
+        except ValueError as exc:
+            errors[str(extra)] = str(exc)
+    out["errors"] = errors
+    dist.barrier()
+    return out
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    return run_workers(_worker, WORLD)
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.allclose(a, b, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("name,period,lr,mu,nesterov,beta", [
+    ("decay", 3, 0.7, 0.5, True, 0.8),
+    ("sparseloco", 4, 1.0, 0.0, False, 0.95),
+    ("plain", 3, 0.7, 0.5, True, 1.0),
+])
+def test_decayed_error_feedback_matches_the_float64_reference(results, name, period, lr, mu, nesterov,  # noqa: ANN001
+                                                              beta) -> None:
+    ref, resid = ref_diloco_topk(STEPS, period, lr, mu, nesterov, beta)
+    for rank, res in enumerate(results):
+        assert close(res[name][-1], ref[rank]), (res[name][-1] - ref[rank]).abs().max()
+        got = res[name + "_resid"]
+        names = res[name + "_names"]
+        kept = [i for i in range(len(names)) if resid[rank][i] is not None]
+        assert kept == [0, 2]  # the two weight matrices are compressed, the biases not
+        for i in kept:
+            assert close(got[names[i]].reshape(-1), resid[rank][i].reshape(-1)), names[i]
+    for t in range(period, STEPS + 1, period):  # replicas agree right after every sync
+        assert torch.equal(results[0][name][t - 1], results[1][name][t - 1])
+
+
+def test_decay_changes_the_trajectory(results) -> None:  # noqa: ANN001
+    assert not torch.equal(results[0]["decay"][-1], results[0]["plain"][-1])
+
+
+def test_resume_with_decay_is_bit_identical_and_keeps_beta(results) -> None:  # noqa: ANN001
+    for res in results:
+        r = res["resume"]
+        assert r["saved"]["exchange"]["feedback"]["beta"] == 0.8
+        for a, b in zip(r["straight"], r["again"]):
+            assert torch.equal(a, b)
+        assert res["beta_after_restore"] == 0.8
+
+
+def test_decay_needs_error_feedback(results) -> None:  # noqa: ANN001
+    for res in results:
+        for msg in res["errors"].values():
+            assert msg is not None and "'residual_decay' is 0.9 but error feedback is off" in msg
+
+
+def test_parameter_is_registered_and_validated() -> None:
+    rows = {r["name"]: r for r in algorithms.describe()}
+    params = {p["name"]: p for p in rows["diloco"]["params"]}
+    assert params["residual_decay"]["default"] == 1.0
+    assert "residual_decay" in {p["name"] for p in rows["streaming-diloco"]["params"]}
+    for bad in ("-0.1", "1.5"):
+        with pytest.raises(ValueError, match="'residual_decay' got"):
+            algorithms.parse(f"diloco:residual_decay={bad}")
+    assert algorithms.parse("diloco:residual_decay=0.95")[1]["residual_decay"] == 0.95
