@@ -1,7 +1,9 @@
-"""DiLoCo's ``residual_decay``: the compressed outer gradient's error-feedback
-residual decayed by beta before each compression (DeMo / SparseLoCo's local
-momentum before compression), on 2 gloo workers against a float64 reference
-the test computes itself (its own top-k; no gradpress code in the reference)."""
+"""DiLoCo's ``residual_decay`` (the compressed outer gradient's error-feedback
+residual decayed by beta before each compression: DeMo / SparseLoCo's local
+momentum before compression) and ``keep_residual`` (workers restart from
+theta minus their own unsent residual), on 2 gloo workers against a float64
+reference the test computes itself (its own top-k; no gradpress code in the
+reference)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed import checkpoint, restore, run_workers
-from test_algorithms import WORLD
+from test_algorithms import WORLD, make_model
 from test_algorithms_outer import Workers, build, resumed, train
 
 import gradpress.algorithms as algorithms
@@ -22,7 +24,7 @@ MIN_NUMEL = 64
 
 
 def ref_diloco_topk(steps: int, period: int, lr: float, mu: float, nesterov: bool,
-                    beta: float) -> tuple[list[torch.Tensor], list[list[torch.Tensor | None]]]:
+                    beta: float, keep: bool = False) -> tuple[list[torch.Tensor], list[list[torch.Tensor | None]]]:
     """DiLoCo with plain SGD inside and a top-k outer gradient with decayed
     error feedback: every H steps each worker i forms
     p_i = beta * e_i + (theta - x_i) for every 2-D tensor of at least
@@ -30,6 +32,8 @@ def ref_diloco_topk(steps: int, period: int, lr: float, mu: float, nesterov: boo
     q_i, sets e_i = p_i - q_i; the other tensors go uncompressed. Delta =
     mean_i q_i; theta <- theta - lr * (Delta + mu * v) (Nesterov; v <- mu v +
     Delta, v = Delta at the first outer step); workers restart from theta.
+    ``keep``: no residual is fed back (p_i = theta - x_i) and worker i
+    restarts from theta - e_i instead (its unsent change stays local).
     Returns the workers' flat parameters and their residuals per tensor."""
     w = Workers("sgd")
     theta = [p.detach().clone() for p in w.models[0].parameters()]
@@ -51,14 +55,14 @@ def ref_diloco_topk(steps: int, period: int, lr: float, mu: float, nesterov: boo
                         sent.append(delta)
                         continue
                     e = resid[r][i]
-                    acc = delta if e is None else beta * e + delta
+                    acc = delta if e is None or keep else beta * e + delta
                     flat = acc.reshape(-1)
                     k = math.ceil(RATIO * flat.numel())
-                    keep = torch.zeros_like(flat)
+                    sent_part = torch.zeros_like(flat)
                     idx = flat.abs().topk(k).indices
-                    keep[idx] = flat[idx]
-                    resid[r][i] = (flat - keep).reshape(acc.shape)
-                    sent.append(keep.reshape(acc.shape))
+                    sent_part[idx] = flat[idx]
+                    resid[r][i] = (flat - sent_part).reshape(acc.shape)
+                    sent.append(sent_part.reshape(acc.shape))
                 d = sum(sent) / WORLD
                 if mu:
                     buf[i] = d.clone() if buf[i] is None else mu * buf[i] + d
@@ -66,8 +70,8 @@ def ref_diloco_topk(steps: int, period: int, lr: float, mu: float, nesterov: boo
                 else:
                     step = d
                 theta[i] = theta[i] - lr * step
-                for p in ps:
-                    p.copy_(theta[i])
+                for r, p in enumerate(ps):
+                    p.copy_(theta[i] - resid[r][i] if keep and resid[r][i] is not None else theta[i])
     return w.flats(), resid
 
 
@@ -80,12 +84,16 @@ def _worker(rank: int, world: int) -> dict:
     kw = {"compressor": f"topk:ratio={RATIO}", "min_numel": MIN_NUMEL}
     for name, spec in (("decay", "diloco:period=3,outer_lr=0.7,outer_momentum=0.5,residual_decay=0.8"),
                        ("sparseloco", "diloco:period=4,outer_lr=1,outer_momentum=0,nesterov=false,residual_decay=0.95"),
-                       ("plain", "diloco:period=3,outer_lr=0.7,outer_momentum=0.5")):
+                       ("plain", "diloco:period=3,outer_lr=0.7,outer_momentum=0.5"),
+                       ("keep", "diloco:period=3,outer_lr=0.7,outer_momentum=0.5,keep_residual=true"),
+                       ("keep_local", "diloco:period=4,outer_lr=1,outer_momentum=0,nesterov=false,keep_residual=true")):
         model, opt, algo = build(rank, spec, **kw)
         out[name] = train(rank, model, opt, algo, 0, STEPS)
+        out[name + "_theta"] = torch.cat([a.reshape(-1) for a in algo.anchor])
         out[name + "_resid"] = _residuals(algo)
         out[name + "_names"] = [n for n, _ in model.named_parameters()]
     out["resume"] = resumed(rank, "diloco:period=3,outer_momentum=0.5,residual_decay=0.8", 7, STEPS, **kw)
+    out["resume_keep"] = resumed(rank, "diloco:period=3,outer_momentum=0.5,keep_residual=true", 7, STEPS, **kw)
     # the decay is restored from the checkpoint onto a fresh algorithm
     model, opt, algo = build(rank, "diloco:period=3,outer_momentum=0.5,residual_decay=0.8", **kw)
     saved = checkpoint(algo=algo, model=model, opt=opt)
@@ -94,12 +102,14 @@ def _worker(rank: int, world: int) -> dict:
     out["beta_after_restore"] = algo.engine.feedback.beta
     errors = {}
     for spec, extra in (("diloco:residual_decay=0.9", {"compressor": "none"}),
-                        ("diloco:residual_decay=0.9", {"compressor": "topk:ratio=0.1", "error_feedback": False})):
+                        ("diloco:residual_decay=0.9", {"compressor": "topk:ratio=0.1", "error_feedback": False}),
+                        ("diloco:keep_residual=true", {"compressor": "none"}),
+                        ("diloco:keep_residual=true,residual_decay=0.9", {"compressor": "topk:ratio=0.1"})):
         try:
             build(rank, spec, **extra)
-            errors[str(extra)] = None
+            errors[spec + str(extra)] = None
         except ValueError as exc:
-            errors[str(extra)] = str(exc)
+            errors[spec + str(extra)] = str(exc)
     out["errors"] = errors
     dist.barrier()
     return out
@@ -147,10 +157,38 @@ def test_resume_with_decay_is_bit_identical_and_keeps_beta(results) -> None:  # 
         assert res["beta_after_restore"] == 0.8
 
 
-def test_decay_needs_error_feedback(results) -> None:  # noqa: ANN001
+def test_decay_and_keep_need_error_feedback(results) -> None:  # noqa: ANN001
     for res in results:
-        for msg in res["errors"].values():
+        msgs = list(res["errors"].values())
+        for msg in msgs[:2]:
             assert msg is not None and "'residual_decay' is 0.9 but error feedback is off" in msg
+        assert "'keep_residual' is true but error feedback is off" in msgs[2]
+        assert "'keep_residual' is true with 'residual_decay' 0.9" in msgs[3]
+
+
+@pytest.mark.parametrize("name,period,lr,mu,nesterov", [
+    ("keep", 3, 0.7, 0.5, True),
+    ("keep_local", 4, 1.0, 0.0, False),
+])
+def test_keep_residual_matches_the_float64_reference(results, name, period, lr, mu, nesterov) -> None:  # noqa: ANN001
+    ref, resid = ref_diloco_topk(STEPS, period, lr, mu, nesterov, 1.0, keep=True)
+    for rank, res in enumerate(results):
+        assert close(res[name][-1], ref[rank]), (res[name][-1] - ref[rank]).abs().max()
+    # theta is bit-identical on every rank; right after the last sync each worker is theta - e_i
+    assert torch.equal(results[0][name + "_theta"], results[1][name + "_theta"])
+    assert not torch.equal(results[0][name][-1], results[1][name][-1])
+    for rank, res in enumerate(results):
+        e = torch.cat([(r if r is not None else torch.zeros_like(p)).reshape(-1)
+                       for r, p in zip(resid[rank], make_model().parameters())])
+        assert close(res[name][-1], res[name + "_theta"] - e)
+    assert not torch.equal(results[0]["keep"][-1], results[0]["plain"][-1])
+
+
+def test_resume_with_keep_residual_is_bit_identical(results) -> None:  # noqa: ANN001
+    for res in results:
+        r = res["resume_keep"]
+        for a, b in zip(r["straight"], r["again"]):
+            assert torch.equal(a, b)
 
 
 def test_parameter_is_registered_and_validated() -> None:
@@ -162,3 +200,7 @@ def test_parameter_is_registered_and_validated() -> None:
         with pytest.raises(ValueError, match="'residual_decay' got"):
             algorithms.parse(f"diloco:residual_decay={bad}")
     assert algorithms.parse("diloco:residual_decay=0.95")[1]["residual_decay"] == 0.95
+    assert params["keep_residual"]["default"] is False
+    assert "keep_residual" not in {p["name"] for p in rows["streaming-diloco"]["params"]}
+    with pytest.raises(ValueError, match="keep_residual"):
+        algorithms.parse("streaming-diloco:keep_residual=true")

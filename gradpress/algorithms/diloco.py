@@ -20,13 +20,19 @@ compression (``p = beta * e + Delta``, send ``C(p)``, keep ``e = p - C(p)``):
 the residual becomes a local momentum of the outer gradient applied *before*
 compression, as DeMo (Peng et al. 2024) and SparseLoCo (Sarfi et al. 2025,
 beta 0.95 with outer lr 1 and no outer momentum) do, instead of only the
-outer momentum applied after averaging. Floating buffers (BatchNorm statistics) are averaged plain
+outer momentum applied after averaging. ``keep_residual=true``: each worker
+restarts from ``theta - e_i`` instead of ``theta`` (its own unsent change
+stays in its model and the next outer gradient carries it, so the residual
+is not fed back a second time: the engine's residual decay is 0); only the
+sent part is averaged, so replicas then differ by their residuals right
+after a synchronization (``theta`` stays bit-identical). Floating buffers (BatchNorm statistics) are averaged plain
 at each synchronization.
 
 Invariants: ``theta`` and the outer optimizer's momentum are bit-identical on
 every rank at all times (the engine's average is bit-identical on every
 rank and the outer step is deterministic), so right after every
-synchronization all replicas hold bit-identical parameters. With
+synchronization all replicas hold bit-identical parameters (except with
+``keep_residual``, where each holds ``theta`` minus its own residual). With
 ``outer_lr=1, outer_momentum=0, nesterov=false`` DiLoCo is local SGD:
 ``theta - mean(theta - x_i) = mean(x_i)`` up to rounding (tested in float64).
 """
@@ -54,10 +60,16 @@ PARAMS = (
 )
 
 
+#: DiLoCo's own (Streaming DiLoCo merges fragments its own way)
+KEEP_RESIDUAL = Param(
+    "keep_residual", bool, False, "true or false (true needs error feedback and residual_decay=1)", None,
+    "workers restart from theta minus their own unsent residual (it stays in the local model, not fed back)")
+
+
 @register
 class DiLoCo(Algorithm):
     name = "diloco"
-    PARAMS = PARAMS
+    PARAMS = (*PARAMS, KEEP_RESIDUAL)
     summary = ("DiLoCo: H inner optimizer steps, then an outer Nesterov SGD step on the averaged "
                "(compressed, error-compensated) parameter change")
 
@@ -67,6 +79,17 @@ class DiLoCo(Algorithm):
                              "(Nesterov needs momentum); allowed: nesterov=false with outer_momentum=0, "
                              "or outer_momentum > 0")
         assert self.engine is not None
+        if getattr(self, "keep_residual", False):
+            if not self.engine.error_feedback:
+                raise ValueError(f"algorithm {self.name!r}: parameter 'keep_residual' is true but error feedback "
+                                 "is off (the residual is what the worker keeps); allowed: keep_residual=false, "
+                                 "or a compressor with error feedback on")
+            if self.residual_decay != 1.0:  # type: ignore[attr-defined]
+                raise ValueError(f"algorithm {self.name!r}: parameter 'keep_residual' is true with "
+                                 f"'residual_decay' {self.residual_decay} (the residual stays in the model and "  # type: ignore[attr-defined]
+                                 "is not fed back, so there is nothing to decay); allowed: residual_decay=1")
+            # the residual rides in the parameters: the next outer gradient already holds it
+            self.engine.feedback.beta = 0.0
         if self.residual_decay != 1.0:  # type: ignore[attr-defined]
             if not self.engine.error_feedback:
                 raise ValueError(f"algorithm {self.name!r}: parameter 'residual_decay' is "
@@ -111,8 +134,14 @@ class DiLoCo(Algorithm):
         deltas = self.outer_gradient(idx)
         self.sync(deltas, keys=[self.named[i][0] for i in idx])
         self.apply_outer(idx, deltas)
+        keep = getattr(self, "keep_residual", False)
         for i in idx:
-            self.named[i][1].copy_(self.anchor[i])
+            p = self.named[i][1]
+            if keep:  # theta - e: the worker keeps the part of its own change it did not send
+                assert self.engine is not None
+                p.copy_(self.anchor[i] - self.engine.feedback.current(self.named[i][0], p))
+            else:
+                p.copy_(self.anchor[i])
 
     def extra_state(self) -> dict[str, Any]:
         return {"anchor": [a.clone() for a in self.anchor], "outer": copy.deepcopy(self.outer.state_dict())}
