@@ -21,7 +21,8 @@ STEP_FIELDS = (
     "median_step_s", "step_s", "speedup", "payload_bytes_per_step", "payload_source", "link_bytes_per_step",
     "link_tx_bytes_per_step", "link_rx_bytes_per_step", "compute_s", "ideal_s", "measured_over_ideal",
     "wire_factor", "ideal_payload_s", "compress_s_per_step", "comm_s_per_step", "register_s",
-    "tbf_bytes", "seconds", "error",
+    "tbf_bytes", "seconds", "error", "exchange_s_per_step", "exposed_s_per_step", "overlap", "overlap_bound_s",
+    "over_bound",
 )
 #: fields every train-to row carries
 TRAIN_FIELDS = (
@@ -100,6 +101,7 @@ def markdown(result: dict[str, Any]) -> str:
                   "- ideal = compute-only (shared CPU) + link bytes x 8 / bandwidth.",
                   "- PyTorch's powerSGD_hook runs with one DDP bucket (bucket_cap_mb shown): on gloo it needs one.",
                   "- compress/comm s/step: the gradpress hook's compress_s and comm_s per step (rank 0)."]
+        lines += _background_table(result)
     else:
         lines.append(f"Target: {s['metric']} >= {result['target']} (evaluated every {s['eval_every']} steps; "
                      "the clock stops while evaluating).")
@@ -171,3 +173,24 @@ def plot(result: dict[str, Any], path: str | Path) -> Path:
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def _background_table(result: dict[str, Any]) -> list[str]:
+    """Rows whose exchange runs behind compute (``comprex:staleness>=1``):
+    step time against the bound max(compute + compression, wire), and the
+    share of the exchange time that no step waited for."""
+    rows = [r for r in result["rows"] if r.get("ok") and r.get("overlap") is not None]
+    if not rows:
+        return []
+    out = ["", "Exchanges behind compute (background thread):", "",
+           "| configuration | step (median) | bound = max(compute + compress, wire) | step / bound "
+           "| exchange s/step | waited s/step | overlap |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['label']} | {_f(r['median_step_s'], '.3f', ' s')} | {_f(r['overlap_bound_s'], '.3f', ' s')} "
+                   f"| {_f(r['over_bound'], '.2f')} | {_f(r['exchange_s_per_step'], '.3f')} "
+                   f"| {_f(r['exposed_s_per_step'], '.3f')} | {_f(r['overlap'], '.2f')} |")
+    out += ["", "- bound: compression is CPU work on the cores the next step computes on, so it adds to the "
+            "compute-only step; the wire (link bytes x 8 / bandwidth) can hide behind both.",
+            "- overlap = (exchange time - time the training thread waited for it) / exchange time, "
+            "the algorithm's own clock (rank 0)."]
+    return out

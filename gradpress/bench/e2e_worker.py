@@ -300,6 +300,11 @@ def run_step(job: dict[str, Any]) -> dict[str, Any]:
             "compressed_tensors": s1["compressed_tensors"], "dense_tensors": s1["dense_tensors"],
             "strategy": gp.describe()["strategy"], "plan": _plan(gp),
         })
+        if "exchange_s" in s1 and "exposed_s" in s1:  # exchanges behind compute (comprex): their own clock
+            busy = s1["exchange_s"] - stats0["exchange_s"]
+            waited = min(s1["exposed_s"] - stats0["exposed_s"], busy)
+            result.update({"exchange_s_per_step": busy / steps, "exposed_s_per_step": waited / steps,
+                           "overlap": (busy - waited) / busy if busy > 0 else None})
     else:
         result["payload_bytes_per_step"] = payload_bytes_per_step(model, cfg)
         result["payload_source"] = "computed from the parameter shapes"
