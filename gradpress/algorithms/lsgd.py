@@ -22,6 +22,14 @@ Multi-leader variant (``groups=G``): ranks form G consecutive groups; every
 ``tau_global`` steps the *global* leader pulls everyone with ``c_global``;
 when both are due, ``x <- x + c_local (x_l - x) + c_global (x_g - x)``.
 
+Averaging (``average=true``, default false; one group, no compressor,
+``prox=0``): the election moves every worker to
+``(1 - c) mean_i(x_i) + c x_leader`` (one allreduce of ``w_i x_i``,
+``w_i = (1 - c) / N + c [i = leader]``, the same bytes as local SGD's
+average) instead of ``(1 - c) x + c x_leader``: all workers then hold the
+same parameters, a workers' average weighted toward the leader (c = 1:
+the leader's parameters exactly; c -> 0: local SGD).
+
 Election window (``window=W``, default 0): the loss a worker reports is
 the mean over its last W steps instead of the steps since the last
 election (the authors' code keeps a running mean of the last 10 batches,
@@ -76,6 +84,7 @@ import torch.distributed as dist
 from gradpress.algorithms.base import Algorithm
 from gradpress.algorithms.registry import register
 from gradpress.compress.base import Param
+from gradpress.transport.collectives import fused_allreduce
 from gradpress.transport.groups import device_of, timeout_of
 from gradpress.transport.p2p import global_rank
 
@@ -122,6 +131,9 @@ class LSGD(Algorithm):
               "the election compares each worker's mean loss over its last `window` steps (0: since the last election)"),
         Param("evaluate", str, "leader", "leader or average", lambda v: v in ("leader", "average"),
               "the model eval_model() returns: the last global leader's, or the workers' average"),
+        Param("average", bool, False, "true or false (true: one group, no compressor, prox 0)", None,
+              "each election moves every worker to (1 - c) * the workers' average + c * x_leader "
+              "(one allreduce instead of the leader's broadcast)"),
     )
     summary = ("leader SGD: every tau steps the worker with the lowest running loss is the leader and "
                "every worker moves x <- (1 - c) x + c x_leader (optional local and global leaders)")
@@ -132,6 +144,14 @@ class LSGD(Algorithm):
             raise ValueError(f"algorithm {self.name!r}: parameter 'groups' got {groups}; allowed: a divisor "
                              f"of the world size {self.world_size}")
         self.compressed = not self.compressor.identity
+        if self.average:  # type: ignore[attr-defined]
+            bad = [f"'groups' is {groups}" if groups > 1 else "",
+                   f"the compressor is {self.compressor.spec()!r}" if self.compressed else "",
+                   f"'prox' is {self.prox}" if self.prox > 0 else ""]  # type: ignore[attr-defined]
+            bad = [b for b in bad if b]
+            if bad:
+                raise ValueError(f"algorithm {self.name!r}: parameter 'average' is true but {', '.join(bad)}; "
+                                 "allowed: average=true with groups=1, no compressor and prox=0")
         self._probe = _probe_class(self.observe)
         #: losses seen in this step (sum, count) and step means since the election (sum, count);
         #: sums stay on the loss's device (no host sync per step)
@@ -284,6 +304,11 @@ class LSGD(Algorithm):
     def pull(self, due_local: bool, due_global: bool) -> None:
         """Elect, fetch the leaders' parameters, move every worker toward them."""
         self.elect()
+        if self.average:  # type: ignore[attr-defined]
+            self.averaged_pull(self.leaders["global"])
+            self._exchanges += 1
+            self._count(0, end_of_step=True)
+            return
         targets: list[tuple[float, list[torch.Tensor]]] = []
         if due_global:
             c = self.c if self.groups == 1 else self.c_global  # type: ignore[attr-defined]
@@ -300,6 +325,19 @@ class LSGD(Algorithm):
         if not (self.compressed and due_global):  # no engine call closed this exchange
             self._exchanges += 1
             self._count(0, end_of_step=True)
+
+    @torch.no_grad()
+    def averaged_pull(self, src: int) -> None:
+        """``x <- (1 - c) mean_i(x_i) + c x_src`` on every rank: one allreduce
+        of ``w_i x_i`` with ``w_i = (1 - c) / N + c [i == src]`` (bit-identical
+        result on every rank; with ``c = 1`` every other weight is 0 and the
+        leader's parameters arrive exactly)."""
+        c = self.c  # type: ignore[attr-defined]
+        w = (1 - c) / self.world_size + (c if self.rank == src else 0.0)
+        summed, sent = fused_allreduce([p.detach() * w for _, p in self.named], self.group)
+        self._count(sent)
+        for (_, p), s in zip(self.named, summed):
+            p.copy_(s)
 
     # ------------------------------------------------------------ evaluation
     @torch.no_grad()
