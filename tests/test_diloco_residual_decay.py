@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from distributed import checkpoint, restore, run_workers
 from test_algorithms import WORLD, make_model
-from test_algorithms_outer import Workers, build, resumed, train
+from test_algorithms_outer import Workers, build, flat, resumed, train
 
 import gradpress.algorithms as algorithms
 
@@ -93,6 +93,14 @@ def _worker(rank: int, world: int) -> dict:
         out[name + "_resid"] = _residuals(algo)
         out[name + "_names"] = [n for n, _ in model.named_parameters()]
     out["resume"] = resumed(rank, "diloco:period=3,outer_momentum=0.5,residual_decay=0.8", 7, STEPS, **kw)
+    # evaluate=average: the workers' average, training untouched
+    model, opt, algo = build(rank, "diloco:period=3,outer_momentum=0.5,keep_residual=true,evaluate=average", **kw)
+    train(rank, model, opt, algo, 0, 7)
+    own = flat(model)
+    out["eval_average"] = {"own": own, "eval": flat(algo.eval_model()), "own_after": flat(model)}
+    out["eval_average"]["next"] = train(rank, model, opt, algo, 7, STEPS)
+    model, opt, algo = build(rank, "diloco:period=3", **kw)
+    out["eval_own_is_model"] = algo.eval_model() is model
     out["resume_keep"] = resumed(rank, "diloco:period=3,outer_momentum=0.5,keep_residual=true", 7, STEPS, **kw)
     # the decay is restored from the checkpoint onto a fresh algorithm
     model, opt, algo = build(rank, "diloco:period=3,outer_momentum=0.5,residual_decay=0.8", **kw)
@@ -184,6 +192,18 @@ def test_keep_residual_matches_the_float64_reference(results, name, period, lr, 
     assert not torch.equal(results[0]["keep"][-1], results[0]["plain"][-1])
 
 
+def test_evaluate_average_is_the_workers_average_and_leaves_training_alone(results) -> None:  # noqa: ANN001
+    mean = sum(res["eval_average"]["own"] for res in results) / len(results)
+    assert not torch.equal(results[0]["eval_average"]["own"], results[1]["eval_average"]["own"])
+    for res in results:
+        assert close(res["eval_average"]["eval"], mean)
+        assert torch.equal(res["eval_average"]["own_after"], res["eval_average"]["own"])
+        # the same spec without evaluate=average ("keep") trains identically
+        for a, b in zip(res["eval_average"]["next"], res["keep"][7:]):
+            assert torch.equal(a, b)
+        assert res["eval_own_is_model"]
+
+
 def test_resume_with_keep_residual_is_bit_identical(results) -> None:  # noqa: ANN001
     for res in results:
         r = res["resume_keep"]
@@ -202,5 +222,9 @@ def test_parameter_is_registered_and_validated() -> None:
     assert algorithms.parse("diloco:residual_decay=0.95")[1]["residual_decay"] == 0.95
     assert params["keep_residual"]["default"] is False
     assert "keep_residual" not in {p["name"] for p in rows["streaming-diloco"]["params"]}
+    assert params["evaluate"]["default"] == "own"
+    assert "evaluate" not in {p["name"] for p in rows["streaming-diloco"]["params"]}
+    with pytest.raises(ValueError, match="'evaluate' got"):
+        algorithms.parse("diloco:evaluate=leader")
     with pytest.raises(ValueError, match="keep_residual"):
         algorithms.parse("streaming-diloco:keep_residual=true")

@@ -25,8 +25,11 @@ restarts from ``theta - e_i`` instead of ``theta`` (its own unsent change
 stays in its model and the next outer gradient carries it, so the residual
 is not fed back a second time: the engine's residual decay is 0); only the
 sent part is averaged, so replicas then differ by their residuals right
-after a synchronization (``theta`` stays bit-identical). Floating buffers (BatchNorm statistics) are averaged plain
-at each synchronization.
+after a synchronization (``theta`` stays bit-identical). ``evaluate=average``
+(DiLoCo only) evaluates the workers' average instead of each worker's own
+model (``theta`` minus the mean residual right after a synchronization).
+Floating buffers (BatchNorm statistics) are averaged plain at each
+synchronization.
 
 Invariants: ``theta`` and the outer optimizer's momentum are bit-identical on
 every rank at all times (the engine's average is bit-identical on every
@@ -64,12 +67,15 @@ PARAMS = (
 KEEP_RESIDUAL = Param(
     "keep_residual", bool, False, "true or false (true needs error feedback and residual_decay=1)", None,
     "workers restart from theta minus their own unsent residual (it stays in the local model, not fed back)")
+EVALUATE = Param(
+    "evaluate", str, "own", "own or average", lambda v: v in ("own", "average"),
+    "the model eval_model() returns: each worker's own, or the workers' average (one uncounted allreduce)")
 
 
 @register
 class DiLoCo(Algorithm):
     name = "diloco"
-    PARAMS = (*PARAMS, KEEP_RESIDUAL)
+    PARAMS = (*PARAMS, KEEP_RESIDUAL, EVALUATE)
     summary = ("DiLoCo: H inner optimizer steps, then an outer Nesterov SGD step on the averaged "
                "(compressed, error-compensated) parameter change")
 
@@ -142,6 +148,14 @@ class DiLoCo(Algorithm):
                 p.copy_(self.anchor[i] - self.engine.feedback.current(self.named[i][0], p))
             else:
                 p.copy_(self.anchor[i])
+
+    def eval_model(self) -> torch.nn.Module:
+        """``evaluate=own``: this worker's model; ``evaluate=average``: the
+        workers' average (:meth:`consensus_model`, collective; evaluation
+        traffic, not counted, as DDP's evaluation is not)."""
+        if getattr(self, "evaluate", "own") == "average":
+            return self.consensus_model()
+        return self.model
 
     def extra_state(self) -> dict[str, Any]:
         return {"anchor": [a.clone() for a in self.anchor], "outer": copy.deepcopy(self.outer.state_dict())}
