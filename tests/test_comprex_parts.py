@@ -169,3 +169,20 @@ def test_close_raises_a_failure_nobody_saw_but_not_one_already_raised() -> None:
     with pytest.raises(BackgroundError):
         seen.wait(ticket)
     seen.close()  # a `finally: algo.close()` does not mask the error the loop is raising
+
+
+def test_saved_buffers_of_another_model_are_refused_naming_them() -> None:
+    from gradpress.algorithms.comprex_lookahead import LookAhead
+
+    params = [torch.zeros(3, 2), torch.zeros(4)]
+    mom, look = LocalMomentum(params, 0.9), LookAhead(params)
+    for obj, field in ((mom, "momentum"), (look, "shared_weights")):
+        for bad in ([torch.zeros(3, 2)], [torch.zeros(3, 2), torch.zeros(5)], [torch.zeros(3, 2), "x"]):
+            with pytest.raises(ValueError, match=f"'{field}'.*another model"):
+                obj.load_state_dict(bad)
+    saved = [torch.ones(3, 2, dtype=torch.float64), torch.full((4,), 2.0, dtype=torch.float64)]
+    look.load_state_dict(saved)
+    assert [x.dtype for x in look.shadow] == [torch.float32, torch.float32]
+    assert torch.equal(look.shadow[1], torch.full((4,), 2.0))
+    saved[1].zero_()  # copies, not views of the saved tensors
+    assert torch.equal(look.shadow[1], torch.full((4,), 2.0))

@@ -37,6 +37,8 @@ from collections.abc import Sequence
 
 import torch
 
+from gradpress.algorithms.comprex_optim import copies_like
+
 __all__ = ["LookAhead"]
 
 
@@ -71,8 +73,4 @@ class LookAhead:
         return [x.clone() for x in self.shadow]
 
     def load_state_dict(self, shadow: Sequence[torch.Tensor]) -> None:
-        if len(shadow) != len(self.shadow) or any(
-                not isinstance(s, torch.Tensor) or s.shape != x.shape for s, x in zip(shadow, self.shadow)):
-            raise ValueError("comprex state: 'shared_weights' missing or of another model "
-                             f"(expected {len(self.shadow)} tensors shaped like the parameters)")
-        self.shadow = [s.to(x.dtype).clone() for s, x in zip(shadow, self.shadow)]
+        self.shadow = copies_like(shadow, self.shadow, "'shared_weights'")

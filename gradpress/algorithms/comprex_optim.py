@@ -35,7 +35,7 @@ import torch
 
 from gradpress.compress.base import all_finite
 
-__all__ = ["clip_by_total_norm", "LocalMomentum"]
+__all__ = ["clip_by_total_norm", "copies_like", "LocalMomentum"]
 
 
 def clip_by_total_norm(grads: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor:
@@ -89,8 +89,14 @@ class LocalMomentum:
         return [m.clone() for m in self.buffers]
 
     def load_state_dict(self, buffers: Sequence[torch.Tensor]) -> None:
-        if len(buffers) != len(self.buffers) or any(
-                not isinstance(b, torch.Tensor) or b.shape != m.shape for b, m in zip(buffers, self.buffers)):
-            raise ValueError("comprex state: 'momentum' buffers missing or of another model "
-                             f"(expected {len(self.buffers)} tensors shaped like the parameters)")
-        self.buffers = [b.to(m.dtype).clone() for b, m in zip(buffers, self.buffers)]
+        self.buffers = copies_like(buffers, self.buffers, "'momentum' buffers")
+
+
+def copies_like(saved: Sequence[torch.Tensor], like: Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
+    """Copies of ``saved`` in ``like``'s dtypes, refused (naming ``what``)
+    unless they are as many tensors of the same shapes."""
+    if len(saved) != len(like) or any(not isinstance(s, torch.Tensor) or s.shape != x.shape
+                                       for s, x in zip(saved, like)):
+        raise ValueError(f"comprex state: {what} missing or of another model "
+                         f"(expected {len(like)} tensors shaped like the parameters)")
+    return [s.to(x.dtype).clone() for s, x in zip(saved, like)]
