@@ -343,3 +343,80 @@ def test_make_hook_checks_the_spec_before_any_process_group() -> None:
         state.bind(make_model())  # binding is collective: it needs the process group
     state.close()
     assert not dist.is_initialized()
+
+
+# ------------------------------------------------- coalesced buckets (PowerSGD)
+def _coalesced_powersgd(rank: int, world: int, coalesce: bool | None) -> dict:
+    """PowerSGD r=1 on several DDP buckets. At step 2 (warm start: Q of
+    step 1 known) record each rank's own gradient (autograd on the bare
+    module, same weights and data), the residuals and Q before the step, and
+    the averaged gradient the hook wrote; count the allreduces per step."""
+    model = make_model()
+    ddp = DDP(model, bucket_cap_mb=0.004)  # several buckets
+    hook = gradpress.ddp.register(ddp, "powersgd:rank=1,start_iter=1", min_numel=MIN_NUMEL, coalesce=coalesce)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    x, y = make_data(rank)
+    calls: list[int] = []
+    real = dist.all_reduce
+
+    def counting(tensor, *args, **kwargs):  # noqa: ANN001, ANN202
+        calls.append(tensor.numel())
+        return real(tensor, *args, **kwargs)
+
+    dist.all_reduce = counting
+    out: dict = {"calls": [], "buckets": None}
+    try:
+        for step in range(4):
+            if step == 2:
+                names = [n for n, _ in model.named_parameters()]
+                local = torch.autograd.grad(((model(x) - y) ** 2).mean(), list(model.parameters()))
+                out["local"] = {n: g.double() for n, g in zip(names, local)}
+                out["residual"] = {k: v.double().clone() for k, v in hook.memory.residuals.items()}
+                out["q"] = {k: v.double().clone() for k, v in hook.compressor.q.items()}
+            opt.zero_grad()
+            calls.clear()
+            ((ddp(x) - y) ** 2).mean().backward()
+            out["calls"].append(len(calls))
+            if step == 2:
+                out["avg"] = {n: p.grad.double().clone() for n, p in model.named_parameters()}
+            opt.step()
+    finally:
+        dist.all_reduce = real
+    out["buckets"] = len(ddp._get_ddp_logging_data()["rebuilt_bucket_sizes"].split(", "))
+    out["coalescing"] = hook.coalescing
+    out["params"] = flat_params(model)
+    hook.close()
+    return out
+
+
+def _powersgd_rank1_reference(ms: list[torch.Tensor], q: torch.Tensor) -> torch.Tensor:
+    """One warm-started PowerSGD r=1 step by the formula, float64: P = sum M_r Q,
+    P / ||P||, Q' = sum M_r^T P / N, average = P Q'^T."""
+    p = sum(m @ q for m in ms)
+    p = p / p.norm()
+    q2 = sum(m.t() @ p for m in ms) / len(ms)
+    return p @ q2.t()
+
+
+@pytest.mark.parametrize("coalesce", [None, False])
+def test_powersgd_coalesces_a_steps_buckets_into_one_collective_per_round(coalesce: bool | None) -> None:
+    """Default (None): PowerSGD's buckets are averaged together, two
+    allreduces per step whatever the bucket count (P with the plain tensors
+    and NaN flags, then Q); ``coalesce=False``: two per bucket. Either way
+    the average is the float64 formula's and the replicas are identical."""
+    results = run_workers(_coalesced_powersgd, 2, coalesce)
+    for r in results:
+        assert r["buckets"] >= 3
+        assert r["coalescing"] is (coalesce is None)
+        # step 0 is dense (start_iter=1), on DDP's first-iteration buckets; then two rounds per call
+        assert r["calls"][1:] == [2 if coalesce is None else 2 * r["buckets"]] * 3
+    assert torch.equal(results[0]["params"], results[1]["params"])
+    for name, avg in results[0]["avg"].items():
+        grads = [r["local"][name] for r in results]
+        if avg.dim() < 2 or avg.numel() < MIN_NUMEL:  # plain average
+            want = sum(grads) / len(grads)
+        else:
+            ms = [(g + r["residual"][name]).reshape(g.shape[0], -1) for g, r in zip(grads, results)]
+            want = _powersgd_rank1_reference(ms, results[0]["q"][name]).reshape(avg.shape)
+        assert torch.allclose(avg, want, rtol=1e-4, atol=1e-6 * float(want.abs().max())), name
+        assert torch.equal(avg, results[1]["avg"][name]), name

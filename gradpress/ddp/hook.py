@@ -8,6 +8,16 @@ every rank and the thread works through them first-in first-out, every rank
 issues its collectives in the same order even with several buckets and
 multi-round protocols (PyTorch's own PowerSGD hook mixes them up on gloo).
 
+Coalescing (``coalesce``; default: on for multi-round compressors such as
+PowerSGD): the thread holds a step's buckets until DDP hands it the last
+one, then averages them in one engine call, so each round of the protocol is
+one collective for the whole step (PowerSGD: one allreduce of every bucket's
+P with the plain tensors and NaN flags, one of every Q) instead of one per
+bucket and round. Every round costs a latency that is paid once per step
+instead of once per bucket; what is lost is starting the first buckets'
+exchange while backward still computes the others. DDP waits for the
+buckets' Futures only when backward ends, so holding them is allowed.
+
 All the exchange work (plan, error feedback, NaN protocol, stats, state) is
 the engine's (:class:`gradpress.exchange.Synchronizer`); this module only
 turns a ``GradBucket`` into keyed views and keeps the step count. State is
@@ -78,11 +88,17 @@ class GradpressHook:
     not ``bound``), and through it ``compressor``, ``strategy_name``, ``error_feedback``,
     ``plan``, ``memory`` (the residuals), ``stats`` (see ``STATS_KEYS``).
     ``build`` makes the engine for a list of (name, parameter); ``model``:
-    bind now (collective).
+    bind now (collective). ``coalesce``: average a step's buckets in one
+    engine call when the last arrives (see the module doc); None: when the
+    compressor has several rounds. Every rank must use the same setting.
     """
 
-    def __init__(self, build: Builder, model: torch.nn.Module | None = None) -> None:
+    def __init__(self, build: Builder, model: torch.nn.Module | None = None, coalesce: bool | None = None) -> None:
+        if coalesce is not None and not isinstance(coalesce, bool):
+            raise ValueError(f"coalesce must be True, False or None (on for multi-round compressors), got {coalesce!r}")
         self._build = build
+        self._coalesce = coalesce
+        self._held: list[_Job] = []  # buckets of the current step waiting for its last one (comm thread)
         self._engine: Synchronizer | None = None
         self._names: dict[int, str] = {}
         self._step = 0  # hook-side step (main thread)
@@ -167,6 +183,11 @@ class GradpressHook:
     def step(self) -> int:
         return self._step
 
+    @property
+    def coalescing(self) -> bool:
+        """Whether a step's buckets are averaged in one engine call."""
+        return self._coalesce if self._coalesce is not None else self.engine.compressor.rounds > 1
+
     def replan(self, costs: Any = None) -> Plan:
         """Measure the group (or use ``costs``) and rebuild the plan.
         Collective: call on every rank, between steps (no bucket in flight)."""
@@ -240,17 +261,51 @@ class GradpressHook:
             if job is None:
                 return
             try:
+                coalesce = self.coalescing
+            except BaseException as exc:  # noqa: BLE001 - forwarded to the training thread
+                job.future.set_exception(exc)
+                continue
+            if not coalesce:
+                self._run([job])
+            elif not job.is_last:
+                if self._held and self._held[0].step != job.step:  # a step whose backward never ended
+                    self._fail(self._held, RuntimeError("gradpress hook: a backward ended before DDP handed over "
+                                                        "its last bucket; its buckets were not averaged"))
+                    self._held = []
+                self._held.append(job)
+            else:
+                jobs, self._held = [*self._held, job], []
+                self._run(jobs)
+
+    def _run(self, jobs: list[_Job]) -> None:
+        """Average ``jobs`` (one bucket, or every bucket of a step) in one
+        engine call and complete their Futures."""
+        try:
+            for job in jobs:
                 if job.event is not None:
                     torch.cuda.current_stream(job.buffer.device).wait_event(job.event)
+            if len(jobs) == 1:
+                job = jobs[0]
                 self.engine.sync(job.keys, job.grads, step=job.step, flat=job.buffer, end_of_step=job.is_last)
+            else:
+                self.engine.sync([k for job in jobs for k in job.keys], [g for job in jobs for g in job.grads],
+                                 step=jobs[-1].step, flat=None, end_of_step=jobs[-1].is_last)
+            for job in jobs:
                 if job.buffer.is_cuda:
                     torch.cuda.current_stream(job.buffer.device).synchronize()
                 job.future.set_result(job.buffer)
-            except FloatingPointError as exc:  # nonfinite='raise': raised as itself when backward ends
+        except FloatingPointError as exc:  # nonfinite='raise': raised as itself when backward ends
+            for job in jobs:
                 job.buffer.zero_()
-                self._deferred = exc
                 job.future.set_result(job.buffer)
-            except BaseException as exc:  # noqa: BLE001 - forwarded to the training thread
+            self._deferred = exc
+        except BaseException as exc:  # noqa: BLE001 - forwarded to the training thread
+            self._fail(jobs, exc)
+
+    @staticmethod
+    def _fail(jobs: list[_Job], exc: BaseException) -> None:
+        for job in jobs:
+            if not job.future.done():
                 job.future.set_exception(exc)
 
     # ----------------------------------------------------------------- state

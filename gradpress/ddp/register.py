@@ -70,6 +70,7 @@ def make_hook(
     plan_costs: CostModel | Mapping[str, Any] | None = None,
     nonfinite: str = "propagate",
     timeout: float | datetime.timedelta | None = None,
+    coalesce: bool | None = None,
     **params: Any,
 ) -> tuple[GradpressHook, Hook]:
     """``(state, hook)`` for ``ddp_model.register_comm_hook(state, hook)``.
@@ -91,7 +92,8 @@ def make_hook(
         make_compressor: Callable[[], Compressor] = lambda: compressor  # noqa: E731
     else:
         make_compressor = functools.partial(create, spec, **params)  # inside the agreement: every rank reports
-    state = GradpressHook(functools.partial(_build, make_compressor, process_group, timeout, options))
+    state = GradpressHook(functools.partial(_build, make_compressor, process_group, timeout, options),
+                          coalesce=coalesce)
     if model is not None:
         try:
             state.bind(model)
@@ -113,6 +115,7 @@ def register(
     plan_costs: CostModel | Mapping[str, Any] | None = None,
     nonfinite: str = "propagate",
     timeout: float | datetime.timedelta | None = None,
+    coalesce: bool | None = None,
     **params: Any,
 ) -> GradpressHook:
     """Register the gradpress comm hook on ``ddp_model`` and return its handle.
@@ -138,6 +141,10 @@ def register(
     ``NONFINITE_MODES``. ``timeout``: seconds (or a timedelta) after which a
     collective that a dead or stuck peer never joins fails with an error
     instead of hanging; default: the timeout of the DDP model's process group.
+    ``coalesce``: hold a step's buckets until DDP hands over the last one and
+    average them in one call (each protocol round one collective per step,
+    not per bucket); None (default): on for multi-round compressors
+    (PowerSGD), off otherwise. Every rank must pass the same value.
     """
     if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
         raise ValueError(f"ddp_model must be torch.nn.parallel.DistributedDataParallel, got {type(ddp_model).__name__}")
@@ -146,6 +153,6 @@ def register(
     state, hook = make_hook(
         spec, ddp_model.module, error_feedback=error_feedback, strategy=strategy, min_numel=min_numel, seed=seed,
         process_group=process_group if process_group is not None else ddp_model.process_group,
-        plan_costs=plan_costs, nonfinite=nonfinite, timeout=timeout, **params)
+        plan_costs=plan_costs, nonfinite=nonfinite, timeout=timeout, coalesce=coalesce, **params)
     ddp_model.register_comm_hook(state, hook)
     return state
