@@ -75,6 +75,48 @@ def ref_diloco_topk(steps: int, period: int, lr: float, mu: float, nesterov: boo
     return w.flats(), resid
 
 
+def ref_diloco_topk_model(steps: int, period: int, lr: float, mu: float, nesterov: bool,
+                          keep: bool) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    """As :func:`ref_diloco_topk`, with the top-k taken over each worker's
+    whole flattened outer gradient (every parameter, in order) at once."""
+    w = Workers("sgd")
+    theta = [p.detach().clone() for p in w.models[0].parameters()]
+    sizes = [t.numel() for t in theta]
+    buf: list[torch.Tensor | None] = [None] * len(theta)
+    resid: list[torch.Tensor | None] = [None] * WORLD
+    for s in range(steps):
+        w.grads(s)
+        for o in w.opts:
+            o.step()
+        if (s + 1) % period:
+            continue
+        with torch.no_grad():
+            sent = []
+            for r, m in enumerate(w.models):
+                delta = torch.cat([(t - p.detach()).reshape(-1) for t, p in zip(theta, m.parameters())])
+                acc = delta if resid[r] is None or keep else resid[r] + delta
+                k = math.ceil(RATIO * acc.numel())
+                part = torch.zeros_like(acc)
+                idx = acc.abs().topk(k).indices
+                part[idx] = acc[idx]
+                resid[r] = acc - part
+                sent.append(part)
+            mean = (sum(sent) / WORLD).split(sizes)
+            for i, d in enumerate(mean):
+                d = d.view_as(theta[i])
+                if mu:
+                    buf[i] = d.clone() if buf[i] is None else mu * buf[i] + d
+                    step = d + mu * buf[i] if nesterov else buf[i]
+                else:
+                    step = d
+                theta[i] = theta[i] - lr * step
+            for r, m in enumerate(w.models):
+                own = resid[r].split(sizes) if keep else [None] * len(theta)
+                for i, p in enumerate(m.parameters()):
+                    p.copy_(theta[i] - own[i].view_as(p) if own[i] is not None else theta[i])
+    return w.flats(), resid
+
+
 def _residuals(algo) -> dict[str, torch.Tensor]:  # noqa: ANN001
     return {n: r.clone() for n, r in algo.state_dict()["exchange"]["feedback"]["residuals"].items()}
 
@@ -86,7 +128,9 @@ def _worker(rank: int, world: int) -> dict:
                        ("sparseloco", "diloco:period=4,outer_lr=1,outer_momentum=0,nesterov=false,residual_decay=0.95"),
                        ("plain", "diloco:period=3,outer_lr=0.7,outer_momentum=0.5"),
                        ("keep", "diloco:period=3,outer_lr=0.7,outer_momentum=0.5,keep_residual=true"),
-                       ("keep_local", "diloco:period=4,outer_lr=1,outer_momentum=0,nesterov=false,keep_residual=true")):
+                       ("keep_local", "diloco:period=4,outer_lr=1,outer_momentum=0,nesterov=false,keep_residual=true"),
+                       ("model", "diloco:period=3,outer_lr=0.7,outer_momentum=0.5,select=model"),
+                       ("model_keep", "diloco:period=3,outer_lr=0.7,outer_momentum=0.5,select=model,keep_residual=true")):
         model, opt, algo = build(rank, spec, **kw)
         out[name] = train(rank, model, opt, algo, 0, STEPS)
         out[name + "_theta"] = torch.cat([a.reshape(-1) for a in algo.anchor])
@@ -101,6 +145,10 @@ def _worker(rank: int, world: int) -> dict:
     out["eval_average"]["next"] = train(rank, model, opt, algo, 7, STEPS)
     model, opt, algo = build(rank, "diloco:period=3", **kw)
     out["eval_own_is_model"] = algo.eval_model() is model
+    out["resume_model"] = resumed(rank, "diloco:period=3,outer_momentum=0.5,select=model,keep_residual=true", 7,
+                                  STEPS, **kw)
+    out["model_stats"] = resumed(rank, "diloco:period=3,select=model", 1, STEPS, **kw)["stats"]
+    out["tensor_stats"] = resumed(rank, "diloco:period=3", 1, STEPS, **kw)["stats"]
     out["resume_keep"] = resumed(rank, "diloco:period=3,outer_momentum=0.5,keep_residual=true", 7, STEPS, **kw)
     # the decay is restored from the checkpoint onto a fresh algorithm
     model, opt, algo = build(rank, "diloco:period=3,outer_momentum=0.5,residual_decay=0.8", **kw)
@@ -204,6 +252,26 @@ def test_evaluate_average_is_the_workers_average_and_leaves_training_alone(resul
         assert res["eval_own_is_model"]
 
 
+@pytest.mark.parametrize("name,keep", [("model", False), ("model_keep", True)])
+def test_select_model_matches_the_float64_reference(results, name, keep) -> None:  # noqa: ANN001
+    ref, resid = ref_diloco_topk_model(STEPS, 3, 0.7, 0.5, True, keep)
+    for rank, res in enumerate(results):
+        assert close(res[name][-1], ref[rank]), (res[name][-1] - ref[rank]).abs().max()
+        got = res[name + "_resid"]
+        assert list(got) == ["diloco/model"]
+        assert close(got["diloco/model"].reshape(-1), resid[rank])
+    assert torch.equal(results[0][name + "_theta"], results[1][name + "_theta"])
+    if not keep:
+        for t in range(3, STEPS + 1, 3):
+            assert torch.equal(results[0][name][t - 1], results[1][name][t - 1])
+    assert not torch.equal(results[0]["model"][-1], results[0]["plain"][-1])
+    for res in results:  # ceil(0.1 * 403) = 41 values + int32 indices per sync; nothing plain
+        m, t = res["model_stats"], res["tensor_stats"]
+        assert m["dense_bytes"] == t["dense_bytes"] and m["bytes_sent"] < t["bytes_sent"]
+        for a, b in zip(res["resume_model"]["straight"], res["resume_model"]["again"]):
+            assert torch.equal(a, b)
+
+
 def test_resume_with_keep_residual_is_bit_identical(results) -> None:  # noqa: ANN001
     for res in results:
         r = res["resume_keep"]
@@ -224,6 +292,10 @@ def test_parameter_is_registered_and_validated() -> None:
     assert "keep_residual" not in {p["name"] for p in rows["streaming-diloco"]["params"]}
     assert params["evaluate"]["default"] == "own"
     assert "evaluate" not in {p["name"] for p in rows["streaming-diloco"]["params"]}
+    assert params["select"]["default"] == "tensor"
+    assert "select" not in {p["name"] for p in rows["streaming-diloco"]["params"]}
+    with pytest.raises(ValueError, match="'select' got"):
+        algorithms.parse("diloco:select=chunk")
     with pytest.raises(ValueError, match="'evaluate' got"):
         algorithms.parse("diloco:evaluate=leader")
     with pytest.raises(ValueError, match="keep_residual"):

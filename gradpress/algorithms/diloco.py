@@ -28,6 +28,10 @@ sent part is averaged, so replicas then differ by their residuals right
 after a synchronization (``theta`` stays bit-identical). ``evaluate=average``
 (DiLoCo only) evaluates the workers' average instead of each worker's own
 model (``theta`` minus the mean residual right after a synchronization).
+``select=model`` (DiLoCo only) hands the compressor the whole model's outer
+gradient as one tensor (key ``diloco/model``), so top-k selects its entries
+across all parameters (biases and small tensors included, which
+``select=tensor`` sends plain) instead of within each parameter.
 Floating buffers (BatchNorm statistics) are averaged plain at each
 synchronization.
 
@@ -70,14 +74,30 @@ KEEP_RESIDUAL = Param(
 EVALUATE = Param(
     "evaluate", str, "own", "own or average", lambda v: v in ("own", "average"),
     "the model eval_model() returns: each worker's own, or the workers' average (one uncounted allreduce)")
+SELECT = Param(
+    "select", str, "tensor", "tensor or model (model needs one dtype)", lambda v: v in ("tensor", "model"),
+    "what the compressor sees: each parameter's outer gradient, or the whole model's as one tensor "
+    "(top-k then selects across all parameters, biases included)")
+#: the engine key of the whole model's outer gradient (select=model)
+MODEL_KEY = "diloco/model"
 
 
 @register
 class DiLoCo(Algorithm):
     name = "diloco"
-    PARAMS = (*PARAMS, KEEP_RESIDUAL, EVALUATE)
+    PARAMS = (*PARAMS, KEEP_RESIDUAL, EVALUATE, SELECT)
     summary = ("DiLoCo: H inner optimizer steps, then an outer Nesterov SGD step on the averaged "
                "(compressed, error-compensated) parameter change")
+
+    def exchanged_params(self) -> list[tuple[str, torch.Size, torch.dtype]]:
+        if getattr(self, "select", "tensor") == "model":
+            dtypes = {p.dtype for _, p in self.named}
+            if len(dtypes) != 1:
+                raise ValueError(f"algorithm {self.name!r}: parameter 'select' is 'model' but the parameters have "
+                                 f"{len(dtypes)} dtypes; allowed: select=tensor, or one dtype")
+            # 2-D (1, n): the engine compresses it (1-D tensors travel plain)
+            return [(MODEL_KEY, torch.Size([1, sum(p.numel() for _, p in self.named)]), dtypes.pop())]
+        return super().exchanged_params()
 
     def setup(self) -> None:
         if self.nesterov and self.outer_momentum == 0:  # type: ignore[attr-defined]
@@ -138,14 +158,24 @@ class DiLoCo(Algorithm):
         ``theta`` and restart those parameters from it."""
         idx = list(idx)
         deltas = self.outer_gradient(idx)
-        self.sync(deltas, keys=[self.named[i][0] for i in idx])
-        self.apply_outer(idx, deltas)
+        assert self.engine is not None
         keep = getattr(self, "keep_residual", False)
-        for i in idx:
+        if getattr(self, "select", "tensor") == "model":  # DiLoCo only: idx is every parameter
+            flat = torch.cat([d.reshape(-1) for d in deltas]).reshape(1, -1)
+            self.sync([flat], keys=[MODEL_KEY])
+            deltas = [v.view_as(d) for v, d in zip(flat.reshape(-1).split([d.numel() for d in deltas]), deltas)]
+            if keep:
+                resid = self.engine.feedback.current(MODEL_KEY, flat).reshape(-1).split([d.numel() for d in deltas])
+                kept = [r.view_as(d) for r, d in zip(resid, deltas)]
+        else:
+            self.sync(deltas, keys=[self.named[i][0] for i in idx])
+            if keep:
+                kept = [self.engine.feedback.current(self.named[i][0], self.named[i][1]) for i in idx]
+        self.apply_outer(idx, deltas)
+        for n, i in enumerate(idx):
             p = self.named[i][1]
             if keep:  # theta - e: the worker keeps the part of its own change it did not send
-                assert self.engine is not None
-                p.copy_(self.anchor[i] - self.engine.feedback.current(self.named[i][0], p))
+                p.copy_(self.anchor[i] - kept[n])
             else:
                 p.copy_(self.anchor[i])
 
