@@ -286,6 +286,7 @@ def test_tiny_e2e_step_run(tmp_path, capsys):
     assert 150_000 < params < 250_000
     comp = result["compute"]
     assert comp["shared_s"] > 0 and comp["solo_s"] > 0
+    assert comp["shared_after_s"] > 0 and "again after the last configuration" in md  # measured twice: load drifts
     rows = {r["label"]: r for r in result["rows"]}
     for r in result["rows"]:
         assert set(STEP_FIELDS) <= set(r), set(STEP_FIELDS) - set(r)

@@ -73,7 +73,9 @@ def markdown(result: dict[str, Any]) -> str:
     if result["mode"] == "step":
         c = result["compute"]
         lines.append(f"Compute-only step (no communication, world size 1, all {s['nodes'] * per} workers at once): "
-                     f"{_f(c['shared_s'], '.3f', ' s')}; alone on the machine: {_f(c['solo_s'], '.3f', ' s')}.")
+                     f"{_f(c['shared_s'], '.3f', ' s')}; alone on the machine: {_f(c['solo_s'], '.3f', ' s')}"
+                     + (f"; all at once again after the last configuration: {_f(c['shared_after_s'], '.3f', ' s')}"
+                        if c.get("shared_after_s") is not None else "") + ".")
         lines.append("")
         lines.append("| configuration | step (median) | speed-up vs DDP | payload B/step/worker | link B/step (busiest) "
                      "| ideal | measured/ideal | compress s/step | comm s/step | buckets |")

@@ -88,6 +88,15 @@ def run_e2e(args: argparse.Namespace) -> dict[str, Any]:
             if not row["ok"]:
                 _log(f"e2e:     FAILED: {row['error']}")
             rows.append(row)
+        if mode == "step" and compute is not None and configs:
+            # again at the end: a shared machine's load can change under a run, and every ideal and bound uses it
+            compute["shared_after_s"] = _compute(runner)["shared_s"]
+            _log(f"e2e: compute-only again at the end: {compute['shared_after_s']:.3f} s/step shared")
+            drift = compute["shared_after_s"] / compute["shared_s"]
+            if not 0.9 <= drift <= 1.1:
+                notes.append(f"the compute-only step moved from {compute['shared_s']:.3f} s (start) to "
+                             f"{compute['shared_after_s']:.3f} s (end): the machine's load changed during the run, "
+                             "so ideals and bounds (which use the start) are off by as much")
     ref = rows[0] if rows and rows[0]["kind"] == "ddp" and rows[0]["ok"] else None
     for row in rows:
         if not row["ok"] or ref is None:
