@@ -244,3 +244,47 @@ def test_bad_layouts_fail_on_every_rank(results: list[dict]) -> None:
         assert "'outer'" in res["bad_outer"] and "allgather" in res["bad_outer"]
         assert "takes no parameters" in res["bad_param"]
         assert "vote" in res["vote"] and "allgather" in res["vote"]
+
+
+# ------------------------------------------------------------ auto plans it
+#: a slow group, a fast link inside each host, an fp16-like wire (2 bytes per element)
+_HOST_COSTS = {
+    "allreduce": (2e-4, 2e-4, 1e-7), "allgather": (2e-4, 2e-4, 2e-7), "broadcast": (2e-4, 2e-4, 1e-7),
+    "p2p": (2e-4, 2e-4, 1e-7), "encode": (2e-5, 2e-5, 5e-9), "decode": (1e-5, 1e-5, 2e-9),
+    "wire": (0.0, 0.0, 2.0), "root_wire": (0.0, 0.0, 2.0), "intra_allreduce": (1e-5, 1e-5, 1e-11),
+}
+
+
+def _auto_worker(rank: int, world: int) -> dict:
+    """``auto`` with injected costs: hierarchical is a candidate when every
+    rank sees 2 workers per host (LOCAL_WORLD_SIZE), not when the
+    environment says one per host or the ranks disagree."""
+    out: dict = {}
+    os.environ.pop("GRADPRESS_WORKERS_PER_HOST", None)
+    os.environ["LOCAL_WORLD_SIZE"], os.environ["LOCAL_RANK"] = str(PER_HOST), str(rank % PER_HOST)
+    eng = _engine("fp16", "auto", plan_costs=_HOST_COSTS)
+    out["plan"] = {k: (d.strategy, sorted(d.costs)) for k, d in eng.plan.decisions.items()}
+    out["fp16"] = _run(eng, rank, range(2))
+    os.environ["LOCAL_WORLD_SIZE"] = "1"
+    out["one_per_host"] = {k: sorted(d.costs) for k, d in _engine("fp16", "auto", plan_costs=_HOST_COSTS).plan.decisions.items()}
+    os.environ["LOCAL_WORLD_SIZE"] = "1" if rank == 3 else str(PER_HOST)
+    out["disagree"] = {k: sorted(d.costs) for k, d in _engine("fp16", "auto", plan_costs=_HOST_COSTS).plan.decisions.items()}
+    del os.environ["LOCAL_WORLD_SIZE"], os.environ["LOCAL_RANK"]
+    dist.barrier()
+    return out
+
+
+def test_auto_plans_hierarchical_with_several_workers_per_host() -> None:
+    results = run_workers(_auto_worker, WORLD)
+    for r in results:
+        assert r["plan"]["a.weight"][0] == "hierarchical" and r["plan"]["b.weight"][0] == "hierarchical"
+        assert r["plan"]["c.bias"][0] == "uncompressed"
+        assert "hierarchical" in r["plan"]["a.weight"][1]
+        for name in ("one_per_host", "disagree"):
+            assert all("hierarchical" not in costs for costs in r[name].values()), name
+            assert any(costs for costs in r[name].values()), name  # the planner did run
+    got = _identical(results, "fp16")
+    for step in range(2):
+        for a, want in zip(got[step], _mean64(_grads, step)):
+            # fp16 between the leaders: within fp16 rounding of the host means
+            assert torch.allclose(a.double(), want, rtol=2e-3, atol=2e-3 * float(want.abs().max())), step

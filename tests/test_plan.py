@@ -129,3 +129,52 @@ def test_bad_candidates():
         Planner.from_costs(SLOW, 4, candidates=("gossip",))
     with pytest.raises(ValueError, match="summable"):
         Planner.from_costs(SLOW, 4, summable=False, candidates=("allreduce",))
+
+
+def _fit(t: tuple, x: float) -> float:
+    o, a, b = t
+    return max(o, a + b * x)
+
+
+#: fp16-like summable wire; a fast link inside each host
+FP16_HOSTS = dict(SLOW, wire=(0.0, 0.0, 2.0), root_wire=(0.0, 0.0, 2.0), intra_allreduce=(1e-5, 1e-5, 1e-11))
+
+
+@pytest.mark.parametrize("summable", [True, False])
+def test_hierarchical_prediction_follows_its_formula(monkeypatch, summable):
+    """2 hosts x 2 workers (LOCAL_WORLD_SIZE=2), N = 4: the dense reduce and
+    broadcast inside the host 2 AR_host(4 d), then the leaders' exchange:
+    summable ENC + AR(c(d)) (H-1)/H / ((N-1)/N) + DEC, else ENC + AG(c(d))
+    (H-1)/(N-1) + H DEC; computed here from the injected fits."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.delenv("GRADPRESS_WORKERS_PER_HOST", raising=False)
+    cands = ("allreduce", "hierarchical") if summable else ("allgather", "hierarchical")
+    planner = Planner.from_costs(FP16_HOSTS, 4, summable=summable, candidates=cands)
+    d = 4_000_000
+    c = FP16_HOSTS
+    inner = 2 * _fit(c["intra_allreduce"], 4 * d)
+    wire = _fit(c["wire"], d)
+    if summable:
+        outer = _fit(c["encode"], d) + _fit(c["allreduce"], wire) * (1 / 2) / (3 / 4) + _fit(c["decode"], d)
+    else:
+        outer = _fit(c["encode"], d) + _fit(c["allgather"], wire) * 1 / 3 + 2 * _fit(c["decode"], d)
+    got = planner.option_costs(d)["hierarchical"]
+    assert got[0] == pytest.approx(inner + outer, rel=1e-12) and got[1] == 1
+    decision = planner.decide("big.weight", d)
+    assert decision.strategy == "hierarchical", decision.costs
+    # without a host-level fit the inner steps cost the group's allreduce: dense in the host no longer pays
+    slow_hosts = {k: v for k, v in FP16_HOSTS.items() if k != "intra_allreduce"}
+    decision = Planner.from_costs(slow_hosts, 4, summable=summable, candidates=cands).decide("big.weight", d)
+    assert decision.strategy != "hierarchical", decision.costs
+
+
+def test_intra_allreduce_is_optional_and_round_trips():
+    with_intra = CostModel.from_mapping(FP16_HOSTS)
+    assert with_intra.intra_allreduce == Fit(1e-5, 1e-5, 1e-11)
+    assert with_intra.intra_host_allreduce(1e6) == pytest.approx(1e-5 + 1e-11 * 1e6)
+    assert CostModel.from_mapping(with_intra.to_json()) == with_intra
+    without = CostModel.from_mapping(SLOW)
+    assert without.intra_allreduce is None and "intra_allreduce" not in without.fits()
+    assert without.intra_host_allreduce(1e6) == without.allreduce(1e6)
+    with pytest.raises(ValueError, match="intra_allreduce"):
+        CostModel.from_mapping({**SLOW, "intra_allreduce": (0, 0, -1)})

@@ -9,6 +9,12 @@ size (bytes) of d elements and ``root_wire`` that of the PS root's
 compressor (density x N for sparse methods), both linear in d.
 :mod:`gradpress.exchange.probe` measures them; each strategy turns them into
 a predicted time (``Strategy.predict``).
+
+Optional: ``intra_allreduce``, an allreduce of x bytes among the workers of
+one host (their fast link), for the ``hierarchical`` strategy's inner steps.
+The probe measures the whole group only, so it is given by injected costs
+(``plan_costs``); without it the hierarchical prediction uses the group's
+``allreduce`` (as if the host's link were as slow as the group's).
 """
 
 from __future__ import annotations
@@ -23,12 +29,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["Fit", "CostModel", "FIELDS", "COMM_PRIMITIVES", "COSTS_FORMAT", "load_costs"]
+__all__ = ["Fit", "CostModel", "FIELDS", "OPTIONAL_FIELDS", "COMM_PRIMITIVES", "COSTS_FORMAT", "load_costs"]
 
 COSTS_FORMAT = "gradpress-costs/1"
 
 COMM_PRIMITIVES = ("allreduce", "allgather", "broadcast", "p2p")
 FIELDS = (*COMM_PRIMITIVES, "encode", "decode", "wire", "root_wire")
+#: fits a cost model may hold (see the module doc); not part of :meth:`CostModel.to_tensor`
+OPTIONAL_FIELDS = ("intra_allreduce",)
 
 
 @dataclass(frozen=True)
@@ -92,6 +100,13 @@ class CostModel:
     decode: Fit
     wire: Fit
     root_wire: Fit
+    intra_allreduce: Fit | None = None
+
+    def intra_host_allreduce(self, nbytes: float) -> float:
+        """Seconds of an allreduce of ``nbytes`` among one host's workers:
+        ``intra_allreduce`` when given, else the group's ``allreduce``."""
+        fit = self.intra_allreduce if self.intra_allreduce is not None else self.allreduce
+        return fit(nbytes)
 
     @classmethod
     def from_mapping(cls, costs: Mapping[str, Any]) -> CostModel:
@@ -104,19 +119,22 @@ class CostModel:
             costs = costs.get("fits", {})
         if not isinstance(costs, Mapping):
             raise ValueError(f"plan_costs must be a mapping of {', '.join(FIELDS)} to (overhead, a, b), got {costs!r}")
-        unknown = sorted(set(costs) - set(FIELDS))
+        unknown = sorted(set(costs) - set(FIELDS) - set(OPTIONAL_FIELDS))
         if unknown:
-            raise ValueError(f"plan_costs: unknown field {unknown[0]!r}; allowed: {', '.join(FIELDS)}")
+            raise ValueError(f"plan_costs: unknown field {unknown[0]!r}; allowed: {', '.join(FIELDS + OPTIONAL_FIELDS)}")
         values = dict(costs)
         values.setdefault("root_wire", values.get("wire"))
         missing = [f for f in FIELDS if values.get(f) is None]
         if missing:
             raise ValueError(f"plan_costs: missing field {missing[0]!r}; required: {', '.join(FIELDS)}")
-        return cls(**{f: Fit.coerce(values[f], f) for f in FIELDS})
+        optional = {f: Fit.coerce(values[f], f) for f in OPTIONAL_FIELDS if values.get(f) is not None}
+        return cls(**{f: Fit.coerce(values[f], f) for f in FIELDS}, **optional)
 
     def fits(self) -> dict[str, list[float]]:
-        """``{field: [overhead, a, b]}`` (plain numbers: JSON, configuration checks)."""
-        return {f: [getattr(self, f).overhead, getattr(self, f).a, getattr(self, f).b] for f in FIELDS}
+        """``{field: [overhead, a, b]}`` (plain numbers: JSON, configuration
+        checks); optional fits only when present."""
+        fields = [*FIELDS, *(f for f in OPTIONAL_FIELDS if getattr(self, f) is not None)]
+        return {f: [getattr(self, f).overhead, getattr(self, f).a, getattr(self, f).b] for f in fields}
 
     def to_json(self, **about: Any) -> dict[str, Any]:
         """A JSON-ready mapping; ``about`` records what was measured
@@ -124,6 +142,7 @@ class CostModel:
         return {"format": COSTS_FORMAT, **about, "fits": self.fits()}
 
     def to_tensor(self) -> torch.Tensor:
+        """The required fits (the probe's broadcast); optional ones are not carried."""
         return torch.tensor([v for f in FIELDS for v in (getattr(self, f).overhead, getattr(self, f).a, getattr(self, f).b)], dtype=torch.float64)
 
     @classmethod

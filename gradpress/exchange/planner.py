@@ -28,6 +28,13 @@ elements of e bytes on N workers, with ``m = d / K`` elements per partition:
   ENC(m)`` (root decodes, sums, re-encodes; roots work in parallel) ``+ K
   BC(c'(m))`` (one broadcast per root) ``+ K DEC(m)`` (everyone decodes every
   part). Summable: the root adds payloads (no decode/re-encode), ``c' = c``.
+* hierarchical (a candidate only when the launch has L > 1 workers on each
+  of H > 1 hosts, see :mod:`gradpress.exchange.plans`): ``2 AR_host(4 d)``
+  (dense reduce onto the host's leader and broadcast back, on the optional
+  injected ``intra_allreduce`` fit, else the group's ``AR``) plus the
+  leaders' exchange, the group's collectives scaled from N ranks to H:
+  summable ``ENC(d) + AR(c(d)) ((H-1)/H) / ((N-1)/N) + DEC(d)``, else
+  ``ENC(d) + AG(c(d)) (H-1)/(N-1) + H DEC(d)``.
 
 Per tensor the cheapest option wins; a compressed option is chosen only when
 it predicts at least :data:`MIN_GAIN` (10%) less time than uncompressed

@@ -9,7 +9,10 @@ compressor (the one place that decides it):
 * ``collective`` is the general strategy: allreduce when packets are
   summable, else allgather; every eligible tensor compressed;
 * ``auto`` plans per tensor among the general strategy, ring and ps (those
-  that can carry the compressor) with a cost model measured on the live group
+  that can carry the compressor), and ``hierarchical`` when the launch has
+  several workers on each of several hosts (every rank's
+  ``GRADPRESS_WORKERS_PER_HOST`` / ``LOCAL_WORLD_SIZE`` gives the same L > 1
+  dividing the group, N / L > 1), with a cost model measured on the live group
   (:mod:`gradpress.exchange.probe`) or injected (a :class:`CostModel`, a
   mapping of its fields, or the path of a file written by ``gradpress bench
   plan``). It may keep tensors dense when compression does not pay on this
@@ -119,7 +122,30 @@ class StrategyChoice:
         if self.compressor.identity:
             return []
         general = self.general
-        return [general, *(n for n in strategy_names() if strategy_class(n).planned and not strategy_class(n).general)]
+        names = [general, *(n for n in strategy_names() if strategy_class(n).planned and not strategy_class(n).general)]
+        if "hierarchical" in strategy_names() and self._several_per_host():
+            names.append("hierarchical")
+        return names
+
+    def _several_per_host(self) -> bool:
+        """Whether every rank sees the same L > 1 workers per host, L
+        dividing the group into more than one host. Collective (one small
+        allgather) in a group of several ranks: ranks whose environments
+        differ all decide alike."""
+        from gradpress.exchange.strategies.hierarchical import workers_per_host_from_env
+
+        try:
+            per = workers_per_host_from_env()
+        except ValueError:
+            per = 1
+        n = self.world_size
+        if n > 1 and dist.is_initialized():
+            mine = torch.tensor([per], dtype=torch.int64, device=device_of(self.group))
+            everyone = [torch.empty_like(mine) for _ in range(n)]
+            dist.all_gather(everyone, mine, group=self.group)
+            if any(int(t) != per for t in everyone):
+                return False
+        return per > 1 and n % per == 0 and n // per > 1
 
     def eligible(self, shape: list[int]) -> bool:
         return len(shape) > 1 and math.prod(shape) >= self.min_numel

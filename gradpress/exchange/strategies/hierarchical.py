@@ -178,15 +178,28 @@ class Hierarchical(Strategy):
 
     @classmethod
     def predict(cls, costs: CostModel, numel: int, world_size: int, summable: bool) -> tuple[float, int]:
-        """Rough (the cost model is measured on the whole group, not per
-        level): ``2 AR(4 d)`` for the dense reduce and broadcast inside hosts
-        + ``ENC(d) + AG(c(d)) (H - 1) / (N - 1) + H DEC(d)`` between H hosts."""
+        """Rough, for H hosts of L workers (L from the environment, as the
+        strategy itself takes it): the dense reduce onto the leader and the
+        broadcast back, ``2 AR_host(4 d)`` (``CostModel.intra_host_allreduce``:
+        the injected ``intra_allreduce`` fit, else the group's allreduce),
+        plus the leaders' exchange with the default outer strategy, the
+        group's collectives of N ranks scaled to H leaders: summable packets
+        ``ENC(d) + AR(c(d)) ((H - 1) / H) / ((N - 1) / N) + DEC(d)`` (the
+        bytes a ring allreduce moves per rank), else ``ENC(d) + AG(c(d))
+        (H - 1) / (N - 1) + H DEC(d)``."""
         d = float(numel)
-        per = max(1, workers_per_host_from_env())
+        try:
+            per = max(1, workers_per_host_from_env())
+        except ValueError:
+            per = 1
         n = max(1, world_size)
         h = max(1, n // per)
-        inner = 2 * costs.allreduce(4 * d) if per > 1 else 0.0
-        outer = costs.encode(d) + costs.allgather(costs.wire(d)) * (h - 1) / max(1, n - 1) + h * costs.decode(d)
+        inner = 2 * costs.intra_host_allreduce(4 * d) if per > 1 else 0.0
+        if summable:  # a ring allreduce moves 2 (k-1)/k of the payload per rank among k ranks
+            scale = ((h - 1) / h) / ((n - 1) / n) if n > 1 else 0.0
+            outer = costs.encode(d) + costs.allreduce(costs.wire(d)) * scale + costs.decode(d)
+        else:
+            outer = costs.encode(d) + costs.allgather(costs.wire(d)) * (h - 1) / max(1, n - 1) + h * costs.decode(d)
         return inner + outer, 1
 
     def state_dict(self) -> dict[str, Any]:
