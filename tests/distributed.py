@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import tempfile
 import time
 import traceback
@@ -22,9 +21,10 @@ import torch.multiprocessing as mp
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """gradpress's own choice (below the ephemeral range; see its doc)."""
+    from gradpress.train.launch import free_port as choose
+
+    return choose()
 
 
 def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, outdir: str) -> None:

@@ -355,3 +355,4 @@ def _malformed_states_leave_the_hook_untouched(rank: int, world: int) -> None:
 
 def test_malformed_load_state_dict_raises_value_error_and_changes_nothing():
     run_workers(_malformed_states_leave_the_hook_untouched, 1)
+

@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import datetime
 import os
+import random
 import signal
 import socket
 import sys
@@ -34,7 +35,33 @@ class WorkerFailed(RuntimeError):
     """A training worker died or failed; the message names the first one and how."""
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for ports bound to 0 (Linux's default elsewhere)."""
+    try:
+        lo, hi = (int(v) for v in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for a rendezvous store.
+
+    Drawn at random *below* the kernel's ephemeral range, not by binding
+    port 0: such a port comes from that range, and until the store binds it
+    any socket bound to port 0 (gloo's connections, another run's store)
+    may be given it; a start in a busy sweep then hangs or joins the wrong
+    store. Falls back to port 0 when nothing below is free."""
+    lo, _ = _ephemeral_range()
+    rng = random.SystemRandom()
+    for _ in range(64 if lo - 10_000 > 1_000 else 0):
+        port = rng.randrange(10_000, lo)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -151,13 +178,13 @@ def _launch(cfg: TrainConfig) -> dict[str, Any]:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     assert cfg.nproc is not None
+    _preload(cfg)  # seconds on a busy machine: the port is chosen after it, just before the store binds it
     launch = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=cfg.nproc, run_id=f"gradpress-{uuid.uuid4().hex[:12]}",
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0, monitor_interval=0.1,
         start_method=_start_method(cfg.device), local_addr="127.0.0.1",
         shutdown_timeout=5,  # a stopped (SIGSTOP) worker gets SIGKILL 5 s after SIGTERM, not 30
     )
-    _preload(cfg)
     old = os.environ.get("OMP_NUM_THREADS")
     if old is None and cfg.device == "cpu":  # what torchrun does for several local workers
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // cfg.nproc))
