@@ -119,11 +119,12 @@ class StrategyChoice:
     def _candidates(self) -> list[str]:
         if self.name != "auto":
             return [self.name]
+        several = self._several_per_host()  # collective: before any early return, on every rank alike
         if self.compressor.identity:
             return []
         general = self.general
         names = [general, *(n for n in strategy_names() if strategy_class(n).planned and not strategy_class(n).general)]
-        if "hierarchical" in strategy_names() and self._several_per_host():
+        if several and "hierarchical" in strategy_names():
             names.append("hierarchical")
         return names
 
