@@ -295,10 +295,10 @@ class GradpressHook:
                     torch.cuda.current_stream(job.buffer.device).synchronize()
                 job.future.set_result(job.buffer)
         except FloatingPointError as exc:  # nonfinite='raise': raised as itself when backward ends
+            self._deferred = exc  # before the Futures complete: backward's end reads it as soon as they do
             for job in jobs:
                 job.buffer.zero_()
                 job.future.set_result(job.buffer)
-            self._deferred = exc
         except BaseException as exc:  # noqa: BLE001 - forwarded to the training thread
             self._fail(jobs, exc)
 
