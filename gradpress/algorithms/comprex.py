@@ -102,7 +102,8 @@ class Comprex(Algorithm):
     name = "comprex"
     default_compressor = "topk:ratio=0.01"
     summary = ("Comprex: the compressed exchange of step t runs in the background and is applied at step t + s; "
-               "Comprex optimizer: norm clipping, momentum before compression, ratio schedule, re-broadcast")
+               "Comprex optimizer: norm clipping, momentum before compression, ratio schedule, re-broadcast; "
+               "gradients at the look-ahead weights the stale update will meet")
     PARAMS = (
         Param("staleness", int, 1, "0, 1 or 2", lambda v: v in (0, 1, 2),
               "steps between an exchange's launch and its update (0: synchronous; 1: Comprex's double buffer)"),
