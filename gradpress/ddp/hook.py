@@ -268,7 +268,10 @@ class GradpressHook:
             if not coalesce:
                 self._run([job])
             elif not job.is_last:
-                if self._held and self._held[0].step != job.step:  # a step whose backward never ended
+                # a step whose backward never ended (the step count only moves at the last bucket, so a
+                # new backward shows as the same parameters arriving again)
+                if self._held and (self._held[0].step != job.step
+                                   or not {id(p) for p in job.params}.isdisjoint(id(p) for h in self._held for p in h.params)):
                     self._fail(self._held, RuntimeError("gradpress hook: a backward ended before DDP handed over "
                                                         "its last bucket; its buckets were not averaged"))
                     self._held = []
