@@ -166,3 +166,17 @@ def restore(saved: dict[str, Any], **objects: Any) -> None:
     """Load ``saved[name]`` (from :func:`checkpoint`) into each named object."""
     for name, obj in objects.items():
         obj.load_state_dict(saved[name])
+
+
+def value_errors(build: Callable[[Any], Any], cases: dict[str, Any]) -> dict[str, str | None]:
+    """``build(case)`` for each named case (each rank runs every case, since
+    construction is collective): the ``ValueError`` message it raised, or
+    None when it built."""
+    errors: dict[str, str | None] = {}
+    for name, case in cases.items():
+        try:
+            build(case)
+            errors[name] = None
+        except ValueError as exc:
+            errors[name] = str(exc)
+    return errors
