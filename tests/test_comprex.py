@@ -317,9 +317,48 @@ def _lookahead_is_heavy_ball(rank: int, world: int) -> dict:
     return out
 
 
+def _ahead_vs_serial(rank: int, world: int) -> dict:
+    """Compression ahead (engine.prepare in the training thread) against the
+    same run with every exchange compressed on the background thread."""
+    out = {}
+    for spec in ("topk:ratio=0.1", "qsgd:levels=4"):
+        for mode in ("ahead", "serial"):
+            model = make_model()
+            opt = torch.optim.SGD(model.parameters(), lr=LR)
+            algo = algorithms.create("comprex:staleness=1", model, opt, compressor=spec, strategy="allgather",
+                                     min_numel=MIN_NUMEL, seed=5)
+            real, calls = algo.engine.prepare, []
+
+            def counting(*args, real=real, calls=calls, **kw):  # noqa: ANN002, ANN003, ANN202
+                encoded = real(*args, **kw)
+                calls.append(encoded is not None)
+                return encoded
+
+            algo.engine.prepare = counting if mode == "ahead" else (lambda *args, **kw: None)
+            shared_x: list[torch.Tensor] = []
+            train(algo, model, opt, rank, range(6), record=shared_x)
+            algo.close()
+            out[(spec, mode)] = {"shared": shared_x, "calls": calls, "bytes": algo.stats["bytes_sent"],
+                                 "residuals": {k: v.clone() for k, v in algo.engine.feedback.residuals.items()}}
+    return out
+
+
 def _two_workers(rank: int, world: int) -> dict:
     return {**_ddp_vs_staleness0(rank, world), **_replicas_and_resume(rank, world),
-            "heavy_ball": _lookahead_is_heavy_ball(rank, world)}
+            "heavy_ball": _lookahead_is_heavy_ball(rank, world), "ahead": _ahead_vs_serial(rank, world)}
+
+
+@pytest.mark.parametrize("spec", ["topk:ratio=0.1", "qsgd:levels=4"])
+def test_compression_ahead_is_bit_identical_to_compression_on_the_thread(two_results: list[dict], spec: str) -> None:
+    for r in two_results:
+        ahead, serial = r["ahead"][(spec, "ahead")], r["ahead"][(spec, "serial")]
+        assert ahead["calls"] and all(ahead["calls"]), "allgather exchanges should be encoded ahead"
+        for step, (a, b) in enumerate(zip(ahead["shared"], serial["shared"])):
+            assert torch.equal(a, b), f"{spec}: step {step} differs by {(a - b).abs().max():.3g}"
+        assert ahead["residuals"].keys() == serial["residuals"].keys()
+        assert bool(ahead["residuals"]) == spec.startswith("topk")  # error feedback: auto is off for QSGD
+        assert all(torch.equal(ahead["residuals"][k], serial["residuals"][k]) for k in ahead["residuals"])
+        assert ahead["bytes"] == serial["bytes"]
 
 
 @pytest.fixture(scope="module")

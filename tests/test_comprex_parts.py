@@ -186,3 +186,17 @@ def test_saved_buffers_of_another_model_are_refused_naming_them() -> None:
     assert torch.equal(look.shadow[1], torch.full((4,), 2.0))
     saved[1].zero_()  # copies, not views of the saved tensors
     assert torch.equal(look.shadow[1], torch.full((4,), 2.0))
+
+
+def test_keep_now_keeps_a_finite_residual_and_refuses_a_nonfinite_one() -> None:
+    """Compression ahead keeps residuals at once by the local rule."""
+    from gradpress.exchange.feedback import Feedback
+
+    fb = Feedback()
+    fb.keep_now("w", torch.tensor([1.0, -2.0]))
+    assert torch.equal(fb.residuals["w"], torch.tensor([1.0, -2.0]))
+    fb.keep_now("w", torch.tensor([float("nan"), 3.0]))  # not finite: the previous residual stays
+    assert torch.equal(fb.residuals["w"], torch.tensor([1.0, -2.0]))
+    fb.keep_now("b", torch.tensor([float("inf")]))  # none before: zeros, never a non-finite residual
+    assert torch.equal(fb.residuals["b"], torch.zeros(1))
+    assert torch.equal(fb.compensate("w", torch.tensor([0.5, 0.5])), torch.tensor([1.5, -1.5]))

@@ -81,6 +81,7 @@ from gradpress.algorithms.comprex_schedule import SCHEDULES, RatioSchedule, rati
 from gradpress.algorithms.registry import register
 from gradpress.compress.base import Param
 from gradpress.exchange.background import Background
+from gradpress.exchange.base import Encoded
 
 __all__ = ["Comprex", "EXTRA_STATS"]
 
@@ -196,7 +197,10 @@ class Comprex(Algorithm):
         if self.staleness == 0:  # type: ignore[attr-defined]
             self.background.run(name, lambda: self._exchange(item))
         else:
-            item["ticket"] = self.background.submit(name, lambda: self._exchange(item))
+            # compression here, in the training thread, while the thread's exchange is on the wire
+            ahead = self.engine.prepare([n for n, _ in self.named], item["update"], step=item["exchange"]) \
+                if not self.schedule_fn.moves else None
+            item["ticket"] = self.background.submit(name, lambda: self._exchange(item, ahead))
         self.pending.append(item)
         self._steps += 1
         self._last = {"bytes": 0, "dense": self._dense_per_step}
@@ -221,16 +225,17 @@ class Comprex(Algorithm):
         wds = [float(g.get("weight_decay", 0.0) or 0.0) for g in groups]
         return self.momentum_state.update(grads, self.weights(), lrs, wds)
 
-    def _exchange(self, item: dict[str, Any]) -> None:
+    def _exchange(self, item: dict[str, Any], ahead: Encoded | None = None) -> None:
         """Average ``item['update']`` in place at the item's density (runs on
-        the background thread, or inline with staleness 0)."""
+        the background thread, or inline with staleness 0); ``ahead``: its
+        encoding by ``engine.prepare`` in the training thread."""
         assert self.engine is not None
         holder = self._holder
         if holder is not None:
             holder.ratio = item["ratio"]  # type: ignore[attr-defined]
         try:
             before = self.engine.stats["bytes_sent"]
-            self.engine.sync([n for n, _ in self.named], item["update"], step=item["exchange"])
+            self.engine.sync([n for n, _ in self.named], item["update"], step=item["exchange"], prepared=ahead)
             item["bytes"] = self.engine.stats["bytes_sent"] - before
             item["skipped"] = self.engine.last_step_skipped
         finally:

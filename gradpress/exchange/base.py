@@ -47,6 +47,18 @@ class Prelude:
 
 
 @dataclass
+class Encoded:
+    """A call's packets encoded ahead of its exchange (a strategy's
+    ``encode``, where it has one): packets, the residuals error feedback
+    keeps (None when off), the packed wire buffer and the encoding seconds."""
+
+    packets: list[Packet]
+    residuals: list[torch.Tensor] | None
+    buffer: torch.Tensor
+    seconds: float
+
+
+@dataclass
 class ExchangeResult:
     """What one exchange produced.
 

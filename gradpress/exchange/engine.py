@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from gradpress.compress import Compressor, Context, create
 from gradpress.compress.base import all_finite
-from gradpress.exchange.base import ExchangeResult, Prelude, Strategy
+from gradpress.exchange.base import Encoded, ExchangeResult, Prelude, Strategy
 from gradpress.exchange.feedback import Feedback
 from gradpress.exchange.nonfinite import NONFINITE_MODES, StepGuard, local_flags
 from gradpress.exchange.planner import Decision, Plan
@@ -99,6 +99,7 @@ class Synchronizer(EngineState):
         self.feedback = Feedback()
         self.stats_counter = ExchangeStats(count_skipped=nonfinite == "skip")
         self.guard = StepGuard(nonfinite, self._snapshot_state, self._restore_state, self.stats_counter)
+        self._prepared: Encoded | None = None  # set for the duration of a sync(prepared=...)
         self.plan: Plan = self.choice.initial_plan(self.params)
 
     # ------------------------------------------------------------ properties
@@ -148,18 +149,51 @@ class Synchronizer(EngineState):
         }
 
     # ------------------------------------------------------------------ sync
+    def prepare(self, keys: Sequence[str], tensors: Sequence[torch.Tensor], *, step: int) -> Encoded | None:
+        """Encode now, in the caller's thread, what ``sync(..., prepared=)``
+        will exchange later (Comprex: compression in the training thread
+        while the previous exchange is on the wire). Error feedback's
+        residuals are kept at once by the local rule (:meth:`Feedback.keep_now`),
+        since the next call encodes before this one's NaN verdict. None when
+        the call cannot be split: ``nonfinite=skip`` (its verdict decides the
+        residuals), nothing compressed, several strategies or partitions, or
+        a strategy without ``encode`` (the ring re-compresses at every hop)."""
+        if self.nonfinite == "skip":
+            return None
+        keys, tensors = list(keys), list(tensors)
+        decisions = [self._decision(k, t) for k, t in zip(keys, tensors)]
+        comp_idx = [i for i, d in enumerate(decisions) if d.compressed]
+        names = {decisions[i].strategy for i in comp_idx}
+        if len(names) != 1 or any(decisions[i].parts > 1 for i in comp_idx):
+            return None
+        strategy = self.strategies.get(names.pop())
+        if strategy is None or not hasattr(strategy, "encode"):
+            return None
+        t0 = time.perf_counter()
+        fb = self.feedback if self.error_feedback else None
+        payload = [fb.compensate(keys[i], tensors[i]) if fb is not None else tensors[i] for i in comp_idx]
+        encoded: Encoded = strategy.encode(self.compressor, payload, [self._ctx(keys[i], step) for i in comp_idx], fb)
+        if fb is not None and encoded.residuals is not None:
+            for i, r in zip(comp_idx, encoded.residuals):
+                fb.keep_now(keys[i], r.reshape(tensors[i].shape))
+        encoded.seconds = time.perf_counter() - t0
+        return encoded
+
     def sync(self, keys: Sequence[str], tensors: Sequence[torch.Tensor], *, step: int,
-             flat: torch.Tensor | None = None, end_of_step: bool = True) -> None:
+             flat: torch.Tensor | None = None, end_of_step: bool = True, prepared: Encoded | None = None) -> None:
         """Average ``tensors`` (keyed by ``keys``) over the group, in place.
 
         ``flat``: a contiguous buffer of which the tensors are views (a DDP
         bucket), used when nothing is compressed. ``step``: the step every
         rank agrees on (shared randomness). ``end_of_step``: this call
-        closes the step (residuals committed, stats counted)."""
+        closes the step (residuals committed, stats counted). ``prepared``:
+        :meth:`prepare`'s encoding of these same keys, tensors and step."""
         try:
             self.guard.begin_call()
+            self._prepared = prepared
             self._sync(list(keys), list(tensors), step, flat, end_of_step)
         finally:
+            self._prepared = None
             if end_of_step:
                 self.guard.end_step(self.feedback)
 
@@ -245,7 +279,11 @@ class Synchronizer(EngineState):
         residuals. Returns (compress s, comm s, bytes, bytes per key, stopped)."""
         t0 = time.perf_counter()
         fb = self.feedback if self.error_feedback else None
-        compensated = [fb.compensate(keys[i], tensors[i]) if fb is not None else tensors[i] for i in comp_idx]
+        prepared = self._prepared
+        if prepared is not None:  # encoded (and its residuals kept) by prepare(): nothing to compensate or stage
+            compensated, fb = [tensors[i] for i in comp_idx], None
+        else:
+            compensated = [fb.compensate(keys[i], tensors[i]) if fb is not None else tensors[i] for i in comp_idx]
         groups: dict[str, list[tuple[int, torch.Tensor, Context, torch.Tensor | None]]] = {}
         for pos, i in enumerate(comp_idx):
             d, p, key = decisions[i], compensated[pos], keys[i]
@@ -259,7 +297,7 @@ class Synchronizer(EngineState):
             raise RuntimeError(f"plan uses strategy {missing[0]!r}, which this engine cannot use with {self.compressor.name!r}")
         # the strategies' fixed order: every rank issues the same collectives in the same order
         order = sorted(groups, key=lambda name: (self.strategies[name].order, name))
-        comp_s, comm_s, sent = time.perf_counter() - t0, 0.0, 0
+        comp_s, comm_s, sent = time.perf_counter() - t0 + (prepared.seconds if prepared else 0.0), 0.0, 0
         pending: Prelude | None = prelude
         if not self.strategies[order[0]].carries_prelude:
             t = time.perf_counter()
@@ -274,9 +312,10 @@ class Synchronizer(EngineState):
         for name in order:
             items = groups[name]
             t1 = time.perf_counter()
+            extra = {"encoded": prepared} if prepared is not None else {}
             result: ExchangeResult = self.strategies[name].exchange(
                 self.compressor, [t for _, t, _, _ in items], [c for _, _, c, _ in items], fb,
-                prelude=pending, out=[o for _, _, _, o in items],
+                prelude=pending, out=[o for _, _, _, o in items], **extra,
             )
             pending = None
             sent += result.bytes_sent

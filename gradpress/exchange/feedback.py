@@ -89,6 +89,12 @@ class Feedback:
         """Hold ``residual`` (``p - sent``) for :meth:`commit`."""
         self._pending[key] = residual
 
+    def keep_now(self, key: str, residual: torch.Tensor) -> None:
+        """Keep ``residual`` at once if it is finite (the local rule of an
+        exchange encoded ahead: the next one encodes before this one's
+        verdict is known); nothing is staged."""
+        self._keep(key, residual, torch.tensor(True))
+
     def commit(self, step_ok: torch.Tensor | bool = True) -> None:
         """Keep the staged residuals where ``step_ok`` (bool or 0-d bool
         tensor) and the residual is finite; drop them otherwise."""

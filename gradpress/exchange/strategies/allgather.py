@@ -32,7 +32,15 @@ import torch
 
 from gradpress.compress.base import Compressor, Context, Packet
 from gradpress.compress.sparse import sparse_sum
-from gradpress.exchange.base import ExchangeResult, Prelude, Strategy, aggregate, encode_local, register_strategy
+from gradpress.exchange.base import (
+    Encoded,
+    ExchangeResult,
+    Prelude,
+    Strategy,
+    aggregate,
+    encode_local,
+    register_strategy,
+)
 from gradpress.exchange.costs import CostModel
 from gradpress.exchange.feedback import Feedback
 from gradpress.transport import wire
@@ -54,10 +62,22 @@ class Allgather(Strategy):
         d = float(numel)
         return costs.encode(d) + costs.allgather(costs.wire(d)) + world_size * costs.decode(d), 1
 
+    def encode(self, compressor: Compressor, tensors: list[torch.Tensor], ctxs: list[Context],
+               feedback: Feedback | None) -> Encoded:
+        """The local half of :meth:`exchange`: encode and pack (no collective),
+        so that it can run ahead, in another thread than the exchange."""
+        t0 = time.perf_counter()
+        packets, residuals = encode_local(compressor, tensors, ctxs, 1.0, feedback)
+        buffer = wire.pack_packets(packets, bool(compressor.variable_size))
+        return Encoded(packets, residuals, buffer, time.perf_counter() - t0)
+
     def exchange(
         self, compressor: Compressor, tensors: list[torch.Tensor], ctxs: list[Context],
         feedback: Feedback | None, *, prelude: Prelude | None = None, out: list[torch.Tensor] | None = None,
+        encoded: Encoded | None = None,
     ) -> ExchangeResult:
+        """``encoded``: what :meth:`encode` made of these tensors earlier (its
+        residuals are then the caller's: none are returned)."""
         t0 = time.perf_counter()
         sent, comm = 0, 0.0
         head = _prelude_bytes(prelude) if prelude is not None else None
@@ -67,9 +87,13 @@ class Allgather(Strategy):
             if prelude.on_summed(summed):
                 return ExchangeResult([], sent, comm_s=comm, stopped=True)
             t0 = time.perf_counter()
-        packets, residuals = encode_local(compressor, tensors, ctxs, 1.0, feedback)
+        if encoded is None:
+            encoded = self.encode(compressor, tensors, ctxs, feedback)
+            residuals = encoded.residuals
+        else:
+            residuals, t0 = None, time.perf_counter()  # its encoding time was counted where it ran
+        packets, buffer = encoded.packets, encoded.buffer
         variable = bool(compressor.variable_size)
-        buffer = wire.pack_packets(packets, variable)
         t1 = time.perf_counter()
         heads, buffers, nbytes = allgather_with_head(buffer, head, self.group, self.world_size, variable)
         sent += nbytes
