@@ -190,7 +190,7 @@ class Comprex(Algorithm):
         item: dict[str, Any] = {"step": t, "exchange": self._exchanges, "ratio": self.schedule_fn(t),
                                 "update": self._payload(), "bytes": 0, "skipped": False}
         if self.look is not None:  # this rank's stand-in for the update in flight
-            item["proxy"] = [m.clone() for m in self.momentum_state.buffers]
+            item["proxy"] = self.momentum_state.state_dict()  # copies of the buffers
         self._exchanges += 1
         self.density = item["ratio"]
         name = f"of step {t}"

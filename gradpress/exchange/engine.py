@@ -99,7 +99,6 @@ class Synchronizer(EngineState):
         self.feedback = Feedback()
         self.stats_counter = ExchangeStats(count_skipped=nonfinite == "skip")
         self.guard = StepGuard(nonfinite, self._snapshot_state, self._restore_state, self.stats_counter)
-        self._prepared: Encoded | None = None  # set for the duration of a sync(prepared=...)
         self.plan: Plan = self.choice.initial_plan(self.params)
 
     # ------------------------------------------------------------ properties
@@ -190,15 +189,13 @@ class Synchronizer(EngineState):
         :meth:`prepare`'s encoding of these same keys, tensors and step."""
         try:
             self.guard.begin_call()
-            self._prepared = prepared
-            self._sync(list(keys), list(tensors), step, flat, end_of_step)
+            self._sync(list(keys), list(tensors), step, flat, end_of_step, prepared)
         finally:
-            self._prepared = None
             if end_of_step:
                 self.guard.end_step(self.feedback)
 
     def _sync(self, keys: list[str], tensors: list[torch.Tensor], step: int, flat: torch.Tensor | None,
-              end_of_step: bool) -> None:
+              end_of_step: bool, prepared: Encoded | None = None) -> None:
         n = self.world_size
         decisions = [self._decision(k, t) for k, t in zip(keys, tensors)]
         dense_idx = [i for i, d in enumerate(decisions) if not d.compressed]
@@ -222,7 +219,8 @@ class Synchronizer(EngineState):
             return self.guard.observe(bad, [keys[i] for i in range(len(keys))], step, _zero(tensors, flat))
 
         prelude = Prelude([*plain, local_flags(tensors, flat)], on_summed)
-        comp_s, comm_s, sent, comp_bytes, stopped = self._exchange(keys, tensors, comp_idx, decisions, step, prelude)
+        comp_s, comm_s, sent, comp_bytes, stopped = self._exchange(keys, tensors, comp_idx, decisions, step, prelude,
+                                                                    prepared)
         tensor_bytes.update(comp_bytes)
         if not stopped:
             overflow = torch.stack([~all_finite(tensors[i]) for i in comp_idx]) & ~outcome["bad"][comp_idx]
@@ -272,14 +270,14 @@ class Synchronizer(EngineState):
 
     def _exchange(
         self, keys: list[str], tensors: list[torch.Tensor], comp_idx: list[int], decisions: list[Decision],
-        step: int, prelude: Prelude,
+        step: int, prelude: Prelude, prepared: Encoded | None = None,
     ) -> tuple[float, float, int, dict[str, int], bool]:
         """Compensate each tensor whole, cut it into its planned partitions,
         exchange each strategy's group (fixed order), reassemble, stage the
-        residuals. Returns (compress s, comm s, bytes, bytes per key, stopped)."""
+        residuals (``prepared``: encoded by :meth:`prepare`, residuals kept
+        there). Returns (compress s, comm s, bytes, bytes per key, stopped)."""
         t0 = time.perf_counter()
         fb = self.feedback if self.error_feedback else None
-        prepared = self._prepared
         if prepared is not None:  # encoded (and its residuals kept) by prepare(): nothing to compensate or stage
             compensated, fb = [tensors[i] for i in comp_idx], None
         else:
