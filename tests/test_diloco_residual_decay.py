@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from distributed import checkpoint, restore, run_workers, value_errors
 from test_algorithms import WORLD, make_model
-from test_algorithms_outer import Workers, build, flat, resumed, train
+from test_algorithms_outer import Workers, build, close, flat, resumed, train
 
 import gradpress.algorithms as algorithms
 
@@ -169,10 +169,6 @@ def _worker(rank: int, world: int) -> dict:
 @pytest.fixture(scope="module")
 def results() -> list[dict]:
     return run_workers(_worker, WORLD)
-
-
-def close(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.allclose(a, b, rtol=0, atol=1e-10)
 
 
 @pytest.mark.parametrize("name,period,lr,mu,nesterov,beta", [
