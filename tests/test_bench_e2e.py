@@ -50,6 +50,15 @@ def test_parse_configs_strategies_and_commas():
     assert ef[0].label.endswith("@allgather+noef")
 
 
+def test_parse_configs_strategy_parameters():
+    """``@STRATEGY:key=value,...``: the parameters stay with the strategy (the
+    comma-separated list is not cut inside them)."""
+    cfgs = parse_configs("qsgd:levels=16@hierarchical:chunk=1048576,lanes=3,fp16@hierarchical")
+    assert [(c.spec, c.strategy) for c in cfgs] == [("qsgd:levels=16", "hierarchical:chunk=1048576,lanes=3"),
+                                                    ("fp16", "hierarchical")]
+    assert cfgs[0].label == "gradpress qsgd:levels=16@hierarchical:chunk=1048576,lanes=3"
+
+
 def test_parse_configs_with_an_algorithm():
     cfgs = parse_configs("ddp/qsgd:levels=4,bucket=512@ring+noef, ddp/,topk:ratio=0.01")
     assert [(c.algorithm, c.spec, c.strategy, c.error_feedback) for c in cfgs] == [
@@ -120,6 +129,9 @@ def test_per_configuration_learning_rate(tmp_path):
     ("ddp/topk:ratoi=0.01", ["--configs", "ratoi"]),
     ("nosuch:peers=1/topk", ["--configs", "unknown algorithm 'nosuch'", "allowed: ddp, ", "localsgd"]),
     ("localsgd:period=0/topk", ["--configs", "'period' got 0"]),
+    ("qsgd@hierarchical:chunk=-1", ["--configs", "chunk", "chunk >= 0"]),
+    ("qsgd@hierarchical:lanez=2", ["--configs", "lanez", "lanes"]),
+    ("qsgd@allgather:chunk=4", ["--configs", "'allgather' takes no parameters", "chunk"]),
 ])
 def test_bad_config_spec_names_the_field(text, words):
     with pytest.raises(ValueError) as exc:

@@ -24,6 +24,7 @@ SHAPES = [(64, 48), (40, 33), (5000,)]  # the 1-D tensor joins the plain allredu
 KEYS = ["a.weight", "b.weight", "c.bias"]
 STEPS = 4
 RATIO = 0.05
+CHUNK = 500  # pipelined pieces: 10 rows of a.weight (7 pieces), 15 rows of b.weight (3 pieces)
 
 
 def _grads(rank: int, step: int) -> list[torch.Tensor]:
@@ -79,6 +80,15 @@ def _worker(rank: int, world: int) -> dict:
     out["ring_none"] = _run(_engine("none", spec + ",outer=ring"), rank, range(2))
     out["ring_topk"] = _run(_engine(f"topk:ratio={RATIO}", spec + ",outer=ring", error_feedback=True), rank, range(3))
     out["fp16"] = _run(_engine("fp16", spec), rank, range(2))
+    # pipelined in pieces of whole rows (7 + 3 pieces), on 2 and 3 lanes
+    out["pipe_none"] = _run(_engine("none", spec + f",chunk={CHUNK},lanes=3"), rank, range(2))
+    piped = _engine(f"topk:ratio={RATIO}", spec + f",chunk={CHUNK}", error_feedback=True)
+    out["pipe_topk"] = _run(piped, rank, range(2))
+    again = _engine(f"topk:ratio={RATIO}", spec + f",chunk={CHUNK}", error_feedback=True)
+    again.load_state_dict(piped.state_dict())
+    out["pipe_topk"] += _run(again, rank, range(2, STEPS))
+    out["pipe_host_keys"] = sorted(piped.feedback.namespace("host"))
+    out["pipe_fp16"] = _run(_engine("fp16", spec + f",chunk={CHUNK},lanes=1"), rank, range(2))
     out["powersgd"] = _run(_engine("powersgd:rank=1", spec), rank, range(2), grads=_low_rank)
     # the environment route (torchrun's LOCAL_WORLD_SIZE, or GRADPRESS_WORKERS_PER_HOST)
     os.environ["GRADPRESS_WORKERS_PER_HOST"] = str(PER_HOST)
@@ -159,10 +169,21 @@ def _topk64(x: torch.Tensor, k: int) -> torch.Tensor:
     return keep.view_as(x)
 
 
-def _reference_topk(steps: int, per_host: int = PER_HOST) -> list[list[torch.Tensor]]:
+def _topk_rows(x: torch.Tensor, ratio: float, chunk: int) -> torch.Tensor:
+    """top-k of each block of ``max(1, chunk // row length)`` whole rows
+    (one block when ``chunk`` is 0 or the tensor fits), each keeping
+    ``ceil(ratio * block size)``."""
+    rows = x.shape[0]
+    per = rows if not chunk or x.numel() <= chunk else max(1, chunk // (x.numel() // rows))
+    blocks = [x[r : r + per] for r in range(0, rows, per)]
+    return torch.cat([_topk64(b, math.ceil(ratio * b.numel())) for b in blocks])
+
+
+def _reference_topk(steps: int, per_host: int = PER_HOST, chunk: int = 0) -> list[list[torch.Tensor]]:
     """The two-level algorithm in float64: leader h keeps e_h; q_h = S_h / L + e_h;
     average = mean_h topk(q_h); e_h <- q_h - topk(q_h). 1-D tensors: plain mean.
-    ``per_host=1``: flat allgather with every worker's own residual."""
+    ``per_host=1``: flat allgather with every worker's own residual. ``chunk``:
+    top-k per block of whole rows (the pipelined exchange's pieces)."""
     hosts = WORLD // per_host
     resid: dict[tuple[int, int], torch.Tensor] = {}
     outs = []
@@ -173,12 +194,11 @@ def _reference_topk(steps: int, per_host: int = PER_HOST) -> list[list[torch.Ten
             if len(shape) == 1:
                 avg.append(sum(p[i] for p in per) / WORLD)
                 continue
-            k = math.ceil(RATIO * math.prod(shape))
             total = torch.zeros(shape, dtype=torch.float64)
             for h in range(hosts):
                 q = sum(per[r][i] for r in range(h * per_host, (h + 1) * per_host)) / per_host
                 q = q + resid.get((h, i), torch.zeros(shape, dtype=torch.float64))
-                sent = _topk64(q, k)
+                sent = _topk_rows(q, RATIO, chunk)
                 resid[(h, i)] = q - sent
                 total += sent
             avg.append(total / hosts)
@@ -200,6 +220,25 @@ def test_topk_with_feedback_at_the_leaders_matches_float64(results: list[dict]) 
     for r, res in enumerate(results):
         assert res["host_keys"] == (["a.weight", "b.weight"] if r % PER_HOST == 0 else [])
         assert res["worker_residual_max"] == 0.0
+
+
+def test_pipelined_pieces_match_float64_on_every_rank(results: list[dict]) -> None:
+    """chunk=500: the exact mean in pieces on 3 lanes; top-k per piece of
+    whole rows with the host residual kept per tensor (and carried through
+    a state_dict after step 2); fp16 on one lane."""
+    got = _identical(results, "pipe_none")
+    for step in range(2):
+        for a, want in zip(got[step], _mean64(_grads, step)):
+            assert torch.allclose(a.double(), want, rtol=1e-6, atol=1e-6)
+    got = _identical(results, "pipe_topk")
+    for step, want_step in enumerate(_reference_topk(STEPS, chunk=CHUNK)):
+        for a, want in zip(got[step], want_step):
+            assert torch.allclose(a.double(), want, rtol=1e-5, atol=1e-5), step
+    for r, res in enumerate(results):
+        assert res["pipe_host_keys"] == (["a.weight", "b.weight"] if r % PER_HOST == 0 else [])
+    for step, got_step in enumerate(_identical(results, "pipe_fp16")):
+        for a, want in zip(got_step, _mean64(_grads, step)):
+            assert torch.allclose(a.double(), want, rtol=2e-3, atol=2e-3)
 
 
 def test_resume_gives_the_same_next_steps(results: list[dict]) -> None:

@@ -51,6 +51,8 @@ def _write_legacy(path):
     (["--compressor", "nosuch:ratio=1"], "unknown compressor 'nosuch'"),
     (["--compressor", "topk:ratio=7"], "ratio"),
     (["--strategy", "carrier-pigeon"], "unknown strategy 'carrier-pigeon'"),
+    (["--strategy", "hierarchical:chunk=-5"], "'chunk' got -5"),
+    (["--strategy", "ring:chunk=5"], "strategy 'ring' takes no parameters"),
     (["--device", "tpu"], "device must be one of cpu, cuda"),
     (["--params", "10M"], "params sets the size of 'wide-mlp' only"),
     (["--workload", "wide-mlp", "--params", "lots"], "params must be a count"),

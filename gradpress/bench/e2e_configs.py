@@ -151,7 +151,7 @@ def _algorithm(token: str, option: str) -> tuple[str, str]:
 def parse_configs(text: str, option: str = "--configs") -> list[RunConfig]:
     """gradpress configurations ``[ALGORITHM/]SPEC[@STRATEGY][+ef|+noef][+lr=X]`` (see the module doc)."""
     from gradpress.compress import create
-    from gradpress.train.algorithm import strategy_names
+    from gradpress.exchange.base import check_strategy
 
     out: list[RunConfig] = []
     for token in _split_specs(text, option):
@@ -167,10 +167,11 @@ def parse_configs(text: str, option: str = "--configs") -> list[RunConfig]:
             compressor = create(spec)
         except ValueError as exc:
             raise ValueError(f"{option}: bad compressor spec {spec!r} in {token!r}: {exc}") from None
-        if strategy not in strategy_names():
-            raise ValueError(f"{option}: configuration {token!r}: unknown strategy {strategy!r}; "
-                             f"allowed: {', '.join(strategy_names())}")
-        if compressor.rounds > 1 and strategy not in ("auto", "collective", "allreduce"):
+        try:
+            check_strategy(strategy, compressor)
+        except ValueError as exc:
+            raise ValueError(f"{option}: configuration {token!r}: {exc}") from None
+        if compressor.rounds > 1 and strategy.partition(":")[0] not in ("auto", "collective", "allreduce"):
             raise ValueError(f"{option}: configuration {token!r}: strategy {strategy!r} cannot carry "
                              f"{compressor.name!r} (a {compressor.rounds}-round allreduce protocol); allowed: collective, auto, allreduce")
         label = (f"gradpress {'' if algo == 'ddp' else algo + '/'}{spec}" + ("" if strategy == "collective" else f"@{strategy}")

@@ -30,7 +30,7 @@ from gradpress.exchange.costs import CostModel
 from gradpress.exchange.feedback import Feedback
 
 __all__ = [
-    "ExchangeResult", "Prelude", "Strategy", "aggregate", "available", "encode_local", "get_strategy",
+    "ExchangeResult", "Prelude", "Strategy", "aggregate", "available", "check_strategy", "encode_local", "get_strategy",
     "register_strategy", "strategy_class", "strategy_names",
 ]
 
@@ -209,3 +209,28 @@ def strategy_class(name: str) -> type[Strategy]:
 
 def get_strategy(name: str, group: dist.ProcessGroup | None) -> Strategy:
     return strategy_class(name)(group)
+
+
+def check_strategy(spec: str, compressor: Compressor | None = None) -> str:
+    """Check a strategy spec ``name[:key=value,...]`` before any worker starts
+    (``hierarchical:chunk=1048576,outer=ring``): a known name, parameters the
+    strategy declares with allowed values, and, given ``compressor``, a
+    strategy that can carry it. Returns the spec; ValueError naming the
+    field, the value and what is allowed."""
+    from gradpress.compress.spec import coerce_params, parse_stage
+
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"strategy must be a name like 'allgather' or 'hierarchical:chunk=1048576', got {spec!r}")
+    name, params = parse_stage(spec, "strategy")
+    if name not in available():
+        raise ValueError(f"unknown strategy {name!r}; allowed: {', '.join(available())}")
+    declared = () if name in PSEUDO else getattr(strategy_class(name), "PARAMS", ())
+    if params and not declared:
+        raise ValueError(f"strategy {name!r} takes no parameters, got {', '.join(sorted(params))}")
+    if params:
+        coerce_params(declared, params, name, "strategy")
+    if compressor is not None and name not in PSEUDO:
+        reason = strategy_class(name)(None, **params).supports(compressor)  # type: ignore[call-arg]
+        if reason:
+            raise ValueError(f"strategy {spec!r}: {reason}")
+    return spec.strip()

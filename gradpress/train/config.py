@@ -220,17 +220,9 @@ def _validate_exchange(cfg: TrainConfig) -> None:
     from gradpress.compress import create
 
     create(cfg.compressor)  # raises ValueError naming the bad name / parameter
-    if not isinstance(cfg.strategy, str):
-        raise ValueError(f"strategy must be a string, got {cfg.strategy!r}")
-    allowed = algorithms.strategy_names()
-    if cfg.strategy not in allowed:
-        raise ValueError(f"unknown strategy {cfg.strategy!r}; allowed: {', '.join(allowed)}")
-    if cfg.strategy not in ("auto", "collective"):  # a forced strategy that cannot carry the compressor: say so now
-        from gradpress.exchange import get_strategy
+    from gradpress.exchange.base import check_strategy
 
-        reason = get_strategy(cfg.strategy, None).supports(create(cfg.compressor))
-        if reason:
-            raise ValueError(f"strategy {cfg.strategy!r}: {reason}")
+    cfg.strategy = check_strategy(cfg.strategy, create(cfg.compressor))  # a forced strategy that cannot carry it: now
     if cfg.plan_costs is not None:
         if cfg.strategy != "auto" or cfg.algorithm != "ddp":
             raise ValueError(f"plan_costs is used by --strategy auto with --algorithm ddp; this run has strategy "

@@ -49,9 +49,11 @@ import torch.distributed as dist
 
 from gradpress.compress.base import Compressor, Context, Param
 from gradpress.compress.spec import coerce_params
+from gradpress.exchange.background import Background
 from gradpress.exchange.base import ExchangeResult, Prelude, Strategy, get_strategy, register_strategy
 from gradpress.exchange.costs import CostModel
 from gradpress.exchange.feedback import Feedback, namespace
+from gradpress.exchange.pieces import Piece, cut, piece_context
 from gradpress.transport.groups import timeout_of
 
 __all__ = ["Hierarchical", "HOST", "OUTER", "workers_per_host_from_env"]
@@ -90,12 +92,18 @@ class Hierarchical(Strategy):
               "ranks per host (consecutive ranks share a host)"),
         Param("outer", str, "collective", ", ".join(OUTER), lambda v: v in OUTER,
               "strategy between the hosts' leaders"),
+        Param("chunk", int, 0, "chunk >= 0 (0: no pipelining)", lambda v: v >= 0,
+              "pipeline the exchange in pieces of about this many entries (whole rows)"),
+        Param("lanes", int, 2, "1 <= lanes <= 8", lambda v: 1 <= v <= 8,
+              "pieces in flight between the leaders at once (one thread and process group each)"),
     )
 
     def __init__(self, group: dist.ProcessGroup | None, **params: Any) -> None:
         super().__init__(group)
         values = coerce_params(self.PARAMS, params, "hierarchical", "strategy")
         self.outer_name: str = values["outer"]
+        self.chunk: int = int(values["chunk"])
+        self.lanes: int = int(values["lanes"]) if self.chunk else 1
         given = int(values["workers_per_host"])
         layout_error = None
         if self.world_size == 1:  # a world of one (or no group yet: a configuration check) is one host
@@ -111,7 +119,9 @@ class Hierarchical(Strategy):
         self.is_leader = self.rank % self.workers_per_host == 0
         self.intra: Any = None
         self.leaders: Any = None
-        self._outers: dict[str, Strategy] = {}
+        self._outers: dict[str, list[Strategy]] = {}
+        self._lane_groups: list[Any] = []
+        self._threads: list[Background] = []
         self._leader_global = 0
         if dist.is_initialized() and self.world_size > 1:
             self._agree(layout_error)
@@ -133,19 +143,20 @@ class Hierarchical(Strategy):
 
     def _agree(self, error: str | None) -> None:
         """Every rank's (L, outer, ok): all ranks raise alike on a mismatch."""
-        mine = torch.tensor([self.workers_per_host, OUTER.index(self.outer_name), 0 if error else 1], dtype=torch.int64)
+        mine = torch.tensor([self.workers_per_host, OUTER.index(self.outer_name), self.chunk, self.lanes,
+                             0 if error else 1], dtype=torch.int64)
         everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
         dist.all_gather(everyone, mine, group=self.group)
         table = torch.stack(everyone)
-        bad = [r for r in range(self.world_size) if int(table[r, 2]) == 0]
+        bad = [r for r in range(self.world_size) if int(table[r, -1]) == 0]
         if error:
             raise ValueError(error)
         if bad:
             raise ValueError(f"strategy 'hierarchical': rank {bad[0]} has an invalid host layout (see its error)")
-        if not bool((table[:, :2] == mine[:2]).all()):
-            seen = sorted({(int(a), OUTER[int(b)]) for a, b, _ in table.tolist()})
-            raise ValueError(f"strategy 'hierarchical': ranks disagree on (workers_per_host, outer): {seen}; "
-                             "allowed: the same on every rank")
+        if not bool((table[:, :-1] == mine[:-1]).all()):
+            seen = sorted({(int(a), OUTER[int(b)], int(c), int(d)) for a, b, c, d, _ in table.tolist()})
+            raise ValueError(f"strategy 'hierarchical': ranks disagree on (workers_per_host, outer, chunk, lanes): "
+                             f"{seen}; allowed: the same on every rank")
 
     def _build_groups(self) -> None:
         ranks = dist.get_process_group_ranks(self.group if self.group is not None else dist.group.WORLD)
@@ -160,7 +171,9 @@ class Hierarchical(Strategy):
             if h == self.host:
                 self.intra = g
         self._leader_global = ranks[self.host * per]
-        self.leaders = dist.new_group(ranks=[ranks[h * per] for h in range(self.hosts)], **kw)
+        leaders = [ranks[h * per] for h in range(self.hosts)]
+        self._lane_groups = [dist.new_group(ranks=leaders, **kw) for _ in range(self.lanes)]
+        self.leaders = self._lane_groups[0]
 
     # ------------------------------------------------------------ contract
     def _outer_for(self, compressor: Compressor) -> str:
@@ -217,6 +230,9 @@ class Hierarchical(Strategy):
         self, compressor: Compressor, tensors: list[torch.Tensor], ctxs: list[Context],
         feedback: Feedback | None, *, prelude: Prelude | None = None, out: list[torch.Tensor] | None = None,
     ) -> ExchangeResult:
+        pieces = self._pieces(compressor, tensors)
+        if pieces is not None:
+            return self._pipelined(compressor, tensors, ctxs, feedback, pieces)
         t0 = time.perf_counter()
         per = self.workers_per_host
         sizes = [t.numel() for t in tensors]
@@ -229,8 +245,7 @@ class Hierarchical(Strategy):
             dist.reduce(flat, dst=self._leader_global, group=self.intra)
             comm += time.perf_counter() - t
             sent += dense
-        tensor_bytes = list(sizes) if not self.is_leader else [0] * len(tensors)
-        tensor_bytes = [s * flat.element_size() for s in tensor_bytes]
+        tensor_bytes = [0 if self.is_leader else s * flat.element_size() for s in sizes]
         if self.is_leader:
             flat.div_(per)
             means = list(flat.split(sizes))
@@ -240,7 +255,7 @@ class Hierarchical(Strategy):
                 if feedback is not None:
                     m = m.add(feedback.current(k, m), alpha=feedback.beta)
                 qs.append(m)
-            outer = self._outer_strategy(compressor)
+            outer = self._outer_strategies(compressor)[0]
             t = time.perf_counter()
             res = outer.exchange(compressor, qs, ctxs, feedback)
             comm += max(0.0, time.perf_counter() - t - res.compress_s)
@@ -261,10 +276,92 @@ class Hierarchical(Strategy):
         total = time.perf_counter() - t0
         return ExchangeResult(results, sent, residuals, tensor_bytes, max(0.0, total - comm), comm)
 
-    def _outer_strategy(self, compressor: Compressor) -> Strategy:
-        """The leaders' strategy for ``compressor`` (made once per name; a
-        strategy's construction issues no collective)."""
+    def _pieces(self, compressor: Compressor, tensors: list[torch.Tensor]) -> list[Piece] | None:
+        """The call's pieces when it is pipelined: ``chunk`` set, a one-round
+        compressor and a collective between the leaders (the same decision on
+        every rank: it depends only on the shapes)."""
+        if not self.chunk or compressor.rounds != 1 or self._outer_for(compressor) not in ("allreduce", "allgather"):
+            return None
+        return cut(tensors, self.chunk)
+
+    def _pipelined(
+        self, compressor: Compressor, tensors: list[torch.Tensor], ctxs: list[Context],
+        feedback: Feedback | None, pieces: list[Piece],
+    ) -> ExchangeResult:
+        """The same exchange, piece by piece: every rank posts the pieces'
+        host reduces at once (async, on the host's group); the leader hands
+        each reduced piece to lane ``i % lanes`` (its own thread and leaders'
+        group) as soon as it arrives and broadcasts each averaged piece as
+        soon as its lane returns it, so the slow link carries piece ``i``
+        while piece ``i + 1`` is encoded. Every rank issues the same
+        collectives in the same order on every group; the result equals
+        exchanging each piece alone."""
+        t0 = time.perf_counter()
+        per, src = self.workers_per_host, self._leader_global
+        sizes = [t.numel() for t in tensors]
+        flat = torch.cat([t.reshape(-1) for t in tensors]) if len(tensors) > 1 else tensors[0].reshape(-1).clone()
+        span = [flat[p.offset : p.offset + p.numel] for p in pieces]
+        reduces = [dist.reduce(x, dst=src, group=self.intra, async_op=True) for x in span] if per > 1 else []
+        sent = flat.numel() * flat.element_size() if per > 1 else 0
+        tensor_bytes = [0 if self.is_leader else s * flat.element_size() for s in sizes]
+        compress_s = 0.0
+        if not self.is_leader:
+            for w in reduces:
+                w.wait()
+            casts = [dist.broadcast(x, src=src, group=self.intra, async_op=True) for x in span]
+        else:
+            views = [x.view(t.shape) for x, t in zip(flat.split(sizes), tensors)]
+            keys = [Feedback.key(HOST, c.key) for c in ctxs]
+            kept = [torch.empty_like(v) for v in views] if feedback is not None else None
+            owed = [feedback.current(k, v) for k, v in zip(keys, views)] if feedback is not None else None
+            lanes = list(zip(self._outer_strategies(compressor), self._lane_threads()))
+            tickets = []
+            for i, p in enumerate(pieces):
+                if reduces:
+                    reduces[i].wait()
+                q = p.of(views[p.tensor]).div_(per)
+                if feedback is not None and owed is not None:
+                    q = q.add(p.of(owed[p.tensor]), alpha=feedback.beta)
+                outer, thread = lanes[i % len(lanes)]
+                tickets.append(thread.submit(f"hierarchical piece {i}", _exchange_job(outer, compressor, q, piece_context(
+                    ctxs[p.tensor], p), feedback)))
+            casts = []
+            for i, (p, ticket) in enumerate(zip(pieces, tickets)):
+                res = lanes[i % len(lanes)][1].wait(ticket)
+                span[i].copy_(res.tensors[0].reshape(-1))
+                if kept is not None and res.residuals is not None:
+                    p.of(kept[p.tensor]).copy_(res.residuals[0].view(p.of(kept[p.tensor]).shape))
+                sent += res.bytes_sent
+                tensor_bytes[p.tensor] += sum(res.tensor_bytes)
+                compress_s += res.compress_s
+                if per > 1:
+                    casts.append(dist.broadcast(span[i], src=src, group=self.intra, async_op=True))
+            if kept is not None:
+                for k, r in zip(keys, kept):
+                    feedback.stage(k, r)  # type: ignore[union-attr]
+            sent += flat.numel() * flat.element_size() if per > 1 else 0
+        for w in casts:
+            w.wait()
+        results = [a.view(t.shape) for a, t in zip(flat.split(sizes), tensors)]
+        residuals = [t.zero_() for t in tensors] if feedback is not None else None
+        total = time.perf_counter() - t0
+        return ExchangeResult(results, sent, residuals, tensor_bytes, compress_s, max(0.0, total - compress_s))
+
+    def _outer_strategies(self, compressor: Compressor) -> list[Strategy]:
+        """The leaders' strategy for ``compressor``, one per lane (made once
+        per name; a strategy's construction issues no collective)."""
         name = self._outer_for(compressor)
         if name not in self._outers:
-            self._outers[name] = get_strategy(name, self.leaders)
+            self._outers[name] = [get_strategy(name, g) for g in (self._lane_groups or [self.leaders])]
         return self._outers[name]
+
+    def _lane_threads(self) -> list[Background]:
+        """One exchange thread per lane, started on first use."""
+        if not self._threads:
+            self._threads = [Background(f"hierarchical lane {i}") for i in range(len(self._lane_groups or [0]))]
+        return self._threads
+
+
+def _exchange_job(outer: Strategy, compressor: Compressor, q: torch.Tensor, ctx: Context,
+                  feedback: Feedback | None):  # noqa: ANN202 - a closure for a lane thread
+    return lambda: outer.exchange(compressor, [q], [ctx], feedback)
