@@ -53,10 +53,10 @@ def test_parse_configs_strategies_and_commas():
 def test_parse_configs_strategy_parameters():
     """``@STRATEGY:key=value,...``: the parameters stay with the strategy (the
     comma-separated list is not cut inside them)."""
-    cfgs = parse_configs("qsgd:levels=16@hierarchical:chunk=1048576,lanes=3,fp16@hierarchical")
-    assert [(c.spec, c.strategy) for c in cfgs] == [("qsgd:levels=16", "hierarchical:chunk=1048576,lanes=3"),
+    cfgs = parse_configs("qsgd:levels=16@hierarchical:chunk=1048576,outer=allgather,fp16@hierarchical")
+    assert [(c.spec, c.strategy) for c in cfgs] == [("qsgd:levels=16", "hierarchical:chunk=1048576,outer=allgather"),
                                                     ("fp16", "hierarchical")]
-    assert cfgs[0].label == "gradpress qsgd:levels=16@hierarchical:chunk=1048576,lanes=3"
+    assert cfgs[0].label == "gradpress qsgd:levels=16@hierarchical:chunk=1048576,outer=allgather"
 
 
 def test_parse_configs_with_an_algorithm():
@@ -130,7 +130,7 @@ def test_per_configuration_learning_rate(tmp_path):
     ("nosuch:peers=1/topk", ["--configs", "unknown algorithm 'nosuch'", "allowed: ddp, ", "localsgd"]),
     ("localsgd:period=0/topk", ["--configs", "'period' got 0"]),
     ("qsgd@hierarchical:chunk=-1", ["--configs", "chunk", "chunk >= 0"]),
-    ("qsgd@hierarchical:lanez=2", ["--configs", "lanez", "lanes"]),
+    ("qsgd@hierarchical:chunks=2", ["--configs", "chunks", "chunk"]),
     ("qsgd@allgather:chunk=4", ["--configs", "'allgather' takes no parameters", "chunk"]),
 ])
 def test_bad_config_spec_names_the_field(text, words):

@@ -80,15 +80,15 @@ def _worker(rank: int, world: int) -> dict:
     out["ring_none"] = _run(_engine("none", spec + ",outer=ring"), rank, range(2))
     out["ring_topk"] = _run(_engine(f"topk:ratio={RATIO}", spec + ",outer=ring", error_feedback=True), rank, range(3))
     out["fp16"] = _run(_engine("fp16", spec), rank, range(2))
-    # pipelined in pieces of whole rows (7 + 3 pieces), on 2 and 3 lanes
-    out["pipe_none"] = _run(_engine("none", spec + f",chunk={CHUNK},lanes=3"), rank, range(2))
+    # pipelined in pieces of whole rows (7 + 3 pieces): allreduce (none, fp16) and allgather (top-k) between leaders
+    out["pipe_none"] = _run(_engine("none", spec + f",chunk={CHUNK}"), rank, range(2))
     piped = _engine(f"topk:ratio={RATIO}", spec + f",chunk={CHUNK}", error_feedback=True)
     out["pipe_topk"] = _run(piped, rank, range(2))
     again = _engine(f"topk:ratio={RATIO}", spec + f",chunk={CHUNK}", error_feedback=True)
     again.load_state_dict(piped.state_dict())
     out["pipe_topk"] += _run(again, rank, range(2, STEPS))
     out["pipe_host_keys"] = sorted(piped.feedback.namespace("host"))
-    out["pipe_fp16"] = _run(_engine("fp16", spec + f",chunk={CHUNK},lanes=1"), rank, range(2))
+    out["pipe_fp16"] = _run(_engine("fp16", spec + f",chunk={CHUNK}"), rank, range(2))
     out["powersgd"] = _run(_engine("powersgd:rank=1", spec), rank, range(2), grads=_low_rank)
     # the environment route (torchrun's LOCAL_WORLD_SIZE, or GRADPRESS_WORKERS_PER_HOST)
     os.environ["GRADPRESS_WORKERS_PER_HOST"] = str(PER_HOST)
@@ -223,9 +223,9 @@ def test_topk_with_feedback_at_the_leaders_matches_float64(results: list[dict]) 
 
 
 def test_pipelined_pieces_match_float64_on_every_rank(results: list[dict]) -> None:
-    """chunk=500: the exact mean in pieces on 3 lanes; top-k per piece of
-    whole rows with the host residual kept per tensor (and carried through
-    a state_dict after step 2); fp16 on one lane."""
+    """chunk=500: the exact mean in pieces; top-k per piece of whole rows
+    with the host residual kept per tensor (and carried through a
+    state_dict after step 2); fp16 pieces through the leaders' allreduce."""
     got = _identical(results, "pipe_none")
     for step in range(2):
         for a, want in zip(got[step], _mean64(_grads, step)):

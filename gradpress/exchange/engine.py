@@ -156,7 +156,8 @@ class Synchronizer(EngineState):
         since the next call encodes before this one's NaN verdict. None when
         the call cannot be split: ``nonfinite=skip`` (its verdict decides the
         residuals), nothing compressed, several strategies or partitions, or
-        a strategy without ``encode`` (the ring re-compresses at every hop)."""
+        a strategy without ``encode`` (the ring re-compresses at every hop),
+        or a multi-round compressor (PowerSGD's Q depends on the summed P)."""
         if self.nonfinite == "skip":
             return None
         keys, tensors = list(keys), list(tensors)
@@ -166,7 +167,7 @@ class Synchronizer(EngineState):
         if len(names) != 1 or any(decisions[i].parts > 1 for i in comp_idx):
             return None
         strategy = self.strategies.get(names.pop())
-        if strategy is None or not hasattr(strategy, "encode"):
+        if strategy is None or not hasattr(strategy, "encode") or self.compressor.rounds > 1:
             return None
         t0 = time.perf_counter()
         fb = self.feedback if self.error_feedback else None

@@ -92,15 +92,30 @@ class Allgather(Strategy):
             residuals = encoded.residuals
         else:
             residuals, t0 = None, time.perf_counter()  # its encoding time was counted where it ran
-        packets, buffer = encoded.packets, encoded.buffer
         variable = bool(compressor.variable_size)
         t1 = time.perf_counter()
-        heads, buffers, nbytes = allgather_with_head(buffer, head, self.group, self.world_size, variable)
+        heads, buffers, nbytes = allgather_with_head(encoded.buffer, head, self.group, self.world_size, variable)
         sent += nbytes
         t2 = time.perf_counter()
         comm += t2 - t1
         if head is not None and prelude is not None and prelude.on_summed(_sum_preludes(heads, prelude.tensors)):
             return ExchangeResult([], sent, compress_s=t1 - t0, comm_s=comm, stopped=True)
+        results = self.combine(compressor, encoded, buffers, out)
+        compress_s = (t1 - t0) + (time.perf_counter() - t2)
+        return ExchangeResult(results, sent, residuals, [p.nbytes for p in encoded.packets], compress_s, comm)
+
+    def move(self, compressor: Compressor, encoded: Encoded) -> tuple[list[torch.Tensor], int]:
+        """The collective alone: every rank's packed buffer (in rank order)
+        and the bytes handed over; no prelude."""
+        _, buffers, nbytes = allgather_with_head(encoded.buffer, None, self.group, self.world_size,
+                                                 bool(compressor.variable_size))
+        return buffers, nbytes
+
+    def combine(self, compressor: Compressor, encoded: Encoded, buffers: list[torch.Tensor],
+                out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """The average of every rank's packets (``buffers`` from :meth:`move`,
+        this rank's own packets taken from ``encoded``), folded in rank order."""
+        packets, variable = encoded.packets, bool(compressor.variable_size)
         by_rank = [packets if r == self.rank else wire.unpack_packets(buf, packets, variable) for r, buf in enumerate(buffers)]
         if _sparse(compressor, packets):
             # written straight into the caller's output where it can (no dense temporary, no copy back)
@@ -111,15 +126,10 @@ class Allgather(Strategy):
                                    [by_rank[r][i].tensors[1] for r in range(len(buffers))], p.numel, p.dtype, dst)
                 total.div_(self.world_size)
                 results.append(out[i] if dst is not None and out is not None else total.view(p.shape))
-        else:
-            decoded_by_rank = [[compressor.decode(p) for p in theirs] for theirs in by_rank]
-            results = [
-                aggregate(compressor, [decoded_by_rank[r][i] for r in range(len(buffers))], self.world_size)
-                for i in range(len(packets))
-            ]
-        compress_s = (t1 - t0) + (time.perf_counter() - t2)
-        return ExchangeResult(results, sent, residuals, [p.nbytes for p in packets], compress_s, comm)
-
+            return results
+        decoded_by_rank = [[compressor.decode(p) for p in theirs] for theirs in by_rank]
+        return [aggregate(compressor, [decoded_by_rank[r][i] for r in range(len(buffers))], self.world_size)
+                for i in range(len(packets))]
 
 def _sparse(compressor: Compressor, packets: list[Packet]) -> bool:
     """Whether every packet is ``[values, integer flat indices]`` of a method

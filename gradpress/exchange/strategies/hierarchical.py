@@ -94,8 +94,6 @@ class Hierarchical(Strategy):
               "strategy between the hosts' leaders"),
         Param("chunk", int, 0, "chunk >= 0 (0: no pipelining)", lambda v: v >= 0,
               "pipeline the exchange in pieces of about this many entries (whole rows)"),
-        Param("lanes", int, 2, "1 <= lanes <= 8", lambda v: 1 <= v <= 8,
-              "pieces in flight between the leaders at once (one thread and process group each)"),
     )
 
     def __init__(self, group: dist.ProcessGroup | None, **params: Any) -> None:
@@ -103,7 +101,6 @@ class Hierarchical(Strategy):
         values = coerce_params(self.PARAMS, params, "hierarchical", "strategy")
         self.outer_name: str = values["outer"]
         self.chunk: int = int(values["chunk"])
-        self.lanes: int = int(values["lanes"]) if self.chunk else 1
         given = int(values["workers_per_host"])
         layout_error = None
         if self.world_size == 1:  # a world of one (or no group yet: a configuration check) is one host
@@ -119,9 +116,8 @@ class Hierarchical(Strategy):
         self.is_leader = self.rank % self.workers_per_host == 0
         self.intra: Any = None
         self.leaders: Any = None
-        self._outers: dict[str, list[Strategy]] = {}
-        self._lane_groups: list[Any] = []
-        self._threads: list[Background] = []
+        self._outers: dict[str, Strategy] = {}
+        self._wire: Background | None = None
         self._leader_global = 0
         if dist.is_initialized() and self.world_size > 1:
             self._agree(layout_error)
@@ -143,8 +139,8 @@ class Hierarchical(Strategy):
 
     def _agree(self, error: str | None) -> None:
         """Every rank's (L, outer, ok): all ranks raise alike on a mismatch."""
-        mine = torch.tensor([self.workers_per_host, OUTER.index(self.outer_name), self.chunk, self.lanes,
-                             0 if error else 1], dtype=torch.int64)
+        mine = torch.tensor([self.workers_per_host, OUTER.index(self.outer_name), self.chunk, 0 if error else 1],
+                            dtype=torch.int64)
         everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
         dist.all_gather(everyone, mine, group=self.group)
         table = torch.stack(everyone)
@@ -154,8 +150,8 @@ class Hierarchical(Strategy):
         if bad:
             raise ValueError(f"strategy 'hierarchical': rank {bad[0]} has an invalid host layout (see its error)")
         if not bool((table[:, :-1] == mine[:-1]).all()):
-            seen = sorted({(int(a), OUTER[int(b)], int(c), int(d)) for a, b, c, d, _ in table.tolist()})
-            raise ValueError(f"strategy 'hierarchical': ranks disagree on (workers_per_host, outer, chunk, lanes): "
+            seen = sorted({(int(a), OUTER[int(b)], int(c)) for a, b, c, _ in table.tolist()})
+            raise ValueError(f"strategy 'hierarchical': ranks disagree on (workers_per_host, outer, chunk): "
                              f"{seen}; allowed: the same on every rank")
 
     def _build_groups(self) -> None:
@@ -171,9 +167,7 @@ class Hierarchical(Strategy):
             if h == self.host:
                 self.intra = g
         self._leader_global = ranks[self.host * per]
-        leaders = [ranks[h * per] for h in range(self.hosts)]
-        self._lane_groups = [dist.new_group(ranks=leaders, **kw) for _ in range(self.lanes)]
-        self.leaders = self._lane_groups[0]
+        self.leaders = dist.new_group(ranks=[ranks[h * per] for h in range(self.hosts)], **kw)
 
     # ------------------------------------------------------------ contract
     def _outer_for(self, compressor: Compressor) -> str:
@@ -255,7 +249,7 @@ class Hierarchical(Strategy):
                 if feedback is not None:
                     m = m.add(feedback.current(k, m), alpha=feedback.beta)
                 qs.append(m)
-            outer = self._outer_strategies(compressor)[0]
+            outer = self._outer_strategy(compressor)
             t = time.perf_counter()
             res = outer.exchange(compressor, qs, ctxs, feedback)
             comm += max(0.0, time.perf_counter() - t - res.compress_s)
@@ -288,13 +282,14 @@ class Hierarchical(Strategy):
         self, compressor: Compressor, tensors: list[torch.Tensor], ctxs: list[Context],
         feedback: Feedback | None, pieces: list[Piece],
     ) -> ExchangeResult:
-        """The same exchange, piece by piece: every rank posts the pieces'
-        host reduces at once (async, on the host's group); the leader hands
-        each reduced piece to lane ``i % lanes`` (its own thread and leaders'
-        group) as soon as it arrives and broadcasts each averaged piece as
-        soon as its lane returns it, so the slow link carries piece ``i``
-        while piece ``i + 1`` is encoded. Every rank issues the same
-        collectives in the same order on every group; the result equals
+        """The same exchange in three stages per piece, overlapped: every rank
+        posts the pieces' host reduces at once (async, on the host's group);
+        the leader encodes each reduced piece as it arrives (``outer.encode``)
+        and hands its packets to one wire thread (``outer.move``: the leaders'
+        collective, pieces back to back, one flow at a time on the slow
+        link); meanwhile it combines the piece before (``outer.combine``:
+        decode and average) and broadcasts it (async). Every rank issues the
+        same collectives in the same order on every group; the result equals
         exchanging each piece alone."""
         t0 = time.perf_counter()
         per, src = self.workers_per_host, self._leader_global
@@ -314,28 +309,37 @@ class Hierarchical(Strategy):
             keys = [Feedback.key(HOST, c.key) for c in ctxs]
             kept = [torch.empty_like(v) for v in views] if feedback is not None else None
             owed = [feedback.current(k, v) for k, v in zip(keys, views)] if feedback is not None else None
-            lanes = list(zip(self._outer_strategies(compressor), self._lane_threads()))
-            tickets = []
+            outer, wire = self._outer_strategy(compressor), self._wire_thread()
+            casts, in_flight = [], []
+
+            def finish() -> None:
+                nonlocal sent, compress_s
+                i, encoded, ticket = in_flight.pop(0)
+                p = pieces[i]
+                moved, nbytes = wire.wait(ticket)
+                t = time.perf_counter()
+                span[i].copy_(outer.combine(compressor, encoded, moved)[0].reshape(-1))  # type: ignore[attr-defined]
+                compress_s += time.perf_counter() - t
+                if kept is not None and encoded.residuals is not None:
+                    p.of(kept[p.tensor]).copy_(encoded.residuals[0].view(p.of(kept[p.tensor]).shape))
+                sent += nbytes
+                tensor_bytes[p.tensor] += encoded.packets[0].nbytes
+                if per > 1:
+                    casts.append(dist.broadcast(span[i], src=src, group=self.intra, async_op=True))
+
             for i, p in enumerate(pieces):
                 if reduces:
                     reduces[i].wait()
                 q = p.of(views[p.tensor]).div_(per)
-                if feedback is not None and owed is not None:
-                    q = q.add(p.of(owed[p.tensor]), alpha=feedback.beta)
-                outer, thread = lanes[i % len(lanes)]
-                tickets.append(thread.submit(f"hierarchical piece {i}", _exchange_job(outer, compressor, q, piece_context(
-                    ctxs[p.tensor], p), feedback)))
-            casts = []
-            for i, (p, ticket) in enumerate(zip(pieces, tickets)):
-                res = lanes[i % len(lanes)][1].wait(ticket)
-                span[i].copy_(res.tensors[0].reshape(-1))
-                if kept is not None and res.residuals is not None:
-                    p.of(kept[p.tensor]).copy_(res.residuals[0].view(p.of(kept[p.tensor]).shape))
-                sent += res.bytes_sent
-                tensor_bytes[p.tensor] += sum(res.tensor_bytes)
-                compress_s += res.compress_s
-                if per > 1:
-                    casts.append(dist.broadcast(span[i], src=src, group=self.intra, async_op=True))
+                if owed is not None:
+                    q = q.add(p.of(owed[p.tensor]), alpha=feedback.beta)  # type: ignore[union-attr]
+                encoded = outer.encode(compressor, [q], [piece_context(ctxs[p.tensor], p)], feedback)  # type: ignore[attr-defined]
+                compress_s += encoded.seconds
+                in_flight.append((i, encoded, wire.submit(f"hierarchical piece {i}", _move_job(outer, compressor, encoded))))
+                if len(in_flight) > 1:  # piece i is queued behind piece i - 1: combine that one meanwhile
+                    finish()
+            while in_flight:
+                finish()
             if kept is not None:
                 for k, r in zip(keys, kept):
                     feedback.stage(k, r)  # type: ignore[union-attr]
@@ -347,21 +351,20 @@ class Hierarchical(Strategy):
         total = time.perf_counter() - t0
         return ExchangeResult(results, sent, residuals, tensor_bytes, compress_s, max(0.0, total - compress_s))
 
-    def _outer_strategies(self, compressor: Compressor) -> list[Strategy]:
-        """The leaders' strategy for ``compressor``, one per lane (made once
-        per name; a strategy's construction issues no collective)."""
+    def _outer_strategy(self, compressor: Compressor) -> Strategy:
+        """The leaders' strategy for ``compressor`` (made once per name; a
+        strategy's construction issues no collective)."""
         name = self._outer_for(compressor)
         if name not in self._outers:
-            self._outers[name] = [get_strategy(name, g) for g in (self._lane_groups or [self.leaders])]
+            self._outers[name] = get_strategy(name, self.leaders)
         return self._outers[name]
 
-    def _lane_threads(self) -> list[Background]:
-        """One exchange thread per lane, started on first use."""
-        if not self._threads:
-            self._threads = [Background(f"hierarchical lane {i}") for i in range(len(self._lane_groups or [0]))]
-        return self._threads
+    def _wire_thread(self) -> Background:
+        """The thread that runs the leaders' collectives of a pipelined call."""
+        if self._wire is None:
+            self._wire = Background("hierarchical wire")
+        return self._wire
 
 
-def _exchange_job(outer: Strategy, compressor: Compressor, q: torch.Tensor, ctx: Context,
-                  feedback: Feedback | None):  # noqa: ANN202 - a closure for a lane thread
-    return lambda: outer.exchange(compressor, [q], [ctx], feedback)
+def _move_job(outer: Strategy, compressor: Compressor, encoded: Any):  # noqa: ANN202 - a closure for the wire thread
+    return lambda: outer.move(compressor, encoded)  # type: ignore[attr-defined]
