@@ -25,7 +25,7 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-__all__ = ["global_rank", "exchange_bytes"]
+__all__ = ["global_rank", "exchange_bytes", "swap_bytes"]
 
 _SIZE_TAG = 1
 _DATA_TAG = 2
@@ -90,6 +90,39 @@ def exchange_bytes(
             keep.append(data)
             works.append(dist.isend(data, global_rank(group, peer), group=group, tag=_DATA_TAG))
             sent += data.numel()
+    for w in works:
+        w.wait()
+    return out, sent
+
+
+def swap_bytes(
+    buffer: torch.Tensor, peer: int, send_group: dist.ProcessGroup, recv_group: dist.ProcessGroup, size: int | None,
+) -> tuple[torch.Tensor, int]:
+    """Send ``buffer`` (uint8) to ``peer`` on ``send_group`` and receive the
+    peer's buffer on ``recv_group`` (``size`` bytes, or ``None``: prefixed
+    with its size), all posted at once. With one group per direction (the
+    peer sends on this rank's ``recv_group``) each TCP connection carries
+    data one way only: a bulk exchange both ways over one gloo pair ran at
+    about half the link rate through a shaped link (docs/strategies.md,
+    "two hosts"). Peers are ranks of both groups, which hold the same ranks.
+    Returns the peer's buffer and the bytes handed over."""
+    sent, works = 0, []
+    if size is None:
+        mine = torch.tensor([buffer.numel()], dtype=torch.int64, device=buffer.device)
+        theirs = torch.empty(1, dtype=torch.int64, device=buffer.device)
+        works = [dist.isend(mine, global_rank(send_group, peer), group=send_group, tag=_SIZE_TAG),
+                 dist.irecv(theirs, global_rank(recv_group, peer), group=recv_group, tag=_SIZE_TAG)]
+        for w in works:
+            w.wait()
+        size, sent = int(theirs.item()), 8
+    out = torch.empty(size, dtype=torch.uint8, device=buffer.device)
+    data = buffer if buffer.is_contiguous() else buffer.contiguous()
+    works = []
+    if size:
+        works.append(dist.irecv(out, global_rank(recv_group, peer), group=recv_group, tag=_DATA_TAG))
+    if data.numel():
+        works.append(dist.isend(data, global_rank(send_group, peer), group=send_group, tag=_DATA_TAG))
+        sent += data.numel()
     for w in works:
         w.wait()
     return out, sent
