@@ -71,7 +71,7 @@ def _worker(rank: int, world: int) -> dict:
     out: dict = {}
     spec = f"hierarchical:workers_per_host={PER_HOST}"
     out["none"] = _run(_engine("none", spec), rank, range(STEPS))
-    eng = _engine(f"topk:ratio={RATIO}", spec, error_feedback=True)
+    eng = _engine(f"topk:ratio={RATIO}", spec + ",chunk=0", error_feedback=True)  # not pipelined
     out["topk"] = _run(eng, rank, range(STEPS))
     out["flat_topk"] = _run(_engine(f"topk:ratio={RATIO}", "allgather", error_feedback=True), rank, range(STEPS))
     out["host_keys"] = sorted(eng.feedback.namespace("host"))
@@ -94,10 +94,10 @@ def _worker(rank: int, world: int) -> dict:
     os.environ["GRADPRESS_WORKERS_PER_HOST"] = str(PER_HOST)
     out["env_none"] = _run(_engine("none", "hierarchical"), rank, range(1))
     # resume: 2 steps, state_dict, a new engine loads it and runs 2 more
-    first = _engine(f"topk:ratio={RATIO}", spec, error_feedback=True)
+    first = _engine(f"topk:ratio={RATIO}", spec + ",chunk=0", error_feedback=True)
     _run(first, rank, range(2))
     state = first.state_dict()
-    second = _engine(f"topk:ratio={RATIO}", spec, error_feedback=True)
+    second = _engine(f"topk:ratio={RATIO}", spec + ",chunk=0", error_feedback=True)
     second.load_state_dict(state)
     out["resumed"] = _run(second, rank, range(2, STEPS))
     # every rank raises alike on a bad layout
@@ -108,19 +108,21 @@ def _worker(rank: int, world: int) -> dict:
     out["bad_outer"] = _error(lambda: _engine("none", "hierarchical:outer=ps"))
     out["bad_param"] = _error(lambda: _engine("none", "allgather:workers_per_host=2"))
     out["vote"] = _error(lambda: _engine("signsgd", spec))
-    out["ddp"] = _ddp(rank)
+    out["ddp"], out["ddp_coalesced"] = _ddp(rank, ",chunk=0")
+    out["ddp_piped"], out["ddp_piped_coalesced"] = _ddp(rank, f",chunk={CHUNK}")
     dist.barrier()
     return out
 
 
-def _ddp(rank: int) -> list[torch.Tensor]:
-    """A few DDP steps with qsgd between hosts: parameters after training."""
+def _ddp(rank: int, extra: str = "") -> tuple[list[torch.Tensor], bool]:
+    """A few DDP steps with qsgd between hosts: parameters after training,
+    and whether the hook coalesced the step's buckets."""
     import gradpress
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
-    hook = gradpress.ddp.register(ddp, "qsgd:levels=8", strategy=f"hierarchical:workers_per_host={PER_HOST}",
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.005)  # several buckets
+    hook = gradpress.ddp.register(ddp, "qsgd:levels=8", strategy=f"hierarchical:workers_per_host={PER_HOST}{extra}",
                                   min_numel=256)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(rank)
@@ -130,8 +132,9 @@ def _ddp(rank: int) -> list[torch.Tensor]:
         torch.nn.functional.cross_entropy(ddp(x), y).backward()
         opt.step()
     assert hook.stats["compressed_tensors"] > 0
+    coalesced = hook.coalescing
     hook.close()
-    return [p.detach().clone() for p in model.parameters()]
+    return [p.detach().clone() for p in model.parameters()], coalesced
 
 
 @pytest.fixture(scope="module")
@@ -270,10 +273,14 @@ def test_bytes_leaders_carry_compressed_workers_dense(results: list[dict]) -> No
 
 
 def test_ddp_hook_replicas_identical(results: list[dict]) -> None:
-    first = results[0]["ddp"]
-    for res in results[1:]:
-        assert all(torch.equal(a, b) for a, b in zip(first, res["ddp"]))
-    assert all(bool(torch.isfinite(p).all()) for p in first)
+    """Several buckets; pipelined (chunk) the hook coalesces them by default."""
+    for name in ("ddp", "ddp_piped"):
+        first = results[0][name]
+        for res in results[1:]:
+            assert all(torch.equal(a, b) for a, b in zip(first, res[name]))
+        assert all(bool(torch.isfinite(p).all()) for p in first)
+    assert [res["ddp_coalesced"] for res in results] == [False] * WORLD
+    assert [res["ddp_piped_coalesced"] for res in results] == [True] * WORLD
 
 
 def test_bad_layouts_fail_on_every_rank(results: list[dict]) -> None:

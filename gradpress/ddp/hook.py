@@ -9,7 +9,7 @@ issues its collectives in the same order even with several buckets and
 multi-round protocols (PyTorch's own PowerSGD hook mixes them up on gloo).
 
 Coalescing (``coalesce``; default: on for multi-round compressors such as
-PowerSGD): the thread holds a step's buckets until DDP hands it the last
+PowerSGD and for strategies that pipeline a call, ``hierarchical:chunk=N``): the thread holds a step's buckets until DDP hands it the last
 one, then averages them in one engine call, so each round of the protocol is
 one collective for the whole step (PowerSGD: one allreduce of every bucket's
 P with the plain tensors and NaN flags, one of every Q) instead of one per
@@ -185,8 +185,11 @@ class GradpressHook:
 
     @property
     def coalescing(self) -> bool:
-        """Whether a step's buckets are averaged in one engine call."""
-        return self._coalesce if self._coalesce is not None else self.engine.compressor.rounds > 1
+        """Whether a step's buckets are averaged in one engine call (default:
+        for multi-round compressors and for strategies that pipeline a call)."""
+        if self._coalesce is not None:
+            return self._coalesce
+        return self.engine.compressor.rounds > 1 or any(s.wants_coalescing for s in self.engine.strategies.values())
 
     def replan(self, costs: Any = None) -> Plan:
         """Measure the group (or use ``costs``) and rebuild the plan.

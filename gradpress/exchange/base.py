@@ -138,6 +138,9 @@ class Strategy:
     planned: ClassVar[bool] = True
     #: carries only summable compressors (the planner checks candidates by it)
     summable_only: ClassVar[bool] = False
+    #: the DDP hook should average a step's buckets in one call (a strategy
+    #: that pipelines one call: the pipeline fills and drains once per step)
+    wants_coalescing: bool = False
 
     def __init__(self, group: dist.ProcessGroup | None) -> None:
         self.group = group
