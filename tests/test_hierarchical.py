@@ -24,6 +24,7 @@ SHAPES = [(64, 48), (40, 33), (5000,)]  # the 1-D tensor joins the plain allredu
 KEYS = ["a.weight", "b.weight", "c.bias"]
 STEPS = 4
 RATIO = 0.05
+TAU = 1.5  # threshold compressor: keeps |x| > TAU, a variable-size packet
 CHUNK = 500  # pipelined pieces: 10 rows of a.weight (7 pieces), 15 rows of b.weight (3 pieces)
 
 
@@ -89,6 +90,9 @@ def _worker(rank: int, world: int) -> dict:
     out["pipe_topk"] += _run(again, rank, range(2, STEPS))
     out["pipe_host_keys"] = sorted(piped.feedback.namespace("host"))
     out["pipe_fp16"] = _run(_engine("fp16", spec + f",chunk={CHUNK}"), rank, range(2))
+    # variable-size packets: the sizes travel first (the swap on the wire thread)
+    out["pipe_threshold"] = _run(_engine(f"threshold:tau={TAU}", spec + f",chunk={CHUNK}", error_feedback=True),
+                                 rank, range(3))
     out["powersgd"] = _run(_engine("powersgd:rank=1", spec), rank, range(2), grads=_low_rank)
     # the environment route (torchrun's LOCAL_WORLD_SIZE, or GRADPRESS_WORKERS_PER_HOST)
     os.environ["GRADPRESS_WORKERS_PER_HOST"] = str(PER_HOST)
@@ -242,6 +246,28 @@ def test_pipelined_pieces_match_float64_on_every_rank(results: list[dict]) -> No
     for step, got_step in enumerate(_identical(results, "pipe_fp16")):
         for a, want in zip(got_step, _mean64(_grads, step)):
             assert torch.allclose(a.double(), want, rtol=2e-3, atol=2e-3)
+
+
+def test_pipelined_variable_size_packets_match_float64(results: list[dict]) -> None:
+    """threshold with error feedback at the leaders, in pieces: elementwise,
+    so the reference is per tensor: q = S_h / L + e_h; sent = q where |q| > tau."""
+    hosts = WORLD // PER_HOST
+    resid: dict[tuple[int, int], torch.Tensor] = {}
+    got = _identical(results, "pipe_threshold")
+    for step in range(3):
+        per = [[g.double() for g in _grads(r, step)] for r in range(WORLD)]
+        for i, shape in enumerate(SHAPES):
+            if len(shape) == 1:
+                want = sum(p[i] for p in per) / WORLD
+            else:
+                want = torch.zeros(shape, dtype=torch.float64)
+                for h in range(hosts):
+                    q = sum(per[r][i] for r in range(h * PER_HOST, (h + 1) * PER_HOST)) / PER_HOST
+                    q = q + resid.get((h, i), torch.zeros(shape, dtype=torch.float64))
+                    sent = torch.where(q.abs() > TAU, q, torch.zeros_like(q))
+                    resid[(h, i)] = q - sent
+                    want += sent / hosts
+            assert torch.allclose(got[step][i].double(), want, rtol=1e-5, atol=1e-5), (step, i)
 
 
 def test_resume_gives_the_same_next_steps(results: list[dict]) -> None:

@@ -66,8 +66,9 @@ from gradpress.exchange.background import Background
 from gradpress.exchange.base import ExchangeResult, Prelude, Strategy, get_strategy, register_strategy
 from gradpress.exchange.costs import CostModel
 from gradpress.exchange.feedback import Feedback, namespace
-from gradpress.exchange.pieces import Piece, cut, piece_context
+from gradpress.exchange.pieces import Piece, cut
 from gradpress.exchange.strategies.allgather import Allgather
+from gradpress.exchange.strategies.hierarchical_pipeline import pipelined
 from gradpress.transport.groups import timeout_of
 from gradpress.transport.p2p import swap_bytes
 
@@ -305,74 +306,8 @@ class Hierarchical(Strategy):
         self, compressor: Compressor, tensors: list[torch.Tensor], ctxs: list[Context],
         feedback: Feedback | None, pieces: list[Piece],
     ) -> ExchangeResult:
-        """The same exchange in three stages per piece, overlapped: every rank
-        posts the pieces' host reduces at once (async, on the host's group);
-        the leader encodes each reduced piece as it arrives (``outer.encode``)
-        and hands its packets to one wire thread (``outer.move``: the leaders'
-        collective, pieces back to back, one flow at a time on the slow
-        link); meanwhile it combines the piece before (``outer.combine``:
-        decode and average) and broadcasts it (async). Every rank issues the
-        same collectives in the same order on every group; the result equals
-        exchanging each piece alone."""
-        t0 = time.perf_counter()
-        per, src = self.workers_per_host, self._leader_global
-        sizes = [t.numel() for t in tensors]
-        flat = torch.cat([t.reshape(-1) for t in tensors]) if len(tensors) > 1 else tensors[0].reshape(-1).clone()
-        span = [flat[p.offset : p.offset + p.numel] for p in pieces]
-        reduces = [dist.reduce(x, dst=src, group=self.intra, async_op=True) for x in span] if per > 1 else []
-        sent = flat.numel() * flat.element_size() if per > 1 else 0
-        tensor_bytes = [0 if self.is_leader else s * flat.element_size() for s in sizes]
-        compress_s = 0.0
-        if not self.is_leader:
-            for w in reduces:
-                w.wait()
-            casts = [dist.broadcast(x, src=src, group=self.intra, async_op=True) for x in span]
-        else:
-            views = [x.view(t.shape) for x, t in zip(flat.split(sizes), tensors)]
-            keys = [Feedback.key(HOST, c.key) for c in ctxs]
-            kept = [torch.empty_like(v) for v in views] if feedback is not None else None
-            owed = [feedback.current(k, v) for k, v in zip(keys, views)] if feedback is not None else None
-            outer, wire = self._outer_strategy(compressor), self._wire_thread()
-            casts, in_flight = [], []
-
-            def finish() -> None:
-                nonlocal sent, compress_s
-                i, encoded, ticket = in_flight.pop(0)
-                p = pieces[i]
-                moved, nbytes = wire.wait(ticket)
-                t = time.perf_counter()
-                span[i].copy_(outer.combine(compressor, encoded, moved)[0].reshape(-1))  # type: ignore[attr-defined]
-                compress_s += time.perf_counter() - t
-                if kept is not None and encoded.residuals is not None:
-                    p.of(kept[p.tensor]).copy_(encoded.residuals[0].view(p.of(kept[p.tensor]).shape))
-                sent += nbytes
-                tensor_bytes[p.tensor] += encoded.packets[0].nbytes
-                if per > 1:
-                    casts.append(dist.broadcast(span[i], src=src, group=self.intra, async_op=True))
-
-            for i, p in enumerate(pieces):
-                if reduces:
-                    reduces[i].wait()
-                q = p.of(views[p.tensor]).div_(per)
-                if owed is not None:
-                    q = q.add(p.of(owed[p.tensor]), alpha=feedback.beta)  # type: ignore[union-attr]
-                encoded = outer.encode(compressor, [q], [piece_context(ctxs[p.tensor], p)], feedback)  # type: ignore[attr-defined]
-                compress_s += encoded.seconds
-                in_flight.append((i, encoded, wire.submit(f"hierarchical piece {i}", self._move(outer, compressor, encoded))))
-                if len(in_flight) > 1:  # piece i is queued behind piece i - 1: combine that one meanwhile
-                    finish()
-            while in_flight:
-                finish()
-            if kept is not None:
-                for k, r in zip(keys, kept):
-                    feedback.stage(k, r)  # type: ignore[union-attr]
-            sent += flat.numel() * flat.element_size() if per > 1 else 0
-        for w in casts:
-            w.wait()
-        results = [a.view(t.shape) for a, t in zip(flat.split(sizes), tensors)]
-        residuals = [t.zero_() for t in tensors] if feedback is not None else None
-        total = time.perf_counter() - t0
-        return ExchangeResult(results, sent, residuals, tensor_bytes, compress_s, max(0.0, total - compress_s))
+        keys = [Feedback.key(HOST, c.key) for c in ctxs]
+        return pipelined(self, compressor, tensors, ctxs, keys, feedback, pieces)
 
     def _outer_strategy(self, compressor: Compressor) -> Strategy:
         """The leaders' strategy for ``compressor`` (made once per name; a
