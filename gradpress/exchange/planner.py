@@ -32,9 +32,10 @@ elements of e bytes on N workers, with ``m = d / K`` elements per partition:
   of H > 1 hosts, see :mod:`gradpress.exchange.plans`): ``2 AR_host(4 d)``
   (dense reduce onto the host's leader and broadcast back, on the optional
   injected ``intra_allreduce`` fit, else the group's ``AR``) plus the
-  leaders' exchange, the group's collectives scaled from N ranks to H:
-  summable ``ENC(d) + AR(c(d)) ((H-1)/H) / ((N-1)/N) + DEC(d)``, else
-  ``ENC(d) + AG(c(d)) (H-1)/(N-1) + H DEC(d)``.
+  leaders' exchange, the group's collectives scaled from N ranks to H,
+  pipelined (its default ``chunk``: the codec overlaps the wire):
+  summable ``max(AR(c(d)) ((H-1)/H) / ((N-1)/N), ENC(d) + DEC(d))``, else
+  ``max(AG(c(d)) (H-1)/(N-1), ENC(d) + H DEC(d))``.
 
 Per tensor the cheapest option wins; a compressed option is chosen only when
 it predicts at least :data:`MIN_GAIN` (10%) less time than uncompressed

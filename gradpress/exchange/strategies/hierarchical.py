@@ -214,10 +214,12 @@ class Hierarchical(Strategy):
         broadcast back, ``2 AR_host(4 d)`` (``CostModel.intra_host_allreduce``:
         the injected ``intra_allreduce`` fit, else the group's allreduce),
         plus the leaders' exchange with the default outer strategy, the
-        group's collectives of N ranks scaled to H leaders: summable packets
-        ``ENC(d) + AR(c(d)) ((H - 1) / H) / ((N - 1) / N) + DEC(d)`` (the
-        bytes a ring allreduce moves per rank), else ``ENC(d) + AG(c(d))
-        (H - 1) / (N - 1) + H DEC(d)``."""
+        group's collectives of N ranks scaled to H leaders, pipelined (the
+        default ``chunk``: encoding and decoding overlap the wire, so the
+        larger of the two counts): summable packets
+        ``max(AR(c(d)) ((H - 1) / H) / ((N - 1) / N), ENC(d) + DEC(d))`` (the
+        bytes a ring allreduce moves per rank), else
+        ``max(AG(c(d)) (H - 1) / (N - 1), ENC(d) + H DEC(d))``."""
         d = float(numel)
         try:
             per = max(1, workers_per_host_from_env())
@@ -228,9 +230,9 @@ class Hierarchical(Strategy):
         inner = 2 * costs.intra_host_allreduce(4 * d) if per > 1 else 0.0
         if summable:  # a ring allreduce moves 2 (k-1)/k of the payload per rank among k ranks
             scale = ((h - 1) / h) / ((n - 1) / n) if n > 1 else 0.0
-            outer = costs.encode(d) + costs.allreduce(costs.wire(d)) * scale + costs.decode(d)
+            outer = max(costs.allreduce(costs.wire(d)) * scale, costs.encode(d) + costs.decode(d))
         else:
-            outer = costs.encode(d) + costs.allgather(costs.wire(d)) * (h - 1) / max(1, n - 1) + h * costs.decode(d)
+            outer = max(costs.allgather(costs.wire(d)) * (h - 1) / max(1, n - 1), costs.encode(d) + h * costs.decode(d))
         return inner + outer, 1
 
     def state_dict(self) -> dict[str, Any]:
