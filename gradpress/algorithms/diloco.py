@@ -35,7 +35,22 @@ across all parameters (biases and small tensors included, which
 Floating buffers (BatchNorm statistics) are averaged plain at each
 synchronization.
 
-Invariants: ``theta`` and the outer optimizer's momentum are bit-identical on
+``switch=N`` (DiLoCo only, default 0): a synchronous start. The DiLoCo paper
+starts its workers from a model pretrained synchronously, and post-local SGD
+(Lin et al. 2020, "Don't Use Large Mini-Batches, Use Local SGD") switches to
+local steps after a synchronous phase: the first N steps are DDP's steps
+(:meth:`~gradpress.algorithms.base.Algorithm.ddp_step`, as ``postlocalsgd``:
+gradients averaged through the engine under keys ``grad:<name>``, compressed
+by the configured compressor with their own error-feedback residuals, and
+counted), then ``theta`` is set to the synchronized model and the outer
+optimizer starts with no momentum (it has never stepped); outer steps fall
+every H steps counted from the switch. ``inner_state=reset`` (DiLoCo only,
+default ``keep``): every outer step zeroes each worker's inner optimizer's
+floating state (momentum buffers, Adam's moments; step counts are kept),
+which points along the worker's own pre-synchronization trajectory.
+
+Invariants: during the first ``switch`` steps all replicas hold bit-identical
+parameters and inner optimizer state (DDP's invariant). ``theta`` and the outer optimizer's momentum are bit-identical on
 every rank at all times (the engine's average is bit-identical on every
 rank and the outer step is deterministic), so right after every
 synchronization all replicas hold bit-identical parameters (except with
@@ -53,6 +68,7 @@ from typing import Any
 import torch
 
 from gradpress.algorithms.base import Algorithm
+from gradpress.algorithms.localsgd import GRAD
 from gradpress.algorithms.registry import register
 from gradpress.compress.base import Param
 
@@ -78,6 +94,13 @@ SELECT = Param(
     "select", str, "tensor", "tensor or model (model needs one dtype)", lambda v: v in ("tensor", "model"),
     "what the compressor sees: each parameter's outer gradient, or the whole model's as one tensor "
     "(top-k then selects across all parameters, biases included)")
+SWITCH = Param(
+    "switch", int, 0, "integer >= 0", lambda v: v >= 0,
+    "the first N steps are synchronous (gradients averaged through the compressor, as DDP), then DiLoCo "
+    "from the synchronized model with a fresh outer optimizer")
+INNER_STATE = Param(
+    "inner_state", str, "keep", "keep or reset", lambda v: v in ("keep", "reset"),
+    "the inner optimizer's floating state (momentum, moments) at each outer step: kept, or zeroed")
 #: the engine key of the whole model's outer gradient (select=model)
 MODEL_KEY = "diloco/model"
 
@@ -85,7 +108,7 @@ MODEL_KEY = "diloco/model"
 @register
 class DiLoCo(Algorithm):
     name = "diloco"
-    PARAMS = (*PARAMS, KEEP_RESIDUAL, EVALUATE, SELECT)
+    PARAMS = (*PARAMS, KEEP_RESIDUAL, EVALUATE, SELECT, SWITCH, INNER_STATE)
     summary = ("DiLoCo: H inner optimizer steps, then an outer Nesterov SGD step on the averaged "
                "(compressed, error-compensated) parameter change")
 
@@ -96,8 +119,12 @@ class DiLoCo(Algorithm):
                 raise ValueError(f"algorithm {self.name!r}: parameter 'select' is 'model' but the parameters have "
                                  f"{len(dtypes)} dtypes; allowed: select=tensor, or one dtype")
             # 2-D (1, n): the engine compresses it (1-D tensors travel plain)
-            return [(MODEL_KEY, torch.Size([1, sum(p.numel() for _, p in self.named)]), dtypes.pop())]
-        return super().exchanged_params()
+            own = [(MODEL_KEY, torch.Size([1, sum(p.numel() for _, p in self.named)]), dtypes.pop())]
+        else:
+            own = super().exchanged_params()
+        if getattr(self, "switch", 0):  # the synchronous phase's gradients: their own keys and residuals
+            own += [(GRAD + n, p.shape, p.dtype) for n, p in self.named]
+        return own
 
     def setup(self) -> None:
         if self.nesterov and self.outer_momentum == 0:  # type: ignore[attr-defined]
@@ -132,10 +159,29 @@ class DiLoCo(Algorithm):
                                      nesterov=self.nesterov)  # type: ignore[attr-defined]
 
     def step(self) -> None:
+        switch = getattr(self, "switch", 0)
+        if self._steps < switch:  # synchronous start: DDP's step (as postlocalsgd)
+            self.ddp_step(keys=[GRAD + n for n, _ in self.named])
+            if self._steps == switch:  # theta = the synchronized model; the outer optimizer never stepped
+                with torch.no_grad():
+                    for a, (_, p) in zip(self.anchor, self.named):
+                        a.copy_(p)
+            return
         self.local_step()
-        if self._steps % self.period == 0:  # type: ignore[attr-defined]
+        if (self._steps - switch) % self.period == 0:  # type: ignore[attr-defined]
             self.outer_step(range(len(self.named)))
             self.average_plain(list(self.model.buffers()))
+            if getattr(self, "inner_state", "keep") == "reset":
+                self.reset_inner_state()
+
+    @torch.no_grad()
+    def reset_inner_state(self) -> None:
+        """Zero the inner optimizer's floating state tensors (momentum
+        buffers, Adam's moments; scalar step counts are kept)."""
+        for state in self.optimizer.state.values():
+            for t in state.values():
+                if torch.is_tensor(t) and t.is_floating_point() and t.dim() > 0:
+                    t.zero_()
 
     @torch.no_grad()
     def outer_gradient(self, idx: Sequence[int]) -> list[torch.Tensor]:
