@@ -311,7 +311,7 @@ def test_registry_lists_the_new_algorithms() -> None:
     assert {"diloco", "streaming-diloco", "postlocalsgd", "lsgd"} <= set(rows)
     assert [p["name"] for p in rows["diloco"]["params"]] == [
         "period", "outer_lr", "outer_momentum", "nesterov", "residual_decay", "keep_residual", "evaluate",
-        "select", "switch", "inner_state"]
+        "select", "switch", "switch_exchange", "inner_state"]
     assert rows["diloco"]["params"][1]["default"] == 0.7 and rows["diloco"]["params"][2]["default"] == 0.9
     with pytest.raises(ValueError, match="'outer_momentum' got 1.0"):
         algorithms.parse("diloco:outer_momentum=1")

@@ -31,7 +31,7 @@ def _topk(acc: torch.Tensor) -> torch.Tensor:
 
 
 def ref_switch(steps: int, switch: int, period: int, lr: float, mu: float, kind: str = "sgd",
-               topk: bool = False, reset: bool = False) -> list[torch.Tensor]:
+               topk: bool = False, reset: bool = False, dense_start: bool = False) -> list[torch.Tensor]:
     """Steps 1..switch: every worker's gradient g_i (top-k with error
     feedback when ``topk``: p_i = e_i + g_i, send C(p_i), e_i = p_i - C(p_i),
     for 2-D tensors of at least MIN_NUMEL entries) is averaged and every
@@ -40,7 +40,9 @@ def ref_switch(steps: int, switch: int, period: int, lr: float, mu: float, kind:
     (t - switch) % H == 0 with Delta = mean_i C(theta - x_i) (own residuals),
     theta <- theta - lr * (Delta + mu * v) (Nesterov; v = Delta at the first
     outer step after the switch); workers restart from theta. ``reset``: the
-    inner optimizer's moments are zeroed after every outer step."""
+    inner optimizer's moments are zeroed after every outer step.
+    ``dense_start``: the gradients of the first ``switch`` steps are
+    averaged uncompressed (the outer gradients still top-k)."""
     w = Workers(kind)
     theta = [p.detach().clone() for p in w.models[0].parameters()]
     buf: list[torch.Tensor | None] = [None] * len(theta)
@@ -48,7 +50,7 @@ def ref_switch(steps: int, switch: int, period: int, lr: float, mu: float, kind:
     dres: dict[tuple[int, int], torch.Tensor] = {}
 
     def squeeze(store: dict, r: int, i: int, t: torch.Tensor) -> torch.Tensor:
-        if not topk or t.dim() < 2 or t.numel() < MIN_NUMEL:
+        if not topk or (dense_start and store is gres) or t.dim() < 2 or t.numel() < MIN_NUMEL:
             return t
         acc = store.get((r, i), torch.zeros_like(t)) + t
         sent = _topk(acc)
@@ -92,6 +94,8 @@ def _worker(rank: int, world: int) -> dict:
             ("switch", "diloco:period=3,outer_lr=0.7,outer_momentum=0.5,switch=5", "sgd", {"compressor": "none"}),
             ("switch_topk", "diloco:period=3,outer_lr=0.7,outer_momentum=0.5,switch=5", "sgd", topk),
             ("switch_adam", "diloco:period=3,outer_lr=0.7,outer_momentum=0.5,switch=4", "adam", topk),
+            ("switch_dense", "diloco:period=3,outer_lr=0.7,outer_momentum=0.5,switch=5,switch_exchange=dense", "sgd",
+             topk),
             ("reset", "diloco:period=3,outer_lr=0.7,outer_momentum=0.5,inner_state=reset", "adam",
              {"compressor": "none"}),
             ("reset_switch", "diloco:period=3,outer_lr=0.7,outer_momentum=0.5,switch=4,inner_state=reset", "adam",
@@ -104,7 +108,8 @@ def _worker(rank: int, world: int) -> dict:
     out["resume_after"] = resumed(rank, "diloco:period=3,outer_momentum=0.5,switch=4,inner_state=reset", 9, STEPS,
                                   "adam", **topk)
     out["errors"] = value_errors(lambda spec: build(rank, spec),
-                                 {s: s for s in ("diloco:switch=-1", "diloco:inner_state=drop")})
+                                 {s: s for s in ("diloco:switch=-1", "diloco:inner_state=drop",
+                                                        "diloco:switch=2,switch_exchange=sparse")})
     dist.barrier()
     return out
 
@@ -118,11 +123,12 @@ def results() -> list[dict]:
     ("switch", 5, "sgd", False, False),
     ("switch_topk", 5, "sgd", True, False),
     ("switch_adam", 4, "adam", True, False),
+    ("switch_dense", 5, "sgd", True, False),
     ("reset", 0, "adam", False, True),
     ("reset_switch", 4, "adam", True, True),
 ])
 def test_matches_the_float64_reference(results, name, switch, kind, topk, reset) -> None:  # noqa: ANN001
-    ref = ref_switch(STEPS, switch, 3, 0.7, 0.5, kind, topk, reset)
+    ref = ref_switch(STEPS, switch, 3, 0.7, 0.5, kind, topk, reset, dense_start=name == "switch_dense")
     for rank, res in enumerate(results):
         assert close(res[name][-1], ref[rank]), (res[name][-1] - ref[rank]).abs().max()
     # synchronous phase (DDP's invariant) and right after every outer step: replicas agree
@@ -145,6 +151,10 @@ def test_bytes_count_the_synchronous_phase(results) -> None:  # noqa: ANN001
         # 5 gradient averages + 3 outer steps ((14 - 5) // 3), each a model-sized exchange uncompressed
         assert s["exchanges"] == 8
         assert c["exchanges"] == 8 and c["bytes_sent"] < s["bytes_sent"]
+        # dense start: the 5 gradient averages cost what uncompressed ones do, the outer steps what top-k's do
+        d = res["switch_dense_stats"]
+        assert c["bytes_sent"] < d["bytes_sent"] < s["bytes_sent"]
+    assert not torch.equal(results[0]["switch_dense"][-1], results[0]["switch_topk"][-1])
 
 
 @pytest.mark.parametrize("key", ["resume", "resume_after"])
@@ -161,6 +171,7 @@ def test_resume_is_bit_identical(results, key) -> None:  # noqa: ANN001
 
 def test_bad_values_name_the_field(results) -> None:  # noqa: ANN001
     for res in results:
-        a, b = res["errors"].values()
+        a, b, c = res["errors"].values()
         assert a is not None and "switch" in a and "-1" in a
         assert b is not None and "inner_state" in b and "drop" in b and "keep or reset" in b
+        assert c is not None and "switch_exchange" in c and "sparse" in c and "compressed or dense" in c

@@ -42,7 +42,8 @@ local steps after a synchronous phase: the first N steps are DDP's steps
 (:meth:`~gradpress.algorithms.base.Algorithm.ddp_step`, as ``postlocalsgd``:
 gradients averaged through the engine under keys ``grad:<name>``, compressed
 by the configured compressor with their own error-feedback residuals, and
-counted), then ``theta`` is set to the synchronized model and the outer
+counted; ``switch_exchange=dense``: plain, uncompressed, as DDP), then
+``theta`` is set to the synchronized model and the outer
 optimizer starts with no momentum (it has never stepped); outer steps fall
 every H steps counted from the switch. ``inner_state=reset`` (DiLoCo only,
 default ``keep``): every outer step zeroes each worker's inner optimizer's
@@ -98,6 +99,10 @@ SWITCH = Param(
     "switch", int, 0, "integer >= 0", lambda v: v >= 0,
     "the first N steps are synchronous (gradients averaged through the compressor, as DDP), then DiLoCo "
     "from the synchronized model with a fresh outer optimizer")
+SWITCH_EXCHANGE = Param(
+    "switch_exchange", str, "compressed", "compressed or dense", lambda v: v in ("compressed", "dense"),
+    "how the synchronous phase's gradients travel: through the configured compressor (with error feedback), "
+    "or dense (plain allreduce, as DDP)")
 INNER_STATE = Param(
     "inner_state", str, "keep", "keep or reset", lambda v: v in ("keep", "reset"),
     "the inner optimizer's floating state (momentum, moments) at each outer step: kept, or zeroed")
@@ -108,7 +113,7 @@ MODEL_KEY = "diloco/model"
 @register
 class DiLoCo(Algorithm):
     name = "diloco"
-    PARAMS = (*PARAMS, KEEP_RESIDUAL, EVALUATE, SELECT, SWITCH, INNER_STATE)
+    PARAMS = (*PARAMS, KEEP_RESIDUAL, EVALUATE, SELECT, SWITCH, SWITCH_EXCHANGE, INNER_STATE)
     summary = ("DiLoCo: H inner optimizer steps, then an outer Nesterov SGD step on the averaged "
                "(compressed, error-compensated) parameter change")
 
@@ -123,7 +128,9 @@ class DiLoCo(Algorithm):
         else:
             own = super().exchanged_params()
         if getattr(self, "switch", 0):  # the synchronous phase's gradients: their own keys and residuals
-            own += [(GRAD + n, p.shape, p.dtype) for n, p in self.named]
+            dense = getattr(self, "switch_exchange", "compressed") == "dense"
+            # registered 1-D, the engine's plan sends them plain (uncompressed, no residual)
+            own += [(GRAD + n, torch.Size([p.numel()]) if dense else p.shape, p.dtype) for n, p in self.named]
         return own
 
     def setup(self) -> None:
