@@ -31,7 +31,7 @@ from gradpress.exchange.feedback import Feedback
 
 __all__ = [
     "ExchangeResult", "Prelude", "Strategy", "aggregate", "available", "check_strategy", "encode_local", "get_strategy",
-    "register_strategy", "strategy_class", "strategy_names",
+    "parse_strategy", "register_strategy", "strategy_class", "strategy_names",
 ]
 
 
@@ -50,11 +50,13 @@ class Prelude:
 class Encoded:
     """A call's packets encoded ahead of its exchange (a strategy's
     ``encode``, where it has one): packets, the residuals error feedback
-    keeps (None when off), the packed wire buffer and the encoding seconds."""
+    keeps (None when off), what goes on the wire (allgather: the packed byte
+    buffer; allreduce: the payload tensors, summed as they are) and the
+    encoding seconds."""
 
     packets: list[Packet]
     residuals: list[torch.Tensor] | None
-    buffer: torch.Tensor
+    buffer: torch.Tensor | list[torch.Tensor]
     seconds: float
 
 
@@ -214,12 +216,12 @@ def get_strategy(name: str, group: dist.ProcessGroup | None) -> Strategy:
     return strategy_class(name)(group)
 
 
-def check_strategy(spec: str, compressor: Compressor | None = None) -> str:
-    """Check a strategy spec ``name[:key=value,...]`` before any worker starts
-    (``hierarchical:chunk=1048576,outer=ring``): a known name, parameters the
-    strategy declares with allowed values, and, given ``compressor``, a
-    strategy that can carry it. Returns the spec; ValueError naming the
-    field, the value and what is allowed."""
+def parse_strategy(spec: str) -> tuple[str, dict[str, Any]]:
+    """``(name, parameters as given)`` of a strategy spec ``name[:key=value,...]``
+    (``hierarchical:chunk=1048576,outer=ring``), the parameters checked
+    against those the strategy declares. ValueError naming the field, the value
+    and what is allowed: not a string, an unknown name, parameters for a
+    strategy that takes none, an unknown parameter or a bad value."""
     from gradpress.compress.spec import coerce_params, parse_stage
 
     if not isinstance(spec, str) or not spec.strip():
@@ -232,6 +234,14 @@ def check_strategy(spec: str, compressor: Compressor | None = None) -> str:
         raise ValueError(f"strategy {name!r} takes no parameters, got {', '.join(sorted(params))}")
     if params:
         coerce_params(declared, params, name, "strategy")
+    return name, params
+
+
+def check_strategy(spec: str, compressor: Compressor | None = None) -> str:
+    """Check a strategy spec before any worker starts (:func:`parse_strategy`)
+    and, given ``compressor``, that the strategy can carry it. Returns the
+    spec, stripped."""
+    name, params = parse_strategy(spec)
     if compressor is not None and name not in PSEUDO:
         reason = strategy_class(name)(None, **params).supports(compressor)  # type: ignore[call-arg]
         if reason:

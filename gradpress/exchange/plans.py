@@ -35,8 +35,7 @@ import torch
 import torch.distributed as dist
 
 from gradpress.compress.base import Compressor
-from gradpress.compress.spec import parse_stage
-from gradpress.exchange.base import Strategy, available, get_strategy, strategy_class, strategy_names
+from gradpress.exchange.base import Strategy, get_strategy, parse_strategy, strategy_class, strategy_names
 from gradpress.exchange.costs import CostModel, load_costs
 from gradpress.exchange.planner import Decision, Plan, Planner, log_plan
 from gradpress.transport.groups import device_of
@@ -95,13 +94,7 @@ class StrategyChoice:
         strategy with parameters (``hierarchical:workers_per_host=2,outer=ring``)
         goes by its whole spec, so the configuration every rank must agree on
         holds them."""
-        if not isinstance(strategy, str):
-            raise ValueError(f"strategy must be a string, got {strategy!r}")
-        name, params = parse_stage(strategy, "strategy") if strategy.strip() else (strategy, {})
-        if name not in available():
-            raise ValueError(f"unknown strategy {name!r}; allowed: {', '.join(available())}")
-        if params and not getattr(strategy_class(name) if name not in ("auto", "collective") else None, "PARAMS", ()):
-            raise ValueError(f"strategy {name!r} takes no parameters, got {sorted(params)}")
+        name, params = parse_strategy(strategy)
         if name == "collective" or (name == "auto" and self.compressor.rounds > 1):
             return self.general, {}
         if params:
