@@ -44,9 +44,11 @@ def exchange_bytes(
     group: dist.ProcessGroup | None,
     sized: bool,
     device: torch.device | None = None,
+    recv_group: dist.ProcessGroup | None = None,
 ) -> tuple[dict[int, torch.Tensor], int]:
     """Send ``sends[peer]`` (uint8) to each peer and receive one buffer from
-    each peer in ``expect``. Peers are group ranks.
+    each peer in ``expect``. Peers are group ranks. ``recv_group``: receive
+    on this group instead (the same ranks; see :func:`swap_bytes`).
 
     ``expect[peer]`` is the byte size of the message from ``peer`` when this
     side knows it (fixed-size packets), or ``None`` when the sender prefixes
@@ -59,6 +61,7 @@ def exchange_bytes(
     """
     if device is None:
         device = next(iter(sends.values())).device if sends else torch.device("cpu")
+    incoming = group if recv_group is None else recv_group
     sent = 0
     keep: list[torch.Tensor] = []
     works = []
@@ -73,7 +76,7 @@ def exchange_bytes(
         if known is None:
             t = torch.empty(1, dtype=torch.int64, device=device)
             size_in[peer] = t
-            works.append(dist.irecv(t, global_rank(group, peer), group=group, tag=_SIZE_TAG))
+            works.append(dist.irecv(t, global_rank(incoming, peer), group=incoming, tag=_SIZE_TAG))
     for w in works:
         w.wait()
     sizes = {peer: int(size_in[peer].item()) if known is None else int(known) for peer, known in expect.items()}
@@ -83,7 +86,7 @@ def exchange_bytes(
         buf = torch.empty(n, dtype=torch.uint8, device=device)
         out[peer] = buf
         if n:
-            works.append(dist.irecv(buf, global_rank(group, peer), group=group, tag=_DATA_TAG))
+            works.append(dist.irecv(buf, global_rank(incoming, peer), group=incoming, tag=_DATA_TAG))
     for peer, buf in sends.items():
         if buf.numel():
             data = buf if buf.is_contiguous() else buf.contiguous()
@@ -104,25 +107,7 @@ def swap_bytes(
     peer sends on this rank's ``recv_group``) each TCP connection carries
     data one way only: a bulk exchange both ways over one gloo pair ran at
     about half the link rate through a shaped link (docs/strategies.md,
-    "two hosts"). Peers are ranks of both groups, which hold the same ranks.
+    "Pipelining"). Peers are ranks of both groups, which hold the same ranks.
     Returns the peer's buffer and the bytes handed over."""
-    sent, works = 0, []
-    if size is None:
-        mine = torch.tensor([buffer.numel()], dtype=torch.int64, device=buffer.device)
-        theirs = torch.empty(1, dtype=torch.int64, device=buffer.device)
-        works = [dist.isend(mine, global_rank(send_group, peer), group=send_group, tag=_SIZE_TAG),
-                 dist.irecv(theirs, global_rank(recv_group, peer), group=recv_group, tag=_SIZE_TAG)]
-        for w in works:
-            w.wait()
-        size, sent = int(theirs.item()), 8
-    out = torch.empty(size, dtype=torch.uint8, device=buffer.device)
-    data = buffer if buffer.is_contiguous() else buffer.contiguous()
-    works = []
-    if size:
-        works.append(dist.irecv(out, global_rank(recv_group, peer), group=recv_group, tag=_DATA_TAG))
-    if data.numel():
-        works.append(dist.isend(data, global_rank(send_group, peer), group=send_group, tag=_DATA_TAG))
-        sent += data.numel()
-    for w in works:
-        w.wait()
-    return out, sent
+    got, sent = exchange_bytes({peer: buffer}, {peer: size}, send_group, size is None, buffer.device, recv_group)
+    return got[peer], sent

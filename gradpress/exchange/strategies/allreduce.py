@@ -74,7 +74,7 @@ class Allreduce(Strategy):
         t0 = time.perf_counter()
         packets, residuals = encode_local(compressor, tensors, ctxs, 1.0 / self.world_size, feedback)
         payloads = [t for p in packets for t in p.tensors]
-        return Encoded(packets, residuals, payloads, time.perf_counter() - t0)  # type: ignore[arg-type]
+        return Encoded(packets, residuals, payloads, time.perf_counter() - t0)
 
     def move(self, compressor: Compressor, encoded: Encoded) -> tuple[list[torch.Tensor], int]:
         """The collective alone: the summed payloads and the bytes handed over."""
