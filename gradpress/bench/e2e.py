@@ -68,7 +68,8 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
                    help="gradpress configurations [ALGORITHM/]SPEC[@STRATEGY][+ef|+noef][+lr=X], comma-separated; "
                         "+lr=X: this configuration's own learning rate "
                         f"(default {DEFAULT_CONFIGS!r}); strategies: collective (default), auto, allreduce, allgather, ring, "
-                        "ps, hierarchical (hosts of --workers-per-node ranks)")
+                        "ps, hierarchical (hosts of --workers-per-node ranks); strategy parameters as @NAME:key=value, "
+                        "e.g. qsgd@hierarchical:chunk=1048576")
     p.add_argument("--baselines", default=DEFAULT_BASELINES,
                    help=f"PyTorch baselines: ddp, fp16, powersgd:rank=R[,start=I] (default {DEFAULT_BASELINES!r}); "
                         "plain ddp always runs; +lr=X gives a baseline its own learning rate (ddp+lr=0.05)")

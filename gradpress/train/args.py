@@ -30,7 +30,9 @@ def add_arguments(p: argparse.ArgumentParser, *, compare: bool = False) -> None:
                        "allreduce if summable, else allgather, so every method is exercised); also auto (the planner), " + choices)
     else:
         p.add_argument("--strategy", default=S, help="collective (default: the compressor on every tensor above "
-                       "--min-numel, by allreduce if summable, else allgather), allreduce, allgather, ring, ps, or auto "
+                       "--min-numel, by allreduce if summable, else allgather), allreduce, allgather, ring, ps, hierarchical "
+                       "(several workers per host; parameters as NAME:key=value, e.g. "
+                       "hierarchical:workers_per_host=2,chunk=262144), or auto "
                        "(opt-in: a per-tensor plan from costs measured on this cluster; may keep tensors dense "
                        "when compression does not pay)")
         p.add_argument("--plan-costs", dest="plan_costs", default=S, metavar="FILE.json",
