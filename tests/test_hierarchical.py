@@ -93,6 +93,7 @@ def _worker(rank: int, world: int) -> dict:
     # variable-size packets: the sizes travel first (the swap on the wire thread)
     out["pipe_threshold"] = _run(_engine(f"threshold:tau={TAU}", spec + f",chunk={CHUNK}", error_feedback=True),
                                  rank, range(3))
+    out["pipe_direct"] = _direct(rank, spec + f",chunk={CHUNK}")
     out["powersgd"] = _run(_engine("powersgd:rank=1", spec), rank, range(2), grads=_low_rank)
     # the environment route (torchrun's LOCAL_WORLD_SIZE, or GRADPRESS_WORKERS_PER_HOST)
     os.environ["GRADPRESS_WORKERS_PER_HOST"] = str(PER_HOST)
@@ -116,6 +117,30 @@ def _worker(rank: int, world: int) -> dict:
     out["ddp_piped"], out["ddp_piped_coalesced"] = _ddp(rank, f",chunk={CHUNK}")
     dist.barrier()
     return out
+
+
+def _direct(rank: int, spec: str) -> dict:
+    """The pipelined strategy called directly: contiguous tensors are
+    averaged in place (the results are the inputs), non-contiguous ones
+    (transposed views) through a fused copy that leaves them untouched."""
+    from gradpress.compress import create
+    from gradpress.compress.base import Context
+    from gradpress.exchange.base import parse_strategy
+    from gradpress.exchange.strategies.hierarchical import Hierarchical
+
+    strategy = Hierarchical(None, **parse_strategy(spec)[1])
+    none = create("none")
+    ctxs = [Context(key=k, rank=rank, world_size=WORLD) for k in KEYS[:2]]
+    grads = _grads(rank, 0)[:2]
+    inputs = [g.clone() for g in grads]
+    res = strategy.exchange(none, inputs, ctxs, None)
+    transposed = [g.clone().t() for g in grads]
+    before = [t.clone() for t in transposed]
+    res_t = strategy.exchange(none, transposed, ctxs, None)
+    return {"in_place": all(a is b for a, b in zip(res.tensors, inputs)),
+            "contiguous": [t.clone() for t in res.tensors],
+            "transposed": [t.clone() for t in res_t.tensors],
+            "transposed_untouched": all(torch.equal(a, b) for a, b in zip(transposed, before))}
 
 
 def _ddp(rank: int, extra: str = "") -> tuple[list[torch.Tensor], bool]:
@@ -246,6 +271,18 @@ def test_pipelined_pieces_match_float64_on_every_rank(results: list[dict]) -> No
     for step, got_step in enumerate(_identical(results, "pipe_fp16")):
         for a, want in zip(got_step, _mean64(_grads, step)):
             assert torch.allclose(a.double(), want, rtol=2e-3, atol=2e-3)
+
+
+def test_pipelined_direct_in_place_and_non_contiguous(results: list[dict]) -> None:
+    want = _mean64(_grads, 0)[:2]
+    for res in results:
+        got = res["pipe_direct"]
+        assert got["in_place"] and got["transposed_untouched"]
+        for a, b, w in zip(got["contiguous"], got["transposed"], want):
+            assert torch.allclose(a.double(), w, rtol=1e-6, atol=1e-6)
+            assert torch.allclose(b.double(), w.t(), rtol=1e-6, atol=1e-6)
+        for name in ("contiguous", "transposed"):  # replicas bit-identical
+            assert all(torch.equal(a, b) for a, b in zip(got[name], results[0]["pipe_direct"][name]))
 
 
 def test_pipelined_variable_size_packets_match_float64(results: list[dict]) -> None:

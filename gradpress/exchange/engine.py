@@ -226,9 +226,12 @@ class Synchronizer(EngineState):
         if not stopped:
             overflow = torch.stack([~all_finite(tensors[i]) for i in comp_idx]) & ~outcome["bad"][comp_idx]
             stopped = self.guard.observe_results(overflow, [keys[i] for i in comp_idx], step, _zero(tensors, flat))
-        if not stopped and self.nonfinite == "propagate":
+        bad = outcome.get("bad")
+        # a CPU flag read costs nothing, and a clean call (the usual one) then skips a write pass over
+        # every tensor; on a GPU the masked fill stays (reading the flag would wait for the device)
+        if not stopped and self.nonfinite == "propagate" and (bad.is_cuda or bool(bad[comp_idx].any())):
             for i in comp_idx:  # every rank sees the NaN, so every rank's GradScaler skips alike
-                tensors[i].masked_fill_(outcome["bad"][i], float("nan"))
+                tensors[i].masked_fill_(bad[i], float("nan"))
         total = time.perf_counter() - t0
         self.stats_counter.record(
             sent=sent, dense=dense_bytes, compress_s=0.0 if stopped else min(comp_s, total), comm_s=comm_s,
