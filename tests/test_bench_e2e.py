@@ -403,3 +403,12 @@ def test_profile_phases_of_the_allgather_step():
     assert "encode" in phases and "average: sparse_sum of 3 packets" in phases
     assert all(v >= 0 for v in phases.values())
     assert not any("sparse_sum" in k for k in profile("qsgd:levels=4", [(40, 30)], world=2, repeats=1))
+
+
+def test_payload_cell_names_the_bytes_that_stay_inside_a_host():
+    from gradpress.bench.e2e_report import _payload
+
+    assert _payload({"payload_bytes_per_step": 87_540_000, "host_bytes_per_step": 80_000_000}) == \
+        "87.54 MB (80.00 MB in hosts)"
+    for host in (None, 0, 0.0):  # flat strategies and PyTorch baselines: the plain figure
+        assert _payload({"payload_bytes_per_step": 7_600_000, "host_bytes_per_step": host}) == "7.60 MB"

@@ -89,6 +89,7 @@ def _worker(rank: int, world: int) -> dict:
     again.load_state_dict(piped.state_dict())
     out["pipe_topk"] += _run(again, rank, range(2, STEPS))
     out["pipe_host_keys"] = sorted(piped.feedback.namespace("host"))
+    out["pipe_stats"] = piped.stats
     out["pipe_fp16"] = _run(_engine("fp16", spec + f",chunk={CHUNK}"), rank, range(2))
     # variable-size packets: the sizes travel first (the swap on the wire thread)
     out["pipe_threshold"] = _run(_engine(f"threshold:tau={TAU}", spec + f",chunk={CHUNK}", error_feedback=True),
@@ -333,6 +334,10 @@ def test_bytes_leaders_carry_compressed_workers_dense(results: list[dict]) -> No
             assert dense <= per_step < dense + 4 * 5000 + 64
         else:  # a leader: its dense part of the reduce, the broadcast, the prelude, the top-k packets
             assert 2 * dense + 4 * 5000 < per_step < 2 * dense + 4 * 5000 + 64 + 4 * RATIO * dense
+        # the dense part stays inside the host, counted apart (unpipelined and pipelined alike)
+        inside = dense * (1 if r % PER_HOST else 2)
+        for stats, steps in ((res["stats"], STEPS), (res["pipe_stats"], 2)):
+            assert stats["host_bytes"] == steps * inside and stats["last_step_host_bytes"] == inside
 
 
 def test_ddp_hook_replicas_identical(results: list[dict]) -> None:

@@ -18,7 +18,8 @@ __all__ = ["STEP_FIELDS", "TRAIN_FIELDS", "human_bytes", "markdown", "plot"]
 #: fields every step-mode row carries (None where not applicable)
 STEP_FIELDS = (
     "label", "kind", "spec", "strategy", "ok", "warmup", "steps", "bucket_cap_mb", "buckets",
-    "median_step_s", "step_s", "speedup", "payload_bytes_per_step", "payload_source", "link_bytes_per_step",
+    "median_step_s", "step_s", "speedup", "payload_bytes_per_step", "payload_source", "host_bytes_per_step",
+    "link_bytes_per_step",
     "link_tx_bytes_per_step", "link_rx_bytes_per_step", "compute_s", "ideal_s", "measured_over_ideal",
     "wire_factor", "ideal_payload_s", "compress_s_per_step", "comm_s_per_step", "register_s",
     "tbf_bytes", "seconds", "error", "exchange_s_per_step", "exposed_s_per_step", "overlap", "overlap_bound_s",
@@ -30,6 +31,13 @@ TRAIN_FIELDS = (
     "train_s", "final_metric", "best_metric", "speedup", "payload_bytes_per_step", "bucket_cap_mb", "buckets",
     "history", "seconds", "error",
 )
+
+
+def _payload(row: dict) -> str:
+    """The payload cell: bytes per step, and the part that stayed inside a host when there is one."""
+    host = row.get("host_bytes_per_step")
+    cell = human_bytes(row["payload_bytes_per_step"])
+    return f"{cell} ({human_bytes(host)} in hosts)" if host else cell
 
 
 def human_bytes(n: float | None) -> str:
@@ -89,7 +97,7 @@ def markdown(result: dict[str, Any]) -> str:
                 label += " (" + ", ".join(f"{k}={v}" for k, v in r["plan_counts"].items()) + ")"
             lines.append(
                 f"| {label} | {_f(r['median_step_s'], '.3f', ' s')} | {_f(r['speedup'], '.2f', 'x')} "
-                f"| {human_bytes(r['payload_bytes_per_step'])} | {human_bytes(r['link_bytes_per_step'])} "
+                f"| {_payload(r)} | {human_bytes(r['link_bytes_per_step'])} "
                 f"| {_f(r['ideal_s'], '.3f', ' s')} | {_f(r['measured_over_ideal'], '.2f')} "
                 f"| {_f(r['compress_s_per_step'], '.3f')} | {_f(r['comm_s_per_step'], '.3f')} "
                 f"| {r['buckets'] if r['buckets'] is not None else 'n/a'}"
@@ -97,7 +105,8 @@ def markdown(result: dict[str, Any]) -> str:
         lines += ["", "- step: median wall time of one step on rank 0 over the measured steps (after warm-up; "
                   "no barrier inside a step).",
                   "- payload: bytes one worker hands to collectives per step (gradpress: the hook's stats; "
-                  "PyTorch baselines: computed from the parameter shapes).",
+                  "PyTorch baselines: computed from the parameter shapes); \"in hosts\": the part that stays "
+                  "inside a host (hierarchical's dense reduce and broadcast).",
                   "- link: bytes per step on the busiest direction of the busiest node link (Ethernet frames, "
                   "from the node's interface counters over the measured steps).",
                   "- ideal = compute-only (shared CPU) + link bytes x 8 / bandwidth.",

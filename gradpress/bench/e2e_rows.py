@@ -32,7 +32,7 @@ def _step_row(cfg: RunConfig, res: Any, results: list[dict[str, Any] | None], tb
               compute_s: float, rate: int, world: int, runner: _Runner, tag: str) -> dict[str, Any]:
     row: dict[str, Any] = {k: None for k in ("warmup", "steps", "bucket_cap_mb", "buckets", "median_step_s",
                                              "step_s", "speedup", "payload_bytes_per_step", "payload_source",
-                                             "link_bytes_per_step", "link_tx_bytes_per_step",
+                                             "host_bytes_per_step", "link_bytes_per_step", "link_tx_bytes_per_step",
                                              "link_rx_bytes_per_step", "compute_s", "ideal_s",
                                              "measured_over_ideal", "wire_factor", "ideal_payload_s",
                                              "compress_s_per_step", "comm_s_per_step", "register_s", "error",
@@ -50,7 +50,8 @@ def _step_row(cfg: RunConfig, res: Any, results: list[dict[str, Any] | None], tb
     link = [max(r["link_rx_bytes_per_step"], r["link_tx_bytes_per_step"]) for r in results
             if r and "link_rx_bytes_per_step" in r]
     row.update({k: r0.get(k) for k in ("warmup", "steps", "bucket_cap_mb", "buckets", "median_step_s", "step_s",
-                                       "payload_bytes_per_step", "payload_source", "compress_s_per_step",
+                                       "payload_bytes_per_step", "payload_source", "host_bytes_per_step",
+                                       "compress_s_per_step",
                                        "comm_s_per_step", "register_s", "exchange_s_per_step",
                                        "exposed_s_per_step", "overlap")})
     row["link_bytes_per_step"] = max(link) if link else None

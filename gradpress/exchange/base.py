@@ -72,6 +72,9 @@ class ExchangeResult:
     is off. ``tensor_bytes``: payload bytes per input this rank originated.
     ``compress_s``: seconds spent encoding and decoding; ``comm_s``: seconds
     inside collectives. ``stopped``: the prelude's ``on_summed`` said stop.
+    ``host_bytes``: the part of ``bytes_sent`` handed to collectives among
+    the workers of one host (``hierarchical``'s dense reduce and broadcast),
+    which never crosses a link between hosts.
     """
 
     tensors: list[torch.Tensor]
@@ -81,6 +84,7 @@ class ExchangeResult:
     compress_s: float = 0.0
     comm_s: float = 0.0
     stopped: bool = False
+    host_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not self.tensor_bytes:

@@ -220,8 +220,8 @@ class Synchronizer(EngineState):
             return self.guard.observe(bad, [keys[i] for i in range(len(keys))], step, _zero(tensors, flat))
 
         prelude = Prelude([*plain, local_flags(tensors, flat)], on_summed)
-        comp_s, comm_s, sent, comp_bytes, stopped = self._exchange(keys, tensors, comp_idx, decisions, step, prelude,
-                                                                    prepared)
+        comp_s, comm_s, sent, comp_bytes, stopped, host = self._exchange(keys, tensors, comp_idx, decisions, step,
+                                                                          prelude, prepared)
         tensor_bytes.update(comp_bytes)
         if not stopped:
             overflow = torch.stack([~all_finite(tensors[i]) for i in comp_idx]) & ~outcome["bad"][comp_idx]
@@ -236,7 +236,7 @@ class Synchronizer(EngineState):
         self.stats_counter.record(
             sent=sent, dense=dense_bytes, compress_s=0.0 if stopped else min(comp_s, total), comm_s=comm_s,
             compressed=0 if stopped else len(comp_idx), plain=len(dense_idx), tensor_bytes=tensor_bytes,
-            end_of_step=end_of_step,
+            end_of_step=end_of_step, host=host,
         )
 
     def _sync_dense(self, keys: list[str], tensors: list[torch.Tensor], step: int, flat: torch.Tensor | None,
@@ -275,11 +275,12 @@ class Synchronizer(EngineState):
     def _exchange(
         self, keys: list[str], tensors: list[torch.Tensor], comp_idx: list[int], decisions: list[Decision],
         step: int, prelude: Prelude, prepared: Encoded | None = None,
-    ) -> tuple[float, float, int, dict[str, int], bool]:
+    ) -> tuple[float, float, int, dict[str, int], bool, int]:
         """Compensate each tensor whole, cut it into its planned partitions,
         exchange each strategy's group (fixed order), reassemble, stage the
         residuals (``prepared``: encoded by :meth:`prepare`, residuals kept
-        there). Returns (compress s, comm s, bytes, bytes per key, stopped)."""
+        there). Returns (compress s, comm s, bytes, bytes per key, stopped, bytes
+        that stayed inside a host)."""
         t0 = time.perf_counter()
         fb = self.feedback if self.error_feedback else None
         if prepared is not None:  # encoded (and its residuals kept) by prepare(): nothing to compensate or stage
@@ -300,13 +301,14 @@ class Synchronizer(EngineState):
         # the strategies' fixed order: every rank issues the same collectives in the same order
         order = sorted(groups, key=lambda name: (self.strategies[name].order, name))
         comp_s, comm_s, sent = time.perf_counter() - t0 + (prepared.seconds if prepared else 0.0), 0.0, 0
+        host = 0
         pending: Prelude | None = prelude
         if not self.strategies[order[0]].carries_prelude:
             t = time.perf_counter()
             summed, sent = fused_allreduce(prelude.tensors, self.group)
             comm_s += time.perf_counter() - t
             if prelude.on_summed(summed):
-                return 0.0, comm_s, sent, {}, True
+                return 0.0, comm_s, sent, {}, True, 0
             pending = None
         outs: list[list[torch.Tensor]] = [[] for _ in comp_idx]
         resids: list[list[torch.Tensor]] = [[] for _ in comp_idx]
@@ -321,10 +323,11 @@ class Synchronizer(EngineState):
             )
             pending = None
             sent += result.bytes_sent
+            host += result.host_bytes
             comp_s += result.compress_s
             comm_s += max(0.0, time.perf_counter() - t1 - result.compress_s)
             if result.stopped:
-                return 0.0, comm_s, sent, {}, True
+                return 0.0, comm_s, sent, {}, True, host
             for j, (pos, _, _, _) in enumerate(items):
                 outs[pos].append(result.tensors[j])
                 if result.residuals is not None:
@@ -342,7 +345,7 @@ class Synchronizer(EngineState):
                 x.copy_(avg.reshape(x.shape))
             tensor_bytes[key] = nbytes[pos]
         comp_s += time.perf_counter() - t2
-        return comp_s, comm_s, sent, tensor_bytes, False
+        return comp_s, comm_s, sent, tensor_bytes, False, host
 
 
 def _nbytes(t: torch.Tensor) -> int:

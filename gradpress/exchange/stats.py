@@ -23,7 +23,10 @@ STATS_KEYS: dict[str, str] = {
     "steps": "synchronous steps completed (buckets of one backward pass count once)",
     "bytes_sent": "total bytes this rank handed to collectives, all steps (payload, headers, padding, size exchanges)",
     "dense_bytes": "total bytes plain DDP would have handed to its allreduce for the same steps",
+    "host_bytes": "of bytes_sent, the bytes handed to collectives among the workers of one host (strategy "
+                  "'hierarchical': its dense reduce and broadcast); they never cross a link between hosts",
     "last_step_bytes": "bytes_sent during the last completed step",
+    "last_step_host_bytes": "host_bytes during the last completed step",
     "last_step_dense_bytes": "dense_bytes of the last completed step",
     "ratio": "dense_bytes / bytes_sent (compression ratio on the wire; 1.0 before the first step)",
     "compress_s": "seconds spent in error feedback, encoding and decoding (this rank, all steps)",
@@ -37,12 +40,13 @@ STATS_KEYS: dict[str, str] = {
                           "step (all 1-D, below min_numel, or planned dense by strategy 'auto')",
 }
 
-_COUNTERS = ("steps", "bytes_sent", "dense_bytes", "last_step_bytes", "last_step_dense_bytes", "compress_s",
+_COUNTERS = ("steps", "bytes_sent", "host_bytes", "dense_bytes", "last_step_bytes", "last_step_host_bytes",
+             "last_step_dense_bytes", "compress_s",
              "comm_s", "compressed_tensors", "dense_tensors", "tensor_bytes", "nonfinite_steps", "skipped_steps")
 
 
 def _fresh_step() -> dict[str, Any]:
-    return {"bytes": 0, "dense": 0, "compressed": 0, "plain": 0, "tensor_bytes": {}}
+    return {"bytes": 0, "host": 0, "dense": 0, "compressed": 0, "plain": 0, "tensor_bytes": {}}
 
 
 class ExchangeStats:
@@ -58,15 +62,18 @@ class ExchangeStats:
         self._bad_steps: list[torch.Tensor] = []
 
     def record(self, *, sent: int, dense: int, compress_s: float, comm_s: float, compressed: int, plain: int,
-               tensor_bytes: Mapping[str, int], end_of_step: bool) -> None:
-        """Account one call (one bucket); ``end_of_step`` closes the step."""
+               tensor_bytes: Mapping[str, int], end_of_step: bool, host: int = 0) -> None:
+        """Account one call (one bucket); ``end_of_step`` closes the step;
+        ``host``: the part of ``sent`` that stayed inside a host."""
         with self._lock:
             s, cur = self._totals, self._cur
             s["bytes_sent"] += sent
+            s["host_bytes"] += host
             s["dense_bytes"] += dense
             s["compress_s"] += compress_s
             s["comm_s"] += comm_s
             cur["bytes"] += sent
+            cur["host"] += host
             cur["dense"] += dense
             cur["compressed"] += compressed
             cur["plain"] += plain
@@ -74,6 +81,7 @@ class ExchangeStats:
             if end_of_step:
                 s["steps"] += 1
                 s["last_step_bytes"] = cur["bytes"]
+                s["last_step_host_bytes"] = cur["host"]
                 s["last_step_dense_bytes"] = cur["dense"]
                 s["compressed_tensors"] = cur["compressed"]
                 s["dense_tensors"] = cur["plain"]

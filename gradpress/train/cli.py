@@ -22,9 +22,11 @@ def summary_line(s: Mapping[str, Any]) -> str:
     m = "n/a" if metric is None else f"{metric:.4f}"
     median = s.get("median_step_s")
     what = s["compressor"] if s.get("algorithm", "ddp") == "ddp" else f"{s['algorithm']} / {s['compressor']}"
+    host = s.get("host_bytes_per_step") or 0  # hierarchical: dense bytes that never leave a host
+    inside = f"{human_bytes(host)} of it inside hosts; " if host else ""
     return (f"{s['workload']} / {what} on {s['world_size']} worker(s): {s['steps']} steps, "
             f"{s['metric']} {m}, {human_bytes(s['bytes_per_step'])}/step "
-            f"(dense {human_bytes(s['dense_bytes_per_step'])}, x{s['compression_ratio']:.1f}), "
+            f"({inside}dense {human_bytes(s['dense_bytes_per_step'])}, x{s['compression_ratio']:.1f}), "
             f"median step " + (f"{median * 1e3:.1f} ms" if median else "n/a"))
 
 

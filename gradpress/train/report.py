@@ -101,6 +101,7 @@ def summarize(*, cfg: Any, described: dict[str, Any], stats: dict[str, Any], wor
         "final_loss": history[-1]["loss"] if history else None,
         "bytes_per_step": bytes_per_step,
         "dense_bytes_per_step": dense_per_step,
+        "host_bytes_per_step": stats.get("host_bytes", 0) / steps_done,
         "compression_ratio": dense_per_step / bytes_per_step if bytes_per_step else 1.0,
         "bytes_total": stats["bytes_sent"],
         "median_step_s": statistics.median(step_times) if step_times else None,

@@ -259,12 +259,13 @@ class Hierarchical(Strategy):
         flat = torch.cat([t.reshape(-1) for t in tensors]) if len(tensors) > 1 else tensors[0].reshape(-1).clone()
         dense = flat.numel() * flat.element_size()
         comm = 0.0
-        sent = 0
+        sent = host = 0
         if per > 1:
             t = time.perf_counter()
             dist.reduce(flat, dst=self._leader_global, group=self.intra)
             comm += time.perf_counter() - t
             sent += dense
+            host += dense
         tensor_bytes = [0 if self.is_leader else s * flat.element_size() for s in sizes]
         if self.is_leader:
             flat.div_(per)
@@ -290,11 +291,12 @@ class Hierarchical(Strategy):
             dist.broadcast(flat, src=self._leader_global, group=self.intra)
             comm += time.perf_counter() - t
             sent += dense if self.is_leader else 0
+            host += dense if self.is_leader else 0
         results = [a.view(t.shape) for a, t in zip(flat.split(sizes), tensors)]
         # every worker's values entered the host sum exactly: its own residual is zero
         residuals = [t.zero_() for t in tensors] if feedback is not None else None
         total = time.perf_counter() - t0
-        return ExchangeResult(results, sent, residuals, tensor_bytes, max(0.0, total - comm), comm)
+        return ExchangeResult(results, sent, residuals, tensor_bytes, max(0.0, total - comm), comm, host_bytes=host)
 
     def _pieces(self, compressor: Compressor, tensors: list[torch.Tensor]) -> list[Piece] | None:
         """The call's pieces when it is pipelined: ``chunk`` set, a one-round

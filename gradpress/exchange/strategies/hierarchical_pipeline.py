@@ -99,4 +99,6 @@ def pipelined(
     # every worker's values entered the host sum exactly: its own residual is zero
     residuals = [torch.zeros_like(t) for t in tensors] if feedback is not None else None
     total = time.perf_counter() - t0
-    return ExchangeResult(views, sent, residuals, tensor_bytes, compress_s, max(0.0, total - compress_s))
+    host = dense * (2 if self.is_leader else 1)  # reduce in (every rank), broadcast out (the leader)
+    return ExchangeResult(views, sent, residuals, tensor_bytes, compress_s, max(0.0, total - compress_s),
+                          host_bytes=host)
