@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 
 import pytest
 import torch
@@ -95,6 +96,12 @@ def _worker(rank: int, world: int) -> dict:
     out["pipe_threshold"] = _run(_engine(f"threshold:tau={TAU}", spec + f",chunk={CHUNK}", error_feedback=True),
                                  rank, range(3))
     out["pipe_direct"] = _direct(rank, spec + f",chunk={CHUNK}")
+    with warnings.catch_warnings(record=True) as caught:  # every rank on one host: exact, nothing compressed
+        warnings.simplefilter("always")
+        one = _engine(f"topk:ratio={RATIO}", f"hierarchical:workers_per_host={WORLD}", error_feedback=True)
+    out["one_host_warning"] = [str(w.message) for w in caught if "one host" in str(w.message)]
+    out["one_host"] = _run(one, rank, range(2))
+    out["one_host_stats"] = one.stats
     out["powersgd"] = _run(_engine("powersgd:rank=1", spec), rank, range(2), grads=_low_rank)
     # the environment route (torchrun's LOCAL_WORLD_SIZE, or GRADPRESS_WORKERS_PER_HOST)
     os.environ["GRADPRESS_WORKERS_PER_HOST"] = str(PER_HOST)
@@ -284,6 +291,20 @@ def test_pipelined_direct_in_place_and_non_contiguous(results: list[dict]) -> No
             assert torch.allclose(b.double(), w.t(), rtol=1e-6, atol=1e-6)
         for name in ("contiguous", "transposed"):  # replicas bit-identical
             assert all(torch.equal(a, b) for a, b in zip(got[name], results[0]["pipe_direct"][name]))
+
+
+def test_one_host_is_the_exact_mean_and_says_so(results: list[dict]) -> None:
+    """workers_per_host = world size: no link between hosts, so no
+    compression: the exact mean, bit-identical, all bytes inside the host,
+    and a warning that names the layout."""
+    got = _identical(results, "one_host")
+    for step in range(2):
+        for a, want in zip(got[step], _mean64(_grads, step)):
+            assert torch.allclose(a.double(), want, rtol=1e-6, atol=1e-6)
+    for res in results:
+        assert len(res["one_host_warning"]) == 1 and f"workers_per_host={WORLD}" in res["one_host_warning"][0]
+        stats = res["one_host_stats"]
+        assert stats["host_bytes"] > 0 and stats["host_bytes"] <= stats["bytes_sent"]
 
 
 def test_pipelined_variable_size_packets_match_float64(results: list[dict]) -> None:

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -143,6 +144,12 @@ class Hierarchical(Strategy):
         if dist.is_initialized() and self.world_size > 1:
             self._agree(layout_error)
             self._build_groups()
+            if self.hosts == 1:
+                warnings.warn(f"strategy 'hierarchical': all {self.world_size} ranks are on one host "
+                              f"(workers_per_host={self.workers_per_host}): no slow link to compress for, so the "
+                              "average is the exact dense one and the compressor is not used; set workers_per_host "
+                              "(or GRADPRESS_WORKERS_PER_HOST) to the ranks per host, or use a flat strategy",
+                              stacklevel=2)
         elif layout_error:
             raise ValueError(layout_error)
 
@@ -250,6 +257,8 @@ class Hierarchical(Strategy):
         self, compressor: Compressor, tensors: list[torch.Tensor], ctxs: list[Context],
         feedback: Feedback | None, *, prelude: Prelude | None = None, out: list[torch.Tensor] | None = None,
     ) -> ExchangeResult:
+        if self.hosts == 1 and self.world_size > 1:
+            return self._one_host(tensors, feedback)
         pieces = self._pieces(compressor, tensors)
         if pieces is not None:
             return self._pipelined(compressor, tensors, ctxs, feedback, pieces)
@@ -297,6 +306,20 @@ class Hierarchical(Strategy):
         residuals = [t.zero_() for t in tensors] if feedback is not None else None
         total = time.perf_counter() - t0
         return ExchangeResult(results, sent, residuals, tensor_bytes, max(0.0, total - comm), comm, host_bytes=host)
+
+    def _one_host(self, tensors: list[torch.Tensor], feedback: Feedback | None) -> ExchangeResult:
+        """Every rank on one host: the exact mean (one dense allreduce on the
+        host's group), nothing compressed, every residual zero."""
+        t0 = time.perf_counter()
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        dist.all_reduce(flat, group=self.intra)
+        flat.div_(self.world_size)
+        results = [a.view(t.shape) for a, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
+        residuals = [torch.zeros_like(t) for t in tensors] if feedback is not None else None
+        dense = flat.numel() * flat.element_size()
+        comm = time.perf_counter() - t0
+        return ExchangeResult(results, dense, residuals, [t.numel() * t.element_size() for t in tensors], 0.0, comm,
+                              host_bytes=dense)
 
     def _pieces(self, compressor: Compressor, tensors: list[torch.Tensor]) -> list[Piece] | None:
         """The call's pieces when it is pipelined: ``chunk`` set, a one-round
