@@ -23,7 +23,9 @@ beta 0.95 with outer lr 1 and no outer momentum) do, instead of only the
 outer momentum applied after averaging. ``keep_residual=true``: each worker
 restarts from ``theta - e_i`` instead of ``theta`` (its own unsent change
 stays in its model and the next outer gradient carries it, so the residual
-is not fed back a second time: the engine's residual decay is 0); only the
+is not fed back a second time: the outer keys' residuals are dropped before
+each compression, the synchronous phase's gradient residuals stay ordinary
+error feedback); only the
 sent part is averaged, so replicas then differ by their residuals right
 after a synchronization (``theta`` stays bit-identical). ``evaluate=average``
 (DiLoCo only) evaluates the workers' average instead of each worker's own
@@ -49,6 +51,10 @@ every H steps counted from the switch. ``inner_state=reset`` (DiLoCo only,
 default ``keep``): every outer step zeroes each worker's inner optimizer's
 floating state (momentum buffers, Adam's moments; step counts are kept),
 which points along the worker's own pre-synchronization trajectory.
+``residual_decay`` and ``keep_residual`` act on the outer gradient's
+residuals only: the synchronous phase's gradients get plain error feedback
+(before this was fixed, ``keep_residual`` zeroed the engine's decay for every
+key, so a compressed synchronous start ran without error feedback).
 
 Invariants: during the first ``switch`` steps all replicas hold bit-identical
 parameters and inner optimizer state (DDP's invariant). ``theta`` and the outer optimizer's momentum are bit-identical on
@@ -148,8 +154,9 @@ class DiLoCo(Algorithm):
                 raise ValueError(f"algorithm {self.name!r}: parameter 'keep_residual' is true with "
                                  f"'residual_decay' {self.residual_decay} (the residual stays in the model and "  # type: ignore[attr-defined]
                                  "is not fed back, so there is nothing to decay); allowed: residual_decay=1")
-            # the residual rides in the parameters: the next outer gradient already holds it
-            self.engine.feedback.beta = 0.0
+            # the residual rides in the parameters: the next outer gradient already holds it, so
+            # outer_step drops the outer keys' residuals before compensating (not a global decay of
+            # 0, which would also switch off the synchronous phase's gradient error feedback)
         if self.residual_decay != 1.0:  # type: ignore[attr-defined]
             if not self.engine.error_feedback:
                 raise ValueError(f"algorithm {self.name!r}: parameter 'residual_decay' is "
@@ -168,7 +175,13 @@ class DiLoCo(Algorithm):
     def step(self) -> None:
         switch = getattr(self, "switch", 0)
         if self._steps < switch:  # synchronous start: DDP's step (as postlocalsgd)
-            self.ddp_step(keys=[GRAD + n for n, _ in self.named])
+            assert self.engine is not None
+            feedback, decay = self.engine.feedback, self.engine.feedback.beta
+            feedback.beta = 1.0  # residual_decay is the outer gradient's: the gradients get plain error feedback
+            try:
+                self.ddp_step(keys=[GRAD + n for n, _ in self.named])
+            finally:
+                feedback.beta = decay
             if self._steps == switch:  # theta = the synchronized model; the outer optimizer never stepped
                 with torch.no_grad():
                     for a, (_, p) in zip(self.anchor, self.named):
@@ -213,7 +226,11 @@ class DiLoCo(Algorithm):
         deltas = self.outer_gradient(idx)
         assert self.engine is not None
         keep = getattr(self, "keep_residual", False)
-        if getattr(self, "select", "tensor") == "model":  # DiLoCo only: idx is every parameter
+        model = getattr(self, "select", "tensor") == "model"  # DiLoCo only: idx is every parameter
+        if keep:  # e_i is already in theta - x_i: nothing is fed back (p = Delta_i)
+            for key in [MODEL_KEY] if model else [self.named[i][0] for i in idx]:
+                self.engine.feedback.residuals.pop(key, None)
+        if model:
             flat = torch.cat([d.reshape(-1) for d in deltas]).reshape(1, -1)
             self.sync([flat], keys=[MODEL_KEY])
             deltas = [v.view_as(d) for v, d in zip(flat.reshape(-1).split([d.numel() for d in deltas]), deltas)]
@@ -253,3 +270,6 @@ class DiLoCo(Algorithm):
                                  f"model has {tuple(a.shape)}")
             a.copy_(saved)
         self.outer.load_state_dict(state["outer"])
+        if getattr(self, "keep_residual", False):  # checkpoints before the fix saved the engine's decay as 0
+            assert self.engine is not None
+            self.engine.feedback.beta = 1.0
