@@ -309,3 +309,26 @@ def test_nothing_to_send_packs_to_nothing(variable: bool) -> None:
     buf = wire.pack_packets([], variable, device=torch.device("cpu"))
     assert buf.dtype == torch.uint8 and buf.numel() == 0, buf
     assert wire.unpack_packets(buf, [], variable) == []
+
+
+def test_stats_state_without_a_new_counter_restarts_it_at_zero():
+    """A checkpoint written before ``host_bytes`` existed: the counters it
+    holds are restored, the missing ones count from the resume (not this
+    object's earlier figures)."""
+    from gradpress.exchange.stats import ExchangeStats
+
+    def used() -> ExchangeStats:
+        s = ExchangeStats(count_skipped=False)
+        s.record(sent=100, dense=400, compress_s=0.5, comm_s=0.25, compressed=1, plain=0,
+                 tensor_bytes={"w": 100}, end_of_step=True, host=80)
+        return s
+
+    old = {k: v for k, v in used().state_dict().items() if "host" not in k}
+    resumed = used()  # counters already moved: a load must not keep them
+    resumed.load_state_dict(old)
+    snap = resumed.snapshot()
+    assert snap["bytes_sent"] == 100 and snap["steps"] == 1 and snap["tensor_bytes"] == {"w": 100}
+    assert snap["host_bytes"] == 0 and snap["last_step_host_bytes"] == 0
+    full = used().state_dict()
+    resumed.load_state_dict(full)
+    assert resumed.snapshot()["host_bytes"] == 80 == full["host_bytes"]

@@ -102,6 +102,16 @@ def _worker(rank: int, world: int) -> dict:
     out["one_host_warning"] = [str(w.message) for w in caught if "one host" in str(w.message)]
     out["one_host"] = _run(one, rank, range(2))
     out["one_host_stats"] = one.stats
+    out["one_host_residuals"] = {k: float(v.abs().max()) for k, v in one.feedback.residuals.items()}
+    # a host residual left by a compressing run's checkpoint is sent once in full, then cleared
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        left = _engine(f"topk:ratio={RATIO}", f"hierarchical:workers_per_host={WORLD}", error_feedback=True)
+    if rank == 0:
+        left.feedback.residuals["host/a.weight"] = _leftover()
+    out["one_host_leftover"] = _run(left, rank, range(1))
+    out["one_host_leftover_after"] = {k: float(v.abs().max()) for k, v in left.feedback.residuals.items()}
+    out["algo_host"] = _algorithm_host_bytes(rank, spec)
     out["powersgd"] = _run(_engine("powersgd:rank=1", spec), rank, range(2), grads=_low_rank)
     # the environment route (torchrun's LOCAL_WORLD_SIZE, or GRADPRESS_WORKERS_PER_HOST)
     os.environ["GRADPRESS_WORKERS_PER_HOST"] = str(PER_HOST)
@@ -127,6 +137,30 @@ def _worker(rank: int, world: int) -> dict:
     return out
 
 
+def _leftover() -> torch.Tensor:
+    return torch.linspace(-1.0, 1.0, math.prod(SHAPES[0])).view(SHAPES[0])
+
+
+def _algorithm_host_bytes(rank: int, spec: str) -> list[tuple[int, int]]:
+    """(last_step_bytes, last_step_host_bytes) of localsgd:period=2 over
+    the hierarchical strategy after each of 4 steps."""
+    import gradpress.algorithms as algorithms
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(48, 64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    algo = algorithms.create("localsgd:period=2", model, opt, compressor=f"topk:ratio={RATIO}", strategy=spec,
+                             min_numel=256)
+    gen = torch.Generator().manual_seed(rank)
+    out = []
+    for _ in range(4):
+        opt.zero_grad()
+        model(torch.randn(8, 48, generator=gen)).square().mean().backward()
+        algo.step()
+        out.append((algo.stats["last_step_bytes"], algo.stats["last_step_host_bytes"]))
+    return out
+
+
 def _direct(rank: int, spec: str) -> dict:
     """The pipelined strategy called directly: contiguous tensors are
     averaged in place (the results are the inputs), non-contiguous ones
@@ -145,7 +179,10 @@ def _direct(rank: int, spec: str) -> dict:
     transposed = [g.clone().t() for g in grads]
     before = [t.clone() for t in transposed]
     res_t = strategy.exchange(none, transposed, ctxs, None)
+    mixed = [grads[0].clone().t(), grads[1].double()]  # non-contiguous fp32 and contiguous fp64
+    res_m = strategy.exchange(none, mixed, ctxs, None)
     return {"in_place": all(a is b for a, b in zip(res.tensors, inputs)),
+            "mixed": [t.clone() for t in res_m.tensors], "mixed_bytes": (res_m.bytes_sent, res_m.host_bytes),
             "contiguous": [t.clone() for t in res.tensors],
             "transposed": [t.clone() for t in res_t.tensors],
             "transposed_untouched": all(torch.equal(a, b) for a, b in zip(transposed, before))}
@@ -283,28 +320,62 @@ def test_pipelined_pieces_match_float64_on_every_rank(results: list[dict]) -> No
 
 def test_pipelined_direct_in_place_and_non_contiguous(results: list[dict]) -> None:
     want = _mean64(_grads, 0)[:2]
-    for res in results:
+    for r, res in enumerate(results):
         got = res["pipe_direct"]
         assert got["in_place"] and got["transposed_untouched"]
         for a, b, w in zip(got["contiguous"], got["transposed"], want):
             assert torch.allclose(a.double(), w, rtol=1e-6, atol=1e-6)
             assert torch.allclose(b.double(), w.t(), rtol=1e-6, atol=1e-6)
-        for name in ("contiguous", "transposed"):  # replicas bit-identical
+        # mixed dtypes: each keeps its own, exact bytes (a worker hands its leader its tensors once)
+        assert [t.dtype for t in got["mixed"]] == [torch.float32, torch.float64]
+        assert torch.allclose(got["mixed"][0].double(), want[0].t(), rtol=1e-6, atol=1e-6)
+        assert torch.allclose(got["mixed"][1], want[1], rtol=1e-12, atol=1e-12)
+        inside = 4 * math.prod(SHAPES[0]) + 8 * math.prod(SHAPES[1])
+        assert got["mixed_bytes"][1] == inside * (1 if r % PER_HOST else 2)
+        if r % PER_HOST:
+            assert got["mixed_bytes"][0] == inside
+        for name in ("contiguous", "transposed", "mixed"):  # replicas bit-identical
             assert all(torch.equal(a, b) for a, b in zip(got[name], results[0]["pipe_direct"][name]))
 
 
 def test_one_host_is_the_exact_mean_and_says_so(results: list[dict]) -> None:
     """workers_per_host = world size: no link between hosts, so no
-    compression: the exact mean, bit-identical, all bytes inside the host,
-    and a warning that names the layout."""
+    compression: the exact mean, bit-identical, the strategy's bytes inside
+    the host (the engine's prelude, the plain 1-D tensor and the flags, is
+    counted apart), no residual kept, and a warning that names the layout."""
     got = _identical(results, "one_host")
     for step in range(2):
         for a, want in zip(got[step], _mean64(_grads, step)):
             assert torch.allclose(a.double(), want, rtol=1e-6, atol=1e-6)
+    dense = sum(4 * math.prod(s) for s in SHAPES[:2])
+    prelude = 4 * (math.prod(SHAPES[2]) + len(SHAPES))
     for res in results:
         assert len(res["one_host_warning"]) == 1 and f"workers_per_host={WORLD}" in res["one_host_warning"][0]
         stats = res["one_host_stats"]
-        assert stats["host_bytes"] > 0 and stats["host_bytes"] <= stats["bytes_sent"]
+        assert stats["host_bytes"] == 2 * dense and stats["bytes_sent"] - stats["host_bytes"] == 2 * prelude
+        assert not any(k.startswith("host/") for k in res["one_host_residuals"])
+        assert all(v == 0.0 for v in res["one_host_residuals"].values())
+
+
+def test_one_host_sends_a_leftover_host_residual_once(results: list[dict]) -> None:
+    """A ``host/`` residual on the leader (a compressing run's checkpoint)
+    joins the exact mean in full (mean + e) and is cleared."""
+    got = _identical(results, "one_host_leftover")[0]
+    want = _mean64(_grads, 0)
+    assert torch.allclose(got[0].double(), want[0] + _leftover().double(), rtol=1e-6, atol=1e-6)
+    assert torch.allclose(got[1].double(), want[1], rtol=1e-6, atol=1e-6)
+    assert results[0]["one_host_leftover_after"]["host/a.weight"] == 0.0
+
+
+def test_algorithm_step_counts_host_bytes_of_its_own_step(results: list[dict]) -> None:
+    """localsgd:period=2: steps without an exchange report 0 host bytes,
+    steps with one the dense host part (one reduce on a worker, reduce and
+    broadcast on a leader), never more than the step's bytes."""
+    dense = 4 * 48 * 64  # the weight (compressed); the bias is plain
+    for r, res in enumerate(results):
+        rows = res["algo_host"]
+        assert [h for _, h in rows[0::2]] == [0, 0]
+        assert all(h == dense * (1 if r % PER_HOST else 2) and h <= b for b, h in rows[1::2])
 
 
 def test_pipelined_variable_size_packets_match_float64(results: list[dict]) -> None:

@@ -90,7 +90,7 @@ class Algorithm:
         self.rank = dist.get_rank(self.group)
         self._steps = 0
         self._exchanges = 0
-        self._last = {"bytes": 0, "dense": 0}
+        self._last = {"bytes": 0, "dense": 0, "host": 0}
         self._consensus: torch.nn.Module | None = None
         self.engine: Synchronizer | None = None
         try:  # everything a rank can get wrong alone, before the agreement every rank reaches
@@ -188,7 +188,7 @@ class Algorithm:
         """The local optimizer step, counted as a step of plain DDP's traffic."""
         self.optimizer.step()
         self._steps += 1
-        self._last = {"bytes": 0, "dense": self._dense_per_step}
+        self._last = {"bytes": 0, "dense": self._dense_per_step, "host": 0}
 
     def gradients(self) -> list[torch.Tensor]:
         """Each parameter's local gradient (zeros where ``.grad`` is None, so
@@ -201,24 +201,26 @@ class Algorithm:
         :meth:`sync`), average the floating buffers, then the (identical)
         local optimizer step; the step's bytes are those of the averaging."""
         grads = self.gradients()
-        self._last["bytes"] = 0
+        self._last["bytes"] = self._last["host"] = 0
         self.sync(grads, keys=keys)
         for (_, p), g in zip(self.named, grads):
             if p.grad is None:
                 p.grad = g
         self.average_plain(list(self.model.buffers()))
-        sent = self._last["bytes"]
+        sent, host = self._last["bytes"], self._last["host"]
         self.local_step()
-        self._last["bytes"] = sent
+        self._last["bytes"], self._last["host"] = sent, host
 
     def sync(self, tensors: list[torch.Tensor], keys: list[str] | None = None) -> None:
         """Average ``tensors`` (keyed by parameter name by default) over the
         group through the engine, in place; counts one exchange."""
         assert self.engine is not None
-        before = self.engine.stats["bytes_sent"]
+        before = self.engine.stats
         self.engine.sync(keys if keys is not None else [n for n, _ in self.named], tensors, step=self._exchanges)
         self._exchanges += 1
-        self._last["bytes"] += self.engine.stats["bytes_sent"] - before
+        after = self.engine.stats
+        self._last["bytes"] += after["bytes_sent"] - before["bytes_sent"]
+        self._last["host"] = self._last.get("host", 0) + after["host_bytes"] - before["host_bytes"]
 
     def average_plain(self, tensors: list[torch.Tensor]) -> None:
         """Average ``tensors`` uncompressed (buffers such as BatchNorm
@@ -263,6 +265,7 @@ class Algorithm:
         out["steps"] = self._steps
         out["dense_bytes"] = self._steps * self._dense_per_step
         out["last_step_bytes"] = self._last["bytes"]
+        out["last_step_host_bytes"] = self._last.get("host", 0)
         out["last_step_dense_bytes"] = self._last["dense"] if self._steps else 0
         out["ratio"] = out["dense_bytes"] / out["bytes_sent"] if out["bytes_sent"] else 1.0
         return out

@@ -157,7 +157,7 @@ class LGC(Algorithm):
     def compressed_step(self) -> None:
         """Phases 2 and 3: the LGC exchange of the accumulated gradient."""
         step, phase = self._steps, self.phase
-        self._last["bytes"] = 0
+        self._last["bytes"] = self._last["host"] = 0
         params = [p for _, p in self.named]
         flat = torch.cat([g.reshape(-1) for g in self.gradients()])
         acc = flat + self.residual

@@ -162,7 +162,8 @@ class Strategy:
         feedback: Feedback | None, *, prelude: Prelude | None = None, out: list[torch.Tensor] | None = None,
     ) -> ExchangeResult:
         """Average ``tensors`` (this rank's error-compensated values, the
-        caller's own: they may be reused in place) over the group.
+        caller's own: they may be reused in place, so after a failed call
+        their contents are undefined) over the group.
         ``feedback``: the error-feedback store, None when it is off.
         ``prelude``: only given when ``carries_prelude``. ``out``: where the
         averages may be written (same shapes), when the method can."""

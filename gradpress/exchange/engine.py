@@ -228,8 +228,8 @@ class Synchronizer(EngineState):
             stopped = self.guard.observe_results(overflow, [keys[i] for i in comp_idx], step, _zero(tensors, flat))
         bad = outcome.get("bad")
         # a CPU flag read costs nothing, and a clean call (the usual one) then skips a write pass over
-        # every tensor; on a GPU the masked fill stays (reading the flag would wait for the device)
-        if not stopped and self.nonfinite == "propagate" and (bad.is_cuda or bool(bad[comp_idx].any())):
+        # every tensor; on an accelerator the masked fill stays (reading the flag would wait for it)
+        if not stopped and self.nonfinite == "propagate" and (bad.device.type != "cpu" or bool(bad[comp_idx].any())):
             for i in comp_idx:  # every rank sees the NaN, so every rank's GradScaler skips alike
                 tensors[i].masked_fill_(bad[i], float("nan"))
         total = time.perf_counter() - t0

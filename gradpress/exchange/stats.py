@@ -115,5 +115,12 @@ class ExchangeStats:
         return out
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore the counters; one a state lacks (written before it
+        existed, e.g. ``host_bytes``) restarts at zero: it counts from the
+        resume, never this object's earlier figure."""
         with self._lock:
-            self._totals.update({k: v for k, v in state.items() if k in self._totals})
+            for k in _COUNTERS:
+                if k in state:
+                    self._totals[k] = state[k]
+                else:
+                    self._totals[k] = {} if k == "tensor_bytes" else (0.0 if k.endswith("_s") else 0)

@@ -8,9 +8,11 @@ multi-GPU hosts). The group's ranks are cut into hosts of L consecutive
 ranks (``workers_per_host``; torchrun numbers ranks host by host); the first
 rank of each host is its leader.
 
-1. **Inner (dense, fast link)**: one fused buffer of the call's tensors is
-   summed onto the leader (``reduce`` on the host's group). Workers' values
-   enter exactly, so every worker's own residual is zero.
+1. **Inner (dense, fast link)**: the call's tensors are summed onto the
+   leader (``reduce`` on the host's group: one fused buffer unpipelined;
+   pipelined, piece by piece in the caller's own tensors, a non-contiguous
+   one copied alone). Workers' values enter exactly, so every worker's own
+   residual is zero.
 2. **Outer (compressed, slow link)**: each leader adds its host residual to
    the host mean ``m_h = S_h / L`` (``q_h = m_h + beta e_h``) and the leaders
    average ``q_h`` with the ``outer`` strategy on the leaders' group
@@ -21,7 +23,13 @@ rank of each host is its leader.
    (its one NaN rule and its step commit apply). An outer ring keeps its hop
    residuals as usual (``ring/<key>``, leaders only).
 3. **Broadcast (dense, fast link)**: the leader broadcasts the average to its
-   host in one buffer.
+   host (one buffer, or piece by piece when pipelined).
+
+One host (every rank on it: ``workers_per_host`` equal to the group's
+size): nothing crosses a slow link, so the mean is exact, one dense
+allreduce per dtype, the compressor unused (the engine's stats still count
+the tensors as compressed ones); a warning at construction names the
+layout. A ``host/`` residual a checkpoint brings is sent once in full.
 
 Pipelining (``chunk``, default :data:`CHUNK` entries; 0: off): the call is
 cut into pieces of whole rows (:mod:`gradpress.exchange.pieces`) and three
@@ -70,6 +78,7 @@ from gradpress.exchange.feedback import Feedback, namespace
 from gradpress.exchange.pieces import Piece, cut
 from gradpress.exchange.strategies.allgather import Allgather
 from gradpress.exchange.strategies.hierarchical_pipeline import pipelined
+from gradpress.transport.collectives import fused_allreduce
 from gradpress.transport.groups import timeout_of
 from gradpress.transport.p2p import swap_bytes
 
@@ -258,7 +267,7 @@ class Hierarchical(Strategy):
         feedback: Feedback | None, *, prelude: Prelude | None = None, out: list[torch.Tensor] | None = None,
     ) -> ExchangeResult:
         if self.hosts == 1 and self.world_size > 1:
-            return self._one_host(tensors, feedback)
+            return self._one_host(tensors, ctxs, feedback)
         pieces = self._pieces(compressor, tensors)
         if pieces is not None:
             return self._pipelined(compressor, tensors, ctxs, feedback, pieces)
@@ -307,19 +316,27 @@ class Hierarchical(Strategy):
         total = time.perf_counter() - t0
         return ExchangeResult(results, sent, residuals, tensor_bytes, max(0.0, total - comm), comm, host_bytes=host)
 
-    def _one_host(self, tensors: list[torch.Tensor], feedback: Feedback | None) -> ExchangeResult:
-        """Every rank on one host: the exact mean (one dense allreduce on the
-        host's group), nothing compressed, every residual zero."""
+    def _one_host(self, tensors: list[torch.Tensor], ctxs: list[Context], feedback: Feedback | None) -> ExchangeResult:
+        """Every rank on one host: the exact mean (one dense allreduce per
+        dtype on the host's group), nothing compressed, every residual zero.
+        A host residual left by a checkpoint of a compressing run (``host/``
+        keys on the leader) is sent once in full, then cleared: nothing of
+        it is lost."""
         t0 = time.perf_counter()
-        flat = torch.cat([t.reshape(-1) for t in tensors])
-        dist.all_reduce(flat, group=self.intra)
-        flat.div_(self.world_size)
-        results = [a.view(t.shape) for a, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
+        n = self.world_size
+        send = list(tensors)
+        if feedback is not None and self.is_leader:
+            for i, (t, c) in enumerate(zip(tensors, ctxs)):
+                key = Feedback.key(HOST, c.key)
+                if key in feedback.residuals:
+                    # the host mean plus beta * e_h, as the compressing path sends it (the leader's term is / n)
+                    send[i] = t.add(feedback.current(key, t), alpha=feedback.beta * n)
+                    feedback.stage(key, torch.zeros_like(t))
+        summed, dense = fused_allreduce(send, self.intra)
+        results = [s.div_(n) for s in summed]
         residuals = [torch.zeros_like(t) for t in tensors] if feedback is not None else None
-        dense = flat.numel() * flat.element_size()
-        comm = time.perf_counter() - t0
-        return ExchangeResult(results, dense, residuals, [t.numel() * t.element_size() for t in tensors], 0.0, comm,
-                              host_bytes=dense)
+        return ExchangeResult(results, dense, residuals, [t.numel() * t.element_size() for t in tensors], 0.0,
+                              time.perf_counter() - t0, host_bytes=dense)
 
     def _pieces(self, compressor: Compressor, tensors: list[torch.Tensor]) -> list[Piece] | None:
         """The call's pieces when it is pipelined: ``chunk`` set, a one-round

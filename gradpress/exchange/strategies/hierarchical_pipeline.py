@@ -37,17 +37,12 @@ def pipelined(
     exchanging each piece alone."""
     t0 = time.perf_counter()
     per, src = self.workers_per_host, self._leader_global
-    sizes = [t.numel() for t in tensors]
     dense = sum(t.numel() * t.element_size() for t in tensors) if per > 1 else 0
-    if all(t.is_contiguous() for t in tensors):
-        # in place (the tensors are the caller's to reuse): no fused copy, whose fresh model-sized
-        # allocation (page faults) held the first host reduce back by 20-110 ms per call
-        views = list(tensors)
-        span = [p.of(tensors[p.tensor]).reshape(-1) for p in pieces]
-    else:
-        flat = torch.cat([t.reshape(-1) for t in tensors])
-        views = [x.view(t.shape) for x, t in zip(flat.split(sizes), tensors)]
-        span = [flat[p.offset : p.offset + p.numel] for p in pieces]
+    # in place (the tensors are the caller's to reuse; a non-contiguous one is copied alone, in its own
+    # dtype): no fused copy, whose fresh model-sized allocation (page faults) held the first host reduce
+    # back by 20-110 ms per call
+    views = [t if t.is_contiguous() else t.contiguous() for t in tensors]
+    span = [p.of(views[p.tensor]).reshape(-1) for p in pieces]
     reduces = [dist.reduce(x, dst=src, group=self.intra, async_op=True) for x in span] if per > 1 else []
     sent = dense
     tensor_bytes = [0 if self.is_leader else t.numel() * t.element_size() for t in tensors]
