@@ -14,29 +14,17 @@ phase ran top-k without error feedback."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_workers
 from test_algorithms import WORLD
 from test_algorithms_outer import Workers, build, close, resumed, train
+from test_diloco_switch import MIN_NUMEL, RATIO, _topk  # the same float64 top-k reference
 
 STEPS = 14
-RATIO = 0.1
-MIN_NUMEL = 64
 SWITCH = 5
 PERIOD = 3
-
-
-def _topk(acc: torch.Tensor) -> torch.Tensor:
-    """The ceil(RATIO * d) entries of largest magnitude of ``acc``, the rest 0."""
-    flat = acc.reshape(-1)
-    part = torch.zeros_like(flat)
-    idx = flat.abs().topk(math.ceil(RATIO * flat.numel())).indices
-    part[idx] = flat[idx]
-    return part.reshape(acc.shape)
 
 
 def _compressed(t: torch.Tensor) -> bool:
