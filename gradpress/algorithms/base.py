@@ -188,6 +188,10 @@ class Algorithm:
         """The local optimizer step, counted as a step of plain DDP's traffic."""
         self.optimizer.step()
         self._steps += 1
+        self._reset_last()
+
+    def _reset_last(self) -> None:
+        """Start the per-step counts of a new step (what ``stats`` reports as the last step)."""
         self._last = {"bytes": 0, "dense": self._dense_per_step, "host": 0}
 
     def gradients(self) -> list[torch.Tensor]:
@@ -220,7 +224,7 @@ class Algorithm:
         self._exchanges += 1
         after = self.engine.stats
         self._last["bytes"] += after["bytes_sent"] - before["bytes_sent"]
-        self._last["host"] = self._last.get("host", 0) + after["host_bytes"] - before["host_bytes"]
+        self._last["host"] += after["host_bytes"] - before["host_bytes"]
 
     def average_plain(self, tensors: list[torch.Tensor]) -> None:
         """Average ``tensors`` uncompressed (buffers such as BatchNorm
@@ -265,7 +269,7 @@ class Algorithm:
         out["steps"] = self._steps
         out["dense_bytes"] = self._steps * self._dense_per_step
         out["last_step_bytes"] = self._last["bytes"]
-        out["last_step_host_bytes"] = self._last.get("host", 0)
+        out["last_step_host_bytes"] = self._last["host"]
         out["last_step_dense_bytes"] = self._last["dense"] if self._steps else 0
         out["ratio"] = out["dense_bytes"] / out["bytes_sent"] if out["bytes_sent"] else 1.0
         return out

@@ -194,7 +194,7 @@ class CompressedAdam(Algorithm):
     def _begin_step(self) -> None:
         self.t += 1
         self._steps += 1
-        self._last = {"bytes": 0, "dense": self._dense_per_step, "host": 0}
+        self._reset_last()
 
     # ------------------------------------------------------------ reporting
     @property

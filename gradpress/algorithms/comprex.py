@@ -203,7 +203,7 @@ class Comprex(Algorithm):
             item["ticket"] = self.background.submit(name, lambda: self._exchange(item, ahead))
         self.pending.append(item)
         self._steps += 1
-        self._last = {"bytes": 0, "dense": self._dense_per_step, "host": 0}
+        self._reset_last()
         while self.pending and self.pending[0]["step"] + self.staleness <= t:  # type: ignore[attr-defined]
             self._apply(self.pending.popleft())
         every = self.rebroadcast_every  # type: ignore[attr-defined]

@@ -294,7 +294,7 @@ def run_step(job: dict[str, Any]) -> dict[str, Any]:
         steps = max(s1["steps"] - stats0["steps"], 1)
         result.update({
             "payload_bytes_per_step": (s1["bytes_sent"] - stats0["bytes_sent"]) / steps,
-            "host_bytes_per_step": (s1.get("host_bytes", 0) - stats0.get("host_bytes", 0)) / steps,
+            "host_bytes_per_step": (s1["host_bytes"] - stats0["host_bytes"]) / steps,
             "payload_source": "gradpress stats (bytes handed to collectives)",
             "compress_s_per_step": (s1["compress_s"] - stats0["compress_s"]) / steps,
             "comm_s_per_step": (s1["comm_s"] - stats0["comm_s"]) / steps,

@@ -45,6 +45,11 @@ _COUNTERS = ("steps", "bytes_sent", "host_bytes", "dense_bytes", "last_step_byte
              "comm_s", "compressed_tensors", "dense_tensors", "tensor_bytes", "nonfinite_steps", "skipped_steps")
 
 
+def _zero(counter: str) -> Any:
+    """A counter's value before any call: {} per tensor, 0.0 seconds, 0 otherwise."""
+    return {} if counter == "tensor_bytes" else (0.0 if counter.endswith("_s") else 0)
+
+
 def _fresh_step() -> dict[str, Any]:
     return {"bytes": 0, "host": 0, "dense": 0, "compressed": 0, "plain": 0, "tensor_bytes": {}}
 
@@ -56,8 +61,7 @@ class ExchangeStats:
     def __init__(self, count_skipped: bool) -> None:
         self.count_skipped = count_skipped
         self._lock = threading.Lock()
-        self._totals: dict[str, Any] = {k: (0.0 if k.endswith("_s") else 0) for k in _COUNTERS}
-        self._totals["tensor_bytes"] = {}
+        self._totals: dict[str, Any] = {k: _zero(k) for k in _COUNTERS}
         self._cur = _fresh_step()
         self._bad_steps: list[torch.Tensor] = []
 
@@ -119,8 +123,4 @@ class ExchangeStats:
         existed, e.g. ``host_bytes``) restarts at zero: it counts from the
         resume, never this object's earlier figure."""
         with self._lock:
-            for k in _COUNTERS:
-                if k in state:
-                    self._totals[k] = state[k]
-                else:
-                    self._totals[k] = {} if k == "tensor_bytes" else (0.0 if k.endswith("_s") else 0)
+            self._totals.update({k: state[k] if k in state else _zero(k) for k in _COUNTERS})
