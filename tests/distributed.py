@@ -27,13 +27,16 @@ def free_port() -> int:
     return choose()
 
 
-def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, outdir: str) -> None:
+def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, outdir: str,
+           backend: str = "gloo") -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     result: dict[str, Any]
     try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         # a file rendezvous: no TCP port to race for when several test runs share the machine
-        dist.init_process_group("gloo", init_method=f"file://{os.path.join(outdir, 'rendezvous')}", rank=rank,
+        dist.init_process_group(backend, init_method=f"file://{os.path.join(outdir, 'rendezvous')}", rank=rank,
                                 world_size=world, timeout=__import__("datetime").timedelta(seconds=60))
         result = {"ok": fn(rank, world, *args)}
     except BaseException as exc:  # noqa: BLE001
@@ -50,11 +53,13 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
     os._exit(0)
 
 
-def run_workers(fn: Callable[..., Any], world: int, *args: Any, allow_errors: bool = False) -> list[Any]:
-    """Run ``fn(rank, world, *args)`` on ``world`` workers; return the list of
-    results (or of ``{"error": ...}`` dicts when ``allow_errors``)."""
+def run_workers(fn: Callable[..., Any], world: int, *args: Any, allow_errors: bool = False,
+                backend: str = "gloo") -> list[Any]:
+    """Run ``fn(rank, world, *args)`` on ``world`` workers of ``backend``
+    (``nccl``: rank r on CUDA device r mod the device count); return the list
+    of results (or of ``{"error": ...}`` dicts when ``allow_errors``)."""
     with tempfile.TemporaryDirectory() as outdir:
-        mp.start_processes(_entry, args=(world, free_port(), fn, args, outdir), nprocs=world, join=True, start_method="spawn")
+        mp.start_processes(_entry, args=(world, free_port(), fn, args, outdir, backend), nprocs=world, join=True, start_method="spawn")
         results = [torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
     if allow_errors:
         return [r.get("ok", r) if "ok" in r else r for r in results]

@@ -46,3 +46,23 @@ def test_port_is_chosen_after_the_slow_preload(monkeypatch, tmp_path) -> None:
     out = launch.run(nproc=2, samples=96, batch_size=16, out=str(tmp_path / "o"), progress=False)
     assert out == {"done": True}
     assert calls == ["preload", "port", "launch 127.0.0.1:12345"]
+
+
+def test_launch_config_passes_the_shutdown_grace_only_where_torch_has_it() -> None:
+    """torch 2.11's LaunchConfig has no ``shutdown_timeout`` (passing it made
+    ``gradpress train`` fail with a TypeError there); torch 2.13's has."""
+    import dataclasses
+
+    from torch.distributed.launcher.api import LaunchConfig
+
+    from gradpress.train import launch
+    from gradpress.train.config import TrainConfig
+
+    names = {f.name for f in dataclasses.fields(LaunchConfig)} - {"shutdown_timeout"}
+    old = dataclasses.make_dataclass("OldLaunchConfig", [(n, object, dataclasses.field(default=None)) for n in names])
+    new = dataclasses.make_dataclass("NewLaunchConfig", [(n, object, dataclasses.field(default=None))
+                                                         for n in [*names, "shutdown_timeout"]])
+    cfg = TrainConfig(nproc=3)
+    built = launch.launch_config(cfg, old)
+    assert built.nproc_per_node == 3 and built.max_restarts == 0 and not hasattr(built, "shutdown_timeout")
+    assert launch.launch_config(cfg, new).shutdown_timeout == 5

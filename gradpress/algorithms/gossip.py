@@ -41,8 +41,8 @@ import torch.distributed as dist
 from gradpress.algorithms.base import Algorithm
 from gradpress.algorithms.gossip_codec import Codec, gossip_scale
 from gradpress.transport.collectives import fused_allreduce
-from gradpress.transport.groups import device_of, timeout_of
-from gradpress.transport.p2p import global_rank
+from gradpress.transport.groups import timeout_of
+from gradpress.transport.p2p import global_rank, wire_device
 
 __all__ = ["GossipAlgorithm", "Posted"]
 
@@ -71,7 +71,7 @@ class Posted:
                 self._sends.append((peer, dist.isend(size, global_rank(group, peer), group=group, tag=tag)))
                 self.sent += 8
             if buf.numel():
-                data = buf.contiguous()
+                data = buf.to(dev).contiguous()  # gloo: a host copy (transport.p2p.wire_device)
                 self._keep.append(data)
                 self._sends.append((peer, dist.isend(data, global_rank(group, peer), group=group, tag=tag + 1)))
                 self.sent += data.numel()
@@ -112,7 +112,7 @@ class Posted:
             buf, work = self._data[peer]
             if work is not None:
                 self._wait(work, peer, "waiting for the message from")
-            out[peer] = buf
+            out[peer] = buf.to(self.algo.home_device)
         return out
 
     def finish_sends(self) -> None:
@@ -163,7 +163,8 @@ class GossipAlgorithm(Algorithm):
         self.codec = Codec(comp, [n for n, _ in self.named], [p.shape for _, p in self.named],
                            [decisions[n].compressed for n, _ in self.named], self.name, self.engine.seed,
                            self.rank, self.world_size)
-        self.comm_device = device_of(self.group)
+        self.home_device = self.named[0][1].device if self.named else torch.device("cpu")
+        self.comm_device = wire_device(self.group, self.home_device)
         self.p2p_timeout = timeout_of(self.group, None)  # the group's: the caller's ``timeout`` or the base group's
         self.setup_gossip()
 

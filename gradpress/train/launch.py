@@ -172,6 +172,21 @@ def _quiet_launcher_logs() -> list[tuple[Any, int]]:
     return saved
 
 
+def launch_config(cfg: TrainConfig, config_class: Any) -> Any:
+    """The elastic launcher's configuration for ``cfg``: one node, no
+    restarts, a rendezvous on a free loopback port. A stopped (SIGSTOP)
+    worker gets SIGKILL 5 s after SIGTERM, not 30, where ``config_class``
+    has ``shutdown_timeout`` (torch 2.11's has not: passing it made
+    ``gradpress train`` fail with a TypeError; the launcher's default holds)."""
+    fields = {f.name for f in dataclasses.fields(config_class)}
+    grace = {"shutdown_timeout": 5} if "shutdown_timeout" in fields else {}
+    return config_class(
+        min_nodes=1, max_nodes=1, nproc_per_node=cfg.nproc, run_id=f"gradpress-{uuid.uuid4().hex[:12]}",
+        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0, monitor_interval=0.1,
+        start_method=_start_method(cfg.device), local_addr="127.0.0.1", **grace,
+    )
+
+
 def _launch(cfg: TrainConfig) -> dict[str, Any]:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -179,12 +194,7 @@ def _launch(cfg: TrainConfig) -> dict[str, Any]:
 
     assert cfg.nproc is not None
     _preload(cfg)  # seconds on a busy machine: the port is chosen after it, just before the store binds it
-    launch = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=cfg.nproc, run_id=f"gradpress-{uuid.uuid4().hex[:12]}",
-        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0, monitor_interval=0.1,
-        start_method=_start_method(cfg.device), local_addr="127.0.0.1",
-        shutdown_timeout=5,  # a stopped (SIGSTOP) worker gets SIGKILL 5 s after SIGTERM, not 30
-    )
+    launch = launch_config(cfg, LaunchConfig)
     old = os.environ.get("OMP_NUM_THREADS")
     if old is None and cfg.device == "cpu":  # what torchrun does for several local workers
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // cfg.nproc))

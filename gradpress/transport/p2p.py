@@ -9,6 +9,13 @@ size the receiver cannot know (variable-size packets) is preceded by its size
 as one int64; a message the receiver knows to be empty is not sent at all
 (gloo and NCCL refuse empty point-to-point messages).
 
+gloo's point-to-point calls read host memory only: handed a CUDA tensor,
+they write from its device address as if it were host memory and the
+process aborts (``writev ... Bad address``, seen on an H200 with torch
+2.11). On a gloo group the messages therefore travel from and into host
+copies (:func:`wire_device`), and the received buffers are moved to the
+caller's device; NCCL sends device memory directly.
+
 Peers are *group* ranks; they are translated to the global ranks that
 ``torch.distributed``'s point-to-point calls take (``get_global_rank``), so
 the helpers work on sub-groups with every torch >= 2.2.
@@ -25,7 +32,7 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-__all__ = ["global_rank", "exchange_bytes", "swap_bytes"]
+__all__ = ["global_rank", "exchange_bytes", "swap_bytes", "wire_device"]
 
 _SIZE_TAG = 1
 _DATA_TAG = 2
@@ -36,6 +43,14 @@ def global_rank(group: dist.ProcessGroup | None, rank: int) -> int:
     if group is None or group is dist.GroupMember.WORLD:
         return rank
     return dist.get_global_rank(group, rank)
+
+
+def wire_device(group: dist.ProcessGroup | None, device: torch.device) -> torch.device:
+    """Where point-to-point messages of ``group`` must live: ``device``,
+    except on gloo (host memory only), where it is the CPU."""
+    if device.type != "cpu" and dist.get_backend(group) == "gloo":
+        return torch.device("cpu")
+    return device
 
 
 def exchange_bytes(
@@ -56,11 +71,12 @@ def exchange_bytes(
     (variable-size data). Both sides derive these from the same compressor
     trait, so they agree.
 
-    Returns the received buffers by peer and the bytes handed over (size
-    prefixes included).
+    Returns the received buffers by peer (on ``device``, default: the
+    sends' device) and the bytes handed over (size prefixes included).
     """
     if device is None:
         device = next(iter(sends.values())).device if sends else torch.device("cpu")
+    home, device = device, wire_device(group, device)
     incoming = group if recv_group is None else recv_group
     sent = 0
     keep: list[torch.Tensor] = []
@@ -89,12 +105,14 @@ def exchange_bytes(
             works.append(dist.irecv(buf, global_rank(incoming, peer), group=incoming, tag=_DATA_TAG))
     for peer, buf in sends.items():
         if buf.numel():
-            data = buf if buf.is_contiguous() else buf.contiguous()
+            data = buf.to(device).contiguous()
             keep.append(data)
             works.append(dist.isend(data, global_rank(group, peer), group=group, tag=_DATA_TAG))
             sent += data.numel()
     for w in works:
         w.wait()
+    if home != device:
+        out = {peer: buf.to(home) for peer, buf in out.items()}
     return out, sent
 
 
