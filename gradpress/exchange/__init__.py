@@ -1,7 +1,7 @@
 """Exchange: "average these keyed tensors, compressed".
 
-The strategies (allreduce, allgather, ring, ps; multi-round protocols inside
-allreduce), the one home of error feedback (:mod:`.feedback`), the cost model
+The strategies (allreduce, allgather, ring, ps, hierarchical, cyclic;
+multi-round protocols inside allreduce), the one home of error feedback (:mod:`.feedback`), the cost model
 and planner (each strategy predicts its own cost), the NaN/Inf protocol, the
 stats, and the engine that owns them (:class:`Synchronizer`). Knows
 compressors and transports; knows nothing of DDP or optimizers.

@@ -1,0 +1,119 @@
+"""``cyclic``: one shared support per call, chosen by a leader that cycles
+over the ranks (ScaleCom's cyclic local top-k, CLT-k: Chen et al., NeurIPS
+2020, "ScaleCom: Scalable Sparsified Gradient Compression for
+Communication-Efficient Distributed Training").
+
+At call step t the leader is rank ``t mod N``. It runs the compressor, a
+sparsifier whose packet is ``[values, integer flat indices]`` with exact
+values (``topk``, ``threshold``), on its error-compensated tensors
+and broadcasts the indices. Every rank then takes its own values at those
+indices, and one allreduce sums them. Each kept coordinate is the exact
+average over all ranks. In ``allgather``, by contrast, N supports are
+averaged, and a coordinate that only one rank kept counts 1/N of its value
+while the rest of it waits in that rank's residual. The support is the
+leader's local top-k, so a coordinate large on average but small on the
+leader waits for another leader. ScaleCom shows the leaders' supports agree
+closely when the residuals are kept (its "commonality"); error feedback is
+the price, and with it each rank keeps everything off the support.
+
+The support is identical on every rank and the values are summed by one
+allreduce, so the results are bit-identical on every rank. It is also
+summable: the sum of the payloads is the payload of the sum, so nothing is
+gathered N times. Per rank and call, ``k`` values go in the allreduce; the
+leader broadcasts ``k`` indices (int32 below 2^31 elements) and the counts
+(int64, one per tensor), and the broadcast's bytes are counted on the leader.
+
+Only the leader runs the compressor, so its per-tensor state would exist on
+one rank in N. Stateful compressors are refused for that reason: the
+threshold estimators (``dgc_threshold``, ``sidco``, ``gaussiank``,
+``redsync``) keep state. Compressors without exact values are refused too,
+because what they send is not the input on a support. ``randomk`` already
+shares its support through the shared seed.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from gradpress.compress.base import Compressor, Context
+from gradpress.exchange.base import ExchangeResult, Strategy, register_strategy
+from gradpress.exchange.costs import CostModel
+from gradpress.exchange.feedback import Feedback
+from gradpress.transport.collectives import fused_allreduce
+from gradpress.transport.p2p import global_rank
+
+
+@register_strategy("cyclic")
+class Cyclic(Strategy):
+    order = 5
+    planned = False  # a different estimator, not a faster way to move the same one: the user opts in
+
+    def supports(self, compressor: Compressor) -> str | None:
+        if not compressor.exact_values or compressor.aggregation != "mean":
+            return (f"cyclic shares one rank's support: it needs a sparsifier that sends the input's own values "
+                    f"at integer indices (topk, threshold), not {compressor.name!r}")
+        if compressor.stateful:
+            return f"cyclic runs the compressor on one rank per call; {compressor.name!r} keeps per-tensor state"
+        return None
+
+    @classmethod
+    def predict(cls, costs: CostModel, numel: int, world_size: int, summable: bool) -> tuple[float, int]:
+        """``ENC(d) + BC(c(d) / 2) + AR(c(d) / 2)``: half of a value-index
+        packet travels as indices, half as values."""
+        d = float(numel)
+        half = costs.wire(d) / 2
+        return costs.encode(d) + costs.broadcast(half) + costs.allreduce(half), 1
+
+    def exchange(
+        self, compressor: Compressor, tensors: list[torch.Tensor], ctxs: list[Context],
+        feedback: Feedback | None, *, prelude: object = None, out: list[torch.Tensor] | None = None,
+    ) -> ExchangeResult:
+        t0 = time.perf_counter()
+        leader = ctxs[0].step % self.world_size if ctxs else 0
+        flats = [t.reshape(-1) for t in tensors]
+        device = flats[0].device if flats else torch.device("cpu")
+        wide = any(f.numel() >= 2**31 for f in flats)
+        index_dtype = torch.int64 if wide else torch.int32
+        counts = torch.zeros(len(flats), dtype=torch.int64, device=device)
+        chosen: list[torch.Tensor] = []
+        if self.rank == leader:
+            for i, (t, c) in enumerate(zip(tensors, ctxs)):
+                chosen.append(compressor.encode(t, c).tensors[1].reshape(-1).to(index_dtype))
+                counts[i] = chosen[-1].numel()
+        t1 = time.perf_counter()
+        sent = 0
+        src = global_rank(self.group, leader)
+        if self.world_size > 1:
+            dist.broadcast(counts, src, group=self.group)
+        sizes = [int(n) for n in counts.tolist()]
+        if self.rank == leader:
+            indices = torch.cat(chosen) if chosen else torch.zeros(0, dtype=index_dtype, device=device)
+            sent += counts.numel() * 8 + indices.numel() * indices.element_size()
+        else:
+            indices = torch.empty(sum(sizes), dtype=index_dtype, device=device)
+        if self.world_size > 1 and indices.numel():
+            dist.broadcast(indices, src, group=self.group)
+        support = list(indices.split(sizes)) if sizes else []
+        t2 = time.perf_counter()
+        values = [f[idx.long()] for f, idx in zip(flats, support)]
+        summed, nbytes = fused_allreduce(values, self.group)
+        sent += nbytes
+        t3 = time.perf_counter()
+        results, residuals, tensor_bytes = [], [] if feedback is not None else None, []
+        for i, (t, idx, total) in enumerate(zip(tensors, support, summed)):
+            dst = out[i] if out is not None and i < len(out) and out[i] is not None else None
+            if dst is None or not dst.is_contiguous() or (residuals is not None and dst.data_ptr() == t.data_ptr()):
+                dst = torch.empty_like(t, memory_format=torch.contiguous_format)
+            dst.zero_().view(-1).index_copy_(0, idx.long(), total.div_(self.world_size))
+            results.append(dst)
+            if residuals is not None:  # what this rank keeps: everything off the support (in its own tensor)
+                kept = t if t.is_contiguous() else t.contiguous()
+                kept.view(-1).index_fill_(0, idx.long(), 0)
+                residuals.append(kept)
+            tensor_bytes.append(values[i].numel() * values[i].element_size()
+                                + (idx.numel() * idx.element_size() if self.rank == leader else 0))
+        compress_s = (t1 - t0) + (time.perf_counter() - t3)
+        return ExchangeResult(results, sent, residuals, tensor_bytes, compress_s, (t2 - t1) + (t3 - t2))

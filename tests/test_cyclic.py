@@ -1,0 +1,148 @@
+"""The ``cyclic`` strategy (ScaleCom's cyclic local top-k) against its
+definition, computed here in float64: at step s the leader is rank
+s mod N, the support is the leader's top-k of |x|, every kept coordinate is
+the exact mean over the ranks, every rank keeps its own tensor off the
+support as its residual; replicas bit-identical; bytes as documented.
+Also the refusals, and training through the DDP hook and DiLoCo."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+from distributed import run_workers
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradpress
+from gradpress import algorithms
+from gradpress.compress import Context, create
+from gradpress.exchange import get_strategy
+from gradpress.exchange.feedback import Feedback
+
+SHAPES = [(40, 25), (3001,), (7, 11)]
+RATIO = 0.1
+
+
+def _tensors(rank: int, step: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(97 * step + rank)
+    return [torch.randn(s, generator=g) * (1 + rank) for s in SHAPES]
+
+
+def _direct(rank: int, world: int) -> dict:
+    out = {}
+    strat = get_strategy("cyclic", None)
+    comp = create(f"topk:ratio={RATIO}")
+    for step in range(world + 1):
+        ts = _tensors(rank, step)
+        ctxs = [Context(key=f"t{i}", step=step, rank=rank, world_size=world) for i in range(len(ts))]
+        res = strat.exchange(comp, [t.clone() for t in ts], ctxs, Feedback())
+        out[step] = {"avg": res.tensors, "residuals": res.residuals, "bytes": res.bytes_sent,
+                     "tensor_bytes": res.tensor_bytes}
+    no_fb = strat.exchange(comp, [t.clone() for t in _tensors(rank, 0)],
+                           [Context(key=f"t{i}", step=0, rank=rank, world_size=world) for i in range(len(SHAPES))], None)
+    out["no_feedback"] = no_fb.tensors
+    return out
+
+
+@pytest.fixture(scope="module", params=[2, 3])
+def direct(request: pytest.FixtureRequest) -> tuple[int, list[dict]]:
+    return request.param, run_workers(_direct, request.param)
+
+
+def _support(x: torch.Tensor) -> torch.Tensor:
+    k = max(1, math.ceil(RATIO * x.numel()))
+    return torch.sort(torch.topk(x.double().reshape(-1).abs(), k).indices).values
+
+
+def test_cyclic_is_the_leaders_support_and_the_exact_mean(direct: tuple[int, list[dict]]) -> None:
+    world, results = direct
+    for step in range(world + 1):
+        leader = step % world
+        xs = [_tensors(r, step) for r in range(world)]
+        for i in range(len(SHAPES)):
+            idx = _support(xs[leader][i])
+            want = torch.zeros(xs[0][i].numel(), dtype=torch.float64)
+            want[idx] = sum(xs[r][i].double().reshape(-1)[idx] for r in range(world)) / world
+            for r in range(world):
+                got = results[r][step]["avg"][i]
+                assert got.shape == xs[r][i].shape and got.dtype == torch.float32
+                assert torch.allclose(got.double().reshape(-1), want, rtol=1e-6, atol=1e-6), (world, step, i, r)
+                assert torch.equal(got, results[0][step]["avg"][i])  # replicas bit-identical
+                kept = xs[r][i].clone().reshape(-1)
+                kept[idx] = 0
+                assert torch.equal(results[r][step]["residuals"][i].reshape(-1), kept), (step, i, r)
+
+
+def test_cyclic_bytes_are_values_for_all_and_indices_on_the_leader(direct: tuple[int, list[dict]]) -> None:
+    world, results = direct
+    ks = [max(1, math.ceil(RATIO * math.prod(s))) for s in SHAPES]
+    for step in range(world + 1):
+        for r in range(world):
+            leader = r == step % world
+            want = [4 * k + (4 * k if leader else 0) for k in ks]
+            assert results[r][step]["tensor_bytes"] == want
+            assert results[r][step]["bytes"] == 4 * sum(ks) + (8 * len(SHAPES) + 4 * sum(ks) if leader else 0)
+
+
+def test_cyclic_without_feedback_gives_the_same_average(direct: tuple[int, list[dict]]) -> None:
+    world, results = direct
+    for r in range(world):
+        assert all(torch.equal(a, b) for a, b in zip(results[r]["no_feedback"], results[r][0]["avg"]))
+
+
+def test_cyclic_refuses_what_it_cannot_carry() -> None:
+    strat = get_strategy("cyclic", None)
+    assert strat.supports(create("topk:ratio=0.01")) is None
+    assert strat.supports(create("threshold:tau=0.1")) is None
+    assert "qsgd" in strat.supports(create("qsgd")) and "topk" in strat.supports(create("qsgd"))
+    assert "state" in strat.supports(create("sidco:ratio=0.01"))
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(1234)
+    return nn.Sequential(nn.Linear(24, 48), nn.Tanh(), nn.Linear(48, 48), nn.Tanh(), nn.Linear(48, 3))
+
+
+def _data(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(128, 24, generator=g)
+    return x, torch.tanh(x @ torch.randn(24, 3, generator=torch.Generator().manual_seed(7)))
+
+
+def _train(rank: int, world: int) -> dict:
+    out = {}
+    for how in ("hook", "diloco"):
+        model = _model()
+        x, y = _data(rank)
+        if how == "hook":
+            net = DDP(model)
+            hook = gradpress.ddp.register(net, "topk:ratio=0.1", strategy="cyclic", min_numel=64)
+            opt = torch.optim.SGD(net.parameters(), lr=0.05)
+            step = opt.step
+        else:
+            net = model
+            opt = torch.optim.SGD(model.parameters(), lr=0.05)
+            hook = algorithms.create("diloco:period=4,outer_momentum=0.5", model, opt, compressor="topk:ratio=0.2",
+                                     strategy="cyclic", min_numel=64)
+            step = hook.step
+        losses = []
+        for _ in range(24):
+            opt.zero_grad()
+            loss = ((net(x) - y) ** 2).mean()
+            loss.backward()
+            step()
+            losses.append(loss.item())
+        out[how] = {"losses": losses, "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+                    "stats": dict(hook.stats)}
+        if how == "hook":
+            hook.close()
+    return out
+
+
+def test_cyclic_trains_through_the_hook_and_diloco() -> None:
+    r0, r1 = run_workers(_train, 2)
+    for how in ("hook", "diloco"):
+        assert torch.equal(r0[how]["params"], r1[how]["params"]), how
+        assert r0[how]["losses"][-1] < 0.8 * r0[how]["losses"][0], (how, r0[how]["losses"])
