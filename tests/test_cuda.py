@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn as nn
 from distributed import run_workers
+from regression import fit, regression_data
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradpress
@@ -159,10 +160,7 @@ def _model() -> nn.Module:
 
 
 def _data(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(100 + rank)
-    x = torch.randn(128, 24, generator=g)
-    y = torch.tanh(x @ torch.randn(24, 3, generator=torch.Generator().manual_seed(7)))
-    return x.to(DEVICE), y.to(DEVICE)
+    return regression_data(rank, DEVICE)
 
 
 def _ddp_train(rank: int, spec: str, strategy: str, steps: int = 15) -> dict:
@@ -171,13 +169,7 @@ def _ddp_train(rank: int, spec: str, strategy: str, steps: int = 15) -> dict:
     hook = gradpress.ddp.register(ddp, spec, strategy=strategy, min_numel=64)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     x, y = _data(rank)
-    losses = []
-    for _ in range(steps):
-        opt.zero_grad()
-        loss = ((ddp(x) - y) ** 2).mean()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = fit(ddp, opt, x, y, steps)
     hook.close()
     return {"losses": losses, "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()}
 
@@ -261,13 +253,7 @@ def _algorithm_worker(rank: int, world: int) -> dict:
         algo = algorithms.create(spec, model, opt, compressor="topk:ratio=0.1" if "diloco" in spec else None,
                                  min_numel=64)
         x, y = _data(rank)
-        losses = []
-        for _ in range(12):
-            opt.zero_grad()
-            loss = ((model(x) - y) ** 2).mean()
-            loss.backward()
-            algo.step()
-            losses.append(loss.item())
+        losses = fit(model, opt, x, y, 12, algo.step)
         out[spec] = {"losses": losses, "device": {p.device.type for p in model.parameters()}}
     return out
 

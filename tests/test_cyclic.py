@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn as nn
 from distributed import run_workers
+from regression import fit, regression_data
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradpress
@@ -105,17 +106,11 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(24, 48), nn.Tanh(), nn.Linear(48, 48), nn.Tanh(), nn.Linear(48, 3))
 
 
-def _data(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(100 + rank)
-    x = torch.randn(128, 24, generator=g)
-    return x, torch.tanh(x @ torch.randn(24, 3, generator=torch.Generator().manual_seed(7)))
-
-
 def _train(rank: int, world: int) -> dict:
     out = {}
     for how in ("hook", "diloco"):
         model = _model()
-        x, y = _data(rank)
+        x, y = regression_data(rank)
         if how == "hook":
             net = DDP(model)
             hook = gradpress.ddp.register(net, "topk:ratio=0.1", strategy="cyclic", min_numel=64)
@@ -127,13 +122,7 @@ def _train(rank: int, world: int) -> dict:
             hook = algorithms.create("diloco:period=4,outer_momentum=0.5", model, opt, compressor="topk:ratio=0.2",
                                      strategy="cyclic", min_numel=64)
             step = hook.step
-        losses = []
-        for _ in range(24):
-            opt.zero_grad()
-            loss = ((net(x) - y) ** 2).mean()
-            loss.backward()
-            step()
-            losses.append(loss.item())
+        losses = fit(net, opt, x, y, 24, step)
         out[how] = {"losses": losses, "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
                     "stats": dict(hook.stats)}
         if how == "hook":

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from distributed import run_workers
+from regression import fit, regression_data
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradpress
@@ -49,10 +50,7 @@ def make_model() -> nn.Module:
 
 
 def make_data(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(100 + rank)
-    x = torch.randn(128, 24, generator=gen)
-    w = torch.randn(24, 3, generator=torch.Generator().manual_seed(7))
-    return x, torch.tanh(x @ w)
+    return regression_data(rank)
 
 
 def flat_params(model: nn.Module) -> torch.Tensor:
@@ -66,14 +64,7 @@ def train(spec: str | None, rank: int, steps: int = 20, lr: float = 0.05, **kw) 
     hook = gradpress.ddp.register(ddp, spec, min_numel=MIN_NUMEL, **kw) if spec is not None else None
     opt = torch.optim.SGD(ddp.parameters(), lr=lr)
     x, y = make_data(rank)
-    losses = []
-    for _ in range(steps):
-        opt.zero_grad()
-        loss = ((ddp(x) - y) ** 2).mean()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    out = {"losses": losses, "params": flat_params(model)}
+    out = {"losses": fit(ddp, opt, x, y, steps), "params": flat_params(model)}
     if hook is not None:
         out["stats"] = hook.stats
         out["state"] = hook.state_dict()
