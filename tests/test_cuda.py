@@ -186,7 +186,8 @@ def _one_backward(rank: int, world: int, spec: str | None) -> dict:
 
 
 HOOK_CASES = [("topk:ratio=0.05", "collective"), ("qsgd", "collective"), ("powersgd:rank=2,start_iter=2", "collective"),
-              ("fp16", "ring"), ("topk:ratio=0.05", "ps"), ("qsgd", "hierarchical"), ("terngrad", "allgather")]
+              ("fp16", "ring"), ("topk:ratio=0.05", "ps"), ("qsgd", "hierarchical"), ("terngrad", "allgather"),
+              ("topk:ratio=0.05", "cyclic")]
 
 
 def _nccl_hook_worker(rank: int, world: int) -> dict:
@@ -233,6 +234,23 @@ def test_hook_two_ranks_gloo_on_cuda_tensors_keeps_replicas_identical() -> None:
     for case in HOOK_CASES:
         assert torch.equal(r0[case]["params"], r1[case]["params"]), case
         assert r0[case]["losses"][-1] < r0[case]["losses"][0], (case, r0[case]["losses"])
+
+
+TWO_HOSTS = [("qsgd", "hierarchical:workers_per_host=2"), ("fp16", "hierarchical:workers_per_host=2,outer=ring")]
+
+
+def _two_hosts_worker(rank: int, world: int) -> dict:
+    """Four ranks as two hosts of two (gloo, one GPU): the intra-host dense
+    reduce and broadcast and the leaders' exchange on CUDA tensors."""
+    _set_device()
+    return {case: _ddp_train(rank, *case, steps=8) for case in TWO_HOSTS}
+
+
+def test_hierarchical_two_hosts_on_cuda_tensors_keeps_replicas_identical() -> None:
+    results = run_workers(_two_hosts_worker, 4)
+    for case in TWO_HOSTS:
+        assert all(torch.equal(r[case]["params"], results[0][case]["params"]) for r in results), case
+        assert results[0][case]["losses"][-1] < results[0][case]["losses"][0], (case, results[0][case]["losses"])
 
 
 ALGORITHMS = ["localsgd:period=2", "diloco:period=3", "streaming-diloco:period=4,fragments=2", "sgp", "choco", "lsgd",
