@@ -25,10 +25,11 @@ element-wise integer and IEEE arithmetic the declarations use (tested, on
 CPU in the suite and on CUDA in tests/test_cuda.py). On CUDA that needs two
 Inductor options (:data:`EAGER_NUMERICS`): by default Triton contracts
 ``a * b + c`` into one fused multiply-add and lowers ``/`` to an
-approximate division, and on an H200 the compiled ``minmax8:stochastic``
-then differed from eager in a few codes, where ``(x - lo) * (1 / step) + u``
-lands within a rounding of an integer. Where a torch lacks an option, the
-kernel compiles without it.
+approximate division. On an H200 the compiled ``minmax8:stochastic``
+then differed from eager (codes where ``(x - lo) * (1 / step) + u`` lands
+within a rounding of an integer round the other way); with both options
+set it matched byte for byte. Where a torch lacks an option, the kernel
+compiles without it.
 """
 
 from __future__ import annotations
