@@ -19,8 +19,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import gradpress
 from gradpress import algorithms
 from gradpress.compress import Context, create
-from gradpress.exchange import get_strategy
+from gradpress.exchange import Synchronizer, get_strategy
 from gradpress.exchange.feedback import Feedback
+from gradpress.exchange.planner import Decision
 
 SHAPES = [(40, 25), (3001,), (7, 11)]
 RATIO = 0.1
@@ -91,6 +92,86 @@ def test_cyclic_without_feedback_gives_the_same_average(direct: tuple[int, list[
     world, results = direct
     for r in range(world):
         assert all(torch.equal(a, b) for a, b in zip(results[r]["no_feedback"], results[r][0]["avg"]))
+
+
+ENGINE_SHAPES = [(30, 40), (50, 20)]
+ENGINE_CASES = [{}, {"fb": False}, {"transpose": True}, {"transpose": True, "fb": False}, {"parts": 3},
+                {"parts": 3, "fb": False}]
+
+
+def _engine_inputs(rank: int, step: int, transpose: bool) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    xs = [torch.randn(s, generator=g) * (1 + rank) for s in ENGINE_SHAPES]
+    return [x.t() if transpose else x for x in xs]  # transposed: non-contiguous gradients
+
+
+def _through_the_engine(rank: int, world: int) -> dict:
+    """The engine's whole path: compensation, partitions, the result written
+    into the caller's tensors, residuals staged; 3 steps per case."""
+    out = {}
+    for n, case in enumerate(ENGINE_CASES):
+        probe = _engine_inputs(0, 0, case.get("transpose", False))
+        params = [(f"p{i}", list(x.shape), x.dtype) for i, x in enumerate(probe)]
+        engine = Synchronizer("topk:ratio=0.1", params=params, strategy="cyclic", min_numel=0,
+                              error_feedback=case.get("fb", True))
+        if case.get("parts"):
+            for k, shape, _ in params:
+                engine.plan.decisions[k] = Decision(k, math.prod(shape), "cyclic", case["parts"])
+        steps = []
+        for step in range(3):
+            ts = _engine_inputs(rank, step, case.get("transpose", False))
+            engine.sync([f"p{i}" for i in range(len(ts))], ts, step=step)
+            steps.append([t.clone() for t in ts])
+        out[n] = steps
+    return out
+
+
+def test_cyclic_through_the_engine_is_the_definition() -> None:
+    """float64 reference with error feedback carried across steps (or not),
+    each partition its own top-k of the leader's compensated piece."""
+    world = 2
+    results = run_workers(_through_the_engine, world)
+    for n, case in enumerate(ENGINE_CASES):
+        parts, fb = case.get("parts") or 1, case.get("fb", True)
+        resid = [[torch.zeros(math.prod(s), dtype=torch.float64) for s in ENGINE_SHAPES] for _ in range(world)]
+        for step in range(3):
+            leader = step % world
+            comp = [[t.double().reshape(-1) + (resid[r][i] if fb else 0)
+                     for i, t in enumerate(_engine_inputs(r, step, case.get("transpose", False)))] for r in range(world)]
+            for i in range(len(ENGINE_SHAPES)):
+                support, offset = [], 0
+                for piece in torch.tensor_split(comp[leader][i], parts):
+                    support.append(torch.topk(piece.abs(), math.ceil(0.1 * piece.numel())).indices + offset)
+                    offset += piece.numel()
+                idx = torch.cat(support)
+                want = torch.zeros_like(comp[0][i])
+                want[idx] = sum(comp[r][i][idx] for r in range(world)) / world
+                for r in range(world):
+                    got = results[r][n][step][i].double().reshape(-1)
+                    assert torch.allclose(got, want, rtol=1e-6, atol=1e-6), (case, step, i, r)
+                    resid[r][i] = comp[r][i].clone()
+                    resid[r][i][idx] = 0
+
+
+def _leader_fails(rank: int, world: int) -> str:
+    comp = create("topk:ratio=0.1")
+
+    def broken(x, ctx=None):  # noqa: ANN001, ANN202
+        raise ValueError("the leader's encode broke")
+
+    comp.encode = broken  # only the leader (rank 0 at step 0) calls it
+    ctxs = [Context(key="w", step=0, rank=rank, world_size=world)]
+    try:
+        get_strategy("cyclic", None).exchange(comp, [torch.randn(100, 10)], ctxs, Feedback())
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def test_a_failing_leader_fails_every_rank_with_a_clear_error() -> None:
+    leader, other = run_workers(_leader_fails, 2)
+    assert leader == "ValueError: the leader's encode broke"
+    assert other.startswith("RuntimeError") and "rank 0" in other and "'w'" in other, other
 
 
 def test_cyclic_refuses_what_it_cannot_carry() -> None:

@@ -11,6 +11,8 @@ shapes, so each compiles once."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -75,3 +77,21 @@ def test_a_failing_compile_falls_back_to_eager_with_a_warning(monkeypatch: pytes
     assert torch.equal(out, torch.full((10,), 2.0))
     with compiler.forced("on"):  # no second warning: the kernel stays eager
         assert torch.equal(kit.elementwise(k2, torch.ones(10), 10), torch.full((10,), 2.0))
+
+
+def test_warns_once_when_inductor_lacks_the_eager_numerics_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CUDA kernel compiled without Triton's eager numerics may differ from
+    eager (docs/results/cuda-h200.md): the kit says so, once; on CPU it does not."""
+
+    class FakeCuda(torch.Tensor):
+        is_cuda = property(lambda self: True)
+
+    monkeypatch.setattr(compiler, "_options", lambda: {"emulate_precision_casts": True})
+    monkeypatch.setattr(compiler, "_warned_numerics", [])
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        compiler._warn_missing_numerics((torch.zeros(2),))
+        assert not seen
+        compiler._warn_missing_numerics((torch.zeros(2).as_subclass(FakeCuda),))
+        compiler._warn_missing_numerics((torch.zeros(2).as_subclass(FakeCuda),))
+    assert len(seen) == 1 and "eager_numerics.division_rounding" in str(seen[0].message)

@@ -48,7 +48,8 @@ __all__ = ["EAGER_NUMERICS", "MIN_COMPILE_NUMEL", "compiled_count", "compiles", 
 MIN_COMPILE_NUMEL = 1 << 14
 
 #: Inductor options that keep compiled arithmetic eager's: no FMA contraction (Triton's enable_fp_fusion) and
-#: correctly rounded division; ignored by the CPU backend's generated C++, which already matches eager
+#: correctly rounded division. On CPU the generated C++ matched eager without them (tests/test_kit_compile.py);
+#: ``emulate_precision_casts`` also keeps fp16/bf16 round trips that Inductor would elide, on every device
 EAGER_NUMERICS = ("emulate_precision_casts", "eager_numerics.division_rounding")
 
 _MODES = {"auto": "auto", "": "auto", "1": "on", "on": "on", "true": "on", "0": "off", "off": "off", "false": "off"}
@@ -102,6 +103,20 @@ def _options() -> dict[str, bool]:
     return {name: True for name in EAGER_NUMERICS if name in known}
 
 
+_warned_numerics: list[bool] = []
+
+
+def _warn_missing_numerics(args: tuple[Any, ...]) -> None:
+    """Once per process: a CUDA kernel compiled without an option of
+    :data:`EAGER_NUMERICS` may differ from eager in the last bit of a code."""
+    missing = [n for n in EAGER_NUMERICS if n not in _options()]
+    if missing and not _warned_numerics and any(isinstance(a, torch.Tensor) and a.is_cuda for a in args):
+        _warned_numerics.append(True)
+        warnings.warn(f"gradpress kit: this torch's Inductor lacks {', '.join(missing)}; compiled CUDA kernels may "
+                      "round a few codes differently from eager (set GRADPRESS_COMPILE=0 for eager's bytes)",
+                      RuntimeWarning, stacklevel=3)
+
+
 def run(kernel: Callable[..., Any], numel: int, *args: Any, **kwargs: Any) -> Any:
     """``kernel(*args, **kwargs)``, compiled when the policy says so for a
     tensor of ``numel`` elements, eager otherwise."""
@@ -109,6 +124,7 @@ def run(kernel: Callable[..., Any], numel: int, *args: Any, **kwargs: Any) -> An
         return kernel(*args, **kwargs)
     fn = _cache.get(kernel)
     if fn is None:
+        _warn_missing_numerics(args)
         fn = _cache[kernel] = torch.compile(kernel, dynamic=True, options=_options())
     try:
         return fn(*args, **kwargs)

@@ -9,12 +9,15 @@ values (``topk``, ``threshold``), on its error-compensated tensors
 and broadcasts the indices. Every rank then takes its own values at those
 indices, and one allreduce sums them. Each kept coordinate is the exact
 average over all ranks. In ``allgather``, by contrast, N supports are
-averaged, and a coordinate that only one rank kept counts 1/N of its value
-while the rest of it waits in that rank's residual. The support is the
+averaged: a coordinate that only one rank kept gets that rank's share
+(1/N of its value), and the other ranks' values there wait in their
+residuals. In the DDP hook every bucket of a step has the same leader. The support is the
 leader's local top-k, so a coordinate large on average but small on the
 leader waits for another leader. ScaleCom shows the leaders' supports agree
 closely when the residuals are kept (its "commonality"); error feedback is
-the price, and with it each rank keeps everything off the support.
+the price, and with it each rank keeps everything off the support. If the
+leader's compressor raises, every rank raises (the leader its own error,
+the others an error naming the leader) instead of waiting on it.
 
 The support is identical on every rank and the values are summed by one
 allreduce, so the results are bit-identical on every rank. It is also
@@ -77,18 +80,28 @@ class Cyclic(Strategy):
         device = flats[0].device if flats else torch.device("cpu")
         wide = any(f.numel() >= 2**31 for f in flats)
         index_dtype = torch.int64 if wide else torch.int32
-        counts = torch.zeros(len(flats), dtype=torch.int64, device=device)
         chosen: list[torch.Tensor] = []
+        failure: BaseException | None = None
         if self.rank == leader:
-            for i, (t, c) in enumerate(zip(tensors, ctxs)):
-                chosen.append(compressor.encode(t, c).tensors[1].reshape(-1).to(index_dtype))
-                counts[i] = chosen[-1].numel()
+            try:
+                chosen = [compressor.encode(t, c).tensors[1].reshape(-1).to(index_dtype) for t, c in zip(tensors, ctxs)]
+            except Exception as exc:  # noqa: BLE001 - told to every rank below, then re-raised here
+                failure, chosen = exc, []
+        # one count per tensor; -1 everywhere: the leader failed (every rank raises instead of waiting on it)
+        counts = torch.tensor([c.numel() for c in chosen] if failure is None and self.rank == leader
+                              else [-1] * len(flats), dtype=torch.int64).to(device)
         t1 = time.perf_counter()
         sent = 0
         src = global_rank(self.group, leader)
         if self.world_size > 1:
             dist.broadcast(counts, src, group=self.group)
         sizes = [int(n) for n in counts.tolist()]
+        if any(n < 0 for n in sizes):
+            if failure is not None:
+                raise failure
+            raise RuntimeError(f"strategy 'cyclic': the leader of step {ctxs[0].step}, rank {leader}, failed to "
+                               f"select the support of {ctxs[0].key!r} and the other tensors of this call; its own "
+                               "error says why")
         if self.rank == leader:
             indices = torch.cat(chosen) if chosen else torch.zeros(0, dtype=index_dtype, device=device)
             sent += counts.numel() * 8 + indices.numel() * indices.element_size()
@@ -96,9 +109,9 @@ class Cyclic(Strategy):
             indices = torch.empty(sum(sizes), dtype=index_dtype, device=device)
         if self.world_size > 1 and indices.numel():
             dist.broadcast(indices, src, group=self.group)
-        support = list(indices.split(sizes)) if sizes else []
+        support = [idx.long() for idx in indices.split(sizes)] if sizes else []
         t2 = time.perf_counter()
-        values = [f[idx.long()] for f, idx in zip(flats, support)]
+        values = [f[idx] for f, idx in zip(flats, support)]
         summed, nbytes = fused_allreduce(values, self.group)
         sent += nbytes
         t3 = time.perf_counter()
@@ -107,13 +120,13 @@ class Cyclic(Strategy):
             dst = out[i] if out is not None and i < len(out) and out[i] is not None else None
             if dst is None or not dst.is_contiguous() or (residuals is not None and dst.data_ptr() == t.data_ptr()):
                 dst = torch.empty_like(t, memory_format=torch.contiguous_format)
-            dst.zero_().view(-1).index_copy_(0, idx.long(), total.div_(self.world_size))
+            dst.zero_().view(-1).index_copy_(0, idx, total.div_(self.world_size))
             results.append(dst)
             if residuals is not None:  # what this rank keeps: everything off the support (in its own tensor)
                 kept = t if t.is_contiguous() else t.contiguous()
-                kept.view(-1).index_fill_(0, idx.long(), 0)
+                kept.view(-1).index_fill_(0, idx, 0)
                 residuals.append(kept)
             tensor_bytes.append(values[i].numel() * values[i].element_size()
-                                + (idx.numel() * idx.element_size() if self.rank == leader else 0))
+                                + (idx.numel() * indices.element_size() if self.rank == leader else 0))
         compress_s = (t1 - t0) + (time.perf_counter() - t3)
         return ExchangeResult(results, sent, residuals, tensor_bytes, compress_s, (t2 - t1) + (t3 - t2))
