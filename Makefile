@@ -2,7 +2,7 @@ PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: setup test demo lint mutants timing
+.PHONY: setup test demo lint mutants timing long
 
 # torch first, pinned, when absent: an unpinned install pulls a multi-GB CUDA build; then the package
 # and its extras with the installed torch held at its version (an extra must never replace it)
@@ -11,7 +11,7 @@ setup:
 	@$(PIP) install -q -e ".[dev]" "torch==$$($(PYTHON) -c 'import torch; print(torch.__version__.split("+")[0])')"
 
 test: setup
-	$(PYTHON) -m pytest -q -m "not timing" tests
+	$(PYTHON) -m pytest -q -m "not timing and not long" tests
 
 demo: setup
 	$(PYTHON) -m gradpress.demo
@@ -29,3 +29,8 @@ mutants: setup
 # tests that assert wall-clock speed (emulated link goodput): benchmarks, not unit tests
 timing: setup
 	$(PYTHON) -m pytest -q -m timing tests
+
+# end-to-end runs of 30 s or more (a stopped worker's run): kept out of
+# `make test` so the suite stays under 15 minutes on 2 cores; shorter tests cover the same code
+long: setup
+	$(PYTHON) -m pytest -q -m long tests

@@ -221,6 +221,7 @@ def test_timeout_flag_is_validated_and_reaches_the_config(tmp_path, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # 39 s; test_train_faults' dead worker covers the launcher's failure path in 14 s
 def test_stopped_worker_ends_the_run_naming_the_silent_rank(tmp_path):
     out = tmp_path / "run"
     proc = subprocess.Popen(_cmd(out, "--epochs", "400", "--timeout", "3"), stdout=subprocess.PIPE,
