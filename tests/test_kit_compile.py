@@ -86,12 +86,12 @@ def test_warns_once_when_inductor_lacks_the_eager_numerics_options(monkeypatch: 
     class FakeCuda(torch.Tensor):
         is_cuda = property(lambda self: True)
 
-    monkeypatch.setattr(compiler, "_options", lambda: {"emulate_precision_casts": True})
+    partial = {"emulate_precision_casts": True}
     monkeypatch.setattr(compiler, "_warned_numerics", [])
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        compiler._warn_missing_numerics((torch.zeros(2),))
+        compiler._warn_missing_numerics((torch.zeros(2),), partial)
         assert not seen
-        compiler._warn_missing_numerics((torch.zeros(2).as_subclass(FakeCuda),))
-        compiler._warn_missing_numerics((torch.zeros(2).as_subclass(FakeCuda),))
+        compiler._warn_missing_numerics((torch.zeros(2).as_subclass(FakeCuda),), partial)
+        compiler._warn_missing_numerics((torch.zeros(2).as_subclass(FakeCuda),), partial)
     assert len(seen) == 1 and "eager_numerics.division_rounding" in str(seen[0].message)

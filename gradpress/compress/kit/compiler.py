@@ -106,10 +106,11 @@ def _options() -> dict[str, bool]:
 _warned_numerics: list[bool] = []
 
 
-def _warn_missing_numerics(args: tuple[Any, ...]) -> None:
+def _warn_missing_numerics(args: tuple[Any, ...], options: dict[str, bool]) -> None:
     """Once per process: a CUDA kernel compiled without an option of
-    :data:`EAGER_NUMERICS` may differ from eager in the last bit of a code."""
-    missing = [n for n in EAGER_NUMERICS if n not in _options()]
+    :data:`EAGER_NUMERICS` (``options``: those it gets) may differ from
+    eager in the last bit of a code."""
+    missing = [n for n in EAGER_NUMERICS if n not in options]
     if missing and not _warned_numerics and any(isinstance(a, torch.Tensor) and a.is_cuda for a in args):
         _warned_numerics.append(True)
         warnings.warn(f"gradpress kit: this torch's Inductor lacks {', '.join(missing)}; compiled CUDA kernels may "
@@ -124,8 +125,9 @@ def run(kernel: Callable[..., Any], numel: int, *args: Any, **kwargs: Any) -> An
         return kernel(*args, **kwargs)
     fn = _cache.get(kernel)
     if fn is None:
-        _warn_missing_numerics(args)
-        fn = _cache[kernel] = torch.compile(kernel, dynamic=True, options=_options())
+        options = _options()
+        _warn_missing_numerics(args, options)
+        fn = _cache[kernel] = torch.compile(kernel, dynamic=True, options=options)
     try:
         return fn(*args, **kwargs)
     except Exception as exc:  # noqa: BLE001 - any compiler failure falls back to the same ops, eager

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from gradpress.compress.base import Compressor, Context
-from gradpress.exchange.base import ExchangeResult, Strategy, register_strategy
+from gradpress.exchange.base import ExchangeResult, Prelude, Strategy, register_strategy
 from gradpress.exchange.costs import CostModel
 from gradpress.exchange.feedback import Feedback
 from gradpress.transport.collectives import fused_allreduce
@@ -72,7 +72,7 @@ class Cyclic(Strategy):
 
     def exchange(
         self, compressor: Compressor, tensors: list[torch.Tensor], ctxs: list[Context],
-        feedback: Feedback | None, *, prelude: object = None, out: list[torch.Tensor] | None = None,
+        feedback: Feedback | None, *, prelude: Prelude | None = None, out: list[torch.Tensor] | None = None,
     ) -> ExchangeResult:
         t0 = time.perf_counter()
         leader = ctxs[0].step % self.world_size if ctxs else 0
@@ -122,10 +122,10 @@ class Cyclic(Strategy):
                 dst = torch.empty_like(t, memory_format=torch.contiguous_format)
             dst.zero_().view(-1).index_copy_(0, idx, total.div_(self.world_size))
             results.append(dst)
-            if residuals is not None:  # what this rank keeps: everything off the support (in its own tensor)
-                kept = t if t.is_contiguous() else t.contiguous()
-                kept.view(-1).index_fill_(0, idx, 0)
-                residuals.append(kept)
+            if residuals is not None:  # what this rank keeps: everything off the support
+                # flats[i]: a view of t, or (t non-contiguous) the contiguous copy made above: no second copy
+                flats[i].index_fill_(0, idx, 0)
+                residuals.append(flats[i].view(t.shape))
             tensor_bytes.append(values[i].numel() * values[i].element_size()
                                 + (idx.numel() * indices.element_size() if self.rank == leader else 0))
         compress_s = (t1 - t0) + (time.perf_counter() - t3)
