@@ -153,6 +153,46 @@ def test_cyclic_through_the_engine_is_the_definition() -> None:
                     resid[r][i][idx] = 0
 
 
+EXTREME = {torch.float16: 6.0e4, torch.bfloat16: 3.0e38, torch.float32: 3.0e38, torch.float64: 1.7e308}
+
+
+def _extreme(rank: int, world: int) -> dict:
+    """Mixed magnitudes up to near each dtype's maximum (a sum of the ranks'
+    values would overflow it), subnormal-sized entries, every dtype."""
+    out = {}
+    for dtype, big in EXTREME.items():
+        g = torch.Generator().manual_seed(5 + rank)
+        top = int(math.log10(big)) - 1  # below the maximum: only the entries set next reach it (no ties there)
+        scale = torch.full((64, 16), 10.0, dtype=torch.float64) ** torch.randint(-40, top, (64, 16), generator=g)
+        x = torch.randn(64, 16, generator=g, dtype=torch.float64) * scale
+        x.view(-1)[:8] = big * (1 - 0.01 * rank)  # the largest entries, in the support
+        x = x.to(dtype)
+        assert bool(torch.isfinite(x).all())
+        ctx = [Context(key="w", step=0, rank=rank, world_size=world)]
+        res = get_strategy("cyclic", None).exchange(create(f"topk:ratio={RATIO}"), [x.clone()], ctx, Feedback())
+        out[dtype] = (x, res.tensors[0])
+    return out
+
+
+def test_cyclic_on_extreme_finite_inputs_stays_finite_exact_and_identical() -> None:
+    """The mean on the support, computed here in float64, within the dtype's
+    rounding; finite where the sum of the ranks' values is not (the values
+    are scaled by 1/N before the allreduce, as ``allreduce`` scales its
+    payloads); replicas bit-identical."""
+    world = 2
+    results = run_workers(_extreme, world)
+    for dtype in EXTREME:
+        xs = [results[r][dtype][0] for r in range(world)]
+        idx = _support(xs[0])  # rank 0 leads step 0
+        want = torch.zeros(xs[0].numel(), dtype=torch.float64)
+        want[idx] = sum(x.double().reshape(-1)[idx] / world for x in xs)  # float64's own sum would overflow
+        got = results[0][dtype][1]
+        assert got.dtype == dtype and bool(torch.isfinite(got).all()), dtype
+        assert torch.equal(got, results[1][dtype][1]), dtype
+        eps = torch.finfo(dtype).eps
+        assert torch.allclose(got.double().reshape(-1), want, rtol=4 * eps, atol=0), dtype
+
+
 def _leader_fails(rank: int, world: int) -> str:
     comp = create("topk:ratio=0.1")
 

@@ -8,7 +8,8 @@ sparsifier whose packet is ``[values, integer flat indices]`` with exact
 values (``topk``, ``threshold``), on its error-compensated tensors
 and broadcasts the indices. Every rank then takes its own values at those
 indices, and one allreduce sums them. Each kept coordinate is the exact
-average over all ranks. In ``allgather``, by contrast, N supports are
+average over all ranks (each rank's values are scaled by 1/N before the
+sum, so values near the dtype's maximum do not overflow). In ``allgather``, by contrast, N supports are
 averaged: a coordinate that only one rank kept gets that rank's share
 (1/N of its value), and the other ranks' values there wait in their
 residuals. In the DDP hook every bucket of a step has the same leader. The support is the
@@ -111,7 +112,9 @@ class Cyclic(Strategy):
             dist.broadcast(indices, src, group=self.group)
         support = [idx.long() for idx in indices.split(sizes)] if sizes else []
         t2 = time.perf_counter()
-        values = [f[idx] for f, idx in zip(flats, support)]
+        # scaled by 1/N before the sum, as ``allreduce`` scales its payloads: N values near the dtype's
+        # maximum (fp16: 65504) would overflow to inf in the sum, their mean does not
+        values = [f[idx].div_(self.world_size) for f, idx in zip(flats, support)]
         summed, nbytes = fused_allreduce(values, self.group)
         sent += nbytes
         t3 = time.perf_counter()
@@ -120,7 +123,7 @@ class Cyclic(Strategy):
             dst = out[i] if out is not None and i < len(out) and out[i] is not None else None
             if dst is None or not dst.is_contiguous() or (residuals is not None and dst.data_ptr() == t.data_ptr()):
                 dst = torch.empty_like(t, memory_format=torch.contiguous_format)
-            dst.zero_().view(-1).index_copy_(0, idx, total.div_(self.world_size))
+            dst.zero_().view(-1).index_copy_(0, idx, total)
             results.append(dst)
             if residuals is not None:  # what this rank keeps: everything off the support
                 # flats[i]: a view of t, or (t non-contiguous) the contiguous copy made above: no second copy
