@@ -50,6 +50,7 @@ from gradpress.bench.e2e_configs import RunConfig
 from gradpress.train.evaluate import evaluate
 from gradpress.train.loop import Tick, run_steps, shard_batches, steps_per_epoch, train_step
 from gradpress.train.optim import make_optimizer
+from gradpress.transport.groups import leave
 
 __all__ = ["main", "payload_bytes_per_step", "interface_bytes"]
 
@@ -387,10 +388,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    # the result is on disk: leave without interpreter teardown, where torch's
-    # static destructors occasionally abort ("terminate called without an
-    # active exception") and would turn a finished run into a failed one
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    leave(main())  # the result is on disk: no interpreter teardown (see leave)

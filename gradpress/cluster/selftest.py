@@ -19,7 +19,6 @@ import datetime
 import hashlib
 import json
 import os
-import sys
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,4 +80,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from gradpress.transport.groups import leave
+
+    leave(main())  # the report is on disk: no interpreter teardown, which occasionally aborts (see leave)

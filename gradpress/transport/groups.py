@@ -10,11 +10,13 @@ group's timeout instead of hanging: the caller's, else the base group's
 from __future__ import annotations
 
 import datetime
+import os
+import sys
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["own_group", "timeout_of", "device_of"]
+__all__ = ["own_group", "timeout_of", "device_of", "leave"]
 
 
 def device_of(group: dist.ProcessGroup | None) -> torch.device:
@@ -57,3 +59,13 @@ def own_group(base: dist.ProcessGroup | None,
         chosen, error = timeout_of(base_group, None), str(exc)
     ranks = dist.get_process_group_ranks(base_group)
     return dist.new_group(ranks=ranks, backend=dist.get_backend(base_group), timeout=chosen), error
+
+
+def leave(code: int) -> None:
+    """End a worker process whose results are on disk, with exit ``code``,
+    without interpreter teardown: torch's static destructors occasionally
+    abort there ("terminate called without an active exception", exit -6),
+    which would turn a finished run into a failed one."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
