@@ -2,7 +2,7 @@ PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: setup test demo lint mutants timing long
+.PHONY: setup test demo lint mutants timing long compat
 
 # torch first, pinned, when absent: an unpinned install pulls a multi-GB CUDA build; then the package
 # and its extras with the installed torch held at its version (an extra must never replace it)
@@ -34,3 +34,17 @@ timing: setup
 # `make test` so the suite stays under 15 minutes on 2 cores; shorter tests cover the same code
 long: setup
 	$(PYTHON) -m pytest -q -m long tests
+
+# the suite on another torch release, in a venv of its own (.venv-torch<V>): `make compat COMPAT_TORCH=2.2.2`.
+# PyPI's x86-64 wheels of such releases are CUDA builds (~5 GB with their libraries; they run on the CPU).
+# numpy < 2: what those wheels were built against. transformers is removed: release 5 disables itself below
+# torch 2.6, and torch 2.2's torch.onnx imports it, printing two lines in every run (its tests then skip).
+# About 30 min on 2 cores; see docs/testing.md, "Older torch releases". Not part of `make test`.
+COMPAT_TORCH ?= 2.2.2
+COMPAT_VENV := .venv-torch$(COMPAT_TORCH)
+compat:
+	@test -x $(COMPAT_VENV)/bin/python || $(PYTHON) -m venv $(COMPAT_VENV)
+	$(COMPAT_VENV)/bin/pip install -q "torch==$(COMPAT_TORCH)" "numpy<2"
+	$(COMPAT_VENV)/bin/pip install -q -e ".[dev]" "torch==$(COMPAT_TORCH)" "numpy<2"
+	$(COMPAT_VENV)/bin/pip uninstall -q -y transformers
+	$(COMPAT_VENV)/bin/python -m pytest -q -m "not timing and not long" tests

@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from gradpress import torch_compat
+
 
 def free_port() -> int:
     """gradpress's own choice (below the ephemeral range; see its doc)."""
@@ -44,7 +46,7 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
     finally:
         if dist.is_initialized():
             try:
-                dist.destroy_process_group()
+                torch_compat.destroy_process_group()  # on torch 2.2.2 a plain destroy could hang (see there)
             except Exception:  # noqa: BLE001
                 pass
     torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))

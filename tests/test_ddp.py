@@ -59,7 +59,10 @@ def flat_params(model: nn.Module) -> torch.Tensor:
 
 def train(spec: str | None, rank: int, steps: int = 20, lr: float = 0.05, **kw) -> dict:
     model = make_model()
-    ddp = DDP(model, bucket_cap_mb=0.004)  # several buckets
+    # several buckets; torch 2.2.2's DDP caps the first bucket at _DEFAULT_FIRST_BUCKET_BYTES (1 MiB) whatever
+    # bucket_cap_mb says (2.13 applies bucket_cap_mb to every bucket when it is given)
+    dist._DEFAULT_FIRST_BUCKET_BYTES = int(0.004 * 2**20)
+    ddp = DDP(model, bucket_cap_mb=0.004)
     kw.setdefault("strategy", "collective")  # the compressor as configured, not the planner's choice
     hook = gradpress.ddp.register(ddp, spec, min_numel=MIN_NUMEL, **kw) if spec is not None else None
     opt = torch.optim.SGD(ddp.parameters(), lr=lr)
@@ -343,7 +346,10 @@ def _coalesced_powersgd(rank: int, world: int, coalesce: bool | None) -> dict:
     module, same weights and data), the residuals and Q before the step, and
     the averaged gradient the hook wrote; count the allreduces per step."""
     model = make_model()
-    ddp = DDP(model, bucket_cap_mb=0.004)  # several buckets
+    # several buckets; torch 2.2.2's DDP caps the first bucket at _DEFAULT_FIRST_BUCKET_BYTES (1 MiB) whatever
+    # bucket_cap_mb says (2.13 applies bucket_cap_mb to every bucket when it is given)
+    dist._DEFAULT_FIRST_BUCKET_BYTES = int(0.004 * 2**20)
+    ddp = DDP(model, bucket_cap_mb=0.004)
     hook = gradpress.ddp.register(ddp, "powersgd:rank=1,start_iter=1", min_numel=MIN_NUMEL, coalesce=coalesce)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     x, y = make_data(rank)

@@ -27,6 +27,8 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.skipif(not compiler.keeps_eager_numerics("cpu"),
+                    reason="this torch's Inductor lacks emulate_precision_casts: 'auto' does not compile on CPU here")
 def test_compiled_encode_and_decode_are_byte_identical_to_eager(spec: str) -> None:
     for d in (8192, 8192 + 300):  # whole chunks; a ragged tail
         x = torch.randn(d, generator=torch.Generator().manual_seed(d)) * 5
@@ -80,18 +82,34 @@ def test_a_failing_compile_falls_back_to_eager_with_a_warning(monkeypatch: pytes
 
 
 def test_warns_once_when_inductor_lacks_the_eager_numerics_options(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A CUDA kernel compiled without Triton's eager numerics may differ from
-    eager (docs/results/cuda-h200.md): the kit says so, once; on CPU it does not."""
-
-    class FakeCuda(torch.Tensor):
-        is_cuda = property(lambda self: True)
-
-    partial = {"emulate_precision_casts": True}
+    """A kernel compiled without the options its device needs may differ
+    from eager (CUDA: docs/results/cuda-h200.md; CPU on torch 2.2.2): under
+    ``on`` the kit says so, once; with them it says nothing."""
     monkeypatch.setattr(compiler, "_warned_numerics", [])
+    cpu_only = {"emulate_precision_casts": True}
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        compiler._warn_missing_numerics((torch.zeros(2),), partial)
+        compiler._warn_missing_numerics(dict.fromkeys(compiler.EAGER_NUMERICS, True), "cuda")
+        compiler._warn_missing_numerics(cpu_only, "cpu")
         assert not seen
-        compiler._warn_missing_numerics((torch.zeros(2).as_subclass(FakeCuda),), partial)
-        compiler._warn_missing_numerics((torch.zeros(2).as_subclass(FakeCuda),), partial)
+        compiler._warn_missing_numerics(cpu_only, "cuda")
+        compiler._warn_missing_numerics({}, "cpu")
     assert len(seen) == 1 and "eager_numerics.division_rounding" in str(seen[0].message)
+
+
+def test_auto_compiles_only_where_inductor_keeps_eager_numerics(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``auto`` compiles a large kernel only where the device's options are
+    known (CPU: emulate_precision_casts; CUDA: both); ``on`` still compiles
+    (the user asked)."""
+    monkeypatch.delenv("GRADPRESS_COMPILE", raising=False)
+    big = 1 << 24
+    monkeypatch.setattr(compiler, "_known_options", [{}])  # torch 2.2.2: neither
+    assert not compiler.compiles(big, "cpu") and not compiler.compiles(big, "cuda")
+    with compiler.forced("on"):
+        assert compiler.compiles(big, "cpu") and compiler.compiles(big, "cuda")
+    monkeypatch.setattr(compiler, "_known_options", [{"emulate_precision_casts": True}])  # torch 2.6.0
+    assert compiler.compiles(big, "cpu") and not compiler.compiles(big, "cuda")
+    assert not compiler.compiles(compiler.MIN_COMPILE_NUMEL - 1, "cpu")
+    monkeypatch.setattr(compiler, "_known_options", [dict.fromkeys(compiler.EAGER_NUMERICS, True)])  # 2.11, 2.13
+    assert compiler.compiles(big, "cpu") and compiler.compiles(big, "cuda")
+    assert compiler._device_type((3, torch.zeros(1))) == "cpu" and compiler._device_type(()) == "cpu"

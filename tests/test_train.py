@@ -212,9 +212,15 @@ def test_resume_is_exact_on_two_workers(tmp_path):
     # hook's state under "hook") resumes as algorithm ddp, exactly
     with pytest.raises(pickle.UnpicklingError):
         torch.load(legacy / "checkpoint.pt", weights_only=True)  # numpy arrays: not plain weights
-    assert cli([*common, "--out", str(legacy), "--resume", "--compressor", "none"]) == 2  # checked as any other
-    assert cli([*common, "--out", str(legacy), "--resume"]) == 0
-    assert [r["loss"] for r in _rows(legacy)] == [r["loss"] for r in a]
+    if not hasattr(torch.serialization, "safe_globals"):  # torch 2.2.2: no way to allow numpy in weights_only
+        from gradpress.train.checkpoint import load as load_checkpoint
+
+        with pytest.raises(ValueError, match="holds numpy objects.*resume it with a newer torch"):
+            load_checkpoint(legacy / "checkpoint.pt")
+    else:
+        assert cli([*common, "--out", str(legacy), "--resume", "--compressor", "none"]) == 2  # checked as any other
+        assert cli([*common, "--out", str(legacy), "--resume"]) == 0
+        assert [r["loss"] for r in _rows(legacy)] == [r["loss"] for r in a]
     # a changed configuration is refused, naming the field
     assert cli([*common, "--out", str(part), "--resume", "--seed", "9"]) == 2
 

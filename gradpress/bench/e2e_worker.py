@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from gradpress import torch_compat
 from gradpress.bench.e2e_configs import RunConfig
 from gradpress.train.evaluate import evaluate
 from gradpress.train.loop import Tick, run_steps, shard_batches, steps_per_epoch, train_step
@@ -136,7 +137,7 @@ def _finish(algo: Any) -> None:
 
     algo.close()
     dist.barrier()
-    dist.destroy_process_group()
+    torch_compat.destroy_process_group()
 
 
 class _TorchDDP:
@@ -174,7 +175,7 @@ def _build_algorithm(model: torch.nn.Module, opt: torch.optim.Optimizer, cfg: Ru
         return algo, algo, bucket_cap_mb
     if cfg.kind not in ("ddp", "torch-fp16", "torch-powersgd"):
         raise ValueError(f"config kind {cfg.kind!r} is not one of ddp, torch-fp16, torch-powersgd, gradpress")
-    ddp = DDP(model, **ddp_options)
+    ddp = DDP(model, **torch_compat.ddp_kwargs(ddp_options))
     if cfg.kind == "torch-fp16":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 

@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from gradpress.torch_compat import event_start_ns
+
 __all__ = ["sync", "time_call", "copy_roofline", "peak_extra_bytes"]
 
 
@@ -104,7 +106,7 @@ def peak_extra_bytes(fn: Callable[[], Any], device: torch.device) -> int:
     events = [e for e in prof.kineto_results.events()
               if e.name() == "[memory]" and str(e.device_type()).endswith("CPU")]
     live = peak = 0
-    for e in sorted(events, key=lambda e: e.start_ns()):
+    for e in sorted(events, key=event_start_ns):
         live += e.nbytes()
         peak = max(peak, live)
     return int(peak)

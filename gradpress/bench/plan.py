@@ -57,8 +57,8 @@ def measure_costs(compressor: str, device: str = "cpu", reps: int = 5) -> dict[s
 
 
 def _worker(compressor: str, device: str, reps: int) -> dict[str, Any]:
-    import torch.distributed as dist
 
+    from gradpress import torch_compat
     from gradpress.train.launch import init_group
 
     created = init_group(device)
@@ -66,7 +66,7 @@ def _worker(compressor: str, device: str, reps: int) -> dict[str, Any]:
         return measure_costs(compressor, device, reps)
     finally:
         if created:
-            dist.destroy_process_group()
+            torch_compat.destroy_process_group()
 
 
 def main(args: argparse.Namespace) -> int:

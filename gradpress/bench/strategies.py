@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from gradpress import torch_compat
+
 DEFAULT_PAIRS = (
     "none/allreduce", "none/ring", "none/ps", "none/auto",
     "topk:ratio=0.01/allgather", "topk:ratio=0.01/ring", "topk:ratio=0.01/ps", "topk:ratio=0.01/auto",
@@ -77,7 +79,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, outdir: 
     for pair in args.pairs:
         spec, strategy = pair.rsplit("/", 1)
         results[pair] = _run_pair(rank, spec, strategy, args)
-    dist.destroy_process_group()
+    torch_compat.destroy_process_group()
     if rank == 0:
         torch.save(results, os.path.join(outdir, "results.pt"))
 

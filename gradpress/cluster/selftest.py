@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.nn.parallel import DistributedDataParallel
 
     import gradpress.ddp
+    from gradpress import torch_compat
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method="env://", timeout=datetime.timedelta(seconds=60))
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     identical = all(torch.equal(g.view(torch.int32), flat.view(torch.int32)) for g in gathered)
     stats = {k: v for k, v in hook.stats.items() if isinstance(v, (int, float))}
     hook.close()
-    dist.destroy_process_group()
+    torch_compat.destroy_process_group()
     report = {
         "rank": rank, "world_size": world, "spec": a.spec, "steps": a.steps,
         "param_sha256": hashlib.sha256(flat.numpy().tobytes()).hexdigest(),

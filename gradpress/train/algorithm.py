@@ -23,6 +23,8 @@ from typing import Any, Protocol
 
 import torch
 
+from gradpress.torch_compat import ddp_kwargs
+
 __all__ = ["Algorithm", "DDPAlgorithm", "create", "check_spec", "default_compressor", "names", "describe",
            "split_spec", "strategy_names"]
 
@@ -123,7 +125,7 @@ class DDPAlgorithm:
         self.optimizer = optimizer
         self.compressor = compressor if compressor is not None else self.default_compressor
         self.model = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[device] if device.type == "cuda" else None, **dict(ddp_options or {}))
+            model, device_ids=[device] if device.type == "cuda" else None, **ddp_kwargs(ddp_options))
         self.hook = gradpress.ddp.register(self.model, self.compressor, error_feedback=error_feedback,
                                            strategy=strategy, min_numel=min_numel, seed=seed, nonfinite=nonfinite,
                                            plan_costs=plan_costs, timeout=timeout)

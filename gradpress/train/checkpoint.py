@@ -36,6 +36,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from gradpress.torch_compat import safe_globals
 from gradpress.train.config import RESUME_FIXED, TrainConfig
 
 __all__ = ["CHECKPOINT", "FORMAT", "compat", "verify", "load", "check_resume", "save", "rng_state", "set_rng_state",
@@ -92,11 +93,16 @@ def load(path: Path) -> dict[str, Any]:
     ``weights_only=True``; a ``gradpress-train/1`` one is upgraded in memory
     to the current layout (algorithm ``ddp``)."""
     verify(path)
-    with torch.serialization.safe_globals(_legacy_globals()):
+    with safe_globals(_legacy_globals()):
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as exc:
-            found = re.search(r"GLOBAL (\S+)", str(exc))
+            found = re.search(r"(?:GLOBAL|Unsupported class) (\S+)", str(exc))
+            if found and found.group(1).startswith("numpy") and not hasattr(torch.serialization, "safe_globals"):
+                raise ValueError(f"resume: {str(path)!r} holds numpy objects, as a {_LEGACY} checkpoint's RNG state "
+                                 "does; this torch cannot allow them in torch.load(weights_only=True) (it has no "
+                                 "torch.serialization.safe_globals): resume it with a newer torch (2.13 loads it)"
+                                 ) from None
             first = f"found {found.group(1)}" if found else type(exc).__name__
             raise ValueError(f"resume: {str(path)!r} is not a gradpress training checkpoint (it does not load with "
                              f"weights_only=True: it holds objects other than tensors, numbers, strings, lists and "

@@ -164,8 +164,11 @@ def _quiet_launcher_logs() -> list[tuple[Any, int]]:
     :func:`describe_failures`. Returns what to restore."""
     import logging
 
+    prefixes = ("torch.distributed.elastic", "torch.multiprocessing.spawn", "torch.distributed.launcher")
+    # the module loggers too: torch 2.2.2's elastic gives each its own level, which a parent's does not override
+    names = {*prefixes, *(n for n in logging.root.manager.loggerDict if n.startswith(prefixes))}
     saved = []
-    for name in ("torch.distributed.elastic", "torch.multiprocessing.spawn", "torch.distributed.launcher"):
+    for name in sorted(names):
         logger = logging.getLogger(name)
         saved.append((logger, logger.level))
         logger.setLevel(logging.CRITICAL)

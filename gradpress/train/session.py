@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from gradpress import workloads
+from gradpress.torch_compat import destroy_process_group
 from gradpress.train import algorithm, checkpoint, report
 from gradpress.train.config import TrainConfig
 from gradpress.train.evaluate import evaluate
@@ -248,4 +249,4 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         if run is not None and run.algo is not None:
             run.algo.close()
         if created and dist.is_initialized():
-            dist.destroy_process_group()
+            destroy_process_group()

@@ -42,7 +42,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["EAGER_NUMERICS", "MIN_COMPILE_NUMEL", "compiled_count", "compiles", "forced", "mode", "run"]
+__all__ = ["EAGER_NUMERICS", "MIN_COMPILE_NUMEL", "NEEDED", "compiled_count", "compiles", "forced",
+           "keeps_eager_numerics", "mode", "run"]
 
 #: smallest tensor that ``auto`` compiles for
 MIN_COMPILE_NUMEL = 1 << 14
@@ -82,10 +83,25 @@ def forced(value: str) -> Iterator[None]:
         _forced.pop()
 
 
-def compiles(numel: int) -> bool:
-    """Whether the policy compiles a kernel over ``numel`` elements."""
+def compiles(numel: int, device_type: str = "cpu") -> bool:
+    """Whether the policy compiles a kernel over ``numel`` elements on
+    ``device_type``: always under ``on``; under ``auto`` from
+    :data:`MIN_COMPILE_NUMEL` elements, where :func:`keeps_eager_numerics`."""
     m = mode()
-    return m == "on" or (m == "auto" and numel >= MIN_COMPILE_NUMEL)
+    return m == "on" or (m == "auto" and numel >= MIN_COMPILE_NUMEL and keeps_eager_numerics(device_type))
+
+
+#: the :data:`EAGER_NUMERICS` options ``auto`` needs per device type. CUDA: both (Triton's FMA and approximate
+#: division differ from eager without them, docs/results/cuda-h200.md). CPU: ``emulate_precision_casts``, as a
+#: marker of the Inductor releases whose C++ matched eager (2.6.0 and 2.13.0: the five kit codes byte for byte);
+#: 2.2.2's, which lacks it and compiles C++ with -ffast-math, gave other ``minmax8:stochastic`` bytes
+NEEDED = {"cuda": EAGER_NUMERICS, "cpu": ("emulate_precision_casts",)}
+
+
+def keeps_eager_numerics(device_type: str = "cpu") -> bool:
+    """Whether this torch's Inductor knows the options :data:`NEEDED` on
+    ``device_type`` (another device type: every :data:`EAGER_NUMERICS` one)."""
+    return set(NEEDED.get(device_type, EAGER_NUMERICS)) <= set(_options())
 
 
 def compiled_count() -> int:
@@ -93,40 +109,52 @@ def compiled_count() -> int:
     return len(_cache)
 
 
+_known_options: list[dict[str, bool]] = []
+
+
 def _options() -> dict[str, bool]:
-    """The :data:`EAGER_NUMERICS` options this torch knows."""
-    try:
-        from torch._inductor import config
-    except Exception:  # noqa: BLE001 - no Inductor: torch.compile fails and the kernel runs eagerly
-        return {}
-    known = set(config.get_config_copy())
-    return {name: True for name in EAGER_NUMERICS if name in known}
+    """The :data:`EAGER_NUMERICS` options this torch knows (read once)."""
+    if not _known_options:
+        try:
+            from torch._inductor import config
+
+            known = set(config.get_config_copy())
+        except Exception:  # noqa: BLE001 - no Inductor: torch.compile fails and the kernel runs eagerly
+            known = set()
+        _known_options.append({name: True for name in EAGER_NUMERICS if name in known})
+    return dict(_known_options[0])
 
 
 _warned_numerics: list[bool] = []
 
 
-def _warn_missing_numerics(args: tuple[Any, ...], options: dict[str, bool]) -> None:
-    """Once per process: a CUDA kernel compiled without an option of
-    :data:`EAGER_NUMERICS` (``options``: those it gets) may differ from
-    eager in the last bit of a code."""
-    missing = [n for n in EAGER_NUMERICS if n not in options]
-    if missing and not _warned_numerics and any(isinstance(a, torch.Tensor) and a.is_cuda for a in args):
+def _warn_missing_numerics(options: dict[str, bool], device_type: str) -> None:
+    """Once per process: a kernel compiled on ``device_type`` without an
+    option :data:`NEEDED` there (``options``: those it gets; only under
+    ``on``, see :func:`compiles`) may differ from eager in the last bit of a
+    code."""
+    missing = [n for n in NEEDED.get(device_type, EAGER_NUMERICS) if n not in options]
+    if missing and not _warned_numerics:
         _warned_numerics.append(True)
-        warnings.warn(f"gradpress kit: this torch's Inductor lacks {', '.join(missing)}; compiled CUDA kernels may "
-                      "round a few codes differently from eager (set GRADPRESS_COMPILE=0 for eager's bytes)",
-                      RuntimeWarning, stacklevel=3)
+        warnings.warn(f"gradpress kit: this torch's Inductor lacks {', '.join(missing)}; compiled {device_type} "
+                      "kernels may round a few codes differently from eager (unset GRADPRESS_COMPILE=on for "
+                      "eager's bytes)", RuntimeWarning, stacklevel=3)
+
+
+def _device_type(args: tuple[Any, ...]) -> str:
+    return next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
 
 
 def run(kernel: Callable[..., Any], numel: int, *args: Any, **kwargs: Any) -> Any:
     """``kernel(*args, **kwargs)``, compiled when the policy says so for a
     tensor of ``numel`` elements, eager otherwise."""
-    if not compiles(numel) or kernel in _failed:
+    device_type = _device_type(args)
+    if not compiles(numel, device_type) or kernel in _failed:
         return kernel(*args, **kwargs)
     fn = _cache.get(kernel)
     if fn is None:
         options = _options()
-        _warn_missing_numerics(args, options)
+        _warn_missing_numerics(options, device_type)
         fn = _cache[kernel] = torch.compile(kernel, dynamic=True, options=options)
     try:
         return fn(*args, **kwargs)
