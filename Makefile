@@ -37,14 +37,18 @@ long: setup
 
 # the suite on another torch release, in a venv of its own (.venv-torch<V>): `make compat COMPAT_TORCH=2.2.2`.
 # PyPI's x86-64 wheels of such releases are CUDA builds (~5 GB with their libraries; they run on the CPU).
-# numpy < 2: what those wheels were built against. transformers is removed: release 5 disables itself below
-# torch 2.6, and torch 2.2's torch.onnx imports it, printing two lines in every run (its tests then skip).
-# About 30 min on 2 cores; see docs/testing.md, "Older torch releases". Not part of `make test`.
+# numpy < 2: what the older wheels were built against (torch 2.2.2 with numpy 2: "Numpy is not available").
+# transformers is removed where it disables itself (release 5, below torch 2.6): torch 2.2's torch.onnx imports
+# it, printing two lines in every run (the Accelerate/Transformers tests then skip).
+# About 10 min on 2 cores (plus the download); see docs/testing.md, "Older torch releases". Not part of
+# `make test`. COMPAT_PYTEST_ARGS picks tests: `make compat COMPAT_PYTEST_ARGS=tests/test_torch_compat.py`.
 COMPAT_TORCH ?= 2.2.2
 COMPAT_VENV := .venv-torch$(COMPAT_TORCH)
+COMPAT_PYTEST_ARGS ?= -m "not timing and not long" tests
 compat:
 	@test -x $(COMPAT_VENV)/bin/python || $(PYTHON) -m venv $(COMPAT_VENV)
 	$(COMPAT_VENV)/bin/pip install -q "torch==$(COMPAT_TORCH)" "numpy<2"
 	$(COMPAT_VENV)/bin/pip install -q -e ".[dev]" "torch==$(COMPAT_TORCH)" "numpy<2"
-	$(COMPAT_VENV)/bin/pip uninstall -q -y transformers
-	$(COMPAT_VENV)/bin/python -m pytest -q -m "not timing and not long" tests
+	@$(COMPAT_VENV)/bin/python -c "from transformers.utils import is_torch_available as ok; raise SystemExit(not ok())" \
+		2>/dev/null || $(COMPAT_VENV)/bin/pip uninstall -q -y transformers
+	$(COMPAT_VENV)/bin/python -m pytest -q $(COMPAT_PYTEST_ARGS)

@@ -57,7 +57,6 @@ def measure_costs(compressor: str, device: str = "cpu", reps: int = 5) -> dict[s
 
 
 def _worker(compressor: str, device: str, reps: int) -> dict[str, Any]:
-
     from gradpress import torch_compat
     from gradpress.train.launch import init_group
 
