@@ -36,7 +36,8 @@ long: setup
 	$(PYTHON) -m pytest -q -m long tests
 
 # the suite on another torch release, in a venv of its own (.venv-torch<V>): `make compat COMPAT_TORCH=2.2.2`.
-# PyPI's x86-64 wheels of such releases are CUDA builds (~5 GB with their libraries; they run on the CPU).
+# PyPI's x86-64 wheels of such releases are CUDA builds (~5 GB with their libraries; they run on the CPU), and
+# exist only for the Pythons of their day (2.2.2: 3.8-3.12): PYTHON=python3.11 make compat picks another.
 # numpy < 2: what the older wheels were built against (torch 2.2.2 with numpy 2: "Numpy is not available").
 # transformers is removed where it disables itself (release 5, below torch 2.6): torch 2.2's torch.onnx imports
 # it, printing two lines in every run (the Accelerate/Transformers tests then skip).
@@ -46,7 +47,7 @@ COMPAT_TORCH ?= 2.2.2
 COMPAT_VENV := .venv-torch$(COMPAT_TORCH)
 COMPAT_PYTEST_ARGS ?= -m "not timing and not long" tests
 compat:
-	@test -x $(COMPAT_VENV)/bin/python || $(PYTHON) -m venv $(COMPAT_VENV)
+	@test -x $(COMPAT_VENV)/bin/pip || $(PYTHON) -m venv $(COMPAT_VENV)
 	$(COMPAT_VENV)/bin/pip install -q "torch==$(COMPAT_TORCH)" "numpy<2"
 	$(COMPAT_VENV)/bin/pip install -q -e ".[dev]" "torch==$(COMPAT_TORCH)" "numpy<2"
 	@$(COMPAT_VENV)/bin/python -c "from transformers.utils import is_torch_available as ok; raise SystemExit(not ok())" \

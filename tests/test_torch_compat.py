@@ -27,9 +27,40 @@ def test_ddp_kwargs_drops_only_init_sync_and_only_where_ddp_lacks_it(monkeypatch
     assert torch_compat.ddp_kwargs({"bucket_cap_mb": None, "broadcast_buffers": False}) == {"broadcast_buffers": False}
 
 
-def test_ddp_kwargs_reads_this_torchs_ddp() -> None:
-    has = "init_sync" in torch_compat._ddp_parameters()
-    assert ("init_sync" in torch_compat.ddp_kwargs({"init_sync": False})) is has
+def _ddp_of_one(rank: int, world: int) -> list[str]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = torch.nn.Linear(3, 2)
+    ddp = DDP(model, **torch_compat.ddp_kwargs({"init_sync": False, "bucket_cap_mb": None,
+                                                "broadcast_buffers": False}))
+    ddp(torch.ones(4, 3)).sum().backward()
+    return [n for n, p in model.named_parameters() if p.grad is not None]
+
+
+def test_ddp_kwargs_build_a_ddp_on_this_torch() -> None:
+    """What the bench and DDPAlgorithm pass builds a DDP that trains, on
+    whichever torch runs the suite (2.2.2: no init_sync, no None cap)."""
+    from distributed import run_workers
+
+    assert run_workers(_ddp_of_one, 1) == [["weight", "bias"]]
+
+
+def test_checkpoint_refusal_without_safe_globals_names_the_legacy_format(
+        tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where torch has no safe_globals, a gradpress-train/1 file (numpy RNG
+    state) gets a message that says what to do; a foreign file holding
+    another numpy class keeps the generic refusal."""
+    from gradpress.train import checkpoint
+
+    legacy, foreign = tmp_path / "legacy.pt", tmp_path / "foreign.pt"
+    torch.save({"format": "gradpress-train/1", "rng": np.random.RandomState(0).get_state()[1]}, legacy)
+    torch.save({"x": np.float64(1.5)}, foreign)
+    monkeypatch.delattr(torch.serialization, "safe_globals", raising=False)
+    with pytest.raises(ValueError, match="holds numpy objects.*gradpress-train/1.*resume it with a newer torch"):
+        checkpoint.load(legacy)
+    with pytest.raises(ValueError, match="is not a gradpress training checkpoint") as err:
+        checkpoint.load(foreign)
+    assert "newer torch" not in str(err.value)
 
 
 def test_event_start_ns_uses_microseconds_where_events_lack_ns() -> None:

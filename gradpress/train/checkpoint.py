@@ -61,6 +61,11 @@ def _legacy_globals() -> list[Any]:
     return [reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
 
 
+def _legacy_names() -> set[str]:
+    """The qualified names of :func:`_legacy_globals`, as torch's refusal names them."""
+    return {f"{o.__module__}.{getattr(o, '__qualname__', o.__name__)}" for o in _legacy_globals()}
+
+
 def verify(path: Path) -> None:
     """Refuse, with one line naming the file and what is wrong with it, a
     checkpoint that is missing, a directory, empty, not a zip archive
@@ -98,7 +103,7 @@ def load(path: Path) -> dict[str, Any]:
             state = torch.load(path, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as exc:
             found = re.search(r"(?:GLOBAL|Unsupported class) (\S+)", str(exc))
-            if found and found.group(1).startswith("numpy") and not hasattr(torch.serialization, "safe_globals"):
+            if found and found.group(1) in _legacy_names() and not hasattr(torch.serialization, "safe_globals"):
                 raise ValueError(f"resume: {str(path)!r} holds numpy objects, as a {_LEGACY} checkpoint's RNG state "
                                  "does; this torch cannot allow them in torch.load(weights_only=True) (it has no "
                                  "torch.serialization.safe_globals): resume it with a newer torch (2.13 loads it)"

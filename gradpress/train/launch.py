@@ -165,8 +165,9 @@ def _quiet_launcher_logs() -> list[tuple[Any, int]]:
     import logging
 
     prefixes = ("torch.distributed.elastic", "torch.multiprocessing.spawn", "torch.distributed.launcher")
-    # the module loggers too: torch 2.2.2's elastic gives each its own level, which a parent's does not override
-    names = {*prefixes, *(n for n in logging.root.manager.loggerDict if n.startswith(prefixes))}
+    # the module loggers too: elastic gives several their own level (WARNING on 2.2.2 and 2.13.0), which the
+    # parent's does not override (on 2.2.2 a killed worker's traceback got through)
+    names = {*prefixes, *(n for n in list(logging.root.manager.loggerDict) if n.startswith(prefixes))}
     saved = []
     for name in sorted(names):
         logger = logging.getLogger(name)

@@ -83,7 +83,7 @@ def forced(value: str) -> Iterator[None]:
         _forced.pop()
 
 
-def compiles(numel: int, device_type: str = "cpu") -> bool:
+def compiles(numel: int, device_type: str) -> bool:
     """Whether the policy compiles a kernel over ``numel`` elements on
     ``device_type``: always under ``on``; under ``auto`` from
     :data:`MIN_COMPILE_NUMEL` elements, where :func:`keeps_eager_numerics`."""
@@ -93,8 +93,9 @@ def compiles(numel: int, device_type: str = "cpu") -> bool:
 
 #: the :data:`EAGER_NUMERICS` options ``auto`` needs per device type. CUDA: both (Triton's FMA and approximate
 #: division differ from eager without them, docs/results/cuda-h200.md). CPU: ``emulate_precision_casts``, as a
-#: marker of the Inductor releases whose C++ matched eager (2.6.0 and 2.13.0: the five kit codes byte for byte);
-#: 2.2.2's, which lacks it and compiles C++ with -ffast-math, gave other ``minmax8:stochastic`` bytes
+#: marker of the Inductor releases whose C++ matched eager where measured (2.6.0 and 2.13.0: the five kit codes
+#: byte for byte; the releases between were not run); 2.2.2, which lacks it, gave other ``minmax8:stochastic``
+#: bytes (its C++ flags differ: -ffast-math as a whole, no -ffp-contract=off; which flag matters is not known)
 NEEDED = {"cuda": EAGER_NUMERICS, "cpu": ("emulate_precision_casts",)}
 
 
