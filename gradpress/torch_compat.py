@@ -36,18 +36,24 @@ from typing import Any
 
 import torch
 
-__all__ = ["safe_globals", "ddp_kwargs", "event_start_ns", "destroy_process_group"]
+__all__ = ["allows_globals", "safe_globals", "ddp_kwargs", "event_start_ns", "destroy_process_group"]
+
+
+def allows_globals() -> bool:
+    """Whether this torch can allow-list classes for ``weights_only`` loads
+    (``torch.serialization.safe_globals``)."""
+    return hasattr(torch.serialization, "safe_globals")
 
 
 @contextlib.contextmanager
 def safe_globals(objects: Iterable[Any]) -> Iterator[None]:
-    """``torch.serialization.safe_globals(objects)`` where the torch has it,
-    else nothing allowed beyond ``weights_only``'s own types."""
-    allow = getattr(torch.serialization, "safe_globals", None)
-    if allow is None:
+    """``torch.serialization.safe_globals(objects)`` where the torch has it
+    (:func:`allows_globals`), else nothing allowed beyond ``weights_only``'s
+    own types."""
+    if not allows_globals():
         yield
         return
-    with allow(list(objects)):
+    with torch.serialization.safe_globals(list(objects)):
         yield
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from distributed import run_workers
 
-from gradpress import train
+from gradpress import torch_compat, train
 from gradpress.cli import main as cli
 
 TINY = ["--samples", "96", "--batch-size", "16", "--no-progress", "--log-every", "1"]
@@ -212,7 +212,7 @@ def test_resume_is_exact_on_two_workers(tmp_path):
     # hook's state under "hook") resumes as algorithm ddp, exactly
     with pytest.raises(pickle.UnpicklingError):
         torch.load(legacy / "checkpoint.pt", weights_only=True)  # numpy arrays: not plain weights
-    if not hasattr(torch.serialization, "safe_globals"):  # torch 2.2.2: no way to allow numpy in weights_only
+    if not torch_compat.allows_globals():  # torch 2.2.2: no way to allow numpy in weights_only
         from gradpress.train.checkpoint import load as load_checkpoint
 
         with pytest.raises(ValueError, match="holds numpy objects.*resume it with a newer torch"):

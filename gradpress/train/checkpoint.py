@@ -36,7 +36,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from gradpress.torch_compat import safe_globals
+from gradpress.torch_compat import allows_globals, safe_globals
 from gradpress.train.config import RESUME_FIXED, TrainConfig
 
 __all__ = ["CHECKPOINT", "FORMAT", "compat", "verify", "load", "check_resume", "save", "rng_state", "set_rng_state",
@@ -103,7 +103,7 @@ def load(path: Path) -> dict[str, Any]:
             state = torch.load(path, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as exc:
             found = re.search(r"(?:GLOBAL|Unsupported class) (\S+)", str(exc))
-            if found and found.group(1) in _legacy_names() and not hasattr(torch.serialization, "safe_globals"):
+            if found and found.group(1) in _legacy_names() and not allows_globals():
                 raise ValueError(f"resume: {str(path)!r} holds numpy objects, as a {_LEGACY} checkpoint's RNG state "
                                  "does; this torch cannot allow them in torch.load(weights_only=True) (it has no "
                                  "torch.serialization.safe_globals): resume it with a newer torch (2.13 loads it)"
