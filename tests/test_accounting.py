@@ -64,6 +64,8 @@ CASES = [
     ("ps", "fp16", {}),
     ("ps", "topk:ratio=0.1", {}),
     ("ps", "threshold:tau=0.8", {}),
+    ("union", "topk:ratio=0.1", {}),
+    ("union", "threshold:tau=0.8", {}),  # counts differ between ranks
     ("auto", "topk:ratio=0.1", {"plan_costs": PS_LINK}),
 ]
 

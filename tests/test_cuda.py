@@ -187,7 +187,7 @@ def _one_backward(rank: int, world: int, spec: str | None) -> dict:
 
 HOOK_CASES = [("topk:ratio=0.05", "collective"), ("qsgd", "collective"), ("powersgd:rank=2,start_iter=2", "collective"),
               ("fp16", "ring"), ("topk:ratio=0.05", "ps"), ("qsgd", "hierarchical"), ("terngrad", "allgather"),
-              ("topk:ratio=0.05", "cyclic")]
+              ("topk:ratio=0.05", "cyclic"), ("topk:ratio=0.05", "union")]
 
 
 def _nccl_hook_worker(rank: int, world: int) -> dict:

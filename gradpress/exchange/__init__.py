@@ -1,6 +1,6 @@
 """Exchange: "average these keyed tensors, compressed".
 
-The strategies (allreduce, allgather, ring, ps, hierarchical, cyclic;
+The strategies (allreduce, allgather, ring, ps, hierarchical, cyclic, union;
 multi-round protocols inside allreduce), the one home of error feedback (:mod:`.feedback`), the cost model
 and planner (each strategy predicts its own cost), the NaN/Inf protocol, the
 stats, and the engine that owns them (:class:`Synchronizer`). Knows

@@ -24,7 +24,7 @@ def add_arguments(p: argparse.ArgumentParser, *, compare: bool = False) -> None:
                             "localsgd:period=8; see `gradpress algorithms`")
         p.add_argument("--compressor", default=S, metavar="SPEC",
                        help="compressor spec (default: the algorithm's own, none for ddp), e.g. topk:ratio=0.01")
-    choices = "collective, allreduce, allgather, ring, ps, hierarchical, cyclic"
+    choices = "collective, allreduce, allgather, ring, ps, hierarchical, cyclic, union"
     if compare:
         p.add_argument("--strategy", default=S, help="every run's strategy (default: each compressor's general one, "
                        "allreduce if summable, else allgather, so every method is exercised); also auto (the planner), " + choices)
@@ -33,7 +33,8 @@ def add_arguments(p: argparse.ArgumentParser, *, compare: bool = False) -> None:
                        "--min-numel, by allreduce if summable, else allgather), allreduce, allgather, ring, ps, hierarchical "
                        "(several workers per host; parameters as NAME:key=value, e.g. "
                        "hierarchical:workers_per_host=2,chunk=262144), cyclic (top-k/threshold on one support that a "
-                       "leader cycling over the ranks picks: ScaleCom), or auto "
+                       "leader cycling over the ranks picks: ScaleCom), union (the exact mean on the union of every rank's "
+                       "top-k/threshold support: SparCML), or auto "
                        "(opt-in: a per-tensor plan from costs measured on this cluster; may keep tensors dense "
                        "when compression does not pay)")
         p.add_argument("--plan-costs", dest="plan_costs", default=S, metavar="FILE.json",

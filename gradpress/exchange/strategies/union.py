@@ -1,0 +1,105 @@
+"""``union``: every rank's sparse support, merged; the exact average on the
+union.
+
+Each rank runs the compressor, a sparsifier whose packet is ``[values,
+integer flat indices]`` with exact values (``topk``, ``threshold``), on its
+error-compensated tensors, and the ranks gather each other's *indices* only.
+Every rank forms the union of the N supports (sorted, so identical on every
+rank), takes its own values there, and one allreduce sums them: each
+coordinate of the union is the exact average over all ranks (values scaled
+by 1/N before the sum, as ``allreduce`` scales its payloads, so N values near
+the dtype's maximum do not overflow). This is the sparse allreduce over the
+union of the local top-k supports (SparCML, Renggli et al., SC 2019,
+"SparCML: High-Performance Sparse Communication for Machine Learning";
+gTop-k's first phase, Shi et al., ICDCS 2019).
+
+Against ``allgather`` (N supports averaged: a coordinate that one rank kept
+gets that rank's 1/N share, the others' values there wait in their
+residuals) the union delivers every rank's value on every selected
+coordinate at once, so the average on the support is exact and the ranks'
+residuals off it are all that waits. Against ``cyclic`` (one rank's support
+per call) no coordinate large on one rank waits for its turn as leader. The
+price is bytes: ``k`` indices per rank through an allgather, then up to
+``N k`` values through an allreduce (``|union|``; fewer where supports
+overlap). With error feedback each rank keeps everything off the union.
+
+The union and the allreduce's sum are identical on every rank, so the
+results are bit-identical on every rank. Per rank and call this rank hands
+over: one int64 size and one int64 count per tensor (the size exchange of
+a variable allgather; counts may differ between ranks with a threshold),
+its indices (int32 below 2^31 elements, padded to the largest rank's, to 8
+bytes), and the ``|union|`` values of the allreduce. Every rank runs the
+compressor on its own tensors, so per-tensor compressor state stays on
+every rank (the threshold estimators are accepted).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from gradpress.compress.base import Compressor, Context
+from gradpress.exchange.base import ExchangeResult, Prelude, Strategy, register_strategy
+from gradpress.exchange.costs import CostModel
+from gradpress.exchange.feedback import Feedback
+from gradpress.transport.collectives import allgather_with_head, fused_allreduce
+
+
+@register_strategy("union")
+class Union(Strategy):
+    order = 6
+    planned = False  # a different estimator, not a faster way to move the same one: the user opts in
+
+    def supports(self, compressor: Compressor) -> str | None:
+        if not compressor.exact_values or compressor.aggregation != "mean":
+            return (f"union averages every rank's values on the union of the supports: it needs a sparsifier "
+                    f"that sends the input's own values at integer indices (topk, threshold), not {compressor.name!r}")
+        return None
+
+    @classmethod
+    def predict(cls, costs: CostModel, numel: int, world_size: int, summable: bool) -> tuple[float, int]:
+        """``ENC(d) + AG(c(d) / 2) + AR(N c(d) / 2)``: the indices (half of a
+        value-index packet) gathered, then at most N supports' values summed
+        (disjoint supports: the worst case)."""
+        d = float(numel)
+        half = costs.wire(d) / 2
+        return costs.encode(d) + costs.allgather(half) + costs.allreduce(half * world_size), 2
+
+    def exchange(
+        self, compressor: Compressor, tensors: list[torch.Tensor], ctxs: list[Context],
+        feedback: Feedback | None, *, prelude: Prelude | None = None, out: list[torch.Tensor] | None = None,
+    ) -> ExchangeResult:
+        t0 = time.perf_counter()
+        flats = [t.reshape(-1) for t in tensors]
+        device = flats[0].device if flats else torch.device("cpu")
+        index_dtype = torch.int64 if any(f.numel() >= 2**31 for f in flats) else torch.int32
+        chosen = [compressor.encode(t, c).tensors[1].reshape(-1).to(index_dtype) for t, c in zip(tensors, ctxs)]
+        counts = torch.tensor([c.numel() for c in chosen], dtype=torch.int64, device=device)
+        mine = torch.cat(chosen) if chosen else torch.zeros(0, dtype=index_dtype, device=device)
+        t1 = time.perf_counter()
+        heads, buffers, sent = allgather_with_head(mine.view(torch.uint8), counts.view(torch.uint8), self.group,
+                                                   self.world_size, variable=True)
+        t2 = time.perf_counter()
+        per_rank = [b.view(index_dtype).split(h.view(torch.int64).tolist()) for h, b in zip(heads, buffers)]
+        support = [torch.unique(torch.cat([rank[i] for rank in per_rank])).long() for i in range(len(flats))]
+        # scaled by 1/N before the sum (see the module docstring)
+        values = [f[idx].div_(self.world_size) for f, idx in zip(flats, support)]
+        t3 = time.perf_counter()
+        summed, nbytes = fused_allreduce(values, self.group)
+        sent += nbytes
+        t4 = time.perf_counter()
+        results, residuals, tensor_bytes = [], [] if feedback is not None else None, []
+        for i, (t, idx, total) in enumerate(zip(tensors, support, summed)):
+            dst = out[i] if out is not None and i < len(out) and out[i] is not None else None
+            if dst is None or not dst.is_contiguous() or (residuals is not None and dst.data_ptr() == t.data_ptr()):
+                dst = torch.empty_like(t, memory_format=torch.contiguous_format)
+            dst.zero_().view(-1).index_copy_(0, idx, total)
+            results.append(dst)
+            if residuals is not None:  # what this rank keeps: everything off the union
+                flats[i].index_fill_(0, idx, 0)
+                residuals.append(flats[i].view(t.shape))
+            tensor_bytes.append(values[i].numel() * values[i].element_size()
+                                + chosen[i].numel() * chosen[i].element_size())
+        compress_s = (t1 - t0) + (t3 - t2) + (time.perf_counter() - t4)
+        return ExchangeResult(results, sent, residuals, tensor_bytes, compress_s, (t2 - t1) + (t4 - t3))

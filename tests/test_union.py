@@ -1,0 +1,267 @@
+"""The ``union`` strategy (sparse allreduce on the union of the ranks' top-k
+supports, SparCML) against its definition, computed here in float64: the
+support is the union of every rank's own top-k of |x| (or threshold mask),
+every coordinate of it is the exact mean over the ranks, every rank keeps
+its own tensor off the union as its residual; replicas bit-identical; bytes
+as documented. Also the refusals, variable supports (threshold, an empty
+one), and training through the DDP hook and DiLoCo."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+from distributed import run_workers
+from regression import fit, regression_data
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradpress
+from gradpress import algorithms
+from gradpress.compress import Context, create
+from gradpress.exchange import Synchronizer, get_strategy
+from gradpress.exchange.feedback import Feedback
+
+SHAPES = [(40, 25), (3001,), (7, 11)]
+RATIO = 0.1
+TAU = 2.5
+
+
+def _tensors(rank: int, step: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(97 * step + rank)
+    return [torch.randn(s, generator=g) * (1 + rank) for s in SHAPES]
+
+
+def _threshold_tensors(rank: int) -> list[torch.Tensor]:
+    """Counts differ between ranks; rank 0's last tensor selects nothing."""
+    ts = _tensors(rank, 7)
+    if rank == 0:
+        ts[2] = ts[2] * 0.1
+    return ts
+
+
+def _direct(rank: int, world: int) -> dict:
+    out = {}
+    strat = get_strategy("union", None)
+    for name, spec in (("topk", f"topk:ratio={RATIO}"), ("threshold", f"threshold:tau={TAU}")):
+        comp = create(spec)
+        steps = range(3) if name == "topk" else [7]
+        for step in steps:
+            ts = _tensors(rank, step) if name == "topk" else _threshold_tensors(rank)
+            ctxs = [Context(key=f"t{i}", step=step, rank=rank, world_size=world) for i in range(len(ts))]
+            res = strat.exchange(comp, [t.clone() for t in ts], ctxs, Feedback())
+            out[name, step] = {"avg": res.tensors, "residuals": res.residuals, "bytes": res.bytes_sent,
+                               "tensor_bytes": res.tensor_bytes}
+    no_fb = strat.exchange(create(f"topk:ratio={RATIO}"), [t.clone() for t in _tensors(rank, 0)],
+                           [Context(key=f"t{i}", step=0, rank=rank, world_size=world) for i in range(len(SHAPES))], None)
+    out["no_feedback"] = (no_fb.tensors, no_fb.residuals)
+    return out
+
+
+@pytest.fixture(scope="module", params=[2, 3])
+def direct(request: pytest.FixtureRequest) -> tuple[int, list[dict]]:
+    return request.param, run_workers(_direct, request.param)
+
+
+def _topk_support(x: torch.Tensor) -> torch.Tensor:
+    k = max(1, math.ceil(RATIO * x.numel()))
+    return torch.topk(x.double().reshape(-1).abs(), k).indices
+
+
+def _threshold_support(x: torch.Tensor) -> torch.Tensor:
+    return torch.nonzero(x.double().reshape(-1).abs() >= TAU).reshape(-1)
+
+
+def _check_union(xs: list[list[torch.Tensor]], results: list[dict], key: tuple, select) -> list[int]:  # noqa: ANN001
+    """Every rank's average and residual against the float64 definition;
+    returns the union sizes."""
+    world, sizes = len(xs), []
+    for i in range(len(SHAPES)):
+        union = torch.unique(torch.cat([select(xs[r][i]) for r in range(world)]))
+        sizes.append(union.numel())
+        want = torch.zeros(xs[0][i].numel(), dtype=torch.float64)
+        want[union] = sum(xs[r][i].double().reshape(-1)[union] for r in range(world)) / world
+        for r in range(world):
+            got = results[r][key]["avg"][i]
+            assert got.shape == xs[r][i].shape and got.dtype == torch.float32
+            assert torch.allclose(got.double().reshape(-1), want, rtol=1e-6, atol=1e-6), (world, key, i, r)
+            assert torch.equal(got, results[0][key]["avg"][i])  # replicas bit-identical
+            kept = xs[r][i].clone().reshape(-1)
+            kept[union] = 0
+            assert torch.equal(results[r][key]["residuals"][i].reshape(-1), kept), (key, i, r)
+    return sizes
+
+
+def test_union_is_the_exact_mean_on_every_ranks_support(direct: tuple[int, list[dict]]) -> None:
+    world, results = direct
+    for step in range(3):
+        xs = [_tensors(r, step) for r in range(world)]
+        sizes = _check_union(xs, results, ("topk", step), _topk_support)
+        ks = [max(1, math.ceil(RATIO * math.prod(s))) for s in SHAPES]
+        assert all(k < u <= world * k for k, u in zip(ks, sizes))  # random tensors: supports differ, may overlap
+
+
+def test_union_bytes_are_indices_gathered_and_union_values_summed(direct: tuple[int, list[dict]]) -> None:
+    """Per rank: the size exchange (one int64 count per tensor and one size),
+    its indices padded to the largest rank's (8-byte multiple), the union's
+    values; ``tensor_bytes``: its own indices and the union's values."""
+    world, results = direct
+    for key, tensors, select in [(("topk", s), lambda r, s=s: _tensors(r, s), _topk_support) for s in range(3)] + [
+            (("threshold", 7), _threshold_tensors, _threshold_support)]:
+        xs = [tensors(r) for r in range(world)]
+        unions = [torch.unique(torch.cat([select(xs[r][i]) for r in range(world)])).numel() for i in range(len(SHAPES))]
+        counts = [[select(xs[r][i]).numel() for i in range(len(SHAPES))] for r in range(world)]
+        widest = max(4 * sum(c) for c in counts)
+        for r in range(world):
+            assert results[r][key]["tensor_bytes"] == [4 * u + 4 * c for u, c in zip(unions, counts[r])], (key, r)
+            want = 8 * len(SHAPES) + 8 + (widest + 7) // 8 * 8 + 4 * sum(unions)
+            assert results[r][key]["bytes"] == want, (key, r)
+
+
+def test_union_with_variable_and_empty_supports(direct: tuple[int, list[dict]]) -> None:
+    world, results = direct
+    xs = [_threshold_tensors(r) for r in range(world)]
+    assert _threshold_support(xs[0][2]).numel() == 0 and _threshold_support(xs[1][2]).numel() > 0
+    assert len({_threshold_support(xs[r][0]).numel() for r in range(world)}) > 1  # counts differ between ranks
+    _check_union(xs, results, ("threshold", 7), _threshold_support)
+
+
+def test_union_without_feedback_gives_the_same_average(direct: tuple[int, list[dict]]) -> None:
+    world, results = direct
+    for r in range(world):
+        avg, residuals = results[r]["no_feedback"]
+        assert residuals is None
+        assert all(torch.equal(a, b) for a, b in zip(avg, results[r]["topk", 0]["avg"]))
+
+
+ENGINE_SHAPES = [(30, 40), (50, 20)]
+
+
+def _engine_inputs(rank: int, step: int, transpose: bool) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    xs = [torch.randn(s, generator=g) * (1 + rank) for s in ENGINE_SHAPES]
+    return [x.t() if transpose else x for x in xs]  # transposed: non-contiguous gradients
+
+
+def _through_the_engine(rank: int, world: int) -> dict:
+    """The engine's whole path: compensation, the result written into the
+    caller's tensors, residuals staged; 3 steps per case."""
+    out = {}
+    for fb in (True, False):
+        for transpose in (False, True):
+            probe = _engine_inputs(0, 0, transpose)
+            params = [(f"p{i}", list(x.shape), x.dtype) for i, x in enumerate(probe)]
+            engine = Synchronizer("topk:ratio=0.1", params=params, strategy="union", min_numel=0, error_feedback=fb)
+            steps = []
+            for step in range(3):
+                ts = _engine_inputs(rank, step, transpose)
+                engine.sync([f"p{i}" for i in range(len(ts))], ts, step=step)
+                steps.append([t.clone() for t in ts])
+            out[fb, transpose] = (steps, engine.stats["bytes_sent"])
+    return out
+
+
+def test_union_through_the_engine_is_the_definition() -> None:
+    """float64 reference with error feedback carried across steps (or not):
+    each rank's top-k of its compensated tensor, the exact mean on the union."""
+    world = 2
+    results = run_workers(_through_the_engine, world)
+    for fb in (True, False):
+        for transpose in (False, True):
+            resid = [[torch.zeros(math.prod(s), dtype=torch.float64) for s in ENGINE_SHAPES] for _ in range(world)]
+            for step in range(3):
+                comp = [[t.double().reshape(-1) + (resid[r][i] if fb else 0)
+                         for i, t in enumerate(_engine_inputs(r, step, transpose))] for r in range(world)]
+                for i in range(len(ENGINE_SHAPES)):
+                    union = torch.unique(torch.cat([torch.topk(comp[r][i].abs(), math.ceil(0.1 * comp[r][i].numel())).indices
+                                                    for r in range(world)]))
+                    want = torch.zeros_like(comp[0][i])
+                    want[union] = sum(comp[r][i][union] for r in range(world)) / world
+                    for r in range(world):
+                        got = results[r][fb, transpose][0][step][i].double().reshape(-1)
+                        assert torch.allclose(got, want, rtol=1e-6, atol=1e-6), (fb, transpose, step, i, r)
+                        resid[r][i] = comp[r][i].clone()
+                        resid[r][i][union] = 0
+            assert results[0][fb, transpose][1] > 0
+
+
+EXTREME = {torch.float16: 6.0e4, torch.bfloat16: 3.0e38, torch.float32: 3.0e38, torch.float64: 1.7e308}
+
+
+def _extreme(rank: int, world: int) -> dict:
+    """Mixed magnitudes up to near each dtype's maximum (a sum of the ranks'
+    values would overflow it), subnormal-sized entries, every dtype."""
+    out = {}
+    for dtype, big in EXTREME.items():
+        g = torch.Generator().manual_seed(5 + rank)
+        top = int(math.log10(big)) - 1
+        scale = torch.full((64, 16), 10.0, dtype=torch.float64) ** torch.randint(-40, top, (64, 16), generator=g)
+        x = torch.randn(64, 16, generator=g, dtype=torch.float64) * scale
+        x.view(-1)[:8] = big * (1 - 0.01 * rank)  # the largest entries, on every rank's support
+        x = x.to(dtype)
+        assert bool(torch.isfinite(x).all())
+        ctx = [Context(key="w", step=0, rank=rank, world_size=world)]
+        res = get_strategy("union", None).exchange(create(f"topk:ratio={RATIO}"), [x.clone()], ctx, Feedback())
+        out[dtype] = (x, res.tensors[0])
+    return out
+
+
+def test_union_on_extreme_finite_inputs_stays_finite_exact_and_identical() -> None:
+    world = 2
+    results = run_workers(_extreme, world)
+    for dtype in EXTREME:
+        xs = [results[r][dtype][0] for r in range(world)]
+        union = torch.unique(torch.cat([_topk_support(x) for x in xs]))
+        want = torch.zeros(xs[0].numel(), dtype=torch.float64)
+        want[union] = sum(x.double().reshape(-1)[union] / world for x in xs)  # float64's own sum would overflow
+        got = results[0][dtype][1]
+        assert got.dtype == dtype and bool(torch.isfinite(got).all()), dtype
+        assert torch.equal(got, results[1][dtype][1]), dtype
+        eps = torch.finfo(dtype).eps
+        assert torch.allclose(got.double().reshape(-1), want, rtol=4 * eps, atol=0), dtype
+
+
+def test_union_refuses_what_it_cannot_carry() -> None:
+    strat = get_strategy("union", None)
+    assert strat.supports(create("topk:ratio=0.01")) is None
+    assert strat.supports(create("threshold:tau=0.1")) is None
+    assert strat.supports(create("sidco:ratio=0.01")) is None  # every rank runs its own compressor: state is fine
+    assert "qsgd" in strat.supports(create("qsgd")) and "topk" in strat.supports(create("qsgd"))
+    with pytest.raises(ValueError, match="union"):
+        gradpress.exchange.base.check_strategy("union", create("qsgd"))
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(1234)
+    return nn.Sequential(nn.Linear(24, 48), nn.Tanh(), nn.Linear(48, 48), nn.Tanh(), nn.Linear(48, 3))
+
+
+def _train(rank: int, world: int) -> dict:
+    out = {}
+    for how in ("hook", "diloco"):
+        model = _model()
+        x, y = regression_data(rank)
+        if how == "hook":
+            net = DDP(model)
+            hook = gradpress.ddp.register(net, "topk:ratio=0.1", strategy="union", min_numel=64)
+            opt = torch.optim.SGD(net.parameters(), lr=0.05)
+            step = opt.step
+        else:
+            net = model
+            opt = torch.optim.SGD(model.parameters(), lr=0.05)
+            hook = algorithms.create("diloco:period=4,outer_momentum=0.5", model, opt, compressor="topk:ratio=0.2",
+                                     strategy="union", min_numel=64)
+            step = hook.step
+        losses = fit(net, opt, x, y, 24, step)
+        out[how] = {"losses": losses, "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()])}
+        if how == "hook":
+            hook.close()
+    return out
+
+
+def test_union_trains_through_the_hook_and_diloco() -> None:
+    r0, r1 = run_workers(_train, 2)
+    for how in ("hook", "diloco"):
+        assert torch.equal(r0[how]["params"], r1[how]["params"]), how
+        assert r0[how]["losses"][-1] < 0.8 * r0[how]["losses"][0], (how, r0[how]["losses"])
