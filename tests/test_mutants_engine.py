@@ -25,7 +25,7 @@ pytestmark = pytest.mark.mutants
 
 SHAPES = {"w": (6, 5), "v": (4, 4), "b": (3,)}
 KEYS = list(SHAPES)
-STRATEGIES = ("allgather", "ring", "ps")
+STRATEGIES = ("allgather", "ring", "ps", "cyclic", "union")
 SPEC = "threshold:tau=0.5"
 BAD_STEP = 1
 

@@ -96,6 +96,7 @@ RESUME_CASES = [
     ("randomk:ratio=0.25", "collective"),
     (TOPK, "ring"),
     (TOPK, "ps"),
+    (TOPK, "union"),
     ("qsgd", "ps"),  # with error feedback: the roots' re-compression residuals are not zero
 ]
 #: registration keywords per (spec, strategy) besides the defaults
