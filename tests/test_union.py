@@ -73,12 +73,13 @@ def _threshold_support(x: torch.Tensor) -> torch.Tensor:
     return torch.nonzero(x.double().reshape(-1).abs() >= TAU).reshape(-1)
 
 
-def _check_union(xs: list[list[torch.Tensor]], results: list[dict], key: tuple, select) -> list[int]:  # noqa: ANN001
-    """Every rank's average and residual against the float64 definition;
-    returns the union sizes."""
+def _check_union(xs: list[list[torch.Tensor]], results: list[dict], key: tuple, support) -> list[int]:  # noqa: ANN001
+    """Every rank's average and residual against the float64 definition
+    (``support(r, i)``: rank r's selected indices of tensor i); returns the
+    union sizes."""
     world, sizes = len(xs), []
     for i in range(len(SHAPES)):
-        union = torch.unique(torch.cat([select(xs[r][i]) for r in range(world)]))
+        union = torch.unique(torch.cat([support(r, i) for r in range(world)]))
         sizes.append(union.numel())
         want = torch.zeros(xs[0][i].numel(), dtype=torch.float64)
         want[union] = sum(xs[r][i].double().reshape(-1)[union] for r in range(world)) / world
@@ -97,7 +98,7 @@ def test_union_is_the_exact_mean_on_every_ranks_support(direct: tuple[int, list[
     world, results = direct
     for step in range(3):
         xs = [_tensors(r, step) for r in range(world)]
-        sizes = _check_union(xs, results, ("topk", step), _topk_support)
+        sizes = _check_union(xs, results, ("topk", step), lambda r, i, xs=xs: _topk_support(xs[r][i]))
         ks = [max(1, math.ceil(RATIO * math.prod(s))) for s in SHAPES]
         assert all(k < u <= world * k for k, u in zip(ks, sizes))  # random tensors: supports differ, may overlap
 
@@ -124,7 +125,7 @@ def test_union_with_variable_and_empty_supports(direct: tuple[int, list[dict]]) 
     xs = [_threshold_tensors(r) for r in range(world)]
     assert _threshold_support(xs[0][2]).numel() == 0 and _threshold_support(xs[1][2]).numel() > 0
     assert len({_threshold_support(xs[r][0]).numel() for r in range(world)}) > 1  # counts differ between ranks
-    _check_union(xs, results, ("threshold", 7), _threshold_support)
+    _check_union(xs, results, ("threshold", 7), lambda r, i: _threshold_support(xs[r][i]))
 
 
 def test_union_without_feedback_gives_the_same_average(direct: tuple[int, list[dict]]) -> None:
@@ -265,3 +266,29 @@ def test_union_trains_through_the_hook_and_diloco() -> None:
     for how in ("hook", "diloco"):
         assert torch.equal(r0[how]["params"], r1[how]["params"]), how
         assert r0[how]["losses"][-1] < 0.8 * r0[how]["losses"][0], (how, r0[how]["losses"])
+
+
+def _stateful(rank: int, world: int) -> list[dict]:
+    """A threshold estimator (state per tensor, on every rank) through union, 3 steps."""
+    comp, strat, out = create("sidco:ratio=0.1"), get_strategy("union", None), []
+    for step in range(3):
+        ts = _tensors(rank, step)
+        ctxs = [Context(key=f"t{i}", step=step, rank=rank, world_size=world) for i in range(len(ts))]
+        res = strat.exchange(comp, [t.clone() for t in ts], ctxs, Feedback())
+        out.append({"avg": res.tensors, "residuals": res.residuals})
+    return out
+
+
+def test_union_carries_a_stateful_threshold_estimator() -> None:
+    """Each rank's support is what its own ``sidco`` (state carried over the
+    steps) selects, replayed here rank by rank; the union's mean and the
+    residuals follow the definition in float64."""
+    world = 2
+    results = run_workers(_stateful, world)
+    replay = [create("sidco:ratio=0.1") for _ in range(world)]
+    for step in range(3):
+        xs = [_tensors(r, step) for r in range(world)]
+        supports = [[replay[r].encode(xs[r][i].clone(), Context(key=f"t{i}", step=step, rank=r, world_size=world))
+                     .tensors[1].long() for i in range(len(SHAPES))] for r in range(world)]
+        per_step = [{("sidco", step): results[r][step]} for r in range(world)]
+        _check_union(xs, per_step, ("sidco", step), lambda r, i, s=supports: s[r][i])
