@@ -292,3 +292,37 @@ def test_union_carries_a_stateful_threshold_estimator() -> None:
                      .tensors[1].long() for i in range(len(SHAPES))] for r in range(world)]
         per_step = [{("sidco", step): results[r][step]} for r in range(world)]
         _check_union(xs, per_step, ("sidco", step), lambda r, i, s=supports: s[r][i])
+
+
+@pytest.mark.parametrize("out_first", [True, False], ids=["out-below-input", "out-above-input"])
+@pytest.mark.parametrize("name", ["union", "cyclic"])
+def test_the_result_goes_into_out_unless_it_is_the_input_with_feedback(name: str, out_first: bool) -> None:
+    """Both one-support strategies (one rank here) write the average into the
+    caller's ``out`` when it is contiguous, at either side of the input in
+    memory; into a fresh tensor when ``out`` is the input itself and error
+    feedback still needs the input for the residual (in place without
+    feedback) or when ``out`` is not contiguous. The values follow the
+    definition every time."""
+    strat, comp = get_strategy(name, None), create(f"topk:ratio={RATIO}")
+    ctx = [Context(key="w", step=0, rank=0, world_size=1)]
+    x = torch.randn(40, 25, generator=torch.Generator().manual_seed(3))
+    want = torch.zeros(x.numel())
+    idx = _topk_support(x)
+    want[idx] = x.reshape(-1)[idx]
+    want = want.view_as(x)
+    buf = torch.zeros(2 * x.numel())
+    lo, hi = buf[: x.numel()].view_as(x), buf[x.numel():].view_as(x)
+    out, t = (lo, hi) if out_first else (hi, lo)
+    t.copy_(x)
+    res = strat.exchange(comp, [t], ctx, Feedback(), out=[out])
+    assert res.tensors[0].data_ptr() == out.data_ptr() and torch.equal(res.tensors[0], want)
+    same = x.clone()
+    res = strat.exchange(comp, [same], ctx, Feedback(), out=[same])
+    assert res.tensors[0].data_ptr() != same.data_ptr() and torch.equal(res.tensors[0], want)
+    assert torch.equal(res.residuals[0], x - want)
+    same = x.clone()
+    res = strat.exchange(comp, [same], ctx, None, out=[same])
+    assert res.tensors[0].data_ptr() == same.data_ptr() and torch.equal(res.tensors[0], want)
+    strided = torch.zeros(25, 40).t()
+    res = strat.exchange(comp, [x.clone()], ctx, None, out=[strided])
+    assert res.tensors[0].is_contiguous() and torch.equal(res.tensors[0], want)
