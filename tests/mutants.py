@@ -47,6 +47,12 @@ GROUPS: dict[str, tuple[list[str], list[str], int]] = {
              ["tests/test_spec_registry.py", "tests/test_compressors.py", "tests/test_mutants_spec.py"], 30),
     "quantizers": ([f"gradpress/compress/{m}.py" for m in ("qsgd", "natural", "randomk", "terngrad", "dithering")],
                    ["tests/test_power.py", "tests/test_unbiased.py"], 30),
+    "diloco": (["gradpress/algorithms/diloco.py"],
+               ["tests/test_diloco_switch.py", "tests/test_diloco_keep_switch.py", "tests/test_diloco_residual_decay.py",
+                "tests/test_algorithms_outer.py", "tests/test_references.py"], 10),
+    "lsgd": (["gradpress/algorithms/lsgd.py"], ["tests/test_algorithms_lsgd.py", "tests/test_lsgd_average.py"], 10),
+    "support": (["gradpress/exchange/strategies/union.py", "gradpress/exchange/strategies/cyclic.py"],
+                ["tests/test_union.py", "tests/test_cyclic.py"], 10),
 }
 #: binary operators that never occur in these modules' arithmetic on tensors and floats: replacing
 #: ``+`` by ``<<`` or ``%`` only gives type errors (incompetent mutants), never a plausible bug

@@ -10,6 +10,8 @@ bit-identical resume."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -27,9 +29,11 @@ def flat(model: torch.nn.Module) -> torch.Tensor:
 
 def reference(world: int, steps: int, tau: int, c: float, groups: int = 1, c_local: float = 0.0,
               c_global: float = 0.0, tau_global: int = 1,
-              prox: float = 0.0, last: int = 0) -> tuple[list[torch.Tensor], list[tuple[int, list[int]]]]:
+              prox: float = 0.0, last: int = 0,
+              record: dict | None = None) -> tuple[list[torch.Tensor], list[tuple[int, list[int]]]]:
     """Final parameters of every worker and the leaders of every election
-    (global, then each group's)."""
+    (global, then each group's); ``record["losses"]``: every election's
+    mean loss per rank."""
     models = [make_model() for _ in range(world)]
     window: list[list[float]] = [[] for _ in range(world)]
     history: list[list[float]] = [[] for _ in range(world)]  # every step's loss (the election window `last`)
@@ -65,6 +69,8 @@ def reference(world: int, steps: int, tau: int, c: float, groups: int = 1, c_loc
         if last:
             means = [(sum(h[-last:]) / len(h[-last:]), r) for r, h in enumerate(history)]
         window = [[] for _ in range(world)]
+        if record is not None:
+            record.setdefault("losses", []).append([m for m, _ in means])
         lead = min(means)[1]
         local = [min(means[g * size:(g + 1) * size])[1] for g in range(groups)]
         leaders.append((lead, local))
@@ -127,10 +133,14 @@ def _worker(rank: int, world: int) -> dict:
     out: dict = {}
     model, opt, algo = build(rank, "lsgd:tau=3,c=0.5")
     out["probe"] = train(rank, model, opt, algo, 0, STEPS)
+    out["last_losses"] = [algo.last_losses.clone()]
     out["stats"] = algo.stats
     out["eval"] = flat(algo.eval_model())
     out["own"] = flat(model)
     out["eval_leader"] = algo.leaders["global"]
+    model, opt, algo = build(rank, "lsgd:tau=3,c=0.5")
+    train(rank, model, opt, algo, 0, 3)
+    out["last_losses"].insert(0, algo.last_losses.clone())  # the first election's
     model, opt, algo = build(rank, "lsgd:tau=3,c=0.5")
     out["explicit"] = train(rank, model, opt, algo, 0, STEPS, explicit=True)
     model, opt, algo = build(rank, "lsgd:tau=3,c=0.5,evaluate=average")
@@ -193,6 +203,15 @@ def test_same_leader_on_every_rank_and_the_reference_pull(results: list[dict]) -
         got = [res["probe"]["leaders"][t - 1] for t in (3, 6, 9)]
         assert got == [(lead, local) for lead, local in leaders]
     assert results[0]["probe"]["leaders"] == results[1]["probe"]["leaders"]
+
+
+def test_election_losses_are_each_ranks_mean_since_the_last_election(results: list[dict]) -> None:
+    record: dict = {}
+    reference(2, STEPS, 3, 0.5, record=record)
+    first, last = (torch.tensor(record["losses"][i], dtype=torch.float64) for i in (0, -1))
+    for res in results:
+        for got, want in zip(res["last_losses"], (first, last)):
+            assert close(got, want), (got, want)
 
 
 def test_loss_given_to_step_equals_the_loss_captured_from_backward(results: list[dict]) -> None:
@@ -279,3 +298,66 @@ def test_local_and_global_leaders_on_four_workers() -> None:
         got = res[rank]["prox"]["params"][-1]
         assert close(got, ref[rank]), (got - ref[rank]).abs().max()
         assert [res[rank]["prox"]["leaders"][t - 1] for t in (2, 4, 6, 8)] == leaders
+
+
+def reference_compressed(world: int, steps: int, tau: int, c: float, ratio: float) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """LSGD with the leader's parameters sent through a top-k compressor with
+    error feedback, by definition, in float64: every rank keeps ``ref``
+    (identical everywhere); at an election the leader L hands the engine
+    ``n (x_L - ref)`` and every other rank zeros, each plus its own residual
+    (a non-leader's old residual still goes out); matrices of >= 64 entries
+    send their top-k (the rest stays as the residual), other tensors go plain;
+    ``ref`` gains the average, and every worker moves ``x <- (1 - c) x + c ref``.
+    Returns the workers' final parameters and ``ref``."""
+    models = [make_model() for _ in range(world)]
+    shapes = [p.shape for p in models[0].parameters()]
+    compressed = [len(s) >= 2 and s.numel() >= 64 for s in shapes]
+    ref = [p.detach().clone() for p in models[0].parameters()]
+    resid = [[torch.zeros(s, dtype=torch.float64) for s in shapes] for _ in range(world)]
+    window: list[list[float]] = [[] for _ in range(world)]
+    for s in range(steps):
+        for rank, m in enumerate(models):
+            m.zero_grad()
+            loss = loss_of(m, rank, s)
+            loss.backward()
+            window[rank].append(float(loss.detach()))
+            with torch.no_grad():
+                for p in m.parameters():
+                    p -= LR * p.grad
+        if (s + 1) % tau:
+            continue
+        lead = min((sum(w) / len(w), r) for r, w in enumerate(window))[1]
+        window = [[] for _ in range(world)]
+        leader = [p.detach().clone() for p in models[lead].parameters()]
+        for i, shape in enumerate(shapes):
+            sent = []
+            for rank in range(world):
+                d = world * (leader[i] - ref[i]) if rank == lead else torch.zeros(shape, dtype=torch.float64)
+                if not compressed[i]:
+                    sent.append(d)
+                    continue
+                p = (d + resid[rank][i]).reshape(-1)
+                kept = torch.zeros_like(p)
+                idx = torch.topk(p.abs(), max(1, math.ceil(ratio * p.numel()))).indices
+                kept[idx] = p[idx]
+                resid[rank][i] = (p - kept).view(shape)
+                sent.append(kept.view(shape))
+            ref[i] = ref[i] + sum(sent) / world
+        for m in models:
+            with torch.no_grad():
+                for p, r in zip(m.parameters(), ref):
+                    p.copy_((1 - c) * p + c * r)
+    return [flat(m) for m in models], torch.cat([r.reshape(-1) for r in ref])
+
+
+def test_compressed_leader_broadcast_is_the_definition(results: list[dict]) -> None:
+    """The compressed run of ``_worker`` (``lsgd:tau=2,c=0.5``, top-k 20%,
+    error feedback) against :func:`reference_compressed`: every worker's
+    parameters and the shared leader copy after every step."""
+    want, ref = reference_compressed(2, STEPS, 2, 0.5, 0.2)
+    plain, _ = reference(2, STEPS, 2, 0.5)
+    for rank, res in enumerate(results):
+        got = (res["compressed"]["first"] + res["compressed"]["straight"])[-1]
+        assert close(got, want[rank]), (got - want[rank]).abs().max()
+        assert not close(got, plain[rank])  # compression changed the trajectory
+    assert close(results[0]["ref_copy"], ref), (results[0]["ref_copy"] - ref).abs().max()

@@ -136,6 +136,8 @@ def _worker(rank: int, world: int) -> dict:
         out[name + "_theta"] = torch.cat([a.reshape(-1) for a in algo.anchor])
         out[name + "_resid"] = _residuals(algo)
         out[name + "_names"] = [n for n, _ in model.named_parameters()]
+        out[name + "_registered"] = [(k, shape) for k, shape, _ in algo.engine.params]
+        out[name + "_shapes"] = [tuple(p.shape) for p in model.parameters()]
     out["resume"] = resumed(rank, "diloco:period=3,outer_momentum=0.5,residual_decay=0.8", 7, STEPS, **kw)
     # evaluate=average: the workers' average, training untouched
     model, opt, algo = build(rank, "diloco:period=3,outer_momentum=0.5,keep_residual=true,evaluate=average", **kw)
@@ -291,3 +293,13 @@ def test_parameter_is_registered_and_validated() -> None:
         algorithms.parse("diloco:evaluate=leader")
     with pytest.raises(ValueError, match="keep_residual"):
         algorithms.parse("streaming-diloco:keep_residual=true")
+
+
+def test_the_engine_is_told_the_keys_diloco_exchanges(results: list[dict]) -> None:
+    """``select=tensor`` registers each parameter under its name and shape,
+    ``select=model`` one (1, n) key for the whole model (2-D, so the engine
+    compresses it): what the engine plans, checks across ranks and saves."""
+    for res in results:
+        shapes = [list(s) for s in res["plain_shapes"]]
+        assert res["plain_registered"] == list(zip(res["plain_names"], shapes))
+        assert res["model_registered"] == [("diloco/model", [1, sum(math.prod(s) for s in shapes)])]
