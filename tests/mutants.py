@@ -53,6 +53,12 @@ GROUPS: dict[str, tuple[list[str], list[str], int]] = {
     "lsgd": (["gradpress/algorithms/lsgd.py"], ["tests/test_algorithms_lsgd.py", "tests/test_lsgd_average.py"], 10),
     "support": (["gradpress/exchange/strategies/union.py", "gradpress/exchange/strategies/cyclic.py"],
                 ["tests/test_union.py", "tests/test_cyclic.py"], 10),
+    "streaming": (["gradpress/algorithms/streaming.py"], ["tests/test_algorithms_outer.py"], 8),
+    "localsgd": (["gradpress/algorithms/localsgd.py"], ["tests/test_algorithms.py", "tests/test_references.py"], 6),
+    "gossip": ([f"gradpress/algorithms/{m}.py" for m in ("sgp", "choco", "gossip", "gossip_codec")],
+               ["tests/test_gossip.py", "tests/test_gossip_state.py"], 8),
+    "adam": ([f"gradpress/algorithms/{m}.py" for m in ("onebit_adam", "zeroone_adam", "compressed_adam")],
+             ["tests/test_compressed_adam.py"], 8),
 }
 #: binary operators that never occur in these modules' arithmetic on tensors and floats: replacing
 #: ``+`` by ``<<`` or ``%`` only gives type errors (incompetent mutants), never a plausible bug

@@ -353,7 +353,7 @@ def reference_compressed(world: int, steps: int, tau: int, c: float, ratio: floa
 def test_compressed_leader_broadcast_is_the_definition(results: list[dict]) -> None:
     """The compressed run of ``_worker`` (``lsgd:tau=2,c=0.5``, top-k 20%,
     error feedback) against :func:`reference_compressed`: every worker's
-    parameters and the shared leader copy after every step."""
+    final parameters (four elections) and the shared leader copy."""
     want, ref = reference_compressed(2, STEPS, 2, 0.5, 0.2)
     plain, _ = reference(2, STEPS, 2, 0.5)
     for rank, res in enumerate(results):

@@ -231,6 +231,35 @@ def test_union_refuses_what_it_cannot_carry() -> None:
     assert "qsgd" in strat.supports(create("qsgd")) and "topk" in strat.supports(create("qsgd"))
     with pytest.raises(ValueError, match="union"):
         gradpress.exchange.base.check_strategy("union", create("qsgd"))
+    with pytest.raises(ValueError, match=r"not 'none' \(pass one, e.g. --compressor topk"):
+        gradpress.exchange.base.check_strategy("union", create("none"))
+
+
+def test_union_is_one_piece_per_tensor_for_the_planner() -> None:
+    """Its prediction asks for no partitioning (a second piece would only add
+    a second index gather and allreduce)."""
+    from gradpress.exchange.costs import CostModel
+    from gradpress.exchange.planner import Planner
+
+    link = {"allreduce": (2e-4, 2e-4, 1e-6), "allgather": (2e-4, 2e-4, 4e-6), "broadcast": (5e-5, 5e-5, 1e-8),
+            "p2p": (2e-4, 2e-4, 1e-6), "encode": (1e-5, 1e-5, 1e-9), "decode": (1e-5, 1e-5, 1e-9),
+            "wire": (0.0, 0.0, 1.0), "root_wire": (0.0, 0.0, 1.0)}
+    assert get_strategy("union", None).predict(CostModel.from_mapping(link), 100_000, 4, False)[1] == 1
+    assert Planner.from_costs(link, 4, candidates=["union"]).decide("w", 100_000).parts == 1
+
+
+@pytest.mark.parametrize("spec", ["threshold:tau=0.5", "sidco:ratio=0.1", "dgc_threshold:ratio=0.1"])
+def test_sparsifiers_refuse_tensors_their_int32_indices_cannot_address(spec: str, monkeypatch) -> None:  # noqa: ANN001
+    """Beyond 2^31 - 1 elements int32 indices would wrap to negative numbers
+    and the values land elsewhere, silently: refused, naming the limit (the
+    limit lowered here: a real tensor that large is 8 GB)."""
+    import gradpress.compress.sparse as sparse
+
+    monkeypatch.setattr(sparse, "MAX_INDEXED", 1000)
+    x = torch.randn(1001)
+    with pytest.raises(ValueError, match=r"1001 elements; allowed: at most 1000 per tensor \(its flat indices are int32\)"):
+        create(spec).encode(x, Context(key="w", step=0, rank=0, world_size=1))
+    create(spec).encode(x[:1000], Context(key="w", step=0, rank=0, world_size=1))
 
 
 def _model() -> nn.Module:

@@ -9,7 +9,19 @@ import math
 
 import torch
 
-__all__ = ["kept_count", "scatter_sparse", "sparse_sum", "topk_magnitude"]
+__all__ = ["MAX_INDEXED", "check_indexable", "kept_count", "scatter_sparse", "sparse_sum", "topk_magnitude"]
+
+#: largest tensor a sparsifier's int32 flat indices can address
+MAX_INDEXED = (1 << 31) - 1
+
+
+def check_indexable(numel: int, name: str) -> None:
+    """ValueError (naming compressor ``name``) for a tensor too large for
+    int32 flat indices: they would wrap around to negative indices and the
+    values land on the wrong coordinates, silently."""
+    if numel > MAX_INDEXED:
+        raise ValueError(f"compressor {name!r}: {numel} elements; allowed: at most {MAX_INDEXED} per tensor "
+                         "(its flat indices are int32)")
 
 
 def kept_count(numel: int, ratio: float) -> int:

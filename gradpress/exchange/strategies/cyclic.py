@@ -57,8 +57,9 @@ class Cyclic(Strategy):
 
     def supports(self, compressor: Compressor) -> str | None:
         if not compressor.exact_values or compressor.aggregation != "mean":
-            return (f"cyclic shares one rank's support: it needs a sparsifier that sends the input's own values "
-                    f"at integer indices (topk, threshold), not {compressor.name!r}")
+            hint = " (pass one, e.g. --compressor topk:ratio=0.01)" if compressor.identity else ""
+            return (f"it shares one rank's support, so it needs a sparsifier that sends the input's own values "
+                    f"at integer indices (topk, threshold), not {compressor.spec()!r}{hint}")
         if compressor.stateful:
             return f"cyclic runs the compressor on one rank per call; {compressor.name!r} keeps per-tensor state"
         return None

@@ -27,10 +27,14 @@ The union and the allreduce's sum are identical on every rank, so the
 results are bit-identical on every rank. Per rank and call this rank hands
 over: one int64 size and one int64 count per tensor (the size exchange of
 a variable allgather; counts may differ between ranks with a threshold),
-its indices (int32 below 2^31 elements, padded to the largest rank's, to 8
-bytes), and the ``|union|`` values of the allreduce. Every rank runs the
-compressor on its own tensors, so per-tensor compressor state stays on
-every rank (the threshold estimators are accepted).
+its int32 indices (every accepted compressor refuses a tensor of 2^31
+elements or more, :func:`gradpress.compress.sparse.check_indexable`),
+padded to the largest rank's, to 8 bytes, and the ``|union|`` values of the
+allreduce. Every rank runs the compressor on its own tensors, so per-tensor
+compressor state stays on every rank (the threshold estimators are
+accepted). The union of every tensor is formed at once (one ``unique`` over
+indices offset by each tensor's start, one read of the sizes), so a call
+waits on its device twice, not once per tensor.
 """
 
 from __future__ import annotations
@@ -53,8 +57,10 @@ class Union(Strategy):
 
     def supports(self, compressor: Compressor) -> str | None:
         if not compressor.exact_values or compressor.aggregation != "mean":
-            return (f"union averages every rank's values on the union of the supports: it needs a sparsifier "
-                    f"that sends the input's own values at integer indices (topk, threshold), not {compressor.name!r}")
+            hint = " (pass one, e.g. --compressor topk:ratio=0.01)" if compressor.identity else ""
+            return (f"it averages every rank's values on the union of their supports, so it needs a sparsifier that "
+                    f"sends the input's own values at integer indices (topk, threshold, dgc_threshold, sidco, "
+                    f"gaussiank, redsync), not {compressor.spec()!r}{hint}")
         return None
 
     @classmethod
@@ -64,25 +70,24 @@ class Union(Strategy):
         (disjoint supports: the worst case)."""
         d = float(numel)
         half = costs.wire(d) / 2
-        return costs.encode(d) + costs.allgather(half) + costs.allreduce(half * world_size), 2
+        return costs.encode(d) + costs.allgather(half) + costs.allreduce(half * world_size), 1
 
     def exchange(
         self, compressor: Compressor, tensors: list[torch.Tensor], ctxs: list[Context],
         feedback: Feedback | None, *, prelude: Prelude | None = None, out: list[torch.Tensor] | None = None,
     ) -> ExchangeResult:
+        if not tensors:
+            return ExchangeResult([], 0, [] if feedback is not None else None, [], 0.0, 0.0)
         t0 = time.perf_counter()
         flats = [t.reshape(-1) for t in tensors]
-        device = flats[0].device if flats else torch.device("cpu")
-        index_dtype = torch.int64 if any(f.numel() >= 2**31 for f in flats) else torch.int32
-        chosen = [compressor.encode(t, c).tensors[1].reshape(-1).to(index_dtype) for t, c in zip(tensors, ctxs)]
+        device = flats[0].device
+        chosen = [compressor.encode(t, c).tensors[1].reshape(-1).to(torch.int32) for t, c in zip(tensors, ctxs)]
         counts = torch.tensor([c.numel() for c in chosen], dtype=torch.int64, device=device)
-        mine = torch.cat(chosen) if chosen else torch.zeros(0, dtype=index_dtype, device=device)
         t1 = time.perf_counter()
-        heads, buffers, sent = allgather_with_head(mine.view(torch.uint8), counts.view(torch.uint8), self.group,
-                                                   self.world_size, variable=True)
+        heads, buffers, sent = allgather_with_head(torch.cat(chosen).view(torch.uint8), counts.view(torch.uint8),
+                                                   self.group, self.world_size, variable=True)
         t2 = time.perf_counter()
-        per_rank = [b.view(index_dtype).split(h.view(torch.int64).tolist()) for h, b in zip(heads, buffers)]
-        support = [torch.unique(torch.cat([rank[i] for rank in per_rank])).long() for i in range(len(flats))]
+        support = self._union([h.view(torch.int64) for h in heads], buffers, [f.numel() for f in flats], device)
         # scaled by 1/N before the sum (see the module docstring)
         values = [f[idx].div_(self.world_size) for f, idx in zip(flats, support)]
         t3 = time.perf_counter()
@@ -103,3 +108,15 @@ class Union(Strategy):
                                 + chosen[i].numel() * chosen[i].element_size())
         compress_s = (t1 - t0) + (t3 - t2) + (time.perf_counter() - t4)
         return ExchangeResult(results, sent, residuals, tensor_bytes, compress_s, (t2 - t1) + (t4 - t3))
+
+    @staticmethod
+    def _union(counts: list[torch.Tensor], buffers: list[torch.Tensor], numels: list[int],
+               device: torch.device) -> list[torch.Tensor]:
+        """Per tensor, the sorted union of every rank's int32 ``buffers``
+        (rank r's ``counts[r][i]`` indices of tensor i, in tensor order): one
+        ``unique`` over the indices offset by each tensor's start, split back."""
+        starts = torch.tensor([0, *numels], dtype=torch.int64, device=device).cumsum(0)
+        shifted = [b.view(torch.int32).long() + torch.repeat_interleave(starts[:-1], c, output_size=b.numel() // 4) for c, b in zip(counts, buffers)]
+        merged = torch.unique(torch.cat(shifted))
+        sizes = torch.searchsorted(merged, starts).diff().tolist()
+        return [part - start for part, start in zip(merged.split(sizes), starts[:-1])]
