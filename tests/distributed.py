@@ -187,3 +187,25 @@ def value_errors(build: Callable[[Any], Any], cases: dict[str, Any]) -> dict[str
         except ValueError as exc:
             errors[name] = str(exc)
     return errors
+
+
+def worker_pids(launcher: int) -> list[int]:
+    """The training workers of a ``gradpress train`` process: the children
+    of its fork server (Linux CPU runs), else its own children."""
+    from pathlib import Path
+
+    def children(pid: int) -> list[int]:
+        path = Path(f"/proc/{pid}/task/{pid}/children")
+        return [int(c) for c in path.read_text().split()] if path.exists() else []
+
+    def cmdline(pid: int) -> str:
+        try:
+            return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            return ""
+
+    direct = children(launcher)
+    servers = [c for c in direct if "multiprocessing.forkserver import main" in cmdline(c)]
+    if servers:
+        return [w for s in servers for w in children(s)]
+    return [c for c in direct if "resource_tracker" not in cmdline(c)]

@@ -300,6 +300,19 @@ def test_local_and_global_leaders_on_four_workers() -> None:
         assert [res[rank]["prox"]["leaders"][t - 1] for t in (2, 4, 6, 8)] == leaders
 
 
+def local_sgd_step(models: list[torch.nn.Module], step: int, window: list[list[float]]) -> None:
+    """One plain SGD step of every worker's model on its own batch, each
+    loss appended to that worker's election window."""
+    for rank, m in enumerate(models):
+        m.zero_grad()
+        loss = loss_of(m, rank, step)
+        loss.backward()
+        window[rank].append(float(loss.detach()))
+        with torch.no_grad():
+            for p in m.parameters():
+                p -= LR * p.grad
+
+
 def reference_compressed(world: int, steps: int, tau: int, c: float, ratio: float) -> tuple[list[torch.Tensor], torch.Tensor]:
     """LSGD with the leader's parameters sent through a top-k compressor with
     error feedback, by definition, in float64: every rank keeps ``ref``
@@ -316,14 +329,7 @@ def reference_compressed(world: int, steps: int, tau: int, c: float, ratio: floa
     resid = [[torch.zeros(s, dtype=torch.float64) for s in shapes] for _ in range(world)]
     window: list[list[float]] = [[] for _ in range(world)]
     for s in range(steps):
-        for rank, m in enumerate(models):
-            m.zero_grad()
-            loss = loss_of(m, rank, s)
-            loss.backward()
-            window[rank].append(float(loss.detach()))
-            with torch.no_grad():
-                for p in m.parameters():
-                    p -= LR * p.grad
+        local_sgd_step(models, s, window)
         if (s + 1) % tau:
             continue
         lead = min((sum(w) / len(w), r) for r, w in enumerate(window))[1]

@@ -61,6 +61,62 @@ def reference_adam(steps: int, v_steps: list[bool], wd: float = 0.0, decoupled: 
     return out
 
 
+#: 0/1 Adam: exact Adam for 3 steps, then local steps synchronized every H = 1, 2, 2, ... steps
+ZO_LOCAL = "zeroone_adam:var_update_scaler=1000,var_freeze_step=3,local_step_scaler=1,local_step_clipper=2"
+
+
+def reference_zeroone_local(steps: int, freeze: int, scaler: int, clipper: int) -> list[list[torch.Tensor]]:
+    """0/1 Adam (Lu et al. 2022) with an identity compressor, float64: exact
+    Adam (variance updated every step) for ``freeze`` steps, then local steps:
+    each worker updates its own momentum with its own gradient and steps with
+    the frozen variance; when ``t % H == 0`` the workers average their change
+    since the last synchronization times the denominator, every momentum
+    becomes ``-mean (1 - b1^t) / sum(lr)`` (the momentum that change implies)
+    and every replica ``anchor + mean / denom``; ``H`` doubles every
+    ``scaler`` local steps up to ``clipper``. Returns each rank's flat
+    parameters after each step."""
+    b1, b2 = BETAS
+    params = [p.detach().clone() for p in make_model().parameters()]
+    m = [torch.zeros_like(p) for p in params]
+    v = [torch.zeros_like(p) for p in params]
+    out: list[list[torch.Tensor]] = [[] for _ in range(WORLD)]
+    for t in range(1, freeze + 1):  # the variance phase: every step is a variance step
+        per_rank = [grads_at(params, r, t - 1) for r in range(WORLD)]
+        for i, p in enumerate(params):
+            g = sum(gr[i] for gr in per_rank) / WORLD
+            m[i] = b1 * m[i] + (1 - b1) * g
+            v[i] = b2 * v[i] + (1 - b2) * g * g
+            p -= LR / (1 - b1 ** t) * m[i] / ((v[i] / (1 - b2 ** t)).sqrt() + EPS)
+        for r in range(WORLD):
+            out[r].append(flat(params))
+    denom = [(vi / (1 - b2 ** freeze)).sqrt() + EPS for vi in v]
+    anchor = [p.clone() for p in params]
+    local = [[p.clone() for p in params] for _ in range(WORLD)]
+    moms = [[mi.clone() for mi in m] for _ in range(WORLD)]
+    interval, counter, lrs = 1, 0, 0.0
+    for t in range(freeze + 1, steps + 1):
+        for r in range(WORLD):
+            g = grads_at(local[r], r, t - 1)
+            for i in range(len(params)):
+                moms[r][i] = b1 * moms[r][i] + (1 - b1) * g[i]
+                local[r][i] = local[r][i] - LR / (1 - b1 ** t) * moms[r][i] / denom[i]
+        lrs += LR
+        if t % interval == 0:
+            for i in range(len(params)):
+                mean = sum((local[r][i] - anchor[i]) * denom[i] for r in range(WORLD)) / WORLD
+                anchor[i] = anchor[i] + mean / denom[i]
+                for r in range(WORLD):
+                    moms[r][i] = -mean * (1 - b1 ** t) / lrs
+                    local[r][i] = anchor[i].clone()
+            lrs = 0.0
+        counter += 1
+        if counter == scaler:
+            counter, interval = 0, min(clipper, interval * 2)
+        for r in range(WORLD):
+            out[r].append(flat(local[r]))
+    return out
+
+
 def scaled_sign(x: torch.Tensor, chunk: int = 0) -> torch.Tensor:
     """efsignsgd by definition: mean|x_k| * sign(x_k) over each run x_k of
     ``chunk`` consecutive entries of the flat x (0: the whole x), sign(0) = +1."""
@@ -174,6 +230,7 @@ def _worker(rank: int, world: int) -> dict:
     out["zo_adam"] = _run(rank, "zeroone_adam:var_update_scaler=1000", "none", 6)["params"]
     out["zo_frozen_none"] = _run(rank, "zeroone_adam:var_update_scaler=1000,var_freeze_step=3,local_step_clipper=1",
                                  "none", 7)["params"]
+    out["zo_local_none"] = _run(rank, ZO_LOCAL, "none", 9)["params"]
     run = _run(rank, "zeroone_adam:var_update_scaler=2,var_freeze_step=9,local_step_scaler=2,local_step_clipper=4",
                None, 16, watch=True, min_numel=64)
     out["zo"] = {k: run[k] for k in ("params", "v", "m", "stats")}
@@ -221,6 +278,17 @@ def test_identity_compressor_after_freeze_is_adam_with_frozen_variance(results: 
     for res in results:
         _close(res["frozen_none"], want, 1e-12)
         _close(res["zo_frozen_none"], want, 1e-12)  # 0/1 Adam's local steps with H = 1 are the same
+
+
+def test_zeroone_local_steps_rebuild_the_momentum_at_each_synchronization(results: list[dict]) -> None:
+    """After the freeze, with H = 2 (so a synchronization follows two local
+    steps and the rebuilt momentum differs from the mean of the workers'
+    own), every rank's parameters after every step equal the float64
+    reference; the local steps in between differ between the ranks."""
+    want = reference_zeroone_local(9, freeze=3, scaler=1, clipper=2)
+    for rank, res in enumerate(results):
+        _close(res["zo_local_none"], want[rank], 1e-12)
+    assert not torch.equal(results[0]["zo_local_none"][4], results[1]["zo_local_none"][4])  # step 5 is local
 
 
 def test_onebit_compressed_allreduce_with_both_residuals(results: list[dict]) -> None:

@@ -11,13 +11,9 @@ import math
 
 import pytest
 import torch
-import torch.nn as nn
 from distributed import run_workers
-from regression import fit, regression_data
-from torch.nn.parallel import DistributedDataParallel as DDP
+from regression import train_hook_and_diloco
 
-import gradpress
-from gradpress import algorithms
 from gradpress.compress import Context, create
 from gradpress.exchange import Synchronizer, get_strategy
 from gradpress.exchange.feedback import Feedback
@@ -222,33 +218,8 @@ def test_cyclic_refuses_what_it_cannot_carry() -> None:
     assert "state" in strat.supports(create("sidco:ratio=0.01"))
 
 
-def _model() -> nn.Module:
-    torch.manual_seed(1234)
-    return nn.Sequential(nn.Linear(24, 48), nn.Tanh(), nn.Linear(48, 48), nn.Tanh(), nn.Linear(48, 3))
-
-
 def _train(rank: int, world: int) -> dict:
-    out = {}
-    for how in ("hook", "diloco"):
-        model = _model()
-        x, y = regression_data(rank)
-        if how == "hook":
-            net = DDP(model)
-            hook = gradpress.ddp.register(net, "topk:ratio=0.1", strategy="cyclic", min_numel=64)
-            opt = torch.optim.SGD(net.parameters(), lr=0.05)
-            step = opt.step
-        else:
-            net = model
-            opt = torch.optim.SGD(model.parameters(), lr=0.05)
-            hook = algorithms.create("diloco:period=4,outer_momentum=0.5", model, opt, compressor="topk:ratio=0.2",
-                                     strategy="cyclic", min_numel=64)
-            step = hook.step
-        losses = fit(net, opt, x, y, 24, step)
-        out[how] = {"losses": losses, "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
-                    "stats": dict(hook.stats)}
-        if how == "hook":
-            hook.close()
-    return out
+    return train_hook_and_diloco(rank, "cyclic")
 
 
 def test_cyclic_trains_through_the_hook_and_diloco() -> None:

@@ -6,6 +6,7 @@ gloo workers."""
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -105,6 +106,7 @@ def consensus_run(rank: int, world: int, spec: str, comp: str | None, rounds: in
     model = Vec()
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     algo = algorithms.create(spec, model, opt, compressor=comp, min_numel=0)
+    began = time.perf_counter()
     model.w.grad = model.w.detach() - start(rank)
     algo.step()
     opt.param_groups[0]["lr"] = 0.0
@@ -116,8 +118,9 @@ def consensus_run(rank: int, world: int, spec: str, comp: str | None, rounds: in
         algo.step()
     hist.append({"x": algo.x[0].clone() if hasattr(algo, "x") else model.w.detach().clone(),
                  "w": float(algo.w) if hasattr(algo, "w") else 1.0, "z": model.w.detach().clone()})
+    wall = time.perf_counter() - began
     avg = algo.eval_model().w.detach().clone()
-    return {"hist": hist, "avg": avg, "stats": algo.stats}
+    return {"hist": hist, "avg": avg, "stats": algo.stats, "wall": wall}
 
 
 def _with_grads(rank: int, world: int, spec: str, comp: str | None, steps: int) -> dict:
@@ -251,6 +254,21 @@ def test_decentralized_sgd_matches_its_definition(four: list[dict], spec: str, w
         for r in range(4):
             got = four[r][("grads", spec, comp)]["params"][t]
             assert torch.allclose(got, ref[t][r], rtol=0, atol=1e-12), (spec, t, r)
+
+
+def test_stats_times_fit_in_the_run(four: list[dict]) -> None:
+    """Every gossip run's compress and communication seconds are >= 0 and
+    together fit in the wall time the test measured around its steps;
+    a compressed run spends some time compressing."""
+    for r in four:
+        for key, res in r.items():
+            if key[0] != "consensus":
+                continue
+            st = res["stats"]
+            assert st["compress_s"] >= 0 and st["comm_s"] >= 0, (key, st["compress_s"], st["comm_s"])
+            assert st["compress_s"] + st["comm_s"] <= res["wall"], (key, st["compress_s"], st["comm_s"], res["wall"])
+            if key[2]:
+                assert st["compress_s"] > 0, key
 
 
 def test_stats_count_the_bytes_handed_to_sends(four: list[dict]) -> None:

@@ -35,17 +35,20 @@ def test_port_is_chosen_after_the_slow_preload(monkeypatch, tmp_path) -> None:
     from gradpress.train import launch
 
     calls: list[str] = []
+    monkeypatch.setattr(launch, "_start_forkserver", lambda: calls.append("forkserver"))
     monkeypatch.setattr(launch, "_preload", lambda cfg: calls.append("preload"))
     monkeypatch.setattr(launch, "free_port", lambda: calls.append("port") or 12345)
 
     def fake_launch(config, entry):  # noqa: ANN001, ANN202
         calls.append(f"launch {config.rdzv_endpoint}")
-        return lambda cfg: {0: {"ok": {"done": True}}}
+        return lambda cfg, env=None: {0: {"ok": {"done": True}}}
 
     monkeypatch.setattr(api, "elastic_launch", fake_launch)
     out = launch.run(nproc=2, samples=96, batch_size=16, out=str(tmp_path / "o"), progress=False)
     assert out == {"done": True}
-    assert calls == ["preload", "port", "launch 127.0.0.1:12345"]
+    # the fork server (Linux CPU) starts first, so that its imports overlap the preload
+    server = ["forkserver"] if launch._start_method("cpu") == "forkserver" else []
+    assert calls == [*server, "preload", "port", "launch 127.0.0.1:12345"]
 
 
 def test_launch_config_passes_the_shutdown_grace_only_where_torch_has_it() -> None:

@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed import checkpoint, restore, run_workers, value_errors
-from test_algorithms import LR, loss_of, make_model
-from test_algorithms_lsgd import build, flat, train
+from test_algorithms import make_model
+from test_algorithms_lsgd import build, flat, local_sgd_step, train
 
 import gradpress.algorithms as algorithms
 
@@ -27,14 +27,7 @@ def reference(world: int, steps: int, tau: int, c: float) -> tuple[list[torch.Te
     window: list[list[float]] = [[] for _ in range(world)]
     leaders = []
     for s in range(steps):
-        for rank, m in enumerate(models):
-            m.zero_grad()
-            loss = loss_of(m, rank, s)
-            loss.backward()
-            window[rank].append(float(loss.detach()))
-            with torch.no_grad():
-                for p in m.parameters():
-                    p -= LR * p.grad
+        local_sgd_step(models, s, window)
         if (s + 1) % tau:
             continue
         means = [(sum(w) / len(w), r) for r, w in enumerate(window)]

@@ -12,11 +12,7 @@ import time
 from pathlib import Path
 
 import torch
-
-
-def _children(pid: int) -> list[int]:
-    path = Path(f"/proc/{pid}/task/{pid}/children")
-    return [int(c) for c in path.read_text().split()] if path.exists() else []
+from distributed import worker_pids
 
 
 def _train_cmd(out: Path, epochs: int, *extra: str) -> list[str]:
@@ -34,7 +30,7 @@ def test_dead_worker_stops_run_and_checkpoint_resumes(tmp_path: Path) -> None:
             assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
             assert time.monotonic() < deadline, "no checkpoint written"
             time.sleep(0.2)
-        workers = _children(proc.pid)
+        workers = worker_pids(proc.pid)
         assert len(workers) >= 2, f"expected 2 worker processes, found {workers}"
         os.kill(workers[-1], signal.SIGKILL)
         killed = time.monotonic()

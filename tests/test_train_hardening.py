@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed import run_workers
+from distributed import run_workers, worker_pids
 
 from gradpress import train
 from gradpress.cli import main as cli
@@ -40,11 +40,6 @@ def _one_line_error(err: str) -> str:
     assert len(lines) == 1, err
     assert "Traceback" not in err, err
     return lines[0]
-
-
-def _children(pid: int) -> list[int]:
-    path = Path(f"/proc/{pid}/task/{pid}/children")
-    return [int(c) for c in path.read_text().split()] if path.exists() else []
 
 
 # ----------------------------------------------------------- 9: --out
@@ -232,7 +227,7 @@ def test_stopped_worker_ends_the_run_naming_the_silent_rank(tmp_path):
         while not (out / "checkpoint.pt").exists():
             assert proc.poll() is None and time.monotonic() < deadline
             time.sleep(0.1)
-        workers = _children(proc.pid)
+        workers = worker_pids(proc.pid)
         os.kill(workers[-1], signal.SIGSTOP)
         _, err = proc.communicate(timeout=150)
     finally:
@@ -258,7 +253,7 @@ def test_ctrl_c_on_the_launcher_is_exit_130_and_cleans_workers(tmp_path):
         while not (out / "checkpoint.pt").exists():
             assert proc.poll() is None and time.monotonic() < deadline
             time.sleep(0.1)
-        workers = _children(proc.pid)
+        workers = worker_pids(proc.pid)
         os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
         _, err = proc.communicate(timeout=60)
     finally:

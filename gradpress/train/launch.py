@@ -91,9 +91,11 @@ def run(config: Mapping[str, Any] | argparse.Namespace | TrainConfig | None = No
     return train(cfg)
 
 
-def _worker_entry(cfg_dict: dict[str, Any]) -> dict[str, Any]:
+def _worker_entry(cfg_dict: dict[str, Any], env: dict[str, dict[str, str]] | None = None) -> dict[str, Any]:
     from gradpress.train.session import train
 
+    if env is not None:
+        _launcher_environ(env["base"], env["now"])
     # a forked worker inherits the launcher's handlers (which raise in odd places and print
     # tracebacks): the launcher alone handles Ctrl-C, and stops workers with SIGTERM
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -105,22 +107,54 @@ def _worker_entry(cfg_dict: dict[str, Any]) -> dict[str, Any]:
         return {"value_error": str(exc)}
 
 
-#: set once this process has run a process group itself: gloo leaves native threads
-#: (and a trained model leaves the intra-op thread pool) that a forked child would
-#: inherit half-locked; later launches then spawn
-_RAN_IN_PROCESS = False
+def _launcher_environ(base: Mapping[str, str], now: Mapping[str, str]) -> None:
+    """In a worker forked by the fork server: make ``os.environ`` the
+    launcher's environment at this launch (``now``), plus what the elastic
+    agent set for this worker. The fork server keeps the environment it
+    started with (``base``), so a variable the launcher set or removed
+    since would otherwise be missed; the agent's own variables (RANK,
+    MASTER_PORT, ...) are those that differ from ``base``."""
+    agent = {k: v for k, v in os.environ.items() if base.get(k) != v}
+    os.environ.clear()
+    os.environ.update(now)
+    os.environ.update(agent)
+
+
+#: the environment the fork server of this process started with (None: not started)
+_FORKSERVER_ENV: dict[str, str] | None = None
+
+
+#: what the fork server imports once, so that each worker it forks starts without importing them
+FORKSERVER_PRELOAD = ["torch", "torch._dynamo", "tqdm", "gradpress.ddp", "gradpress.algorithms", "gradpress.train.session"]
 
 
 def _start_method(device: str) -> str:
-    """fork on Linux CPU runs: workers start in well under a second instead
-    of re-importing torch (seconds each); spawn where fork is unsafe (CUDA,
-    other platforms, a parent that already ran a process group or holds
-    other threads: a forked child could wait forever on a lock one of them
-    held)."""
-    import threading
+    """forkserver on Linux CPU runs, spawn elsewhere (CUDA, other platforms).
 
-    safe = not _RAN_IN_PROCESS and not dist.is_initialized() and threading.active_count() == 1
-    return "fork" if device == "cpu" and sys.platform.startswith("linux") and safe else "spawn"
+    Workers are never forked from the launcher itself: by the time the
+    elastic agent starts them it runs threads (its rendezvous keep-alive
+    timer, the TCPStore server), and a child forked while one of them held
+    a lock inherits it locked. That happened: about one start in a hundred
+    hung for the whole ``--timeout`` with one worker in glibc's resolver
+    lock (``getnameinfo``, called by the TCPStore client to format an
+    address), docs/train.md. The fork server is a fresh process (started by
+    exec) that imports :data:`FORKSERVER_PRELOAD` once; workers forked from
+    it start in a fraction of a second instead of re-importing torch."""
+    return "forkserver" if device == "cpu" and sys.platform.startswith("linux") else "spawn"
+
+
+def _start_forkserver() -> None:
+    """Start the fork server now (once per process), importing
+    :data:`FORKSERVER_PRELOAD`, so that its imports overlap the launcher's
+    own preparation (:func:`_preload`)."""
+    import multiprocessing
+    import multiprocessing.forkserver
+
+    global _FORKSERVER_ENV
+    if _FORKSERVER_ENV is None:
+        _FORKSERVER_ENV = dict(os.environ)
+        multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
+    multiprocessing.forkserver.ensure_running()
 
 
 def _preload(cfg: TrainConfig) -> None:
@@ -197,6 +231,8 @@ def _launch(cfg: TrainConfig) -> dict[str, Any]:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     assert cfg.nproc is not None
+    if _start_method(cfg.device) == "forkserver":
+        _start_forkserver()
     _preload(cfg)  # seconds on a busy machine: the port is chosen after it, just before the store binds it
     launch = launch_config(cfg, LaunchConfig)
     old = os.environ.get("OMP_NUM_THREADS")
@@ -204,7 +240,9 @@ def _launch(cfg: TrainConfig) -> dict[str, Any]:
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // cfg.nproc))
     quiet = _quiet_launcher_logs()
     try:
-        results = elastic_launch(launch, _worker_entry)(dataclasses.asdict(cfg))
+        env = None if _FORKSERVER_ENV is None or launch.start_method != "forkserver" else \
+            {"base": _FORKSERVER_ENV, "now": dict(os.environ)}
+        results = elastic_launch(launch, _worker_entry)(dataclasses.asdict(cfg), env)
     except ChildFailedError as exc:
         raise WorkerFailed(describe_failures(exc.failures, cfg.nproc, cfg.timeout, _exit_codes(exc))) from None
     except SignalException as exc:
@@ -282,10 +320,8 @@ def describe_failures(failures: Mapping[int, Any], nproc: int | None, timeout: f
 def init_group(device: str, timeout: float | None = None) -> bool:
     """Join or create the default process group (``timeout`` seconds for its
     collectives; None: torch's default); True if we created it."""
-    global _RAN_IN_PROCESS
     if dist.is_initialized():
         return False
-    _RAN_IN_PROCESS = True
     backend = "nccl" if device == "cuda" else "gloo"
     kw: dict[str, Any] = {} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:

@@ -46,7 +46,7 @@ from gradpress.compress.base import Compressor, Context
 from gradpress.exchange.base import ExchangeResult, Prelude, Strategy, register_strategy
 from gradpress.exchange.costs import CostModel
 from gradpress.exchange.feedback import Feedback
-from gradpress.transport.collectives import fused_allreduce
+from gradpress.exchange.strategies.support import mean_on_support
 from gradpress.transport.p2p import global_rank
 
 
@@ -113,24 +113,10 @@ class Cyclic(Strategy):
             dist.broadcast(indices, src, group=self.group)
         support = [idx.long() for idx in indices.split(sizes)] if sizes else []
         t2 = time.perf_counter()
-        # scaled by 1/N before the sum, as ``allreduce`` scales its payloads: N values near the dtype's
-        # maximum (fp16: 65504) would overflow to inf in the sum, their mean does not
-        values = [f[idx].div_(self.world_size) for f, idx in zip(flats, support)]
-        summed, nbytes = fused_allreduce(values, self.group)
+        results, residuals, value_bytes, nbytes, allreduce_s = mean_on_support(
+            tensors, flats, support, self.group, self.world_size, out, feedback is not None)
         sent += nbytes
-        t3 = time.perf_counter()
-        results, residuals, tensor_bytes = [], [] if feedback is not None else None, []
-        for i, (t, idx, total) in enumerate(zip(tensors, support, summed)):
-            dst = out[i] if out is not None and i < len(out) and out[i] is not None else None
-            if dst is None or not dst.is_contiguous() or (residuals is not None and dst.data_ptr() == t.data_ptr()):
-                dst = torch.empty_like(t, memory_format=torch.contiguous_format)
-            dst.zero_().view(-1).index_copy_(0, idx, total)
-            results.append(dst)
-            if residuals is not None:  # what this rank keeps: everything off the support
-                # flats[i]: a view of t, or (t non-contiguous) the contiguous copy made above: no second copy
-                flats[i].index_fill_(0, idx, 0)
-                residuals.append(flats[i].view(t.shape))
-            tensor_bytes.append(values[i].numel() * values[i].element_size()
-                                + (idx.numel() * indices.element_size() if self.rank == leader else 0))
-        compress_s = (t1 - t0) + (time.perf_counter() - t3)
-        return ExchangeResult(results, sent, residuals, tensor_bytes, compress_s, (t2 - t1) + (t3 - t2))
+        tensor_bytes = [v + (idx.numel() * indices.element_size() if self.rank == leader else 0)
+                        for v, idx in zip(value_bytes, support)]
+        compress_s = (t1 - t0) + (time.perf_counter() - t2 - allreduce_s)
+        return ExchangeResult(results, sent, residuals, tensor_bytes, compress_s, (t2 - t1) + allreduce_s)

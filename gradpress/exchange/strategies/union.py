@@ -47,7 +47,8 @@ from gradpress.compress.base import Compressor, Context
 from gradpress.exchange.base import ExchangeResult, Prelude, Strategy, register_strategy
 from gradpress.exchange.costs import CostModel
 from gradpress.exchange.feedback import Feedback
-from gradpress.transport.collectives import allgather_with_head, fused_allreduce
+from gradpress.exchange.strategies.support import mean_on_support
+from gradpress.transport.collectives import allgather_with_head
 
 
 @register_strategy("union")
@@ -88,26 +89,12 @@ class Union(Strategy):
                                                    self.group, self.world_size, variable=True)
         t2 = time.perf_counter()
         support = self._union([h.view(torch.int64) for h in heads], buffers, [f.numel() for f in flats], device)
-        # scaled by 1/N before the sum (see the module docstring)
-        values = [f[idx].div_(self.world_size) for f, idx in zip(flats, support)]
-        t3 = time.perf_counter()
-        summed, nbytes = fused_allreduce(values, self.group)
+        results, residuals, value_bytes, nbytes, allreduce_s = mean_on_support(
+            tensors, flats, support, self.group, self.world_size, out, feedback is not None)
         sent += nbytes
-        t4 = time.perf_counter()
-        results, residuals, tensor_bytes = [], [] if feedback is not None else None, []
-        for i, (t, idx, total) in enumerate(zip(tensors, support, summed)):
-            dst = out[i] if out is not None and i < len(out) and out[i] is not None else None
-            if dst is None or not dst.is_contiguous() or (residuals is not None and dst.data_ptr() == t.data_ptr()):
-                dst = torch.empty_like(t, memory_format=torch.contiguous_format)
-            dst.zero_().view(-1).index_copy_(0, idx, total)
-            results.append(dst)
-            if residuals is not None:  # what this rank keeps: everything off the union
-                flats[i].index_fill_(0, idx, 0)
-                residuals.append(flats[i].view(t.shape))
-            tensor_bytes.append(values[i].numel() * values[i].element_size()
-                                + chosen[i].numel() * chosen[i].element_size())
-        compress_s = (t1 - t0) + (t3 - t2) + (time.perf_counter() - t4)
-        return ExchangeResult(results, sent, residuals, tensor_bytes, compress_s, (t2 - t1) + (t4 - t3))
+        tensor_bytes = [v + c.numel() * c.element_size() for v, c in zip(value_bytes, chosen)]
+        compress_s = (t1 - t0) + (time.perf_counter() - t2 - allreduce_s)
+        return ExchangeResult(results, sent, residuals, tensor_bytes, compress_s, (t2 - t1) + allreduce_s)
 
     @staticmethod
     def _union(counts: list[torch.Tensor], buffers: list[torch.Tensor], numels: list[int],
