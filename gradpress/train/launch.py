@@ -158,9 +158,10 @@ def _start_forkserver() -> None:
 
 
 def _preload(cfg: TrainConfig) -> None:
-    """Import what workers need and build the data once in the parent:
-    forked workers inherit it (imports cost seconds on a busy machine), and
-    generated data land in the cache before workers look for them."""
+    """Build the data once in the launcher, so that generated data land in
+    the cache before the workers look for them (and a bad workload option
+    fails here, before any worker starts); the imports are what the
+    launcher's own checks and the spawn path use."""
     import torch._dynamo  # noqa: F401 - DDP imports it on construction
     import tqdm  # noqa: F401
 
