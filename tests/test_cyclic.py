@@ -152,9 +152,10 @@ def test_cyclic_through_the_engine_is_the_definition() -> None:
 EXTREME = {torch.float16: 6.0e4, torch.bfloat16: 3.0e38, torch.float32: 3.0e38, torch.float64: 1.7e308}
 
 
-def _extreme(rank: int, world: int) -> dict:
+def _extreme(rank: int, world: int, strategy: str = "cyclic") -> dict:
     """Mixed magnitudes up to near each dtype's maximum (a sum of the ranks'
-    values would overflow it), subnormal-sized entries, every dtype."""
+    values would overflow it), subnormal-sized entries, every dtype, through
+    ``strategy`` (test_union.py runs it for ``union``)."""
     out = {}
     for dtype, big in EXTREME.items():
         g = torch.Generator().manual_seed(5 + rank)
@@ -165,7 +166,7 @@ def _extreme(rank: int, world: int) -> dict:
         x = x.to(dtype)
         assert bool(torch.isfinite(x).all())
         ctx = [Context(key="w", step=0, rank=rank, world_size=world)]
-        res = get_strategy("cyclic", None).exchange(create(f"topk:ratio={RATIO}"), [x.clone()], ctx, Feedback())
+        res = get_strategy(strategy, None).exchange(create(f"topk:ratio={RATIO}"), [x.clone()], ctx, Feedback())
         out[dtype] = (x, res.tensors[0])
     return out
 

@@ -14,20 +14,14 @@ import pytest
 import torch
 from distributed import run_workers
 from regression import train_hook_and_diloco
+from test_cyclic import ENGINE_SHAPES, EXTREME, RATIO, SHAPES, _engine_inputs, _extreme, _tensors
 
 import gradpress
 from gradpress.compress import Context, create
 from gradpress.exchange import Synchronizer, get_strategy
 from gradpress.exchange.feedback import Feedback
 
-SHAPES = [(40, 25), (3001,), (7, 11)]
-RATIO = 0.1
 TAU = 2.5
-
-
-def _tensors(rank: int, step: int) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(97 * step + rank)
-    return [torch.randn(s, generator=g) * (1 + rank) for s in SHAPES]
 
 
 def _threshold_tensors(rank: int) -> list[torch.Tensor]:
@@ -133,15 +127,6 @@ def test_union_without_feedback_gives_the_same_average(direct: tuple[int, list[d
         assert all(torch.equal(a, b) for a, b in zip(avg, results[r]["topk", 0]["avg"]))
 
 
-ENGINE_SHAPES = [(30, 40), (50, 20)]
-
-
-def _engine_inputs(rank: int, step: int, transpose: bool) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    xs = [torch.randn(s, generator=g) * (1 + rank) for s in ENGINE_SHAPES]
-    return [x.t() if transpose else x for x in xs]  # transposed: non-contiguous gradients
-
-
 def _through_the_engine(rank: int, world: int) -> dict:
     """The engine's whole path: compensation, the result written into the
     caller's tensors, residuals staged; 3 steps per case."""
@@ -184,30 +169,9 @@ def test_union_through_the_engine_is_the_definition() -> None:
             assert results[0][fb, transpose][1] > 0
 
 
-EXTREME = {torch.float16: 6.0e4, torch.bfloat16: 3.0e38, torch.float32: 3.0e38, torch.float64: 1.7e308}
-
-
-def _extreme(rank: int, world: int) -> dict:
-    """Mixed magnitudes up to near each dtype's maximum (a sum of the ranks'
-    values would overflow it), subnormal-sized entries, every dtype."""
-    out = {}
-    for dtype, big in EXTREME.items():
-        g = torch.Generator().manual_seed(5 + rank)
-        top = int(math.log10(big)) - 1
-        scale = torch.full((64, 16), 10.0, dtype=torch.float64) ** torch.randint(-40, top, (64, 16), generator=g)
-        x = torch.randn(64, 16, generator=g, dtype=torch.float64) * scale
-        x.view(-1)[:8] = big * (1 - 0.01 * rank)  # the largest entries, on every rank's support
-        x = x.to(dtype)
-        assert bool(torch.isfinite(x).all())
-        ctx = [Context(key="w", step=0, rank=rank, world_size=world)]
-        res = get_strategy("union", None).exchange(create(f"topk:ratio={RATIO}"), [x.clone()], ctx, Feedback())
-        out[dtype] = (x, res.tensors[0])
-    return out
-
-
 def test_union_on_extreme_finite_inputs_stays_finite_exact_and_identical() -> None:
     world = 2
-    results = run_workers(_extreme, world)
+    results = run_workers(_extreme, world, "union")
     for dtype in EXTREME:
         xs = [results[r][dtype][0] for r in range(world)]
         union = torch.unique(torch.cat([_topk_support(x) for x in xs]))

@@ -96,8 +96,8 @@ def _worker_entry(cfg_dict: dict[str, Any], env: dict[str, dict[str, str]] | Non
 
     if env is not None:
         _launcher_environ(env["base"], env["now"])
-    # a forked worker inherits the launcher's handlers (which raise in odd places and print
-    # tracebacks): the launcher alone handles Ctrl-C, and stops workers with SIGTERM
+    # a worker inherits the signal handlers of the process it was forked from (which raise in odd places
+    # and print tracebacks): the launcher alone handles Ctrl-C, and stops workers with SIGTERM
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
@@ -160,16 +160,9 @@ def _start_forkserver() -> None:
 def _preload(cfg: TrainConfig) -> None:
     """Build the data once in the launcher, so that generated data land in
     the cache before the workers look for them (and a bad workload option
-    fails here, before any worker starts); the imports are what the
-    launcher's own checks and the spawn path use."""
-    import torch._dynamo  # noqa: F401 - DDP imports it on construction
-    import tqdm  # noqa: F401
-
-    import gradpress.ddp  # noqa: F401
-    import gradpress.train.session  # noqa: F401
-
-    if cfg.algorithm != "ddp":
-        import gradpress.algorithms  # noqa: F401
+    fails here, before any worker starts). The workers' imports happen in
+    the fork server (:data:`FORKSERVER_PRELOAD`) or in each spawned worker,
+    not here: the launcher itself does not train."""
     workloads.build(cfg.workload, data=cfg.data, hidden=cfg.hidden, params=cfg.params,
                     samples=cfg.samples, text_bytes=cfg.text_bytes)
 

@@ -46,7 +46,7 @@ from gradpress.compress.base import Compressor, Context
 from gradpress.exchange.base import ExchangeResult, Prelude, Strategy, register_strategy
 from gradpress.exchange.costs import CostModel
 from gradpress.exchange.feedback import Feedback
-from gradpress.exchange.strategies.support import mean_on_support
+from gradpress.exchange.strategies.support import mean_on_support, sparsifier_refusal
 from gradpress.transport.p2p import global_rank
 
 
@@ -56,10 +56,9 @@ class Cyclic(Strategy):
     planned = False  # a different estimator, not a faster way to move the same one: the user opts in
 
     def supports(self, compressor: Compressor) -> str | None:
-        if not compressor.exact_values or compressor.aggregation != "mean":
-            hint = " (pass one, e.g. --compressor topk:ratio=0.01)" if compressor.identity else ""
-            return (f"it shares one rank's support, so it needs a sparsifier that sends the input's own values "
-                    f"at integer indices (topk, threshold), not {compressor.spec()!r}{hint}")
+        reason = sparsifier_refusal(compressor, "it shares one rank's support", "topk, threshold")
+        if reason:
+            return reason
         if compressor.stateful:
             return f"cyclic runs the compressor on one rank per call; {compressor.name!r} keeps per-tensor state"
         return None

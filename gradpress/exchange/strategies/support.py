@@ -5,12 +5,27 @@ tensors with the rank's residual (everything off the support)."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
+from gradpress.compress.base import Compressor
 from gradpress.transport.collectives import fused_allreduce
 
-__all__ = ["mean_on_support"]
+__all__ = ["mean_on_support", "sparsifier_refusal"]
+
+
+def sparsifier_refusal(compressor: Compressor, why: str, accepted: str) -> str | None:
+    """None when ``compressor`` sends the input's own values at integer
+    indices and is averaged by the mean (what a support strategy moves);
+    else the reason, ``why`` the strategy needs one, the ``accepted``
+    sparsifiers, the spec given, and for ``none`` a hint to pass one."""
+    if compressor.exact_values and compressor.aggregation == "mean":
+        return None
+    hint = " (pass one, e.g. --compressor topk:ratio=0.01)" if compressor.identity else ""
+    return (f"{why}, so it needs a sparsifier that sends the input's own values at integer indices ({accepted}), "
+            f"not {compressor.spec()!r}{hint}")
 
 
 def mean_on_support(tensors: list[torch.Tensor], flats: list[torch.Tensor], support: list[torch.Tensor],
@@ -26,8 +41,6 @@ def mean_on_support(tensors: list[torch.Tensor], flats: list[torch.Tensor], supp
     while residuals are kept (the residual is the input off the support,
     written in place over ``flats[i]``, a view of the input or its
     contiguous copy)."""
-    import time
-
     values = [f[idx].div_(world_size) for f, idx in zip(flats, support)]
     t0 = time.perf_counter()
     summed, sent = fused_allreduce(values, group)

@@ -27,8 +27,9 @@ The union and the allreduce's sum are identical on every rank, so the
 results are bit-identical on every rank. Per rank and call this rank hands
 over: one int64 size and one int64 count per tensor (the size exchange of
 a variable allgather; counts may differ between ranks with a threshold),
-its int32 indices (every accepted compressor refuses a tensor of 2^31
-elements or more, :func:`gradpress.compress.sparse.check_indexable`),
+its int32 indices (every built-in compressor it accepts refuses a tensor
+of 2^31 elements or more, :func:`gradpress.compress.sparse.check_indexable`;
+a sparsifier of your own must too),
 padded to the largest rank's, to 8 bytes, and the ``|union|`` values of the
 allreduce. Every rank runs the compressor on its own tensors, so per-tensor
 compressor state stays on every rank (the threshold estimators are
@@ -47,7 +48,7 @@ from gradpress.compress.base import Compressor, Context
 from gradpress.exchange.base import ExchangeResult, Prelude, Strategy, register_strategy
 from gradpress.exchange.costs import CostModel
 from gradpress.exchange.feedback import Feedback
-from gradpress.exchange.strategies.support import mean_on_support
+from gradpress.exchange.strategies.support import mean_on_support, sparsifier_refusal
 from gradpress.transport.collectives import allgather_with_head
 
 
@@ -57,12 +58,8 @@ class Union(Strategy):
     planned = False  # a different estimator, not a faster way to move the same one: the user opts in
 
     def supports(self, compressor: Compressor) -> str | None:
-        if not compressor.exact_values or compressor.aggregation != "mean":
-            hint = " (pass one, e.g. --compressor topk:ratio=0.01)" if compressor.identity else ""
-            return (f"it averages every rank's values on the union of their supports, so it needs a sparsifier that "
-                    f"sends the input's own values at integer indices (topk, threshold, dgc_threshold, sidco, "
-                    f"gaussiank, redsync), not {compressor.spec()!r}{hint}")
-        return None
+        return sparsifier_refusal(compressor, "it averages every rank's values on the union of their supports",
+                                  "topk, threshold, dgc_threshold, sidco, gaussiank, redsync")
 
     @classmethod
     def predict(cls, costs: CostModel, numel: int, world_size: int, summable: bool) -> tuple[float, int]:
