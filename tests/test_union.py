@@ -44,6 +44,17 @@ def _direct(rank: int, world: int) -> dict:
             res = strat.exchange(comp, [t.clone() for t in ts], ctxs, Feedback())
             out[name, step] = {"avg": res.tensors, "residuals": res.residuals, "bytes": res.bytes_sent,
                                "tensor_bytes": res.tensor_bytes}
+    import gradpress.exchange.strategies.union as union_module
+
+    limit, union_module.MAX_INDEXED = union_module.MAX_INDEXED, 8  # every tensor "too large" for int32 indices
+    try:
+        wide = strat.exchange(create(f"topk:ratio={RATIO}"), [t.clone() for t in _tensors(rank, 0)],
+                              [Context(key=f"t{i}", step=0, rank=rank, world_size=world) for i in range(len(SHAPES))],
+                              Feedback())
+    finally:
+        union_module.MAX_INDEXED = limit
+    out["wide", 0] = {"avg": wide.tensors, "residuals": wide.residuals, "bytes": wide.bytes_sent,
+                      "tensor_bytes": wide.tensor_bytes}
     no_fb = strat.exchange(create(f"topk:ratio={RATIO}"), [t.clone() for t in _tensors(rank, 0)],
                            [Context(key=f"t{i}", step=0, rank=rank, world_size=world) for i in range(len(SHAPES))], None)
     out["no_feedback"] = (no_fb.tensors, no_fb.residuals)
@@ -109,6 +120,19 @@ def test_union_bytes_are_indices_gathered_and_union_values_summed(direct: tuple[
             assert results[r][key]["tensor_bytes"] == [4 * u + 4 * c for u, c in zip(unions, counts[r])], (key, r)
             want = 8 * len(SHAPES) + 8 + (widest + 7) // 8 * 8 + 4 * sum(unions)
             assert results[r][key]["bytes"] == want, (key, r)
+
+
+def test_union_sends_int64_indices_when_a_tensor_is_beyond_int32(direct: tuple[int, list[dict]]) -> None:
+    """Past 2^31 - 1 elements (the limit lowered to 8 here) the indices
+    travel as int64, 8 bytes each, and the average is still the definition
+    (int32 would wrap to negative indices: values land elsewhere, silently)."""
+    world, results = direct
+    xs = [_tensors(r, 0) for r in range(world)]
+    sizes = _check_union(xs, results, ("wide", 0), lambda r, i: _topk_support(xs[r][i]))
+    counts = [[_topk_support(xs[r][i]).numel() for i in range(len(SHAPES))] for r in range(world)]
+    for r in range(world):
+        assert results[r]["wide", 0]["tensor_bytes"] == [4 * u + 8 * c for u, c in zip(sizes, counts[r])]
+        assert results[r]["wide", 0]["bytes"] == 8 * len(SHAPES) + 8 + max(8 * sum(c) for c in counts) + 4 * sum(sizes)
 
 
 def test_union_with_variable_and_empty_supports(direct: tuple[int, list[dict]]) -> None:

@@ -27,9 +27,10 @@ The union and the allreduce's sum are identical on every rank, so the
 results are bit-identical on every rank. Per rank and call this rank hands
 over: one int64 size and one int64 count per tensor (the size exchange of
 a variable allgather; counts may differ between ranks with a threshold),
-its int32 indices (every built-in compressor it accepts refuses a tensor
-of 2^31 elements or more, :func:`gradpress.compress.sparse.check_indexable`;
-a sparsifier of your own must too),
+its indices (int32; int64 when a tensor of the call has 2^31 elements or
+more, which the built-in sparsifiers refuse,
+:func:`gradpress.compress.sparse.check_indexable`, and a sparsifier of
+your own with int64 indices may send),
 padded to the largest rank's, to 8 bytes, and the ``|union|`` values of the
 allreduce. Every rank runs the compressor on its own tensors, so per-tensor
 compressor state stays on every rank (the threshold estimators are
@@ -45,6 +46,7 @@ import time
 import torch
 
 from gradpress.compress.base import Compressor, Context
+from gradpress.compress.sparse import MAX_INDEXED
 from gradpress.exchange.base import ExchangeResult, Prelude, Strategy, register_strategy
 from gradpress.exchange.costs import CostModel
 from gradpress.exchange.feedback import Feedback
@@ -79,13 +81,15 @@ class Union(Strategy):
         t0 = time.perf_counter()
         flats = [t.reshape(-1) for t in tensors]
         device = flats[0].device
-        chosen = [compressor.encode(t, c).tensors[1].reshape(-1).to(torch.int32) for t, c in zip(tensors, ctxs)]
+        index_dtype = torch.int64 if any(f.numel() > MAX_INDEXED for f in flats) else torch.int32  # same on every rank
+        chosen = [compressor.encode(t, c).tensors[1].reshape(-1).to(index_dtype) for t, c in zip(tensors, ctxs)]
         counts = torch.tensor([c.numel() for c in chosen], dtype=torch.int64, device=device)
         t1 = time.perf_counter()
         heads, buffers, sent = allgather_with_head(torch.cat(chosen).view(torch.uint8), counts.view(torch.uint8),
                                                    self.group, self.world_size, variable=True)
         t2 = time.perf_counter()
-        support = self._union([h.view(torch.int64) for h in heads], buffers, [f.numel() for f in flats], device)
+        support = self._union([h.view(torch.int64) for h in heads], buffers, [f.numel() for f in flats], device,
+                              index_dtype)
         results, residuals, value_bytes, nbytes, allreduce_s = mean_on_support(
             tensors, flats, support, self.group, self.world_size, out, feedback is not None)
         sent += nbytes
@@ -95,12 +99,15 @@ class Union(Strategy):
 
     @staticmethod
     def _union(counts: list[torch.Tensor], buffers: list[torch.Tensor], numels: list[int],
-               device: torch.device) -> list[torch.Tensor]:
-        """Per tensor, the sorted union of every rank's int32 ``buffers``
-        (rank r's ``counts[r][i]`` indices of tensor i, in tensor order): one
-        ``unique`` over the indices offset by each tensor's start, split back."""
+               device: torch.device, index_dtype: torch.dtype = torch.int32) -> list[torch.Tensor]:
+        """Per tensor, the sorted union of every rank's ``buffers`` (bytes of
+        ``index_dtype`` indices: rank r's ``counts[r][i]`` indices of tensor i,
+        in tensor order): one ``unique`` over the indices offset by each
+        tensor's start (int64), split back."""
         starts = torch.tensor([0, *numels], dtype=torch.int64, device=device).cumsum(0)
-        shifted = [b.view(torch.int32).long() + torch.repeat_interleave(starts[:-1], c, output_size=b.numel() // 4) for c, b in zip(counts, buffers)]
+        width = torch.empty((), dtype=index_dtype).element_size()
+        shifted = [b.view(index_dtype).long() + torch.repeat_interleave(starts[:-1], c, output_size=b.numel() // width)
+                   for c, b in zip(counts, buffers)]
         merged = torch.unique(torch.cat(shifted))
         sizes = torch.searchsorted(merged, starts).diff().tolist()
         return [part - start for part, start in zip(merged.split(sizes), starts[:-1])]
