@@ -11,6 +11,7 @@ shapes, so each compiles once."""
 
 from __future__ import annotations
 
+import math
 import re
 import warnings
 from pathlib import Path
@@ -36,8 +37,8 @@ def test_compiled_encode_and_decode_are_byte_identical_to_eager(spec: str) -> No
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # a failed compile falls back to eager with one: not here
         _compare_compiled_with_eager(spec)
-    # every kit kernel compiles once per process (dynamic shapes); onebit's encode has no kit kernel
-    assert (compiler.compiled_count() > before) is (spec != "onebit"), (spec, before)
+    # every kit kernel compiles once per process (dynamic shapes)
+    assert compiler.compiled_count() > before, (spec, before)
     assert not compiler._failed
 
 
@@ -55,8 +56,96 @@ def _compare_compiled_with_eager(spec: str) -> None:
             comp = create(spec)
             pc = comp.encode(x, ctx)
             dc = comp.decode(pc)
+        if spec == "onebit":  # compiled means: fp64 sums rounded once (tested below); the bits identical
+            assert _same(pe.tensors[1], pc.tensors[1]) and _same(pc.tensors[0], _onebit_means(x)), d
+            assert torch.allclose(pe.tensors[0], pc.tensors[0], rtol=2**-22, atol=0), d
+            assert _same(dc, comp.decode(pc)) and _same(de, eager.decode(pe)), d
+            continue
         assert all(_same(a, b) for a, b in zip(pe.tensors, pc.tensors)), (spec, d)
         assert _same(de, dc), (spec, d)
+
+
+def _onebit_means(x: torch.Tensor) -> torch.Tensor:
+    """onebit's two means by definition: each side's exact sum (math.fsum
+    over float64) over its count (0 for an empty side), rounded once to fp32."""
+    v = x.reshape(-1).double()
+    out = []
+    for side, sign in ((v[v >= 0], 1.0), (v[~(v >= 0)], -1.0)):
+        total = math.fsum(side.abs().tolist()) if not torch.isnan(v).any() else math.nan
+        out.append(sign * total / max(side.numel(), 1))
+    return torch.tensor(out, dtype=torch.float64).to(torch.float32)
+
+
+def _onebit_inputs() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    big = torch.full((20_000,), 3.0e38)
+    big[::3] = -3.3e38  # every fp32 side sum overflows (eager rescales; fp64 does not need to)
+    lopsided = torch.rand(20_000, generator=g)
+    lopsided[17] = -1e30  # one side dominates: (sum +- L1) / 2 would cancel the positive side
+    tiny = torch.randn(20_000, generator=g) * 1e-42  # subnormal
+    return {"gaussian": torch.randn(50_000, generator=g) * 3, "big": big, "lopsided": lopsided, "tiny": tiny,
+            "negative": -torch.rand(20_000, generator=g) - 0.5, "zeros": torch.zeros(20_000),
+            "ones_tenth": torch.full((100_000,), 0.1), "fp16": (torch.randn(20_000, generator=g) * 100).half(),
+            "bf16": (torch.randn(20_000, generator=g) * 1e30).bfloat16()}
+
+
+@pytest.mark.parametrize("name", sorted(_onebit_inputs()))
+def test_compiled_onebit_means_are_the_exact_means_rounded_once(name: str) -> None:
+    """Compiled, onebit's side sums accumulate in fp64 in one pass: each mean
+    is the exact mean rounded to fp32 on every finite input, including sums
+    that overflow fp32 and subnormals; its bits and decode are eager's."""
+    x = _onebit_inputs()[name]
+    ctx = Context(key="w", step=0, rank=0, world_size=1)
+    with compiler.forced("on"):
+        packet = create("onebit").encode(x, ctx)
+    with compiler.forced("off"):
+        eager = create("onebit").encode(x, ctx)
+    assert _same(packet.tensors[0], _onebit_means(x.float())), (name, packet.tensors[0], _onebit_means(x.float()))
+    assert _same(packet.tensors[1], eager.tensors[1])
+    decoded = create("onebit").decode(packet)
+    assert decoded.dtype == x.dtype and torch.isfinite(decoded).all()
+    means = _onebit_means(x.float()).to(x.dtype)
+    assert torch.equal(decoded, torch.where(x >= 0, means[0], means[1]))
+
+
+def test_compiled_onebit_on_nan_and_inf() -> None:
+    """NaN (on neither side by comparison) makes both means NaN, as eager;
+    an infinity makes its own side's mean infinite and leaves the other the
+    exact mean of the rest (eager's other mean is NaN there, from inf - inf
+    in its sums): the packet is non-finite either way, for the engine's
+    non-finite policy to see."""
+    x = torch.randn(20_000, generator=torch.Generator().manual_seed(2))
+    ctx = Context(key="w", step=0, rank=0, world_size=1)
+    rest = _onebit_means(torch.cat([x[:123], x[124:]]))
+    for bad, want in ((float("nan"), [math.nan, math.nan]), (float("inf"), [math.inf, float(rest[1])]),
+                      (-float("inf"), [float(rest[0]), -math.inf])):
+        y = x.clone()
+        y[123] = bad
+        with compiler.forced("on"):
+            compiled = create("onebit").encode(y, ctx).tensors[0]
+        assert torch.equal(compiled, torch.tensor(want)) or (math.isnan(want[0]) and torch.isnan(compiled).all()), (bad, compiled)
+
+
+def test_onebit_falls_back_to_eager_sums_when_its_compile_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gradpress.compress import onebit
+
+    def broken(*a: object, **k: object) -> object:
+        def fn(*x: object, **y: object) -> object:
+            raise RuntimeError("no compiler here")
+        return fn
+
+    monkeypatch.setattr(torch, "compile", broken)
+    monkeypatch.setattr(compiler, "_cache", {})
+    monkeypatch.setattr(compiler, "_failed", set())
+    x = torch.randn(30_000)
+    ctx = Context(key="w", step=0, rank=0, world_size=1)
+    with compiler.forced("on"), pytest.warns(RuntimeWarning, match="_side_sums failed"):
+        first = create("onebit").encode(x, ctx)  # the fp64 kernel, run eagerly once
+    assert _same(first.tensors[0], _onebit_means(x)) and onebit._side_sums in compiler._failed
+    with compiler.forced("on"):
+        again = create("onebit").encode(x, ctx)  # from now on eager's fp32 sums, no second warning
+    with compiler.forced("off"):
+        assert _same(again.tensors[0], create("onebit").encode(x, ctx).tensors[0])
 
 
 def test_the_pinned_torch_compiles_by_default() -> None:

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 __all__ = ["EAGER_NUMERICS", "MIN_COMPILE_NUMEL", "NEEDED", "compiled_count", "compiles", "forced",
-           "keeps_eager_numerics", "mode", "run"]
+           "keeps_eager_numerics", "mode", "run", "will_compile"]
 
 #: smallest tensor that ``auto`` compiles for
 MIN_COMPILE_NUMEL = 1 << 14
@@ -144,6 +144,15 @@ def _warn_missing_numerics(options: dict[str, bool], device_type: str) -> None:
 
 def _device_type(args: tuple[Any, ...]) -> str:
     return next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
+
+
+def will_compile(kernel: Callable[..., Any], numel: int, device_type: str) -> bool:
+    """Whether :func:`run` would run ``kernel`` compiled over ``numel``
+    elements on ``device_type`` (the policy says so and its compilation has
+    not failed in this process): for a declaration whose compiled kernel
+    computes more than eager could afford, e.g. ``onebit``'s one-pass fp64
+    side sums."""
+    return compiles(numel, device_type) and kernel not in _failed
 
 
 def run(kernel: Callable[..., Any], numel: int, *args: Any, **kwargs: Any) -> Any:
