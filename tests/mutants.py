@@ -59,6 +59,15 @@ GROUPS: dict[str, tuple[list[str], list[str], int]] = {
                ["tests/test_gossip.py", "tests/test_gossip_state.py"], 8),
     "adam": ([f"gradpress/algorithms/{m}.py" for m in ("onebit_adam", "zeroone_adam", "compressed_adam")],
              ["tests/test_compressed_adam.py"], 8),
+    "comprex": ([f"gradpress/algorithms/{m}.py" for m in ("comprex", "comprex_lookahead", "comprex_optim",
+                                                          "comprex_schedule")],
+                ["tests/test_comprex_parts.py", "tests/test_comprex.py", "tests/test_accounting.py"], 10),
+    "lgc": ([f"gradpress/algorithms/{m}.py" for m in ("lgc", "lgc_autoencoder", "lgc_exchange")],
+            ["tests/test_lgc_autoencoder.py", "tests/test_lgc.py"], 8),
+    "topology": ([f"gradpress/algorithms/{m}.py" for m in ("dpsgd", "topology")],
+                 ["tests/test_topology.py", "tests/test_gossip.py", "tests/test_gossip_state.py"], 8),
+    "hierarchical": ([f"gradpress/exchange/strategies/{m}.py" for m in ("hierarchical", "hierarchical_pipeline")],
+                     ["tests/test_hierarchical.py"], 8),
 }
 #: binary operators that never occur in these modules' arithmetic on tensors and floats: replacing
 #: ``+`` by ``<<`` or ``%`` only gives type errors (incompetent mutants), never a plausible bug

@@ -182,9 +182,10 @@ def _algorithm(rank: int, world: int, spec: str, compressor: str) -> dict:
             model(x).pow(2).mean().backward()
             algo.step()
             per_step.append((shim.bytes - before, algo.stats["last_step_bytes"]))
-    stats = algo.stats
-    algo.close() if hasattr(algo, "close") else None
-    return {"per_step": per_step, "total": shim.bytes, "stats": stats}
+        stats = algo.stats
+        algo.close() if hasattr(algo, "close") else None
+        closed = algo.stats
+    return {"per_step": per_step, "total": shim.bytes, "stats": stats, "closed": closed}
 
 
 #: strategies called directly, one of each kind of timing code (PowerSGD: the multi-round protocol)
@@ -219,7 +220,8 @@ def _worker(rank: int, world: int) -> dict:
     for spec, strategy in (("none", "collective"), ("topk:ratio=0.05", "collective"), ("qsgd", "ring"),
                            ("topk:ratio=0.05", "ps")):
         out[("hook", spec, strategy)] = _hook(rank, world, spec, strategy)
-    for spec, compressor in (("localsgd:period=2", "topk:ratio=0.1"), ("diloco:period=2", "none")):
+    for spec, compressor in (("localsgd:period=2", "topk:ratio=0.1"), ("diloco:period=2", "none"),
+                             ("comprex:staleness=0", "topk:ratio=0.1"), ("comprex:staleness=2", "topk:ratio=0.1")):
         out[("algorithm", spec, compressor)] = _algorithm(rank, world, spec, compressor)
     dist.barrier()
     return out
@@ -282,6 +284,22 @@ def test_algorithm_bytes_equal_what_collectives_were_handed(world_results, what)
             assert reported == counted, (what, r, step, reported, counted)
         assert any(c > 0 for c, _ in r_res["per_step"]) and any(c == 0 for c, _ in r_res["per_step"])
         assert r_res["stats"]["bytes_sent"] == r_res["total"], (what, r)
+
+
+def test_comprex_bytes_equal_what_collectives_were_handed(world_results) -> None:  # noqa: ANN001
+    """Comprex counts an exchange's bytes when its update is applied: with
+    staleness 0 in the same step (every step exchanges); with staleness 2
+    the last two are still in flight after 4 steps and count once ``close``
+    has applied them, so the totals then agree."""
+    world, res = world_results
+    for r in range(world):
+        inline = res[r][("algorithm", "comprex:staleness=0", "topk:ratio=0.1")]
+        for step, (counted, reported) in enumerate(inline["per_step"]):
+            assert counted > 0 and reported == counted, (r, step, reported, counted)
+        assert inline["stats"]["bytes_sent"] == inline["total"], r
+        stale = res[r][("algorithm", "comprex:staleness=2", "topk:ratio=0.1")]
+        assert [reported for _, reported in stale["per_step"][:2]] == [0, 0]  # nothing applied yet
+        assert stale["stats"]["bytes_sent"] < stale["total"] == stale["closed"]["bytes_sent"], r
 
 
 @pytest.mark.parametrize("case", TIMED, ids=lambda c: f"{c[0]}-{c[1]}")

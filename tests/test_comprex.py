@@ -228,7 +228,7 @@ def _against_reference(rank: int, world: int) -> dict:
             densities.append(algo.stats["density"])
         algo.close()
         out[name] = {"history": hist, "held": held, "densities": densities, "stats": algo.stats,
-                     "after_close": flat(model)}
+                     "after_close": flat(model), "lookahead_on": algo.lookahead_on, "shadow": algo.look is not None}
     return out
 
 
@@ -413,6 +413,8 @@ def test_staleness_applies_the_averaged_update_of_step_t_minus_s(ref_results: li
                 f"{name}: rank {rank}'s model after step {step} off the reference by {(a - b).abs().max():.3g}"
         assert torch.equal(got[-1], ref_results[0][name]["history"][-1]), f"{name}: replicas differ"
         assert torch.equal(r[name]["after_close"], got[-1]), f"{name}: close() did not leave the shared weights"
+    # on by default with the Comprex update and staleness >= 1 only (at staleness 0 it would hold a useless copy)
+    assert r[name]["lookahead_on"] is r[name]["shadow"] is bool(kw.get("lookahead")), name
     if kw.get("lookahead"):  # the prediction is rank-local: the models differ while the shared weights do not
         assert not torch.equal(ref_results[0][name]["held"][-1], ref_results[1][name]["held"][-1])
     s = kw["staleness"]

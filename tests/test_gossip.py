@@ -149,6 +149,24 @@ def _quadratic(rank: int, world: int, spec: str, comp: str | None, steps: int) -
     return {"z": model.w.detach().clone(), "avg": algo.eval_model().w.detach().clone(), "c": c}
 
 
+#: (spec, compressor) -> (compress_s, comm_s) per step under a clock that ticks 1 s per reading:
+#: the phases each algorithm's step times, read off its update rule's order (post, overlap, wait, mix)
+TICKED = {("dpsgd", None): (0, 2), ("choco:gamma=0.5", "topk:ratio=0.1"): (2, 1), ("sgp", None): (1, 1),
+          ("sgp:overlap=1", None): (1, 2)}
+
+
+def _ticked(rank: int, spec: str, comp: str | None, steps: int = 3) -> tuple[float, float]:
+    model = Vec()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    algo = algorithms.create(spec, model, opt, compressor=comp, min_numel=0)
+    readings = iter(range(10**6))
+    algo.clock = lambda: float(next(readings))  # every phase boundary one tick later than the last
+    for _ in range(steps):
+        model.w.grad = model.w.detach() - start(rank)
+        algo.step()
+    return algo.stats["compress_s"] / steps, algo.stats["comm_s"] / steps
+
+
 def _workers4(rank: int, world: int) -> dict:
     out: dict = {}
     for spec, comp in (("sgp", None), ("sgp:overlap=1", None), ("sgp:overlap=2", None),
@@ -159,6 +177,8 @@ def _workers4(rank: int, world: int) -> dict:
         out[("grads", spec, comp)] = _with_grads(rank, world, spec, comp, 6)
     for spec, comp in (("sgp", None), ("dpsgd", None), ("choco:gamma=0.1", "topk:ratio=0.01")):
         out[("quadratic", spec, comp)] = _quadratic(rank, world, spec, comp, 400)
+    for spec, comp in TICKED:
+        out[("ticked", spec, comp)] = _ticked(rank, spec, comp)
     dist.barrier()
     return out
 
@@ -269,6 +289,15 @@ def test_stats_times_fit_in_the_run(four: list[dict]) -> None:
             assert st["compress_s"] + st["comm_s"] <= res["wall"], (key, st["compress_s"], st["comm_s"], res["wall"])
             if key[2]:
                 assert st["compress_s"] > 0, key
+
+
+@pytest.mark.parametrize("case", list(TICKED), ids=lambda c: c[0])
+def test_stats_times_add_the_right_phases(four: list[dict], case: tuple) -> None:
+    """With a clock that ticks once per reading, each step's compress and
+    communication seconds are exact counts of the phases they cover: a
+    phase left out, counted twice or combined wrongly changes them."""
+    for r in four:
+        assert r[("ticked", *case)] == TICKED[case], (case, r[("ticked", *case)])
 
 
 def test_stats_count_the_bytes_handed_to_sends(four: list[dict]) -> None:

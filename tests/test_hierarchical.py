@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 import warnings
 
 import pytest
@@ -100,7 +101,9 @@ def _worker(rank: int, world: int) -> dict:
         warnings.simplefilter("always")
         one = _engine(f"topk:ratio={RATIO}", f"hierarchical:workers_per_host={WORLD}", error_feedback=True)
     out["one_host_warning"] = [str(w.message) for w in caught if "one host" in str(w.message)]
+    t0 = time.perf_counter()
     out["one_host"] = _run(one, rank, range(2))
+    out["one_host_wall"] = time.perf_counter() - t0
     out["one_host_stats"] = one.stats
     out["one_host_residuals"] = {k: float(v.abs().max()) for k, v in one.feedback.residuals.items()}
     # a host residual left by a compressing run's checkpoint is sent once in full, then cleared
@@ -181,7 +184,14 @@ def _direct(rank: int, spec: str) -> dict:
     res_t = strategy.exchange(none, transposed, ctxs, None)
     mixed = [grads[0].clone().t(), grads[1].double()]  # non-contiguous fp32 and contiguous fp64
     res_m = strategy.exchange(none, mixed, ctxs, None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # one host: said once by the engine's test above
+        one_host = Hierarchical(None, **parse_strategy(f"hierarchical:workers_per_host={WORLD}")[1])
+    t0 = time.perf_counter()
+    res_one = one_host.exchange(none, [g.clone() for g in grads], ctxs, None)
+    wall_one = time.perf_counter() - t0
     return {"in_place": all(a is b for a, b in zip(res.tensors, inputs)),
+            "one_host_times": (res_one.compress_s, res_one.comm_s, wall_one),
             "mixed": [t.clone() for t in res_m.tensors], "mixed_bytes": (res_m.bytes_sent, res_m.host_bytes),
             "contiguous": [t.clone() for t in res.tensors],
             "transposed": [t.clone() for t in res_t.tensors],
@@ -354,6 +364,9 @@ def test_one_host_is_the_exact_mean_and_says_so(results: list[dict]) -> None:
         stats = res["one_host_stats"]
         assert stats["host_bytes"] == 2 * dense and stats["bytes_sent"] - stats["host_bytes"] == 2 * prelude
         assert not any(k.startswith("host/") for k in res["one_host_residuals"])
+        assert 0 <= stats["comm_s"] + stats["compress_s"] <= res["one_host_wall"], (stats, res["one_host_wall"])
+        compress_s, comm_s, wall = res["pipe_direct"]["one_host_times"]  # the strategy's own ExchangeResult
+        assert compress_s == 0.0 and 0 < comm_s <= wall, (compress_s, comm_s, wall)
         assert all(v == 0.0 for v in res["one_host_residuals"].values())
 
 

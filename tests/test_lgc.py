@@ -214,7 +214,8 @@ def test_state_dict_round_trip_continues_identically(stop: int) -> None:
 
 BAD = {
     "lgc:master=5": ["master=5", "0..1"],
-    "lgc:ratio=0.0001,per_tensor=false": ["ratio=0.0001", "k >= 4"],
+    "lgc:ratio=0.0001,per_tensor=false": ["ratio=0.0001", "keeps k=1 of 836 values", "k >= 4",
+                                          f"allowed ratio >= {4 / 836:.3g} for this model"],
     "lgc:variant=tree": ["variant", "ps or ring"],
 }
 
@@ -231,6 +232,7 @@ def _errors(rank: int, world: int) -> list[str]:
 
 
 def test_clear_errors_name_the_field_the_value_and_what_is_allowed() -> None:
+    assert sum(p.numel() for p in make_model().parameters()) == 836  # BAD's ratio message
     for messages in run_workers(_errors, 2):
         for msg, words in zip(messages, BAD.values()):
             for w in words:

@@ -39,6 +39,8 @@ def test_latent_is_a_quarter_and_shapes() -> None:
     assert ae.decode_all(z[0]).shape == (3, 106)
     with pytest.raises(ValueError, match="k"):
         LGCAutoencoder(3, 1)
+    with pytest.raises(ValueError, match="lgc autoencoder: batch of 2 rows for 3 decoders"):
+        LGCAutoencoder(106, 3, 4, seed=0).losses(torch.randn(2, 106))
 
 
 def test_same_seed_same_weights_and_global_rng_untouched() -> None:

@@ -158,6 +158,7 @@ class Comprex(Algorithm):
         self.background = Background(f"{self.name} rank {self.rank}")
         self.applied_bytes = 0
         self.applied = 0
+        self._closed = False
         self.rebroadcasts = 0
         self.density = target
 
@@ -302,9 +303,11 @@ class Comprex(Algorithm):
     @property
     def stats(self) -> dict[str, Any]:
         """The hook's vocabulary, bytes and exchanges counted when applied,
-        plus :data:`EXTRA_STATS`."""
+        plus :data:`EXTRA_STATS`. After :meth:`close`, ``bytes_sent`` also
+        counts the exchanges still in flight then: they finish (their bytes
+        are sent) but are never applied."""
         out = super().stats
-        out["bytes_sent"] = self.applied_bytes
+        out["bytes_sent"] = self.applied_bytes + (sum(it["bytes"] for it in self.pending) if self._closed else 0)
         out["exchanges"] = self.applied
         out["ratio"] = out["dense_bytes"] / out["bytes_sent"] if out["bytes_sent"] else 1.0
         out.update({"staleness": self.staleness, "in_flight": len(self.pending),  # type: ignore[attr-defined]
@@ -362,6 +365,7 @@ class Comprex(Algorithm):
         with the look-ahead, leave the shared weights in the model."""
         try:
             self.background.close()
+            self._closed = True
         finally:
             if self.look is not None:
                 self.look.write_back()
