@@ -68,6 +68,18 @@ GROUPS: dict[str, tuple[list[str], list[str], int]] = {
                  ["tests/test_topology.py", "tests/test_gossip.py", "tests/test_gossip_state.py"], 8),
     "hierarchical": ([f"gradpress/exchange/strategies/{m}.py" for m in ("hierarchical", "hierarchical_pipeline")],
                      ["tests/test_hierarchical.py"], 8),
+    "kit": ([f"gradpress/compress/kit/{m}.py" for m in ("declare", "layout", "packing", "rng", "primitives")],
+            ["tests/test_kit_rng.py", "tests/test_kit_authoring.py", "tests/test_compressors.py",
+             "tests/test_kit_identity.py"], 10),
+    "sparsifiers": ([f"gradpress/compress/{m}.py" for m in ("topk", "sparse", "threshold", "dgc", "dgc_threshold", "sidco",
+                                                           "_threshold_select", "gaussiank", "redsync")],
+                    ["tests/test_sparse_kernels.py", "tests/test_compressors.py", "tests/test_estimators.py",
+                     "tests/test_literature.py"], 12),
+    "signs": ([f"gradpress/compress/{m}.py" for m in ("signs", "signsgd", "efsignsgd", "signum", "onebit", "minmax8",
+                                                     "powersgd", "halfprec")],
+              ["tests/test_compressors.py", "tests/test_efsignsgd_chunk.py", "tests/test_compressor_traits.py",
+               "tests/test_literature.py", "tests/test_kit_identity.py"], 12),
+    "planner": ([f"gradpress/exchange/{m}.py" for m in ("planner", "plans", "costs", "pieces")], ["tests/test_plan.py"], 8),
 }
 #: binary operators that never occur in these modules' arithmetic on tensors and floats: replacing
 #: ``+`` by ``<<`` or ``%`` only gives type errors (incompetent mutants), never a plausible bug

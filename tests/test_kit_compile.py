@@ -129,12 +129,7 @@ def test_compiled_onebit_on_nan_and_inf() -> None:
 def test_onebit_falls_back_to_eager_sums_when_its_compile_fails(monkeypatch: pytest.MonkeyPatch) -> None:
     from gradpress.compress import onebit
 
-    def broken(*a: object, **k: object) -> object:
-        def fn(*x: object, **y: object) -> object:
-            raise RuntimeError("no compiler here")
-        return fn
-
-    monkeypatch.setattr(torch, "compile", broken)
+    monkeypatch.setattr(torch, "compile", _broken_compile)
     monkeypatch.setattr(compiler, "_cache", {})
     monkeypatch.setattr(compiler, "_failed", set())
     x = torch.randn(30_000)
@@ -158,6 +153,13 @@ def test_the_pinned_torch_compiles_by_default() -> None:
     assert compiler.keeps_eager_numerics("cpu") and compiler.keeps_eager_numerics("cuda")
 
 
+def _broken_compile(*a: object, **k: object) -> object:
+    """A ``torch.compile`` whose compiled function fails when called (no C++ compiler)."""
+    def fn(*x: object, **y: object) -> object:
+        raise RuntimeError("no compiler here")
+    return fn
+
+
 def test_policy_off_never_compiles(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GRADPRESS_COMPILE", "0")
     calls = []
@@ -174,12 +176,7 @@ def test_policy_off_never_compiles(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_a_failing_compile_falls_back_to_eager_with_a_warning(monkeypatch: pytest.MonkeyPatch) -> None:
-    def broken(*a: object, **k: object) -> object:
-        def fn(*x: object, **y: object) -> object:
-            raise RuntimeError("no compiler here")
-        return fn
-
-    monkeypatch.setattr(torch, "compile", broken)
+    monkeypatch.setattr(torch, "compile", _broken_compile)
 
     def k2(v: torch.Tensor, *, key: torch.Tensor | None, drawn: torch.Tensor | None) -> torch.Tensor:
         return v * 2
