@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["seed_words", "counter_bits", "counter_uniform", "counter_bits52"]
+__all__ = ["seed_words", "counter_bits", "counter_uniform"]
 
 _M1 = 0x7FEB352D
 _M2 = 0x846CA68B - (1 << 32)  # the same 32-bit pattern as a signed int32 constant
@@ -68,8 +68,3 @@ def counter_uniform(key: torch.Tensor, index: torch.Tensor, dtype: torch.dtype) 
         return hi + (h & 0xFF).to(dtype) * (2.0 ** -32)
     return hi
 
-
-def counter_bits52(key: torch.Tensor, key2: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """52 random bits (int64 in [0, 2^52)) from two independent streams."""
-    hi = (counter_bits(key, index).to(torch.int64) & 0xFFFFF) << 32
-    return hi | (counter_bits(key2, index).to(torch.int64) & 0xFFFFFFFF)

@@ -1,0 +1,107 @@
+"""The authoring kit's primitives (gradpress/compress/kit/primitives.py)
+called directly, against their definitions computed here in float64 or
+with plain indexing: ``reduce`` per chunk (the short last chunk included),
+``elementwise`` with per-chunk statistics, ``select_topk`` and
+``select_mask``, ``scatter`` and ``gather``. The registered compressors use
+only some of them (``select_mask`` none), and docs/authoring.md offers all
+of them to method authors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from gradpress.compress import kit
+
+pytestmark = pytest.mark.mutants
+
+SIZES = [0, 1, 7, 64, 100, 1000]
+
+
+def _x(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def _rows(x: torch.Tensor, chunk: int) -> list[torch.Tensor]:
+    return [x[i: i + chunk] for i in range(0, x.numel(), chunk)]
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("chunk", [1, 16, 100, 4096])
+def test_reduce_per_chunk_with_the_short_last_one(n: int, chunk: int) -> None:
+    x = _x(n)
+    rows = _rows(x.double(), chunk)
+    norms = kit.reduce(x, "norm", chunk)
+    assert norms.shape == (len(rows),) and norms.dtype == x.dtype
+    for got, r in zip(norms.tolist(), rows):
+        assert got == pytest.approx(math.sqrt(sum(v * v for v in r.tolist())), rel=1e-6)
+    assert kit.reduce(x, "absmax", chunk).tolist() == [float(r.abs().max()) for r in rows]
+    assert kit.reduce(x, "sum", chunk).tolist() == pytest.approx([math.fsum(r.tolist()) for r in rows], rel=1e-5,
+                                                                 abs=1e-4)
+    lo, hi = kit.reduce(x, "minmax", chunk)
+    assert lo.tolist() == [float(r.min()) for r in rows] and hi.tolist() == [float(r.max()) for r in rows]
+    with pytest.raises(ValueError, match="kit.reduce: op got 'mean'; allowed: norm, absmax, minmax, sum"):
+        kit.reduce(x, "mean", chunk)
+
+
+def _scaled(v: torch.Tensor, a: torch.Tensor, *, key: torch.Tensor | None, drawn: torch.Tensor | None,
+            shift: float) -> torch.Tensor:
+    return v * a + shift
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_elementwise_broadcasts_one_statistic_per_chunk(n: int) -> None:
+    """Each chunk's entries see that chunk's statistic; the ragged tail its own."""
+    x, chunk = _x(n), 16
+    stats = torch.arange(1, -(-n // chunk) + 1, dtype=torch.float32)
+    got = kit.elementwise(_scaled, x, chunk, (stats,), shift=0.5)
+    want = torch.cat([r * s + 0.5 for r, s in zip(_rows(x, chunk), stats)]) if n else torch.zeros(0)
+    assert got.shape == (n,) and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("n", [1, 7, 100, 1000])
+def test_select_topk_is_the_k_largest_magnitudes_in_index_order(n: int) -> None:
+    x = _x(n, 1)
+    x[n // 2] = -x.abs().max() * 2  # the largest magnitude is negative
+    for k in sorted({1, max(1, n // 10), n}):
+        values, idx = kit.select_topk(x, k)
+        order = sorted(range(n), key=lambda i: (-abs(float(x[i])), i))[:k]
+        assert idx.dtype == torch.int32 and idx.tolist() == sorted(order)
+        assert torch.equal(values, x[sorted(order)])
+
+
+def test_select_topk_ranks_nan_first_and_breaks_ties_by_index() -> None:
+    x = torch.tensor([1.0, -3.0, 3.0, float("nan"), 3.0, 0.5])
+    _, idx = kit.select_topk(x, 3)
+    assert idx.tolist() == [1, 2, 3]  # NaN, then the first two of the three |3|s
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_select_mask_keeps_the_masked_entries_in_index_order(n: int) -> None:
+    x = _x(n, 2)
+    for mask in (x.abs() >= 2.0, torch.zeros(n, dtype=torch.bool), torch.ones(n, dtype=torch.bool)):
+        values, idx = kit.select_mask(x, mask)
+        want = [i for i in range(n) if bool(mask[i])]
+        assert idx.dtype == torch.int32 and idx.tolist() == want
+        assert torch.equal(values, x[want])
+    values, idx = kit.select_mask(x.view(-1, 1) if n else x, (x.abs() >= 2.0).view(-1, 1) if n else x > 0)
+    assert idx.tolist() == [i for i in range(n) if abs(float(x[i])) >= 2.0]  # any shape, flat indices
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
+def test_scatter_puts_values_at_their_indices_and_zeros_elsewhere(dtype: torch.dtype) -> None:
+    values, idx = torch.tensor([1.5, -2.0, 4.0]), torch.tensor([7, 0, 3], dtype=torch.int32)
+    out = kit.scatter(values, idx, 9, dtype)
+    want = [0.0] * 9
+    for v, i in zip(values.tolist(), idx.tolist()):
+        want[i] = v
+    assert out.dtype == dtype and out.tolist() == want
+    assert kit.scatter(values[:0], idx[:0], 4, dtype).tolist() == [0.0] * 4
+
+
+def test_gather_reads_codes_through_the_table() -> None:
+    table = torch.tensor([-1.0, 0.0, 2.5, 7.0])
+    codes = torch.tensor([3, 0, 2, 2, 1], dtype=torch.uint8)
+    assert kit.gather(table, codes).tolist() == [7.0, -1.0, 2.5, 2.5, 0.0]
