@@ -77,9 +77,10 @@ GROUPS: dict[str, tuple[list[str], list[str], int]] = {
                      "tests/test_literature.py"], 12),
     "signs": ([f"gradpress/compress/{m}.py" for m in ("signs", "signsgd", "efsignsgd", "signum", "onebit", "minmax8",
                                                      "powersgd", "halfprec")],
-              ["tests/test_compressors.py", "tests/test_efsignsgd_chunk.py", "tests/test_compressor_traits.py",
-               "tests/test_literature.py", "tests/test_kit_identity.py"], 12),
-    "planner": ([f"gradpress/exchange/{m}.py" for m in ("planner", "plans", "costs", "pieces")], ["tests/test_plan.py"], 8),
+              ["tests/test_powersgd_exact.py", "tests/test_compressors.py", "tests/test_efsignsgd_chunk.py",
+               "tests/test_compressor_traits.py", "tests/test_literature.py", "tests/test_kit_identity.py"], 12),
+    "planner": ([f"gradpress/exchange/{m}.py" for m in ("planner", "plans", "costs", "pieces")],
+                ["tests/test_plan.py", "tests/test_accounting.py", "tests/test_hierarchical.py"], 8),
 }
 #: binary operators that never occur in these modules' arithmetic on tensors and floats: replacing
 #: ``+`` by ``<<`` or ``%`` only gives type errors (incompetent mutants), never a plausible bug

@@ -251,6 +251,15 @@ def test_engine_bytes_equal_what_collectives_were_handed(world_results, case) ->
         assert max(parts) > 1, "the planner did not partition: name#k pieces are not covered"
 
 
+def test_small_and_1d_tensors_travel_whole_and_uncompressed(world_results) -> None:  # noqa: ANN001
+    """The plan's default decision for a 1-D tensor ("b"): uncompressed, in
+    one part, whatever the strategy."""
+    world, res = world_results
+    for strategy, spec, _ in CASES:
+        plan = res[0][(strategy, spec)]["plan"]
+        assert plan["b"]["strategy"] == "uncompressed" and plan["b"]["parts"] == 1, (strategy, spec, plan["b"])
+
+
 def test_variable_size_packets_pay_for_their_size_exchange(world_results) -> None:  # noqa: ANN001
     """The size exchange of variable-size packets is a collective of its own
     (one int64 per rank gathered, with the engine's prelude in front of it):

@@ -522,3 +522,81 @@ def test_fft_schedule_and_composition() -> None:
     for dtype in (torch.float16, torch.bfloat16):
         y = piped.decode(piped.encode(x.to(dtype)))
         assert y.dtype == dtype and y.shape == x.shape
+
+
+def _fit64(dist: str, y: torch.Tensor, r: float) -> float:
+    """eta with P(Y > eta) = r for ``dist`` fitted to y by the paper's
+    moment (exp, gpareto) and log-moment (gamma, Minka's shape) estimates."""
+    special = pytest.importorskip("scipy.special")
+    mu = float(y.mean())
+    var = max(float((y * y).mean()) - mu * mu, 0.0)
+    if dist == "exp" or (dist == "gpareto" and var == 0.0):
+        return -mu * math.log(r)
+    if dist == "gpareto":
+        ratio = mu * mu / var
+        xi, alpha = 0.5 * (1.0 - ratio), 0.5 * mu * (ratio + 1.0)
+        return -alpha * math.log(r) if abs(xi) < 1e-8 else alpha * (r ** -xi - 1.0) / xi
+    s = max(math.log(mu) - float(torch.log(y).mean()), 1e-12)
+    shape = (3.0 - s + math.sqrt((s - 3.0) ** 2 + 24.0 * s)) / (12.0 * s)
+    return mu / shape * float(special.gammainccinv(shape, r))
+
+
+def _sidco64(x: torch.Tensor, ratio: float, dist: str, stages: int) -> tuple[float, list[int]]:
+    """SIDCo's multi-stage threshold in float64 (Abdelmoniem et al. 2021,
+    Alg. 1): stage 1 fits the nonzero |x| at density 0.25 (rescaled to the
+    nonzero count), every later stage the exceedances over the running
+    threshold, shifted by it, at density (ratio / 0.25)^(1/(M-1)); a gamma
+    fit's later stages fit the generalized Pareto law (peaks over a
+    threshold). Returns the threshold and each stage's sample size."""
+    a = x.double().abs()
+    m = min(stages, 1 if ratio >= 0.25 else math.ceil(math.log(ratio) / math.log(0.5)))
+    per = (ratio / 0.25) ** (1.0 / (m - 1)) if m > 1 else ratio
+    thr, rest, sizes = 0.0, a, []
+    for i in range(m):
+        if i == 0:
+            y = a[a != 0]
+            r = min(1.0, (0.25 if m > 1 else ratio) * a.numel() / max(y.numel(), 1))
+            law = dist
+        else:
+            rest = rest[rest > thr]
+            y = (rest - thr)[rest - thr != 0]
+            r, law = per, ("gpareto" if dist == "gamma" else dist)
+        sizes.append(y.numel())
+        eta = _fit64(law, y, r) if y.numel() else 0.0
+        thr += max(eta, 0.0) if math.isfinite(eta) else 0.0
+    return thr, sizes
+
+
+@pytest.mark.parametrize("dist", ["exp", "gpareto", "gamma"])
+@pytest.mark.parametrize("d, ratio, stages", [(20_000, 0.01, 3), (20_000, 0.001, 10), (40, 0.01, 7)])
+def test_sidco_threshold_is_the_multistage_fit(dist: str, d: int, ratio: float, stages: int) -> None:
+    """Every stage of ``sidco_threshold`` against the float64 reference above,
+    on Laplace data (small enough that the strided sample is all of |x|);
+    the 40-entry case reaches stages with a single exceedance."""
+    from gradpress.compress.sidco import sidco_threshold
+
+    u = torch.rand(d, generator=torch.Generator().manual_seed(0), dtype=torch.float64) - 0.5
+    x = (-torch.sign(u) * torch.log1p(-2 * u.abs())).float()  # Laplace(0, 1) by its inverse CDF
+    want, sizes = _sidco64(x, ratio, dist, stages)
+    if d == 40:
+        assert 1 in sizes, sizes  # the one-exceedance stage is exercised
+    got = sidco_threshold(x.abs(), ratio, dist, stages, x)
+    assert float(got) == pytest.approx(want, rel=1e-4), (sizes, float(got), want)
+    if dist != "gamma":  # fitted on the sample of x alone
+        assert float(sidco_threshold(None, ratio, dist, stages, x)) == pytest.approx(want, rel=1e-4)
+
+
+def test_redsync_warm_start_finds_the_band_in_one_probe_on_the_same_data() -> None:
+    """RedSync remembers where in [mean, max] the threshold landed (relative
+    to the mean); on the same data again its warm start probes there first
+    and is in the band at once, where a cold bisection needs several."""
+    x = torch.randn(100_000, generator=torch.Generator().manual_seed(4)) ** 3  # heavy-tailed
+    comp = create("redsync:ratio=0.001")
+    comp.encode(x, Context(key="w"))
+    cold = comp.last_steps
+    comp.encode(x, Context(key="w"))
+    assert cold > 1 and comp.last_steps == 1, (cold, comp.last_steps)
+    fresh = create("redsync:ratio=0.001,correction=none")
+    fresh.encode(x, Context(key="w"))
+    fresh.encode(x, Context(key="w"))
+    assert fresh.last_steps > 1  # without the adaptive correction nothing is remembered: it bisects again

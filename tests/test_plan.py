@@ -179,3 +179,9 @@ def test_intra_allreduce_is_optional_and_round_trips():
     assert without.intra_host_allreduce(1e6) == without.allreduce(1e6)
     with pytest.raises(ValueError, match="intra_allreduce"):
         CostModel.from_mapping({**SLOW, "intra_allreduce": (0, 0, -1)})
+
+
+@pytest.mark.parametrize("xs, ts", [([], []), ([1.0, 2.0], [1.0]), ([1.0], [1.0, 2.0])])
+def test_fit_refuses_unequal_or_empty_measurements(xs, ts):
+    with pytest.raises(ValueError, match=f"need equally many sizes and times, got {len(xs)} and {len(ts)}"):
+        Fit.least_squares(xs, ts)

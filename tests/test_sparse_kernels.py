@@ -52,3 +52,22 @@ def test_topk_magnitude_nan_falls_back() -> None:
     want = torch.topk(x.abs(), 100, sorted=False).indices
     assert torch.equal(idx, want.sort().values)
     assert 5 in idx.tolist()  # NaN ranks above every number
+
+
+@pytest.mark.parametrize("d", [64, 64 * 5 + 1, 64 * 5 + 37, 37])
+def test_block_max_selects_exactly_the_entries_at_or_above_the_threshold(d: int) -> None:
+    """``BlockMax`` (rows of 64 and a short tail) against ``nonzero(|x| >= t)``:
+    the same indices in the same order, the tail's included, and its count
+    and max |x|; NaN entries always qualify."""
+    from gradpress.compress._threshold_select import BlockMax
+
+    x = torch.randn(d, generator=torch.Generator().manual_seed(d))
+    x[-5:] = torch.tensor([3.0, -0.1, -4.0, 0.2, 5.0])[: min(5, d)]  # tail entries above the threshold, not first
+    for thr in (2.5, 0.15, 10.0):
+        bm = BlockMax(x)
+        want = torch.nonzero(x.abs() >= thr).reshape(-1)
+        assert torch.equal(bm.select(torch.tensor(thr)), want), (d, thr)
+        assert bm.count(torch.tensor(thr)) == want.numel()
+    assert float(BlockMax(x).abs_max()) == float(x.abs().max())
+    x[d // 2] = float("nan")
+    assert (d // 2) in BlockMax(x).select(torch.tensor(2.5)).tolist() and torch.isnan(BlockMax(x).abs_max())
