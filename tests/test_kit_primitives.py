@@ -105,3 +105,25 @@ def test_gather_reads_codes_through_the_table() -> None:
     table = torch.tensor([-1.0, 0.0, 2.5, 7.0])
     codes = torch.tensor([3, 0, 2, 2, 1], dtype=torch.uint8)
     assert kit.gather(table, codes).tolist() == [7.0, -1.0, 2.5, 2.5, 0.0]
+
+
+@pytest.mark.parametrize("chunk", [7, 100, 1024])
+def test_minmax_is_aminmax_bit_for_bit_with_signed_zeros_and_nan(chunk: int) -> None:
+    """``reduce(..., "minmax")`` takes amin and amax (faster on CPU) and falls
+    back to aminmax on rows whose extreme is a zero or NaN, where the two may
+    pick another zero or NaN: the result is aminmax's, bits included."""
+    g = torch.Generator().manual_seed(chunk)
+    rows = 40
+    x = -torch.rand(rows * chunk + 3, generator=g)  # all negative: a zero is the max where one exists
+    zeros = torch.rand(x.numel(), generator=g) < 0.3
+    signs = torch.rand(x.numel(), generator=g) < 0.5
+    x[zeros] = torch.where(signs[zeros], torch.tensor(-0.0), torch.tensor(0.0))
+    x[: 5 * chunk] = x[: 5 * chunk].abs()  # the first rows: a zero is the min
+    x[7 * chunk: 8 * chunk] = 0.0
+    x[7 * chunk: 8 * chunk: 3] = -0.0  # an all-zero row of both signs
+    x[9 * chunk + 1] = float("nan")
+    x[11 * chunk + 2] = float("inf")
+    lo, hi = kit.reduce(x, "minmax", chunk)
+    want = [torch.aminmax(r, dim=1) for r in kit.chunks(x, chunk)]
+    for got, ref in ((lo, torch.cat([w[0] for w in want])), (hi, torch.cat([w[1] for w in want]))):
+        assert torch.equal(got.view(torch.int32), ref.view(torch.int32))

@@ -41,9 +41,28 @@ FUSED_WIDTHS = (1, 2, 4)
 _REDUCERS: dict[str, Callable[[torch.Tensor], Any]] = {
     "norm": row_norms,
     "absmax": lambda r: r.abs().amax(dim=1),
-    "minmax": lambda r: torch.aminmax(r, dim=1),
+    "minmax": lambda r: _row_minmax(r),
     "sum": lambda r: r.sum(dim=1),
 }
+
+
+def _row_minmax(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.aminmax(rows, dim=1)``, bit for bit. On CPU ATen's row-wise
+    aminmax ran 7x slower than ``amin`` and ``amax`` (57 ms against 8 ms for
+    25M entries in rows of 1024, one thread), which give the same values
+    except which zero a row with both signed zeros at its extreme returns and
+    which NaN a row with a NaN returns: on CPU those rows (an extreme equal
+    to 0, all-zero chunks being common, or NaN) are taken again from aminmax,
+    which decides row by row alike."""
+    if rows.device.type != "cpu":
+        return torch.aminmax(rows, dim=1)
+    lo, hi = rows.amin(dim=1), rows.amax(dim=1)
+    tie = torch.nonzero((lo == 0) | (hi == 0) | torch.isnan(lo)).reshape(-1)
+    if tie.numel():
+        t_lo, t_hi = torch.aminmax(rows.index_select(0, tie), dim=1)
+        lo.index_copy_(0, tie, t_lo)
+        hi.index_copy_(0, tie, t_hi)
+    return lo, hi
 
 
 def reduce(flat: torch.Tensor, op: str, chunk: int) -> Any:
