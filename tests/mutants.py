@@ -83,7 +83,8 @@ GROUPS: dict[str, tuple[list[str], list[str], int]] = {
                 ["tests/test_plan.py", "tests/test_accounting.py", "tests/test_hierarchical.py"], 8),
     "hook": ([f"gradpress/ddp/{m}.py" for m in ("hook", "register", "ranks")], ["tests/test_ddp.py"], 8),
     "guards": ([f"gradpress/exchange/{m}.py" for m in ("agree", "nonfinite", "state", "background")],
-               ["tests/test_exchange_hardening.py", "tests/test_config_fields.py", "tests/test_mutants_engine.py"], 8),
+               ["tests/test_exchange_hardening.py", "tests/test_config_fields.py", "tests/test_mutants_engine.py",
+                "tests/test_comprex_parts.py"], 8),
 }
 #: binary operators that never occur in these modules' arithmetic on tensors and floats: replacing
 #: ``+`` by ``<<`` or ``%`` only gives type errors (incompetent mutants), never a plausible bug

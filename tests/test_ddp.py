@@ -9,6 +9,8 @@ buckets with a multi-round protocol (PowerSGD) keep collective order.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -316,6 +318,7 @@ def test_make_hook_is_register_and_binds_itself_at_the_first_backward() -> None:
         assert r["unbound"]["before"] is False and "not bound" in r["unbound"]["stats_error"]
         assert lazy["losses"] == reg["losses"] and torch.equal(lazy["params"], reg["params"])
         assert lazy["stats"]["bytes_sent"] == reg["stats"]["bytes_sent"]
+        assert lazy["state"]["step"] == 8 and lazy["stats"]["steps"] == 8  # binding does not count a step twice
         assert all(name.startswith("param") for name, *_ in lazy["state"]["config"]["parameters"])
         # a state loaded before binding is applied at the bind: the resumed 4 steps equal the last 4
         assert r["lazy_resumed"]["losses"] == lazy["losses"][4:]
@@ -417,3 +420,20 @@ def test_powersgd_coalesces_a_steps_buckets_into_one_collective_per_round(coales
             want = _powersgd_rank1_reference(ms, results[0]["q"][name]).reshape(avg.shape)
         assert torch.allclose(avg, want, rtol=1e-4, atol=1e-6 * float(want.abs().max())), name
         assert torch.equal(avg, results[1]["avg"][name]), name
+
+
+@pytest.mark.parametrize("saved, message", [
+    ({"format": "other"}, "format 'other'; expected 'gradpress-ranks/1'"),
+    ({"format": "gradpress-ranks/1", "world_size": 4, "ranks": [{}] * 4}, "the checkpoint has 4, this run has 2"),
+    ({"format": "gradpress-ranks/1", "world_size": 1, "ranks": [{}]}, "the checkpoint has 1, this run has 2"),
+    # a file whose header and entries disagree is refused too, whichever of them matches this run
+    ({"format": "gradpress-ranks/1", "world_size": 4, "ranks": [{}] * 2}, "the checkpoint has 4, this run has 2"),
+    ({"format": "gradpress-ranks/1", "world_size": 2, "ranks": [{}] * 3}, "the checkpoint has 2, this run has 2"),
+])
+def test_rank_states_of_another_world_size_are_refused(saved: dict, message: str) -> None:
+    """``load_rank_state`` (Lightning, Accelerate, Transformers checkpoints)
+    refuses before touching the hook state."""
+    from gradpress.ddp.ranks import load_rank_state
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_rank_state(None, saved, 0, 2, where="ckpt")  # type: ignore[arg-type]
