@@ -36,6 +36,7 @@ def test_compiled_encode_and_decode_are_byte_identical_to_eager(spec: str) -> No
     before = compiler.compiled_count()
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # a failed compile falls back to eager with one: not here
+        warnings.simplefilter("error", UserWarning)  # nor a graph break (Dynamo warns where it cannot trace)
         _compare_compiled_with_eager(spec)
     # every kit kernel compiles once per process (dynamic shapes)
     assert compiler.compiled_count() > before, (spec, before)
@@ -63,6 +64,29 @@ def _compare_compiled_with_eager(spec: str) -> None:
             continue
         assert all(_same(a, b) for a, b in zip(pe.tensors, pc.tensors)), (spec, d)
         assert _same(de, dc), (spec, d)
+
+
+def _shift(v: torch.Tensor, s: torch.Tensor, *, key: torch.Tensor | None, drawn: torch.Tensor | None) -> torch.Tensor:
+    return (v * s + 1).to(torch.float16)
+
+
+@pytest.mark.parametrize("d", [4096, 4096 + 77])
+def test_whole_chunks_and_a_short_tail_land_in_one_buffer(d: int) -> None:
+    """Compiled, a ragged call writes the whole chunks straight into the
+    result (the kernel wrapped to store into a slice of it) and the tail
+    after them: the same values and dtype as eager, the wrapper compiled
+    only when there is a tail."""
+    from gradpress.compress.kit import primitives
+
+    x = torch.randn(d, generator=torch.Generator().manual_seed(d))
+    stats = torch.arange(1.0, -(-d // 512) + 1)
+    with compiler.forced("off"):
+        eager = kit.elementwise(_shift, x, 512, (stats,))
+    with compiler.forced("on"), warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        got = kit.elementwise(_shift, x, 512, (stats,))
+    assert got.dtype == torch.float16 and _same(got, eager)
+    assert (primitives._into(_shift) in compiler._cache) is (d % 512 != 0)
 
 
 def _onebit_means(x: torch.Tensor) -> torch.Tensor:
