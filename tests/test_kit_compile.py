@@ -89,6 +89,32 @@ def test_whole_chunks_and_a_short_tail_land_in_one_buffer(d: int) -> None:
     assert (primitives._into(_shift) in compiler._cache) is (d % 512 != 0)
 
 
+def _flat_shift(v: torch.Tensor, s: torch.Tensor, *, key: torch.Tensor | None, drawn: torch.Tensor | None,
+                scale: float) -> torch.Tensor:
+    return (v * s * scale).reshape(-1)  # a kernel may return its rows flattened
+
+
+@pytest.mark.parametrize("mode", ["off", "on"])
+def test_ragged_calls_take_any_callable_and_any_result_shape(mode: str) -> None:
+    """A kernel given as a ``functools.partial`` (no ``__qualname__``) or
+    returning a flat result works on a ragged call, compiled or not; every
+    kernel's into-wrapper has a code object of its own (Dynamo's recompile
+    limit is per code object)."""
+    import functools
+
+    from gradpress.compress.kit import primitives
+
+    x = torch.randn(3000, generator=torch.Generator().manual_seed(1))
+    stats = torch.arange(1.0, 7.0)
+    want = torch.cat([r * s * 2.0 for r, s in zip(x.split(512), stats)])
+    with compiler.forced(mode), warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        warnings.simplefilter("error", RuntimeWarning)
+        assert torch.equal(kit.elementwise(functools.partial(_flat_shift, scale=2.0), x, 512, (stats,)), want)
+        assert torch.equal(kit.elementwise(_flat_shift, x, 512, (stats,), scale=2.0), want)
+    assert primitives._into(_flat_shift).__code__ is not primitives._into(_shift).__code__
+
+
 def _onebit_means(x: torch.Tensor) -> torch.Tensor:
     """onebit's two means by definition: each side's exact sum (math.fsum
     over float64) over its count (0 for an empty side), rounded once to fp32."""

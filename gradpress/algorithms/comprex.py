@@ -302,10 +302,10 @@ class Comprex(Algorithm):
     # ------------------------------------------------------------------ stats
     @property
     def stats(self) -> dict[str, Any]:
-        """The hook's vocabulary, bytes and exchanges counted when applied,
-        plus :data:`EXTRA_STATS`. After :meth:`close`, ``bytes_sent`` also
-        counts the exchanges still in flight then: they finish (their bytes
-        are sent) but are never applied."""
+        """The hook's vocabulary plus :data:`EXTRA_STATS`. ``exchanges``
+        counts the exchanges applied; ``bytes_sent`` their bytes and, after
+        :meth:`close`, also those of the exchanges still in flight then
+        (they finish, so their bytes were sent, but are never applied)."""
         out = super().stats
         out["bytes_sent"] = self.applied_bytes + (sum(it["bytes"] for it in self.pending) if self._closed else 0)
         out["exchanges"] = self.applied

@@ -19,7 +19,7 @@ inputs), both side sums and the count come from one fused pass that
 accumulates in fp64 (:func:`_side_sums`): no sum of a finite fp32 input can
 overflow there, and each mean is its fp64 quotient rounded once to fp32, so
 it can differ from eager's fp32 sums in the last bit (the compiled one is
-the closer to the exact mean; the bits are identical). Eager, the same
+usually the closer to the exact mean; the bits are identical). Eager, the same
 accumulation would cost a float64 copy of the tensor, so eager keeps the
 fp32 sums, bit-identical to the hand-written version. Compiled, the sign
 bits come from a second kernel, one byte per 8 entries as a selection of
@@ -73,10 +73,11 @@ class OneBit(kit.KitCompressor):
         if v.dtype != torch.float64 and kit.compiler.will_compile(_side_sums, n, v.device.type):
             sums = kit.compiler.run(_side_sums, n, v)
             counts = torch.stack([sums[2], n - sums[2]]).clamp(min=1)
-            means = (sums[:2] / counts * torch.tensor([1.0, -1.0], dtype=torch.float64, device=v.device)).to(v.dtype)
+            means = (torch.stack([sums[0], -sums[1]]) / counts).to(v.dtype)
             whole = n // 8 * 8
-            weights = torch.tensor([1 << j for j in range(8)], dtype=torch.int32, device=v.device)
-            bits = kit.compiler.run(_sign_bytes, whole, v[:whole], weights)
+            weights = torch.ones(8, dtype=torch.int32, device=v.device).bitwise_left_shift_(
+                torch.arange(8, dtype=torch.int32, device=v.device))  # 1, 2, ..., 128 (no host-to-device copy)
+            bits = kit.compiler.run(_sign_bytes, whole, v[:whole], weights) if whole else v.new_zeros(0, dtype=torch.uint8)
             if whole < n:
                 bits = torch.cat([bits, kit.pack(v[whole:] >= 0, 1)])
         else:

@@ -38,14 +38,6 @@ __all__ = ["FUSED_WIDTHS", "chunks", "reduce", "elementwise", "pack_rows", "unif
 FUSED_WIDTHS = (1, 2, 4)
 
 
-_REDUCERS: dict[str, Callable[[torch.Tensor], Any]] = {
-    "norm": row_norms,
-    "absmax": lambda r: r.abs().amax(dim=1),
-    "minmax": lambda r: _row_minmax(r),
-    "sum": lambda r: r.sum(dim=1),
-}
-
-
 def _row_minmax(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.aminmax(rows, dim=1)``, bit for bit. On CPU ATen's row-wise
     aminmax ran 7x slower than ``amin`` and ``amax`` (57 ms against 8 ms for
@@ -63,6 +55,14 @@ def _row_minmax(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         lo.index_copy_(0, tie, t_lo)
         hi.index_copy_(0, tie, t_hi)
     return lo, hi
+
+
+_REDUCERS: dict[str, Callable[[torch.Tensor], Any]] = {
+    "norm": row_norms,
+    "absmax": lambda r: r.abs().amax(dim=1),
+    "minmax": _row_minmax,
+    "sum": lambda r: r.sum(dim=1),
+}
 
 
 def reduce(flat: torch.Tensor, op: str, chunk: int) -> Any:
@@ -118,7 +118,8 @@ def elementwise(kernel: Callable[..., torch.Tensor], flat: torch.Tensor, chunk: 
         start += n
         row += rows
     # unpacked results only: with a packing kernel (terngrad) Dynamo broke the graph at the copy into the buffer
-    if len(calls) == 2 and pack is None and compiler.will_compile(_into(kernel), calls[0][0].numel(), flat.device.type):
+    if len(calls) == 2 and pack is None and compiler.will_compile(kernel, calls[0][0].numel(), flat.device.type) \
+            and compiler.will_compile(_into(kernel), calls[0][0].numel(), flat.device.type):
         return _whole_and_tail(kernel, calls)
     outs, codes = [], []
     for v, stats, kw, direct in calls:
@@ -145,10 +146,14 @@ def _into(kernel: Callable[..., torch.Tensor]) -> Callable[..., None]:
     fn = _INTO.get(kernel)
     if fn is None:
         def fn(out: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-            out.copy_(kernel(*args, **kwargs))
+            out.copy_(kernel(*args, **kwargs).reshape(out.shape))
 
-        fn.__qualname__ = f"{kernel.__qualname__}[into]"
-        _INTO[kernel] = fn
+        name = getattr(kernel, "__qualname__", type(kernel).__name__)
+        fn.__qualname__ = f"{name}[into]"
+        # a code object of its own: Dynamo caches compiled graphs (and counts recompiles, at most 8) per code
+        # object, so wrappers sharing one would share that limit and later kernels would silently run eagerly
+        fn.__code__ = fn.__code__.replace(co_name=f"into_{len(_INTO)}")
+        fn = _INTO.setdefault(kernel, fn)
     return fn
 
 

@@ -67,4 +67,3 @@ def counter_uniform(key: torch.Tensor, index: torch.Tensor, dtype: torch.dtype) 
     if dtype == torch.float64:
         return hi + (h & 0xFF).to(dtype) * (2.0 ** -32)
     return hi
-

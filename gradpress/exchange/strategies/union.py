@@ -27,15 +27,15 @@ The union and the allreduce's sum are identical on every rank, so the
 results are bit-identical on every rank. Per rank and call this rank hands
 over: one int64 size and one int64 count per tensor (the size exchange of
 a variable allgather; counts may differ between ranks with a threshold),
-its indices (int32; int64 when a tensor of the call has 2^31 elements or
-more, which the built-in sparsifiers refuse,
-:func:`gradpress.compress.sparse.check_indexable`, and a sparsifier of
-your own with int64 indices may send),
-padded to the largest rank's, to 8 bytes, and the ``|union|`` values of the
-allreduce. Every rank runs the compressor on its own tensors, so per-tensor
-compressor state stays on every rank (the threshold estimators are
-accepted). The union of every tensor is formed at once (one ``unique`` over
-indices offset by each tensor's start, one read of the sizes), so a call
+its indices, padded to the largest rank's, to 8 bytes, and the
+``|union|`` values of the allreduce. The indices are int32, or int64 when
+a tensor of the call has 2^31 elements or more (the built-in sparsifiers
+refuse such tensors, :func:`gradpress.compress.sparse.check_indexable`; a
+sparsifier of your own may send int64 indices for them). Every rank runs
+the compressor on its own tensors, so per-tensor compressor state stays on
+every rank (the threshold estimators are accepted). The union of every
+tensor is formed at once (one ``unique`` over indices offset by each
+tensor's start, one read of the sizes), so a call
 waits on its device twice, not once per tensor.
 """
 
@@ -105,7 +105,7 @@ class Union(Strategy):
         in tensor order): one ``unique`` over the indices offset by each
         tensor's start (int64), split back."""
         starts = torch.tensor([0, *numels], dtype=torch.int64, device=device).cumsum(0)
-        width = torch.empty((), dtype=index_dtype).element_size()
+        width = index_dtype.itemsize
         shifted = [b.view(index_dtype).long() + torch.repeat_interleave(starts[:-1], c, output_size=b.numel() // width)
                    for c, b in zip(counts, buffers)]
         merged = torch.unique(torch.cat(shifted))
