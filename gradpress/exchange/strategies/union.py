@@ -35,8 +35,8 @@ sparsifier of your own may send int64 indices for them). Every rank runs
 the compressor on its own tensors, so per-tensor compressor state stays on
 every rank (the threshold estimators are accepted). The union of every
 tensor is formed at once (one ``unique`` over indices offset by each
-tensor's start, one read of the sizes), so a call
-waits on its device twice, not once per tensor.
+tensor's start, one read of the sizes), so a call waits on its device
+twice, not once per tensor.
 """
 
 from __future__ import annotations
