@@ -233,7 +233,9 @@ def test_union_is_one_piece_per_tensor_for_the_planner() -> None:
     assert Planner.from_costs(link, 4, candidates=["union"]).decide("w", 100_000).parts == 1
 
 
-@pytest.mark.parametrize("spec", ["threshold:tau=0.5", "sidco:ratio=0.1", "dgc_threshold:ratio=0.1"])
+@pytest.mark.parametrize("spec", ["threshold:tau=0.5", "sidco:ratio=0.1", "dgc_threshold:ratio=0.1", "topk:ratio=0.1",
+                                  "dgc:ratio=0.1", "adacomp", "gaussiank:ratio=0.1", "redsync:ratio=0.1",
+                                  "fft:theta=0.5"])
 def test_sparsifiers_refuse_tensors_their_int32_indices_cannot_address(spec: str, monkeypatch) -> None:  # noqa: ANN001
     """Beyond 2^31 - 1 elements int32 indices would wrap to negative numbers
     and the values land elsewhere, silently: refused, naming the limit (the

@@ -32,7 +32,7 @@ import torch
 
 from gradpress.compress._density import ThresholdScale, in_band, refine
 from gradpress.compress.base import Compressor, Context, Packet
-from gradpress.compress.sparse import check_indexable, kept_count, scatter_sparse
+from gradpress.compress.sparse import kept_count, scatter_sparse
 
 __all__ = ["BlockMax", "QualityMeter", "ThresholdSparsifier", "select_above", "empty_sparse_packet", "use_blocks", "work_dtype"]
 
@@ -175,6 +175,7 @@ class ThresholdSparsifier(QualityMixin, Compressor):
     variable_size = True
     values_index = 0
     exact_values = True
+    int32_indices = True
     unbiased = False
     #: whether ``_threshold`` reads ``a = |x|`` (else it gets None and no
     #: full-size |x| is made)
@@ -214,7 +215,6 @@ class ThresholdSparsifier(QualityMixin, Compressor):
         raise NotImplementedError
 
     def _encode(self, x: torch.Tensor, ctx: Context) -> Packet:
-        check_indexable(x.numel(), self.name)
         flat = x.reshape(-1)
         d = flat.numel()
         if d == 0:

@@ -101,6 +101,7 @@ class AdaComp(Compressor):
     stateful = True
     summary = "AdaComp: residue accumulation, per-bin max selection, sign x per-layer scale (Chen et al. 2018)"
     own_error_memory = True
+    int32_indices = True
 
     def __init__(self, **params: Any) -> None:
         super().__init__(**params)

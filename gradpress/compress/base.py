@@ -31,6 +31,7 @@ from typing import Any, ClassVar, final
 
 import torch
 
+from gradpress.compress.sparse import check_indexable
 from gradpress.compress.spec import coerce_params
 
 __all__ = [
@@ -222,6 +223,9 @@ class Compressor:
     #: decode(encode(x)) is x at the kept indices (payload tensor 1) and zero
     #: elsewhere: the residual is then x with those entries zeroed (k writes).
     exact_values: ClassVar[bool] = False
+    #: the packet carries int32 flat indices: :meth:`encode` refuses a tensor
+    #: they cannot address (:func:`gradpress.compress.sparse.check_indexable`)
+    int32_indices: ClassVar[bool] = False
     #: number of exchange rounds; > 1 means the strategy drives the
     #: ``begin``/``advance``/``finish`` protocol below (PowerSGD: P then Q).
     rounds: ClassVar[int] = 1
@@ -377,3 +381,5 @@ class Compressor:
             raise ValueError(
                 f"compressor {self.name!r}: dtype {str(x.dtype).replace('torch.', '')} is not supported; allowed: {allowed}"
             )
+        if self.int32_indices:
+            check_indexable(x.numel(), self.name)

@@ -143,6 +143,7 @@ class DGC(QualityMixin, Compressor):
     values_index = 0
     summary = "Deep Gradient Compression (Lin et al. 2018): momentum correction, masking, sampled top-k, warm-up"
     own_error_memory = True
+    int32_indices = True
 
     def __init__(self, **params: Any) -> None:
         super().__init__(**params)

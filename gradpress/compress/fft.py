@@ -65,6 +65,7 @@ def kept_coefficients(n_coef: int, theta: float) -> int:
 class FFT(Compressor):
     name = "fft"
     contractive = True  # drops the smallest orthonormal coefficients: a projection
+    int32_indices = True  # into the real view of the d // 2 + 1 coefficients: < d + 2 entries
     PARAMS = (
         Param("theta", float, 0.9, "0 <= theta < 1", lambda v: 0 <= v < 1, "fraction of coefficients dropped"),
         Param("schedule", str, "constant", "constant or linear", lambda v: v in SCHEDULES, "how theta changes"),

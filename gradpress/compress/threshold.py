@@ -17,7 +17,7 @@ import torch
 
 from gradpress.compress.base import Compressor, Context, Packet, Param
 from gradpress.compress.registry import register
-from gradpress.compress.sparse import check_indexable, scatter_sparse
+from gradpress.compress.sparse import scatter_sparse
 
 
 @register
@@ -27,11 +27,11 @@ class Threshold(Compressor):
     variable_size = True
     values_index = 0
     exact_values = True
+    int32_indices = True
     summary = "hard-threshold sparsification |x| > tau (Strom 2015), variable size"
     uses_context = False  # a pure function of x
 
     def _encode(self, x: torch.Tensor, ctx: Context) -> Packet:
-        check_indexable(x.numel(), self.name)
         flat = x.reshape(-1)
         mag = flat.abs()
         if mag.dtype in (torch.float16, torch.bfloat16):  # compare in fp32: tau is not rounded to 16 bits

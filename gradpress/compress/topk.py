@@ -37,6 +37,7 @@ class TopK(kit.KitCompressor):
     CONVERT = False  # values travel in the input's dtype
     values_index = 0
     exact_values = True
+    int32_indices = True
     summary = "top-k sparsification (Aji & Heafield 2017), values + int32 indices"
 
     def encode_fields(self, flat: torch.Tensor, dtype: torch.dtype, ctx: Context) -> dict[str, torch.Tensor]:
