@@ -137,8 +137,15 @@ def _builder(variant: str) -> Any:
     return build_hand
 
 
-def _compile_mode(variant: str) -> str:
-    return {"compiled": "on", "eager": "off"}.get(variant, compiler.mode())
+def _compile_mode(variant: str, x: torch.Tensor) -> str:
+    """``compiled``: the default policy's compiled path (``auto``, which
+    keeps the whole-tensor reductions eager off CPU), forced ``on`` where
+    ``auto`` would not compile (a small size, an Inductor without the
+    eager-numerics options); ``eager``: ``off``; otherwise the policy."""
+    if variant == "compiled":
+        auto_compiles = x.numel() >= compiler.MIN_COMPILE_NUMEL and compiler.keeps_eager_numerics(x.device.type)
+        return "auto" if auto_compiles else "on"
+    return {"eager": "off"}.get(variant, compiler.mode())
 
 
 def _prepare(spec: str, x: torch.Tensor, builder: Any = build) -> tuple[_Runner, Any, torch.Tensor, str]:
@@ -195,7 +202,7 @@ def bench_method(spec: str, x: torch.Tensor, data: str, roof: float, repeats: in
     :data:`VARIANTS`; compiled/eager force the kit's compile policy for
     every call of the row, warm-up and compilation excluded from the
     timing); raises _Skip."""
-    with compiler.forced(_compile_mode(variant)):
+    with compiler.forced(_compile_mode(variant, x)):
         return _bench_method(spec, x, data, roof, repeats, warmup, variant)
 
 

@@ -106,7 +106,7 @@ class Natural(kit.KitCompressor):
         flat = flat.contiguous()
         out = kit.elementwise(kernel, flat, flat.numel(), (), **self.randomness(flat, ctx),
                               cap=max_exponent_code(dtype))
-        return {"codes": out, "signs": kit.pack(torch.signbit(flat), 1)}  # signbit: -0.0 and NaN's sign too
+        return {"codes": out, "signs": kit.pack_signs(flat, "signbit")}  # -0.0 and NaN's sign too
 
     def decode_fields(self, fields: dict[str, torch.Tensor], numel: int, dtype: torch.dtype) -> torch.Tensor:
         signs = fields["signs"]

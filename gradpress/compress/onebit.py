@@ -23,10 +23,10 @@ usually the closer to the exact mean; the bits are identical). Eager, the same
 accumulation would cost a float64 copy of the tensor, so eager keeps the
 fp32 sums, bit-identical to the hand-written version. Compiled, the sign
 bits come from a second kernel, one byte per 8 entries as a selection of
-the bit weights and a row sum (:func:`_sign_bytes`; the eager pack covers
-the last n mod 8 entries): a compiled pack by shifts and ors of strided
-columns, or a uint8 mask written beside the sums, measured 6-10x slower
-on CPU.
+the bit weights and a row sum (:func:`gradpress.compress.kit.pack_signs`;
+the eager pack covers the last n mod 8 entries): a compiled pack by shifts
+and ors of strided columns, or a uint8 mask written beside the sums,
+measured 6-10x slower on CPU.
 
 Packet: ``[means (fp32: non-negative mean, negative mean; int32 upper words
 for fp64 inputs), bits (uint8)]``, bits packed 8 per byte. Wire size: 8 +
@@ -46,19 +46,12 @@ from gradpress.compress.numerics import pack_scale, side_means, unpack_scale
 from gradpress.compress.registry import register
 
 
+@kit.compiler.cpu_reduction
 def _side_sums(v: torch.Tensor) -> torch.Tensor:
     """[sum of max(v, 0), sum of max(-v, 0), count of v >= 0], float64, in
     one pass when compiled (NaN propagates into both sums, as in eager)."""
     return torch.stack([v.clamp(min=0).sum(dtype=torch.float64), (-v).clamp(min=0).sum(dtype=torch.float64),
                         (v >= 0).sum(dtype=torch.float64)])
-
-
-def _sign_bytes(v: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """The bits (v >= 0) of the flat ``v`` (a multiple of 8 entries), LSB
-    first: one byte per 8 entries (``weights`` = 1, 2, ..., 128). Compiled,
-    a selection and a row sum vectorize where shifts and ors of strided
-    columns did not."""
-    return torch.where(v.view(-1, 8) >= 0, weights, 0).sum(dim=1, dtype=torch.int32).to(torch.uint8)
 
 
 @register
@@ -74,12 +67,7 @@ class OneBit(kit.KitCompressor):
             sums = kit.compiler.run(_side_sums, n, v)
             counts = torch.stack([sums[2], n - sums[2]]).clamp(min=1)
             means = (torch.stack([sums[0], -sums[1]]) / counts).to(v.dtype)
-            whole = n // 8 * 8
-            weights = torch.ones(8, dtype=torch.int32, device=v.device).bitwise_left_shift_(
-                torch.arange(8, dtype=torch.int32, device=v.device))  # 1, 2, ..., 128 (no host-to-device copy)
-            bits = kit.compiler.run(_sign_bytes, whole, v[:whole], weights) if whole else v.new_zeros(0, dtype=torch.uint8)
-            if whole < n:
-                bits = torch.cat([bits, kit.pack(v[whole:] >= 0, 1)])
+            bits = kit.pack_signs(v, "nonnegative")
         else:
             mask = v >= 0
             means = torch.stack(side_means(v, torch.count_nonzero(mask)))

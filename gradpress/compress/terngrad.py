@@ -13,11 +13,12 @@ The centered deviation, not the root mean square, is the documented choice:
 for a tensor with a large mean and a small spread (g = 1 + 1e-4 N(0, 1))
 the bound is 2.5e-4 and every entry is clipped to it, thousands of times
 smaller than g (the rest goes to the residual: error feedback is on by
-default with clipping). sigma is computed in two passes on the tensor
-scaled by a power of two (:func:`gradpress.compress.numerics.centered_std`,
-the corrected two-pass algorithm): no cancellation (a one-pass E[g^2] -
-E[g]^2 turns the example's variance into 0 and silently disables
-clipping), no overflow, no underflow; exactly 0 for a constant tensor.
+default with clipping). sigma is computed in two passes (:func:`gradpress.compress.kit.std`, the
+corrected two-pass algorithm; eager on the tensor scaled by a power of
+two, compiled accumulating in fp64, so a compiled sigma can differ from
+eager's in the last bit): no cancellation (a one-pass E[g^2] - E[g]^2
+turns the example's variance into 0 and silently disables clipping), no
+overflow, no underflow; exactly 0 for a constant tensor.
 
 Unbiased with respect to the *clipped* tensor, so ``is_unbiased`` is True
 only for ``clip=0`` (no clipping); with clipping error feedback is on by
@@ -45,7 +46,7 @@ import torch
 
 from gradpress.compress import kit
 from gradpress.compress.base import Context, Param
-from gradpress.compress.numerics import centered_std, compute_dtype, pack_scale, round_up_to, unpack_scale
+from gradpress.compress.numerics import compute_dtype, pack_scale, round_up_to, unpack_scale
 from gradpress.compress.registry import register
 
 TILE = 4096  # elements per row of the kernel (the scale is one scalar)
@@ -79,7 +80,7 @@ class TernGrad(kit.KitCompressor):
         lo, hi = torch.aminmax(g)
         s = torch.maximum(-lo, hi)  # max |g| (NaN propagates)
         if self.clip > 0:
-            bound = self.clip * centered_std(g, lo, hi)
+            bound = self.clip * kit.std(g, lo, hi)
             s = torch.where(bound > 0, torch.minimum(s, bound), s)  # max |clip(g)| = min(max |g|, bound)
         wire = pack_scale(round_up_to(s, dtype), dtype, away=True)
         s = unpack_scale(wire, dtype).reshape(())  # the scale the decoder sees, >= the one computed

@@ -28,19 +28,21 @@ from gradpress.compress.kit.primitives import (
     elementwise,
     gather,
     pack_rows,
+    pack_signs,
     random_bits,
     reduce,
     scatter,
     select_mask,
     select_topk,
+    std,
     uniform,
 )
 from gradpress.compress.kit.rng import counter_bits, counter_uniform, seed_words
 
 __all__ = [
     "Field", "FieldSize", "KitCompressor", "byte_table", "chunks", "compiler", "counter_bits", "counter_uniform",
-    "elementwise", "gather", "pack", "pack_rows", "packed_nbytes", "random_bits", "reduce", "scatter", "seed_words",
-    "select_mask", "select_topk", "uniform", "unpack",
+    "elementwise", "gather", "pack", "pack_rows", "pack_signs", "packed_nbytes", "random_bits", "reduce", "scatter", "seed_words",
+    "select_mask", "select_topk", "std", "uniform", "unpack",
 ]
 
 

@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["EAGER_NUMERICS", "MIN_COMPILE_NUMEL", "NEEDED", "compiled_count", "compiles", "forced",
+__all__ = ["EAGER_NUMERICS", "MIN_COMPILE_NUMEL", "NEEDED", "compiled_count", "compiles", "cpu_reduction", "forced",
            "keeps_eager_numerics", "mode", "run", "will_compile"]
 
 #: smallest tensor that ``auto`` compiles for
@@ -149,26 +149,48 @@ def _device_type(args: tuple[Any, ...]) -> str:
     return next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
 
 
+_cpu_reductions: set[Callable[..., Any]] = set()
+
+
+def cpu_reduction(kernel: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark ``kernel`` as a whole-tensor reduction that ``auto`` compiles on
+    CPU only (``on`` compiles it everywhere). On an H200, Inductor's
+    dynamic-shape reductions over a whole 25M-entry tensor ran about ten
+    times slower than the eager ops (onebit's fp64 side sums 2.1 ms per call
+    against 0.2 ms for the whole eager encode; a sign pack 1.9 ms),
+    docs/results/cuda-h200.md; on CPU the same kernels are the fast path."""
+    _cpu_reductions.add(kernel)
+    return kernel
+
+
+def _policy_allows(kernel: Callable[..., Any], numel: int, device_type: str) -> bool:
+    if kernel in _failed or not compiles(numel, device_type):
+        return False
+    return device_type == "cpu" or kernel not in _cpu_reductions or mode() == "on"
+
+
 def will_compile(kernel: Callable[..., Any], numel: int, device_type: str) -> bool:
     """Whether :func:`run` would run ``kernel`` compiled over ``numel``
     elements on ``device_type`` (the policy says so and its compilation has
     not failed in this process): for a declaration whose compiled kernel
     computes more than eager could afford, e.g. ``onebit``'s one-pass fp64
-    side sums."""
-    return compiles(numel, device_type) and kernel not in _failed
+    side sums (:func:`cpu_reduction` kernels: on CPU only, under ``auto``)."""
+    return _policy_allows(kernel, numel, device_type)
 
 
 def run(kernel: Callable[..., Any], numel: int, *args: Any, **kwargs: Any) -> Any:
     """``kernel(*args, **kwargs)``, compiled when the policy says so for a
     tensor of ``numel`` elements, eager otherwise."""
     device_type = _device_type(args)
-    if not compiles(numel, device_type) or kernel in _failed:
+    if not _policy_allows(kernel, numel, device_type):
         return kernel(*args, **kwargs)
     fn = _cache.get(kernel)
     if fn is None:
         options = _options()
         _warn_missing_numerics(options, device_type)
-        fn = _cache[kernel] = torch.compile(kernel, dynamic=True, options=options)
+        # fullgraph: a kernel Dynamo cannot trace whole fails here (eager, one warning) instead of running as
+        # several graphs with eager code between them (math.gcd in the packing once split every fused pack so)
+        fn = _cache[kernel] = torch.compile(kernel, dynamic=True, fullgraph=True, options=options)
     try:
         return fn(*args, **kwargs)
     except Exception as exc:  # noqa: BLE001 - any compiler failure falls back to the same ops, eager

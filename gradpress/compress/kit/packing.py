@@ -20,7 +20,12 @@ import torch.nn.functional as F
 
 from gradpress.compress.bits import byte_columns, code_columns
 
-__all__ = ["pack", "pack_groups", "unpack", "packed_nbytes"]
+__all__ = ["pack", "pack_groups", "unpack", "packed_nbytes", "GROUP"]
+
+# codes per group, L = 8 / gcd(bits, 8), for each width: a table, because a kernel packing its own rows runs
+# under torch.compile, and Dynamo (torch 2.13) breaks the graph at math.gcd (an int-returning builtin), so
+# the pack ran as a second, scalar kernel over int32 codes written out in full (terngrad 79 ms at 25M)
+GROUP = {bits: 8 // math.gcd(bits, 8) for bits in range(1, 25)}
 
 
 def packed_nbytes(numel: int, bits: int) -> int:
@@ -31,7 +36,7 @@ def packed_nbytes(numel: int, bits: int) -> int:
 def _check(bits: int) -> tuple[int, int]:
     if not isinstance(bits, int) or not 1 <= bits <= 24:
         raise ValueError(f"kit.pack: bits got {bits!r}; allowed: an int in 1..24")
-    per = 8 // math.gcd(bits, 8)
+    per = GROUP[bits]
     return per, bits * per // 8
 
 

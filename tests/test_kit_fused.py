@@ -1,0 +1,160 @@
+"""The kit's fused paths against references computed here: ``kit.std``
+(float64 ``math.fsum`` two-pass formula), ``kit.pack_signs`` (bits laid
+out by hand), ``pack_rows``' fused widths (bytes built from the codes by
+integer arithmetic), compiled and eager; and that every kit kernel
+compiles as one graph (``compiler.run`` compiles with ``fullgraph``, so a
+kernel Dynamo cannot trace whole falls back to eager with a warning: in
+one session ``math.gcd`` in the packing split every fused pack into a
+second, scalar loop, 3x slower, and nothing failed)."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+
+from gradpress.compress import Context, create, kit
+from gradpress.compress.kit import compiler, primitives
+
+
+def _std_ref(x: torch.Tensor) -> float:
+    v = x.reshape(-1).double().tolist()
+    mean = math.fsum(v) / len(v)
+    return math.sqrt(math.fsum((a - mean) ** 2 for a in v) / len(v))
+
+
+def _std_inputs() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(8)
+    big = (torch.rand(30_000, generator=g) * 2 - 1) * 3e38  # squares overflow fp32: eager needs its scaling
+    big[::7] = 3.3e38
+    offset = 1000.0 + torch.randn(30_000, generator=g) * 1e-3  # a large mean, a small spread: one pass cancels
+    one_outlier = torch.zeros(30_000)
+    one_outlier[123] = 1.0
+    return {"gaussian": torch.randn(50_003, generator=g) * 3, "big": big, "offset": offset,
+            "tiny": torch.randn(30_000, generator=g) * 1e-42, "one_outlier": one_outlier,
+            "fp16": (torch.randn(30_000, generator=g) * 300).half(), "bf16": (torch.randn(30_000, generator=g) * 1e30).bfloat16()}
+
+
+@pytest.mark.parametrize("mode", ["on", "off"])
+@pytest.mark.parametrize("name", sorted(_std_inputs()))
+def test_std_is_the_exact_deviation(name: str, mode: str) -> None:
+    """Compiled: the exact population deviation rounded once; eager: within
+    a few units in the last place (scaled fp32 passes)."""
+    x = _std_inputs()[name]
+    lo, hi = torch.aminmax(x)
+    with compiler.forced(mode):
+        got = kit.std(x, lo, hi)
+    want = _std_ref(x)
+    assert got.dtype == x.dtype and got.shape == ()
+    if mode == "on":
+        assert float(got) == float(torch.tensor(want, dtype=torch.float64).to(x.dtype)), (name, float(got), want)
+    else:
+        tiny = 4 * torch.finfo(x.dtype).smallest_normal * torch.finfo(x.dtype).eps  # a subnormal result's grid
+        assert math.isclose(float(got), want, rel_tol=64 * torch.finfo(x.dtype).eps, abs_tol=tiny), (name, float(got), want)
+
+
+@pytest.mark.parametrize("mode", ["on", "off"])
+def test_std_of_a_constant_is_zero_and_non_finite_input_stays_non_finite(mode: str) -> None:
+    with compiler.forced(mode):
+        const = torch.full((40_000,), 0.1)
+        assert float(kit.std(const, *torch.aminmax(const))) == 0.0
+        for bad in (float("nan"), float("inf")):
+            x = torch.randn(40_000)
+            x[5] = bad
+            assert not torch.isfinite(kit.std(x, *torch.aminmax(x)))
+
+
+def _bits_ref(mask: list[bool]) -> list[int]:
+    out = [0] * ((len(mask) + 7) // 8)
+    for i, m in enumerate(mask):
+        out[i // 8] |= int(m) << (i % 8)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["on", "off"])
+@pytest.mark.parametrize("n", [40_000, 40_005, 5])
+def test_pack_signs_lays_out_the_bits(n: int, mode: str) -> None:
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    x[0], x[1] = -0.0, 0.0
+    x[2] = float("nan")
+    x[3] = -float("nan")
+    bits = x.view(torch.int32)
+    signbit = [b < 0 for b in bits.tolist()]  # the sign bit itself, -0.0 and a negative NaN included
+    nonneg = [v >= 0 for v in x.tolist()]  # NaN compares false
+    with compiler.forced(mode):
+        assert kit.pack_signs(x, "signbit").tolist() == _bits_ref(signbit)
+        assert kit.pack_signs(x, "nonnegative").tolist() == _bits_ref(nonneg)
+        with pytest.raises(ValueError, match="mask got 'positive'; allowed: signbit, nonnegative"):
+            kit.pack_signs(x, "positive")
+
+
+def _codes_kernel(v: torch.Tensor, *, key: torch.Tensor | None, drawn: torch.Tensor | None, bits: int,
+                  fuse: bool) -> torch.Tensor:
+    return kit.pack_rows((v * (1 << bits)).floor().to(torch.int32) & ((1 << bits) - 1), bits, fuse)
+
+
+@pytest.mark.parametrize("mode", ["on", "off"])
+@pytest.mark.parametrize("bits", [1, 2, 4, 6])
+def test_packing_kernels_give_the_lsb_first_stream(bits: int, mode: str) -> None:
+    """A kernel packing its own rows (fused for 1, 2, 4 bits) gives the
+    stream built here by integer arithmetic, with a short last chunk."""
+    x = torch.rand(64 * 512 + 40, generator=torch.Generator().manual_seed(bits))
+    codes = ((x * (1 << bits)).floor().to(torch.int32) & ((1 << bits) - 1)).tolist()
+    stream = 0
+    for i, c in enumerate(codes):
+        stream |= c << (i * bits)
+    want = list(stream.to_bytes((len(codes) * bits + 7) // 8, "little"))
+    with compiler.forced(mode), warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no failed (or partial) compile
+        got = kit.elementwise(_codes_kernel, x, 512, pack=bits)
+    assert got.tolist() == want
+
+
+@pytest.mark.parametrize("spec", ["qsgd", "qsgd:levels=7", "terngrad", "natural", "onebit", "minmax8:stochastic=true",
+                                  "minmax8"])
+def test_every_kit_kernel_compiles_as_one_graph(spec: str) -> None:
+    """fullgraph: a graph break is a failed compile, which warns and marks
+    the kernel failed; neither may happen for the registered methods."""
+    x = torch.randn(40_000 + 3, generator=torch.Generator().manual_seed(1))
+    ctx = Context(key="k", step=1, rank=0, world_size=2, seed=4)
+    comp = create(spec)
+    with compiler.forced("on"), warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        comp.decode(comp.encode(x, ctx))
+    assert not [k for k in compiler._failed if k.__module__.startswith("gradpress")]
+
+
+def test_a_kernel_with_a_graph_break_falls_back_to_eager_with_a_warning() -> None:
+    """What the check above relies on: a kernel calling something Dynamo
+    cannot trace (here ``math.gcd`` on a Python int, as the packing once
+    did) fails to compile instead of running as several graphs."""
+    def split(v: torch.Tensor, *, key: torch.Tensor | None, drawn: torch.Tensor | None) -> torch.Tensor:
+        return v * float(math.gcd(v.shape[1], 8))
+
+    x = torch.randn(20_000)
+    with compiler.forced("on"), pytest.warns(RuntimeWarning, match="compiling .*split failed"):
+        out = kit.elementwise(split, x, 1000)
+    assert torch.equal(out, x * 8.0) and split in compiler._failed
+    compiler._failed.discard(split)
+    primitives._INTO.pop(split, None)
+
+
+def test_whole_tensor_reductions_compile_on_cpu_only_under_auto() -> None:
+    """``auto`` keeps the marked whole-tensor reductions eager off CPU (on an
+    H200 they ran ten times slower compiled); element-wise kernels compile
+    on every device; ``on`` compiles both everywhere."""
+    from gradpress.compress import natural, onebit
+
+    n = 1 << 20
+    reductions = [onebit._side_sums, primitives._sum64, primitives._deviation_sums, primitives._signbit_bytes,
+                  primitives._nonnegative_bytes]
+    with compiler.forced("auto"):
+        for device in ("cpu", "cuda"):
+            elementwise_compiles = compiler.compiles(n, device)
+            assert compiler.will_compile(natural._round32, n, device) == elementwise_compiles
+            for kernel in reductions:
+                assert compiler.will_compile(kernel, n, device) == (elementwise_compiles and device == "cpu"), kernel
+    with compiler.forced("on"):
+        assert all(compiler.will_compile(k, n, "cuda") for k in reductions)
