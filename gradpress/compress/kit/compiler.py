@@ -22,10 +22,13 @@ compilation fails (no C++ compiler, an Inductor gap) falls back to eager for
 the rest of the process, with one warning. Eager and compiled kernels are
 the same ops on the same inputs and give bit-identical results for the
 element-wise integer and IEEE arithmetic the declarations use (tested, on
-CPU in the suite and on CUDA in tests/test_cuda.py). One declaration
-computes more when compiled: ``onebit``'s side sums accumulate in fp64
-(:func:`will_compile` picks the path), so its two means may differ from
-eager's in the last bit; its sign bits do not. On CUDA that needs two
+CPU in the suite and on CUDA in tests/test_cuda.py). Two declarations
+compute more when compiled: ``onebit``'s side sums and TernGrad's clipping
+deviation (``kit.std``) accumulate in fp64 (:func:`will_compile` picks the
+path), so ``onebit``'s two means and TernGrad's scale may differ from
+eager's in the last bit (``onebit``'s sign bits do not). Kernels run as one
+graph (``fullgraph``): one Dynamo cannot trace whole fails to compile and
+runs eagerly. Byte-identity on CUDA needs two
 Inductor options (:data:`EAGER_NUMERICS`): by default Triton contracts
 ``a * b + c`` into one fused multiply-add and lowers ``/`` to an
 approximate division. On an H200 the compiled ``minmax8:stochastic``
