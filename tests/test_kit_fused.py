@@ -52,7 +52,9 @@ def test_std_is_the_exact_deviation(name: str, mode: str) -> None:
         assert float(got) == float(torch.tensor(want, dtype=torch.float64).to(x.dtype)), (name, float(got), want)
     else:
         tiny = 4 * torch.finfo(x.dtype).smallest_normal * torch.finfo(x.dtype).eps  # a subnormal result's grid
-        assert math.isclose(float(got), want, rel_tol=64 * torch.finfo(x.dtype).eps, abs_tol=tiny), (name, float(got), want)
+        # fp32: the scaled fp32 passes' accumulation; fp16/bf16: computed in fp32, then rounded once
+        tol = 64 * 2.0**-23 if x.dtype == torch.float32 else 2 * torch.finfo(x.dtype).eps
+        assert math.isclose(float(got), want, rel_tol=tol, abs_tol=tiny), (name, float(got), want)
 
 
 @pytest.mark.parametrize("mode", ["on", "off"])
@@ -64,6 +66,19 @@ def test_std_of_a_constant_is_zero_and_non_finite_input_stays_non_finite(mode: s
             x = torch.randn(40_000)
             x[5] = bad
             assert not torch.isfinite(kit.std(x, *torch.aminmax(x)))
+
+
+def test_compiled_std_stays_exact_where_eager_drifts() -> None:
+    """At 2M entries eager's fp32 accumulation drifts (measured 3.6e-5
+    relative); the compiled fp64 passes still give the exact deviation
+    rounded once, and eager stays within 1e-4."""
+    x = torch.randn(1 << 21, generator=torch.Generator().manual_seed(3)) * 2 + 5
+    lo, hi = torch.aminmax(x)
+    want = _std_ref(x)
+    with compiler.forced("on"):
+        assert float(kit.std(x, lo, hi)) == float(torch.tensor(want, dtype=torch.float64).float())
+    with compiler.forced("off"):
+        assert math.isclose(float(kit.std(x, lo, hi)), want, rel_tol=1e-4)
 
 
 def _bits_ref(mask: list[bool]) -> list[int]:
@@ -116,7 +131,8 @@ def test_packing_kernels_give_the_lsb_first_stream(bits: int, mode: str) -> None
                                   "minmax8"])
 def test_every_kit_kernel_compiles_as_one_graph(spec: str) -> None:
     """fullgraph: a graph break is a failed compile, which warns and marks
-    the kernel failed; neither may happen for the registered methods."""
+    the kernel failed; neither may happen for the registered kit methods
+    with kernels (``topk``, a declaration too, compiles nothing)."""
     x = torch.randn(40_000 + 3, generator=torch.Generator().manual_seed(1))
     ctx = Context(key="k", step=1, rank=0, world_size=2, seed=4)
     comp = create(spec)
@@ -124,6 +140,39 @@ def test_every_kit_kernel_compiles_as_one_graph(spec: str) -> None:
         warnings.simplefilter("error", RuntimeWarning)
         comp.decode(comp.encode(x, ctx))
     assert not [k for k in compiler._failed if k.__module__.startswith("gradpress")]
+
+
+def test_pack_rows_refuses_a_width_outside_1_to_24() -> None:
+    for bits in (0, 25):
+        with pytest.raises(ValueError, match=f"bits got {bits}; allowed: an int in 1..24"):
+            kit.pack_rows(torch.zeros(2, 8, dtype=torch.int32), bits, True)
+
+
+def _scaled(v: torch.Tensor, *, key: torch.Tensor | None, drawn: torch.Tensor | None, word: str) -> torch.Tensor:
+    return v * len(word)  # a string: a static parameter Dynamo guards on (floats and ints it makes dynamic)
+
+
+def test_past_the_recompile_limit_only_the_new_static_parameters_run_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fullgraph makes Dynamo's recompile limit an exception: the kit runs
+    that call eagerly with one warning, and keeps the kernel compiled for
+    the parameters it already compiled (not marked failed)."""
+    import torch._dynamo.config as dynamo_config
+
+    monkeypatch.setattr(dynamo_config, "recompile_limit", 2)
+    torch._dynamo.reset()
+    x = torch.randn(20_000)
+    before = compiler.compiled_count()
+    with compiler.forced("on"):
+        for word in ("ab", "abc"):
+            assert torch.equal(kit.elementwise(_scaled, x, 1000, word=word), x * len(word))
+        with pytest.warns(RuntimeWarning, match="recompile limit"):
+            assert torch.equal(kit.elementwise(_scaled, x, 1000, word="abcde"), x * 5)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # warned once per kernel
+            assert torch.equal(kit.elementwise(_scaled, x, 1000, word="abcdefg"), x * 7)
+            assert torch.equal(kit.elementwise(_scaled, x, 1000, word="ab"), x * 2)  # still compiled
+    assert _scaled not in compiler._failed and compiler.compiled_count() == before + 1
+    torch._dynamo.reset()
 
 
 def test_a_kernel_with_a_graph_break_falls_back_to_eager_with_a_warning() -> None:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from gradpress.compress.bits import byte_columns, code_columns
 
-__all__ = ["pack", "pack_groups", "unpack", "packed_nbytes", "GROUP"]
+__all__ = ["pack", "pack_groups", "unpack", "packed_nbytes", "GROUP", "group"]
 
 # codes per group, L = 8 / gcd(bits, 8), for each width: a table, because a kernel packing its own rows runs
 # under torch.compile, and Dynamo (torch 2.13) breaks the graph at math.gcd (an int-returning builtin), so
@@ -33,7 +33,9 @@ def packed_nbytes(numel: int, bits: int) -> int:
     return (numel * bits + 7) // 8
 
 
-def _check(bits: int) -> tuple[int, int]:
+def group(bits: int) -> tuple[int, int]:
+    """``(L, B)``: codes per group and bytes per group for ``bits``-bit
+    codes; ValueError outside 1..24 (traceable by Dynamo: no math.gcd)."""
     if not isinstance(bits, int) or not 1 <= bits <= 24:
         raise ValueError(f"kit.pack: bits got {bits!r}; allowed: an int in 1..24")
     per = GROUP[bits]
@@ -42,7 +44,7 @@ def _check(bits: int) -> tuple[int, int]:
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """uint8 bit stream of the flat unsigned ``codes`` (each < 2**bits)."""
-    per, nb = _check(bits)
+    per, nb = group(bits)
     codes = codes.reshape(-1)
     n = codes.numel()
     if bits == 8:
@@ -57,7 +59,7 @@ def pack_groups(grid: torch.Tensor, bits: int) -> torch.Tensor:
     """Packed bytes of ``(m, L)`` codes, L = 8 / gcd(bits, 8) codes per
     group (whole groups: no padding, so a compiled kernel has no masked
     load); flat uint8, ``m * bits * L / 8`` bytes."""
-    per, nb = _check(bits)
+    per, nb = group(bits)
     if bits == 8:
         return grid.reshape(-1).to(torch.uint8)
     if nb == 1:  # 1, 2, 4 bits: every code of the group lands in one byte (int32 shifts vectorize)
@@ -73,7 +75,7 @@ def pack_groups(grid: torch.Tensor, bits: int) -> torch.Tensor:
 def unpack(data: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
     """Inverse of :func:`pack`: ``numel`` codes, uint8 for bits <= 8, int32
     for wider codes. ValueError when ``data`` has the wrong byte count."""
-    per, nb = _check(bits)
+    per, nb = group(bits)
     data = data.reshape(-1)
     if data.numel() != packed_nbytes(numel, bits):
         raise ValueError(f"kit.unpack: packed buffer has {data.numel()} bytes; expected "

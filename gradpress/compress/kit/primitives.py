@@ -93,17 +93,19 @@ def _deviation_sums(flat: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
 def std(flat: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
     """Population standard deviation of the flat floating ``flat`` whose
     minimum and maximum are ``lo`` and ``hi`` (0-d, ``flat``'s dtype; 0
-    when ``lo == hi``; non-finite for a non-finite input).
+    when ``lo == hi``, a constant infinite tensor included; otherwise
+    non-finite for a non-finite input).
 
     Compiled (fp32, fp16, bf16): two read-only passes accumulating in fp64,
     the mean, then the sums of the deviations and of their squares (the
     corrected two-pass algorithm of Chan, Golub and LeVeque 1983). In fp64 no
     square of a finite fp32 entry overflows or underflows, so no scaling is
-    needed; the result is the fp64 value rounded once, so it can differ from
-    eager's in the last bit. Eager (and fp64 inputs):
-    :func:`gradpress.compress.numerics.centered_std`, scaled fp32 passes
-    that write the deviations out (bit-identical to the hand-written
-    methods). At 25M entries, one thread: about 10 ms compiled against 70 ms
+    needed; the result is the exact deviation rounded once. Eager (and fp64
+    inputs): :func:`gradpress.compress.numerics.centered_std`, scaled passes
+    in the input's dtype (fp32 for fp16/bf16) that write the deviations out,
+    bit-identical to the hand-written methods; in fp32 their accumulation
+    drifts with the size (3.6e-5 relative at 2M entries, 135 units in the
+    last place at 1M), so compiled and eager differ by that much. At 25M entries, one thread: about 10 ms compiled against 70 ms
     eager (docs/bench.md)."""
     n = flat.numel()
     if flat.dtype == torch.float64 or not n or not compiler.will_compile(_deviation_sums, n, flat.device.type) \
@@ -230,12 +232,12 @@ def pack_rows(codes: torch.Tensor, bits: int, fuse: bool) -> torch.Tensor:
     the sum is their or. Inductor then folds the pack into the loop that
     computes the codes; ors of strided columns, or a ``(-1, L)`` view of the
     2-D codes, made it write the int32 codes out and pack them in a second,
-    scalar loop (terngrad at 25M entries, one thread: 117 ms, against 31 ms
-    for the shifted sum over the 3-D view)."""
+    scalar loop (terngrad's kernel at 25M entries, one thread: 117 ms, against
+    26 ms for the shifted sum over the 3-D view)."""
     if not fuse:
         return codes.to(torch.uint8 if bits <= 8 else torch.int32)
-    per = packing.GROUP[bits]  # not math.gcd: Dynamo breaks the graph there
-    if per * bits != 8:
+    per, nb = packing.group(bits)  # a table, not math.gcd: Dynamo breaks the graph there
+    if nb != 1:
         return packing.pack_groups(codes.reshape(-1, per), bits).view(codes.shape[0], -1)
     shifts = torch.arange(per, dtype=torch.int32, device=codes.device) * bits
     grouped = codes.to(torch.int32).view(codes.shape[0], -1, per)
