@@ -105,8 +105,9 @@ def std(flat: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
     in the input's dtype (fp32 for fp16/bf16) that write the deviations out,
     bit-identical to the hand-written methods; in fp32 their accumulation
     drifts with the size (3.6e-5 relative at 2M entries, 135 units in the
-    last place at 1M), so compiled and eager differ by that much. At 25M entries, one thread: about 10 ms compiled against 70 ms
-    eager (docs/bench.md)."""
+    last place at 1M), so compiled and eager differ by that much. At 25M
+    entries, one thread: about 10 ms compiled against 70 ms eager
+    (docs/bench.md)."""
     n = flat.numel()
     if flat.dtype == torch.float64 or not n or not compiler.will_compile(_deviation_sums, n, flat.device.type) \
             or not compiler.will_compile(_sum64, n, flat.device.type):
