@@ -127,3 +127,18 @@ def test_minmax_is_aminmax_bit_for_bit_with_signed_zeros_and_nan(chunk: int) -> 
     want = [torch.aminmax(r, dim=1) for r in kit.chunks(x, chunk)]
     for got, ref in ((lo, torch.cat([w[0] for w in want])), (hi, torch.cat([w[1] for w in want]))):
         assert torch.equal(got.view(torch.int32), ref.view(torch.int32))
+
+
+@pytest.mark.parametrize("bits", [3, 6, 12])
+def test_pack_rows_of_a_wide_width_gives_each_rows_stream(bits: int) -> None:
+    """``pack_rows(codes, bits, fuse=True)`` for widths whose group spans
+    several bytes (no kernel of the registered methods fuses them, an
+    author's may): ``(rows, c * bits / 8)``, row r the LSB-first stream of
+    row r's codes, built here from Python integers."""
+    rows, c = 3, 16
+    codes = torch.randint(0, 1 << bits, (rows, c), generator=torch.Generator().manual_seed(bits), dtype=torch.int32)
+    got = kit.pack_rows(codes, bits, True)
+    assert got.shape == (rows, c * bits // 8) and got.dtype == torch.uint8
+    for r in range(rows):
+        stream = sum(int(v) << (i * bits) for i, v in enumerate(codes[r].tolist()))
+        assert got[r].tolist() == list(stream.to_bytes(c * bits // 8, "little")), r

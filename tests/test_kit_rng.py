@@ -50,6 +50,17 @@ def test_uniform_floats_fill_1024_equal_bins_and_stay_in_0_1() -> None:
         assert abs(float(u.double().mean()) - 0.5) < 5 * math.sqrt(1 / 12 / N)
 
 
+def test_uniform_floats_are_the_bits_on_the_documented_grid() -> None:
+    """fp64: the 32 bits read as an unsigned integer over 2^32; fp32: the
+    top 24 bits over 2^24 (the module's formula, from Python integers)."""
+    idx = torch.arange(4096, dtype=torch.int32)
+    unsigned = [b & 0xFFFFFFFF for b in counter_bits(seed_words(31), idx).tolist()]
+    u64 = counter_uniform(seed_words(31), idx, torch.float64).tolist()
+    u32 = counter_uniform(seed_words(31), idx, torch.float32).tolist()
+    assert u64 == [b / 2**32 for b in unsigned]
+    assert u32 == [(b >> 8) / 2**24 for b in unsigned]
+
+
 def test_neighbouring_elements_are_independent() -> None:
     """Serial test: pairs (top 4 bits of element i, of element i + lag) fill
     the 256 cells uniformly; lag 1 and lags crossing a 16-bit boundary."""
