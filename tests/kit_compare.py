@@ -9,12 +9,22 @@ rounded once, tests/test_kit_fused.py)."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from gradpress.compress.base import Packet
 
 #: specs whose compiled scale field (packet tensor 0) may differ from eager's in the last bit
 FP64_SCALES = ("onebit", "terngrad")
+
+
+def std_reference(x: torch.Tensor) -> float:
+    """Population standard deviation of ``x`` by the float64 two-pass
+    formula with ``math.fsum`` (the reference for ``kit.std``)."""
+    v = x.reshape(-1).double().tolist()
+    mean = math.fsum(v) / len(v)
+    return math.sqrt(math.fsum((a - mean) ** 2 for a in v) / len(v))
 
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:

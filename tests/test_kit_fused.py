@@ -14,15 +14,10 @@ import warnings
 
 import pytest
 import torch
+from kit_compare import std_reference
 
 from gradpress.compress import Context, create, kit
 from gradpress.compress.kit import compiler, primitives
-
-
-def _std_ref(x: torch.Tensor) -> float:
-    v = x.reshape(-1).double().tolist()
-    mean = math.fsum(v) / len(v)
-    return math.sqrt(math.fsum((a - mean) ** 2 for a in v) / len(v))
 
 
 def _std_inputs() -> dict[str, torch.Tensor]:
@@ -46,7 +41,7 @@ def test_std_is_the_exact_deviation(name: str, mode: str) -> None:
     lo, hi = torch.aminmax(x)
     with compiler.forced(mode):
         got = kit.std(x, lo, hi)
-    want = _std_ref(x)
+    want = std_reference(x)
     assert got.dtype == x.dtype and got.shape == ()
     if mode == "on":
         assert float(got) == float(torch.tensor(want, dtype=torch.float64).to(x.dtype)), (name, float(got), want)
@@ -74,7 +69,7 @@ def test_compiled_std_stays_exact_where_eager_drifts() -> None:
     rounded once, and eager stays within 1e-4."""
     x = torch.randn(1 << 21, generator=torch.Generator().manual_seed(3)) * 2 + 5
     lo, hi = torch.aminmax(x)
-    want = _std_ref(x)
+    want = std_reference(x)
     with compiler.forced("on"):
         assert float(kit.std(x, lo, hi)) == float(torch.tensor(want, dtype=torch.float64).float())
     with compiler.forced("off"):

@@ -191,8 +191,14 @@ def code_columns(grid: torch.Tensor, bits: int, per: int) -> list[torch.Tensor]:
     return cols
 
 
+#: codes per group, L = 8 / gcd(bits, 8), for each width 1..24: a table, so that code compiled by
+#: torch.compile can read it (Dynamo breaks the graph at math.gcd, an int-returning builtin; the kit's
+#: in-kernel packing once ran as a second, scalar loop because of it)
+GROUP = {bits: 8 // math.gcd(bits, 8) for bits in range(1, 25)}
+
+
 def _group(bits: int) -> tuple[int, int]:
-    per = 8 // math.gcd(bits, 8)
+    per = GROUP[bits]
     return per, bits * per // 8
 
 

@@ -13,19 +13,12 @@ below 2^b; padding bits are zero.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
-from gradpress.compress.bits import byte_columns, code_columns
+from gradpress.compress.bits import GROUP, byte_columns, code_columns
 
 __all__ = ["pack", "pack_groups", "unpack", "packed_nbytes", "GROUP", "group"]
-
-# codes per group, L = 8 / gcd(bits, 8), for each width: a table, because a kernel packing its own rows runs
-# under torch.compile, and Dynamo (torch 2.13) breaks the graph at math.gcd (an int-returning builtin), so
-# the pack ran as a second, scalar kernel over int32 codes written out in full (terngrad 79 ms at 25M)
-GROUP = {bits: 8 // math.gcd(bits, 8) for bits in range(1, 25)}
 
 
 def packed_nbytes(numel: int, bits: int) -> int:
@@ -35,7 +28,8 @@ def packed_nbytes(numel: int, bits: int) -> int:
 
 def group(bits: int) -> tuple[int, int]:
     """``(L, B)``: codes per group and bytes per group for ``bits``-bit
-    codes; ValueError outside 1..24 (traceable by Dynamo: no math.gcd)."""
+    codes; ValueError outside 1..24 (traceable by Dynamo: a table lookup,
+    :data:`gradpress.compress.bits.GROUP`, not math.gcd)."""
     if not isinstance(bits, int) or not 1 <= bits <= 24:
         raise ValueError(f"kit.pack: bits got {bits!r}; allowed: an int in 1..24")
     per = GROUP[bits]
