@@ -25,10 +25,12 @@ def _std_inputs() -> dict[str, torch.Tensor]:
     big = (torch.rand(30_000, generator=g) * 2 - 1) * 3e38  # squares overflow fp32: eager needs its scaling
     big[::7] = 3.3e38
     offset = 1000.0 + torch.randn(30_000, generator=g) * 1e-3  # a large mean, a small spread: one pass cancels
+    mixed = torch.logspace(-40, 30, 30_000, dtype=torch.float64).float()  # every magnitude 1e-40..1e30
+    mixed[::2] *= -1
     one_outlier = torch.zeros(30_000)
     one_outlier[123] = 1.0
     return {"gaussian": torch.randn(50_003, generator=g) * 3, "big": big, "offset": offset,
-            "tiny": torch.randn(30_000, generator=g) * 1e-42, "one_outlier": one_outlier,
+            "tiny": torch.randn(30_000, generator=g) * 1e-42, "one_outlier": one_outlier, "mixed": mixed,
             "fp16": (torch.randn(30_000, generator=g) * 300).half(), "bf16": (torch.randn(30_000, generator=g) * 1e30).bfloat16()}
 
 
