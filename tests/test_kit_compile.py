@@ -71,7 +71,6 @@ def test_whole_chunks_and_a_short_tail_land_in_one_buffer(d: int) -> None:
     result (the kernel wrapped to store into a slice of it) and the tail
     after them: the same values and dtype as eager, the wrapper compiled
     only when there is a tail."""
-    from gradpress.compress.kit import primitives
 
     x = torch.randn(d, generator=torch.Generator().manual_seed(d))
     stats = torch.arange(1.0, -(-d // 512) + 1)
@@ -81,7 +80,7 @@ def test_whole_chunks_and_a_short_tail_land_in_one_buffer(d: int) -> None:
         warnings.simplefilter("error", UserWarning)
         got = kit.elementwise(_shift, x, 512, (stats,))
     assert got.dtype == torch.float16 and same_bytes(got, eager)
-    assert (primitives._into(_shift) in compiler._cache) is (d % 512 != 0)
+    assert (compiler.into(_shift) in compiler._cache) is (d % 512 != 0)
 
 
 def _flat_shift(v: torch.Tensor, s: torch.Tensor, *, key: torch.Tensor | None, drawn: torch.Tensor | None,
@@ -97,7 +96,6 @@ def test_ragged_calls_take_any_callable_and_any_result_shape(mode: str) -> None:
     limit is per code object)."""
     import functools
 
-    from gradpress.compress.kit import primitives
 
     x = torch.randn(3000, generator=torch.Generator().manual_seed(1))
     stats = torch.arange(1.0, 7.0)
@@ -107,7 +105,7 @@ def test_ragged_calls_take_any_callable_and_any_result_shape(mode: str) -> None:
         warnings.simplefilter("error", RuntimeWarning)
         assert torch.equal(kit.elementwise(functools.partial(_flat_shift, scale=2.0), x, 512, (stats,)), want)
         assert torch.equal(kit.elementwise(_flat_shift, x, 512, (stats,), scale=2.0), want)
-    assert primitives._into(_flat_shift).__code__ is not primitives._into(_shift).__code__
+    assert compiler.into(_flat_shift).__code__ is not compiler.into(_shift).__code__
 
 
 def _onebit_means(x: torch.Tensor) -> torch.Tensor:

@@ -184,7 +184,7 @@ def test_a_kernel_with_a_graph_break_falls_back_to_eager_with_a_warning() -> Non
         out = kit.elementwise(split, x, 1000)
     assert torch.equal(out, x * 8.0) and split in compiler._failed
     compiler._failed.discard(split)
-    primitives._INTO.pop(split, None)
+    compiler._INTO.pop(split, None)
 
 
 def test_whole_tensor_reductions_compile_on_cpu_only_under_auto() -> None:

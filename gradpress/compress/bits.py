@@ -157,18 +157,19 @@ def _unpack_narrow(data: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
 # O(L + B) vectorized passes instead of O(bits) passes over a bit matrix.
 
 
-def byte_columns(grid: torch.Tensor, bits: int, nb: int) -> list[torch.Tensor]:
-    """The ``nb`` bytes of each group of ``grid`` (int32 codes, one group of L
-    codes per row): byte k is the or of the (at most 4) codes overlapping it,
-    shifted into place; higher bits are left for the caller to drop."""
+def byte_columns(grid: torch.Tensor, bits: int, nb: int, unit: int = 8) -> list[torch.Tensor]:
+    """The ``nb`` units of ``unit`` bits (bytes; 32: int32 words) of each
+    group of ``grid`` (int32 codes, one group per row): unit k is the or of
+    the codes overlapping it, shifted into place; higher bits are left for
+    the caller to drop (an int32 word drops them as it wraps)."""
     cols = []
     for k in range(nb):
         acc = None
         for j in range(grid.shape[1]):
             start = j * bits
-            if start + bits <= 8 * k or start >= 8 * k + 8:
+            if start + bits <= unit * k or start >= unit * k + unit:
                 continue
-            shift = start - 8 * k
+            shift = start - unit * k
             term = grid[:, j] << shift if shift >= 0 else grid[:, j] >> -shift
             acc = term if acc is None else acc | term
         cols.append(acc)
@@ -195,6 +196,8 @@ def code_columns(grid: torch.Tensor, bits: int, per: int) -> list[torch.Tensor]:
 #: torch.compile can read it (Dynamo breaks the graph at math.gcd, an int-returning builtin; the kit's
 #: in-kernel packing once ran as a second, scalar loop because of it)
 GROUP = {bits: 8 // math.gcd(bits, 8) for bits in range(1, 25)}
+#: codes per group of whole int32 words, 32 / gcd(bits, 32) (the kit's word-wide packs; same reason for a table)
+WORD_GROUP = {bits: 32 // math.gcd(bits, 32) for bits in range(1, 25)}
 
 
 def _group(bits: int) -> tuple[int, int]:

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from gradpress.compress.bits import byte_table, pack_bits, unpack_bits
-from gradpress.compress.kit import compiler
+from gradpress.compress.bits import byte_table
+from gradpress.compress.kit import compiler, streams
 from gradpress.compress.kit.declare import KitCompressor
 from gradpress.compress.kit.layout import Field, FieldSize
 from gradpress.compress.kit.packing import packed_nbytes
@@ -48,13 +48,13 @@ __all__ = [
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack unsigned ``codes`` of ``bits`` bits (1..24) LSB-first into uint8,
-    ``ceil(n * bits / 8)`` bytes. A standalone pack runs the eager kernels of
-    :mod:`gradpress.compress.bits` (word-wide multiply and shift tricks,
-    faster than a compiled gather of strided columns, measured); inside a
-    kernel, :func:`pack_rows` fuses packing into the kernel instead."""
-    return pack_bits(codes, bits)
+    ``ceil(n * bits / 8)`` bytes: word-wide and compiled where the policy
+    compiles, else the eager kernels of :mod:`gradpress.compress.bits`
+    (:mod:`gradpress.compress.kit.streams`); inside a kernel,
+    :func:`pack_rows` fuses packing into the kernel instead."""
+    return streams.pack(codes, bits)
 
 
 def unpack(data: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
     """Inverse of :func:`pack` (uint8 codes for bits <= 8, int32 wider)."""
-    return unpack_bits(data, bits, numel)
+    return streams.unpack(data, bits, numel)

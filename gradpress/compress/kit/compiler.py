@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["EAGER_NUMERICS", "MIN_COMPILE_NUMEL", "NEEDED", "compiled_count", "compiles", "cpu_reduction", "forced",
+__all__ = ["EAGER_NUMERICS", "MIN_COMPILE_NUMEL", "NEEDED", "compiled_count", "compiles", "cpu_only", "cpu_reduction", "forced", "into",
            "keeps_eager_numerics", "mode", "run", "will_compile"]
 
 #: smallest tensor that ``auto`` compiles for
@@ -154,24 +154,31 @@ def _device_type(args: tuple[Any, ...]) -> str:
     return next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
 
 
-_cpu_reductions: set[Callable[..., Any]] = set()
+_cpu_only: set[Callable[..., Any]] = set()
+
+
+def cpu_only(kernel: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark ``kernel`` as one that ``auto`` compiles on CPU only (``on``
+    compiles it everywhere): a kernel measured faster compiled on CPU and
+    either measured slower or never measured compiled on an accelerator,
+    where the eager ops then run."""
+    _cpu_only.add(kernel)
+    return kernel
 
 
 def cpu_reduction(kernel: Callable[..., Any]) -> Callable[..., Any]:
-    """Mark ``kernel`` as a whole-tensor reduction that ``auto`` compiles on
-    CPU only (``on`` compiles it everywhere). On an H200, Inductor's
+    """:func:`cpu_only` for a whole-tensor reduction. On an H200, Inductor's
     dynamic-shape reductions over a whole 25M-entry tensor ran about ten
     times slower than the eager ops (onebit's fp64 side sums 2.1 ms per call
     against 0.2 ms for the whole eager encode; a sign pack 1.9 ms),
     docs/results/cuda-h200.md; on CPU the same kernels are the fast path."""
-    _cpu_reductions.add(kernel)
-    return kernel
+    return cpu_only(kernel)
 
 
 def _policy_allows(kernel: Callable[..., Any], numel: int, device_type: str) -> bool:
     if kernel in _failed or not compiles(numel, device_type):
         return False
-    return device_type == "cpu" or kernel not in _cpu_reductions or mode() == "on"
+    return device_type == "cpu" or kernel not in _cpu_only or mode() == "on"
 
 
 def will_compile(kernel: Callable[..., Any], numel: int, device_type: str) -> bool:
@@ -225,3 +232,24 @@ def _warn_recompile_limit(kernel: Callable[..., Any]) -> None:
         warnings.warn(f"gradpress kit: {kernel.__qualname__} reached Dynamo's recompile limit (torch._dynamo.config."
                       "recompile_limit); calls with other static parameters run eagerly, the compiled ones stay "
                       "compiled", RuntimeWarning, stacklevel=3)
+
+
+_INTO: dict[Callable[..., Any], Callable[..., None]] = {}
+
+
+def into(kernel: Callable[..., torch.Tensor]) -> Callable[..., None]:
+    """``kernel`` writing its result into a given ``out`` (one per kernel, so
+    the compiler caches it): compiled, the kernel stores straight into the
+    caller's buffer, with no result tensor to copy afterwards."""
+    fn = _INTO.get(kernel)
+    if fn is None:
+        def fn(out: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+            out.copy_(kernel(*args, **kwargs).reshape(out.shape))
+
+        name = getattr(kernel, "__qualname__", type(kernel).__name__)
+        fn.__qualname__ = f"{name}[into]"
+        # a code object of its own: Dynamo caches compiled graphs (and counts recompiles, at most 8) per code
+        # object, so wrappers sharing one would share that limit and later kernels would silently run eagerly
+        fn.__code__ = fn.__code__.replace(co_name=f"into_{len(_INTO)}")
+        fn = _INTO.setdefault(kernel, fn)
+    return fn

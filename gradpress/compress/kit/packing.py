@@ -16,9 +16,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from gradpress.compress.bits import GROUP, byte_columns, code_columns
+from gradpress.compress.bits import GROUP, WORD_GROUP, byte_columns, code_columns
 
-__all__ = ["pack", "pack_groups", "unpack", "packed_nbytes", "GROUP", "group"]
+__all__ = ["pack", "pack_groups", "pack_words", "unpack", "unpack_words", "packed_nbytes", "GROUP", "WORD_GROUP",
+           "group", "word_group"]
 
 
 def packed_nbytes(numel: int, bits: int) -> int:
@@ -34,6 +35,47 @@ def group(bits: int) -> tuple[int, int]:
         raise ValueError(f"kit.pack: bits got {bits!r}; allowed: an int in 1..24")
     per = GROUP[bits]
     return per, bits * per // 8
+
+
+def word_group(bits: int) -> tuple[int, int]:
+    """``(C, W)``: codes per group and int32 words per group when whole words
+    are filled, C = 32 / gcd(bits, 32) (a table lookup, traceable)."""
+    if not isinstance(bits, int) or not 1 <= bits <= 24:
+        raise ValueError(f"kit.pack: bits got {bits!r}; allowed: an int in 1..24")
+    per = WORD_GROUP[bits]
+    return per, bits * per // 32
+
+
+def pack_words(grid: torch.Tensor, bits: int) -> torch.Tensor:
+    """Packed bytes of ``(m, C)`` codes, C from :func:`word_group`: each
+    group's W int32 words (word k the or of the codes overlapping it, shifted
+    into place; bits past 32 wrap away), their bytes as uint8 in memory
+    order. That is the LSB-first stream of :func:`pack` on a little-endian
+    host only (the caller checks). The words come out as whole int32 stores
+    and the codes are read once: compiled, 5-7x faster than the eager
+    byte-wise pack for 3, 5, 6 and 7 bits (docs/bench.md)."""
+    per, words = word_group(bits)
+    cols = byte_columns(grid.to(torch.int32), bits, words, unit=32)
+    return torch.stack(cols, dim=1).view(torch.uint8).reshape(-1)
+
+
+def unpack_words(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`pack_words`: ``(m, W)`` int32 words (the packed
+    bytes viewed as int32 on a little-endian host) to ``m * C`` codes, uint8
+    for bits <= 8, int32 wider. Right shifts of int32 are arithmetic, so
+    every piece of a code is masked to its own bits before the or."""
+    per, _ = word_group(bits)
+    cols = []
+    for j in range(per):
+        start = j * bits
+        k, off = start // 32, start % 32  # not divmod: Dynamo cannot trace it
+        low = min(bits, 32 - off)
+        code = (words[:, k] >> off) & ((1 << low) - 1)
+        if low < bits:  # the code continues in the next word
+            code = code | ((words[:, k + 1] & ((1 << (bits - low)) - 1)) << low)
+        cols.append(code)
+    out = torch.stack(cols, dim=1).reshape(-1)
+    return out.to(torch.uint8) if bits <= 8 else out
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:

@@ -140,9 +140,10 @@ def elementwise(kernel: Callable[..., torch.Tensor], flat: torch.Tensor, chunk: 
     with ``return pack_rows(codes, bits, fuse)``. ``fuse`` is True when the
     kernel should pack each row itself: widths 1, 2 and 4 (a byte holds whole
     codes) on chunks of whole bytes; the packed rows concatenate to the
-    stream. Otherwise (wider or odd widths, whose compiled byte gathers were
-    measured slower than :func:`gradpress.compress.bits.pack_bits`, and the
-    short last chunk) it returns the codes, uint8 or int32, packed afterwards.
+    stream. Otherwise (other widths, whose in-kernel packs were measured
+    slower than a separate pass, and the short last chunk) it returns the
+    codes, uint8 or int32, packed afterwards in one pass over the stream
+    (:mod:`gradpress.compress.kit.streams`: compiled word-wide groups).
     """
     parts = chunks(flat, max(chunk, 1))
     fuse = pack in FUSED_WIDTHS and (chunk * pack) % 8 == 0
@@ -158,10 +159,12 @@ def elementwise(kernel: Callable[..., torch.Tensor], flat: torch.Tensor, chunk: 
         calls.append((v, stats, {"key": part_key, "drawn": part_drawn, **extra, **static}, pack is None or fused))
         start += n
         row += rows
-    # unpacked results only: with a packing kernel (terngrad) Dynamo broke the graph at the copy into the buffer
-    if len(calls) == 2 and pack is None and compiler.will_compile(kernel, calls[0][0].numel(), flat.device.type) \
-            and compiler.will_compile(_into(kernel), calls[0][0].numel(), flat.device.type):
-        return _whole_and_tail(kernel, calls)
+    # codes a kernel does not pack itself: whole chunks and tail in one buffer, then one stream pack (a
+    # kernel that packs its rows returns bytes of another length for the tail, which is packed apart)
+    if len(calls) == 2 and not fuse and compiler.will_compile(kernel, calls[0][0].numel(), flat.device.type) \
+            and compiler.will_compile(compiler.into(kernel), calls[0][0].numel(), flat.device.type):
+        out = _whole_and_tail(kernel, calls)
+        return out if pack is None else _pack_stream(out, pack)
     outs, codes = [], []
     for v, stats, kw, direct in calls:
         out = compiler.run(kernel, v.numel(), v, *stats, **kw).reshape(-1)
@@ -177,27 +180,6 @@ def elementwise(kernel: Callable[..., torch.Tensor], flat: torch.Tensor, chunk: 
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
-_INTO: dict[Callable[..., Any], Callable[..., None]] = {}
-
-
-def _into(kernel: Callable[..., torch.Tensor]) -> Callable[..., None]:
-    """``kernel`` writing its result into a given ``out`` (one per kernel, so
-    the compiler caches it): compiled, the kernel stores straight into the
-    caller's buffer, with no result tensor to copy afterwards."""
-    fn = _INTO.get(kernel)
-    if fn is None:
-        def fn(out: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-            out.copy_(kernel(*args, **kwargs).reshape(out.shape))
-
-        name = getattr(kernel, "__qualname__", type(kernel).__name__)
-        fn.__qualname__ = f"{name}[into]"
-        # a code object of its own: Dynamo caches compiled graphs (and counts recompiles, at most 8) per code
-        # object, so wrappers sharing one would share that limit and later kernels would silently run eagerly
-        fn.__code__ = fn.__code__.replace(co_name=f"into_{len(_INTO)}")
-        fn = _INTO.setdefault(kernel, fn)
-    return fn
-
-
 def _whole_and_tail(kernel: Callable[..., torch.Tensor], calls: list) -> torch.Tensor:
     """The result of the whole chunks and the short last chunk in one buffer:
     the tail first (small), the whole chunks' shape and dtype from the kernel
@@ -211,15 +193,15 @@ def _whole_and_tail(kernel: Callable[..., torch.Tensor], calls: list) -> torch.T
     probe = kernel(v[:1], *(s[:1] if s.dim() else s for s in stats), **one)
     width = probe.numel()
     out = torch.empty(v.shape[0] * width + tail.numel(), dtype=probe.dtype, device=v.device)
-    compiler.run(_into(kernel), v.numel(), out[: v.shape[0] * width].view(v.shape[0], width), v, *stats, **kw)
+    compiler.run(compiler.into(kernel), v.numel(), out[: v.shape[0] * width].view(v.shape[0], width), v, *stats, **kw)
     out[v.shape[0] * width:] = tail
     return out
 
 
 def _pack_stream(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    from gradpress.compress.bits import pack_bits  # the eager word-wide kernels (see kit.pack)
+    from gradpress.compress.kit import streams  # compiled word groups, eager tail (see kit.pack)
 
-    return pack_bits(codes, bits)
+    return streams.pack(codes, bits)
 
 
 def pack_rows(codes: torch.Tensor, bits: int, fuse: bool) -> torch.Tensor:

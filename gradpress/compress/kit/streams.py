@@ -1,0 +1,112 @@
+"""The kit's standalone ``pack``/``unpack`` of a whole code stream.
+
+Codes whose kernel cannot pack them itself (widths other than 1, 2 and 4,
+and the short last chunk: :func:`gradpress.compress.kit.primitives.elementwise`)
+and packets decoded outside a kernel go through here. The stream is cut
+into whole word groups (C = 32 / gcd(bits, 32) codes filling W int32
+words) and a tail shorter than one group. Compiled (CPU, little-endian,
+the widths where that was measured faster), the groups go through
+:func:`gradpress.compress.kit.packing.pack_words` /
+:func:`~gradpress.compress.kit.packing.unpack_words` written straight into
+the result buffer; the tail, and everything when the policy does not
+compile (small tensors, ``GRADPRESS_COMPILE=0``, another device), through
+the eager :func:`gradpress.compress.bits.pack_bits` /
+:func:`~gradpress.compress.bits.unpack_bits`.
+
+Invariant: the same bytes (and codes) as the eager functions for every
+width 1..24 and length; a group ends on a byte boundary (C * bits is a
+multiple of 32), so the tail's bytes simply follow. At 25M codes, one
+thread, compiled against eager (docs/bench.md, "Word-wide packs"): packing
+3, 5, 6 and 7 bits 5.5-6.5 ms against 31-48 ms, 12 bits 7.8 against 180;
+unpacking 12 bits 54 ms against 203.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+import torch
+
+from gradpress.compress.bits import pack_bits, packed_nbytes, unpack_bits
+from gradpress.compress.kit import compiler, packing
+
+__all__ = ["pack", "unpack"]
+
+
+#: widths whose compiled word groups beat the eager kernels (25M codes, one thread, docs/bench.md): packing
+#: every width but 1, 2, 4 (eager's multiply trick, as fast) and 8 (a cast); unpacking only the wide ones (the
+#: narrow ones' compiled column gathers ran at 0.5-1.1x eager's speed, indexed loads included)
+_PACKED = frozenset(range(1, 25)) - {1, 2, 4, 8}
+_UNPACKED = frozenset(range(9, 25))
+
+_KERNELS: dict[tuple[str, int], Callable[[torch.Tensor], torch.Tensor]] = {}
+
+
+def _kernel(kind: str, bits: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The word-group kernel ``kind`` ("pack": codes to bytes, "unpack":
+    int32 words to codes) for one width, a code object of its own: Dynamo
+    keeps compiled graphs (at most 8 recompiles) per code object, and a
+    width is a constant the compile specializes on."""
+    fn = _KERNELS.get((kind, bits))
+    if fn is None:
+        per, words = packing.word_group(bits)
+        if kind == "pack":
+            def fn(codes: torch.Tensor) -> torch.Tensor:
+                return packing.pack_words(codes.view(-1, per), bits)
+        else:
+            def fn(data: torch.Tensor) -> torch.Tensor:
+                return packing.unpack_words(data.view(-1, words), bits)
+        fn.__qualname__ = f"kit.streams.{kind}[{bits} bits]"
+        fn.__code__ = fn.__code__.replace(co_name=f"{kind}_{bits}_bits")
+        fn = _KERNELS.setdefault((kind, bits), compiler.cpu_only(fn))
+    return fn
+
+
+def _whole(numel: int, bits: int, device: torch.device, kind: str) -> int:
+    """Codes in whole word groups when the ``kind`` kernel compiles for
+    them, else 0 (every code then goes the eager way)."""
+    if not isinstance(bits, int) or bits not in (_PACKED if kind == "pack" else _UNPACKED) \
+            or sys.byteorder != "little":
+        return 0
+    whole = numel // packing.WORD_GROUP[bits] * packing.WORD_GROUP[bits]
+    return whole if whole and compiler.will_compile(_kernel(kind, bits), whole, device.type) else 0
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 LSB-first stream of the flat unsigned ``codes`` (each < 2**bits,
+    ``bits`` in 1..24): ``ceil(n * bits / 8)`` bytes."""
+    codes = codes.reshape(-1)
+    n = codes.numel()
+    whole = _whole(n, bits, codes.device, "pack")
+    if not whole:
+        return pack_bits(codes, bits)
+    kernel = _kernel("pack", bits)
+    if whole == n:
+        return compiler.run(kernel, whole, codes)
+    out = torch.empty(packed_nbytes(n, bits), dtype=torch.uint8, device=codes.device)
+    head = whole * bits // 8
+    compiler.run(compiler.into(kernel), whole, out[:head], codes[:whole])
+    out[head:] = pack_bits(codes[whole:], bits)
+    return out
+
+
+def unpack(data: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
+    """Inverse of :func:`pack`: ``numel`` codes, uint8 for bits <= 8, int32
+    wider; ValueError for a buffer of the wrong size."""
+    data = data.reshape(-1)
+    whole = _whole(numel, bits, data.device, "unpack")
+    if not whole or data.numel() != packed_nbytes(numel, bits):
+        return unpack_bits(data, bits, numel)  # also raises the size error
+    head = whole * bits // 8
+    words = data[:head]
+    if words.storage_offset() % 4:  # a packet inside a received buffer may start at any byte
+        words = words.clone()
+    words = words.view(torch.int32)
+    kernel = _kernel("unpack", bits)
+    if whole == numel:
+        return compiler.run(kernel, whole, words)
+    out = torch.empty(numel, dtype=torch.uint8 if bits <= 8 else torch.int32, device=data.device)
+    compiler.run(compiler.into(kernel), whole, out[:whole], words)
+    out[whole:] = unpack_bits(data[head:], bits, numel - whole)
+    return out
