@@ -36,9 +36,9 @@ def codes_for(n: int, bits: int, seed: int) -> list[int]:
     return values
 
 
-#: compiled: one width of each kind of group (3: 32 codes in 3 words; 6: 16 in 3; 12: 8 in 3;
+#: compiled: one width of each kind of group (3: 32 codes in 3 words; 4: 8 in 1; 6: 16 in 3; 12: 8 in 3;
 #: 24: 4 in 3, a code per 3 bytes) plus the eager widths; each compiled width costs a few compiles
-CASES = [(bits, "off") for bits in range(1, 25)] + [(bits, "on") for bits in (2, 3, 6, 12, 24)]
+CASES = [(bits, "off") for bits in range(1, 25)] + [(bits, "on") for bits in (3, 4, 6, 12, 24)]
 
 
 @pytest.mark.parametrize(("bits", "mode"), CASES)
@@ -57,6 +57,10 @@ def test_pack_and_unpack_match_the_python_integer_stream(bits: int, mode: str) -
             buf[3:] = want
             back = kit.unpack(buf[3:], bits, n)
             assert back.dtype == dtype and back.tolist() == values, (bits, n)
+            # a strided 1-D view (every other byte of a wider buffer)
+            spread = torch.zeros(2 * want.numel(), dtype=torch.uint8)
+            spread[::2] = want
+            assert kit.unpack(spread[::2], bits, n).tolist() == values, (bits, n)
 
 
 @pytest.mark.parametrize("bits", [3, 5, 6, 7, 12])
@@ -66,8 +70,12 @@ def test_the_word_groups_compile_as_one_graph_on_cpu_only(bits: int) -> None:
     kernel = streams._kernel("pack", bits)
     with compiler.forced("on"), warnings.catch_warnings():
         warnings.filterwarnings("error", message="gradpress kit")
-        kit.pack(codes, bits)
+        packed = kit.pack(codes, bits)
+        kit.unpack(packed, bits, n)
     assert compiler.into(kernel) in compiler._cache and kernel not in compiler._failed
+    if bits > 8:  # the widths whose unpack compiles
+        unpack = streams._kernel("unpack", bits)
+        assert compiler.into(unpack) in compiler._cache and unpack not in compiler._failed
     with compiler.forced("auto"):
         assert compiler.will_compile(kernel, 1 << 20, "cpu")
         assert not compiler.will_compile(kernel, 1 << 20, "cuda")  # never measured compiled there
@@ -77,7 +85,7 @@ def test_the_word_groups_compile_as_one_graph_on_cpu_only(bits: int) -> None:
 
 def test_widths_where_eager_is_as_fast_stay_eager() -> None:
     with compiler.forced("on"):
-        for bits in (1, 2, 4, 8):
+        for bits in (1, 2, 8):
             assert streams._whole(1 << 20, bits, torch.device("cpu"), "pack") == 0
         for bits in range(1, 9):
             assert streams._whole(1 << 20, bits, torch.device("cpu"), "unpack") == 0
@@ -93,8 +101,13 @@ def test_word_group_table_and_bad_widths() -> None:
     for bad in (0, 25, 6.0):
         with pytest.raises(ValueError, match="bits"):
             packing.word_group(bad)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="bytes"):
-        kit.unpack(torch.zeros(5, dtype=torch.uint8), 12, 4)
+    for mode in ("off", "on"):  # eager, and a length past one word group (the compiled path's check)
+        with compiler.forced(mode):
+            with pytest.raises(ValueError, match="bytes"):
+                kit.unpack(torch.zeros(5, dtype=torch.uint8), 12, 4)
+            for wrong in (199, 201):  # 128 codes of 12 bits are 192 bytes
+                with pytest.raises(ValueError, match="expected 192"):
+                    kit.unpack(torch.zeros(wrong, dtype=torch.uint8), 12, 128)
 
 
 def test_qsgd_six_bit_codes_compiled_equal_eager_bytes() -> None:

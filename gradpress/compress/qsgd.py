@@ -25,8 +25,8 @@ cannot hold (fp16 above 65504) saturate at its maximum.
 
 Packet: ``[norms (fp32, or int32 upper words for fp64 inputs; ceil(d/b)),
 codes (uint8, bit-packed)]``; each code is
-``(level << 1) | sign`` in ceil(log2(s+1)) + 1 bits, packed densely with
-:func:`gradpress.compress.bits.pack_bits`. Wire size: 4*ceil(d/b) +
+``(level << 1) | sign`` in ceil(log2(s+1)) + 1 bits, packed densely, LSB
+first (``kit.pack``: the stream of :func:`gradpress.compress.bits.pack_bits`). Wire size: 4*ceil(d/b) +
 ceil(d * bits / 8) bytes. Codes are fixed-width (no Elias coding).
 
 Declared with the authoring kit (:mod:`gradpress.compress.kit`): the norms

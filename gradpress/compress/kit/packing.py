@@ -1,9 +1,13 @@
-"""The kit's ``pack``/``unpack``: unsigned integer codes of any width 1..24
-bits, densely packed least significant bit first into ``ceil(n * bits / 8)``
+"""Traceable bit packing: unsigned integer codes of any width 1..24 bits,
+densely packed least significant bit first into ``ceil(n * bits / 8)``
 bytes: the same bit stream as :func:`gradpress.compress.bits.pack_bits`
 (tested bit for bit), written only with shape-generic tensor ops (a pad, a
-2-D view, shifts and ors over the <= 8 codes of a group) so that
-``torch.compile`` fuses it into the kernel that produces the codes.
+2-D view, shifts and ors over the codes of a group) so that
+``torch.compile`` can trace it: inside the kernel that produces the codes
+(:func:`pack_groups`, through ``kit.pack_rows``) or as a pass of its own
+over whole int32 words (:func:`pack_words`, :func:`unpack_words`, run by
+:mod:`gradpress.compress.kit.streams`, which is what ``kit.pack`` and
+``kit.unpack`` call).
 
 A group of L = 8 / gcd(bits, 8) codes fills B = bits * L / 8 whole bytes;
 byte k of a group is the or of the (at most 4) codes that overlap it, each
@@ -41,7 +45,7 @@ def word_group(bits: int) -> tuple[int, int]:
     """``(C, W)``: codes per group and int32 words per group when whole words
     are filled, C = 32 / gcd(bits, 32) (a table lookup, traceable)."""
     if not isinstance(bits, int) or not 1 <= bits <= 24:
-        raise ValueError(f"kit.pack: bits got {bits!r}; allowed: an int in 1..24")
+        raise ValueError(f"kit.pack/unpack: bits got {bits!r}; allowed: an int in 1..24")
     per = WORD_GROUP[bits]
     return per, bits * per // 32
 
@@ -51,10 +55,11 @@ def pack_words(grid: torch.Tensor, bits: int) -> torch.Tensor:
     group's W int32 words (word k the or of the codes overlapping it, shifted
     into place; bits past 32 wrap away), their bytes as uint8 in memory
     order. That is the LSB-first stream of :func:`pack` on a little-endian
-    host only (the caller checks). The words come out as whole int32 stores
-    and the codes are read once: compiled, 5-7x faster than the eager
-    byte-wise pack for 3, 5, 6 and 7 bits (docs/bench.md)."""
-    per, words = word_group(bits)
+    host only (the caller checks), for codes below ``2**bits`` (a larger or
+    negative code spills into its neighbours). The words come out as whole
+    int32 stores and the codes are read once: compiled, 4.7-8.4x faster
+    than the eager pack for 3, 5, 6 and 7 bits (docs/bench.md)."""
+    _, words = word_group(bits)
     cols = byte_columns(grid.to(torch.int32), bits, words, unit=32)
     return torch.stack(cols, dim=1).view(torch.uint8).reshape(-1)
 

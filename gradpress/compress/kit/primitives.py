@@ -10,7 +10,8 @@
   whole tensor, :func:`std`;
 * ``select``/``filter``: :func:`select_topk`, :func:`select_mask`;
 * ``scatter``/``gather``: :func:`scatter`, :func:`gather`;
-* ``pack``/``unpack`` (:mod:`gradpress.compress.kit.packing`) and the
+* ``pack``/``unpack`` (``kit.pack``, :mod:`gradpress.compress.kit.streams`;
+  inside a kernel :func:`pack_rows`, :mod:`gradpress.compress.kit.packing`) and the
   fields of a packet (``concat``/``extract``:
   :meth:`gradpress.compress.kit.declare.KitCompressor.fields`).
 
@@ -135,7 +136,7 @@ def elementwise(kernel: Callable[..., torch.Tensor], flat: torch.Tensor, chunk: 
     values are Python constants (a compile specializes on them).
 
     ``pack``: the kernel returns unsigned codes of ``pack`` bits and the
-    result is their packed stream (:func:`gradpress.compress.kit.packing.pack`).
+    result is their packed stream (the LSB-first stream of ``kit.pack``).
     The kernel then also takes ``bits`` (= ``pack``) and ``fuse`` and ends
     with ``return pack_rows(codes, bits, fuse)``. ``fuse`` is True when the
     kernel should pack each row itself: widths 1, 2 and 4 (a byte holds whole

@@ -4,17 +4,19 @@ Codes whose kernel cannot pack them itself (widths other than 1, 2 and 4,
 and the short last chunk: :func:`gradpress.compress.kit.primitives.elementwise`)
 and packets decoded outside a kernel go through here. The stream is cut
 into whole word groups (C = 32 / gcd(bits, 32) codes filling W int32
-words) and a tail shorter than one group. Compiled (CPU, little-endian,
-the widths where that was measured faster), the groups go through
+words) and a tail shorter than one group. Compiled (CPU under ``auto``,
+little-endian, the widths below), the groups go through
 :func:`gradpress.compress.kit.packing.pack_words` /
 :func:`~gradpress.compress.kit.packing.unpack_words` written straight into
 the result buffer; the tail, and everything when the policy does not
-compile (small tensors, ``GRADPRESS_COMPILE=0``, another device), through
+compile (small tensors, ``GRADPRESS_COMPILE=0``, an accelerator under
+``auto``), through
 the eager :func:`gradpress.compress.bits.pack_bits` /
 :func:`~gradpress.compress.bits.unpack_bits`.
 
 Invariant: the same bytes (and codes) as the eager functions for every
-width 1..24 and length; a group ends on a byte boundary (C * bits is a
+width 1..24 and length, for codes below ``2**bits`` (the contract of a pack;
+a larger or negative code may spill into its neighbours differently); a group ends on a byte boundary (C * bits is a
 multiple of 32), so the tail's bytes simply follow. At 25M codes, one
 thread, compiled against eager (docs/bench.md, "Word-wide packs"): packing
 3, 5, 6 and 7 bits 5.5-6.5 ms against 31-48 ms, 12 bits 7.8 against 180;
@@ -34,11 +36,12 @@ from gradpress.compress.kit import compiler, packing
 __all__ = ["pack", "unpack"]
 
 
-#: widths whose compiled word groups beat the eager kernels (25M codes, one thread, docs/bench.md): packing
-#: every width but 1, 2, 4 (eager's multiply trick, as fast) and 8 (a cast); unpacking only the wide ones (the
-#: narrow ones' compiled column gathers ran at 0.5-1.1x eager's speed, indexed loads included)
-_PACKED = frozenset(range(1, 25)) - {1, 2, 4, 8}
-_UNPACKED = frozenset(range(9, 25))
+#: widths whose word groups are compiled (25M codes, one thread, docs/bench.md): packing every width but 1 and
+#: 2 (eager's multiply trick, as fast or faster) and 8 (a cast), measured faster at 3-7, 12 and 16 bits (the
+#: other wide widths run the same kernel shape); unpacking only widths above 8, measured faster at 12 and 16 (the
+#: narrow ones' compiled column gathers ran at 0.26-0.63x eager's speed)
+_COMPILED_PACK_WIDTHS = frozenset(range(1, 25)) - {1, 2, 8}
+_COMPILED_UNPACK_WIDTHS = frozenset(range(9, 25))
 
 _KERNELS: dict[tuple[str, int], Callable[[torch.Tensor], torch.Tensor]] = {}
 
@@ -66,7 +69,7 @@ def _kernel(kind: str, bits: int) -> Callable[[torch.Tensor], torch.Tensor]:
 def _whole(numel: int, bits: int, device: torch.device, kind: str) -> int:
     """Codes in whole word groups when the ``kind`` kernel compiles for
     them, else 0 (every code then goes the eager way)."""
-    if not isinstance(bits, int) or bits not in (_PACKED if kind == "pack" else _UNPACKED) \
+    if not isinstance(bits, int) or bits not in (_COMPILED_PACK_WIDTHS if kind == "pack" else _COMPILED_UNPACK_WIDTHS) \
             or sys.byteorder != "little":
         return 0
     whole = numel // packing.WORD_GROUP[bits] * packing.WORD_GROUP[bits]
@@ -100,8 +103,8 @@ def unpack(data: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
         return unpack_bits(data, bits, numel)  # also raises the size error
     head = whole * bits // 8
     words = data[:head]
-    if words.storage_offset() % 4:  # a packet inside a received buffer may start at any byte
-        words = words.clone()
+    if not words.is_contiguous() or words.data_ptr() % 4:  # a packet inside a received buffer starts at any byte
+        words = words.clone(memory_format=torch.contiguous_format)
     words = words.view(torch.int32)
     kernel = _kernel("unpack", bits)
     if whole == numel:
