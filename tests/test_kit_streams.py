@@ -110,13 +110,14 @@ def test_word_group_table_and_bad_widths() -> None:
                     kit.unpack(torch.zeros(wrong, dtype=torch.uint8), 12, 128)
 
 
-def test_qsgd_six_bit_codes_compiled_equal_eager_bytes() -> None:
-    """The non-fused width through the whole encode: whole chunks and tail
-    written into one buffer, then the compiled stream pack; and decode's
-    unpack of a wide width (levels 1000: 11 bits)."""
+def test_qsgd_codes_compiled_equal_eager_bytes() -> None:
+    """QSGD packs after its kernel at every width (``fuse_pack=False``):
+    whole chunks and tail written into one buffer, then the compiled stream
+    pack (6 bits; 4 bits, levels 7, which other kernels pack in-kernel);
+    and decode's unpack of a wide width (levels 1000: 11 bits)."""
     x = torch.randn(512 * 70 + 33, generator=torch.Generator().manual_seed(3))
     ctx = Context(key="w", step=2, rank=1, world_size=4, seed=5)
-    for spec in ("qsgd", "qsgd:levels=1000"):
+    for spec in ("qsgd", "qsgd:levels=7", "qsgd:levels=1000"):
         c = create(spec)
         with compiler.forced("off"):
             eager = c.encode(x, ctx)

@@ -123,7 +123,8 @@ def std(flat: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
 
 def elementwise(kernel: Callable[..., torch.Tensor], flat: torch.Tensor, chunk: int,
                 per_chunk: tuple[torch.Tensor, ...] = (), key: torch.Tensor | None = None,
-                drawn: torch.Tensor | None = None, pack: int | None = None, **static: Any) -> torch.Tensor:
+                drawn: torch.Tensor | None = None, pack: int | None = None, fuse_pack: bool = True,
+                **static: Any) -> torch.Tensor:
     """Flat result of ``kernel(v, *stats, key=, drawn=, **static)``
     over ``flat`` cut into chunks (:func:`chunks`); ``v`` is a ``(rows,
     chunk)`` view and each ``per_chunk`` tensor (one entry per chunk) comes
@@ -145,9 +146,13 @@ def elementwise(kernel: Callable[..., torch.Tensor], flat: torch.Tensor, chunk: 
     slower than a separate pass, and the short last chunk) it returns the
     codes, uint8 or int32, packed afterwards in one pass over the stream
     (:mod:`gradpress.compress.kit.streams`: compiled word-wide groups).
+    ``fuse_pack=False`` takes that way for every width: whether a fused pack
+    pays depends on the kernel (25M entries, one thread: TernGrad's 2-bit
+    kernel 42 ms fused against 46 ms apart; QSGD's 2- and 4-bit codes 90-100
+    ms fused against 32-33 ms apart, docs/bench.md).
     """
     parts = chunks(flat, max(chunk, 1))
-    fuse = pack in FUSED_WIDTHS and (chunk * pack) % 8 == 0
+    fuse = fuse_pack and pack in FUSED_WIDTHS and (chunk * pack) % 8 == 0
     calls = []
     start = row = 0
     for v in parts:
@@ -160,12 +165,12 @@ def elementwise(kernel: Callable[..., torch.Tensor], flat: torch.Tensor, chunk: 
         calls.append((v, stats, {"key": part_key, "drawn": part_drawn, **extra, **static}, pack is None or fused))
         start += n
         row += rows
-    # codes a kernel does not pack itself: whole chunks and tail in one buffer, then one stream pack (a
-    # kernel that packs its rows returns bytes of another length for the tail, which is packed apart)
-    if len(calls) == 2 and not fuse and compiler.will_compile(kernel, calls[0][0].numel(), flat.device.type) \
+    # whole chunks and tail in one buffer: codes a kernel does not pack itself then go through one stream
+    # pack; a kernel that packs its rows writes them packed, and the tail's codes are packed behind them
+    if len(calls) == 2 and compiler.will_compile(kernel, calls[0][0].numel(), flat.device.type) \
             and compiler.will_compile(compiler.into(kernel), calls[0][0].numel(), flat.device.type):
-        out = _whole_and_tail(kernel, calls)
-        return out if pack is None else _pack_stream(out, pack)
+        out = _whole_and_tail(kernel, calls, pack if fuse else None)
+        return out if pack is None or fuse else _pack_stream(out, pack)
     outs, codes = [], []
     for v, stats, kw, direct in calls:
         out = compiler.run(kernel, v.numel(), v, *stats, **kw).reshape(-1)
@@ -181,15 +186,18 @@ def elementwise(kernel: Callable[..., torch.Tensor], flat: torch.Tensor, chunk: 
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
-def _whole_and_tail(kernel: Callable[..., torch.Tensor], calls: list) -> torch.Tensor:
+def _whole_and_tail(kernel: Callable[..., torch.Tensor], calls: list, pack: int | None = None) -> torch.Tensor:
     """The result of the whole chunks and the short last chunk in one buffer:
     the tail first (small), the whole chunks' shape and dtype from the kernel
     run eagerly on one row, then the compiled kernel writes the whole chunks
     straight into the buffer. Concatenating the two results instead (a fresh
     copy of the whole output) cost three times the kernel at 25M entries
-    (23.6 ms against 7.5 ms, one thread)."""
+    (23.6 ms against 7.5 ms, one thread). ``pack``: the whole rows pack
+    themselves (fused widths) and the tail's codes are packed here."""
     (v, stats, kw, _), (tv, tstats, tkw, _) = calls
     tail = compiler.run(kernel, tv.numel(), tv, *tstats, **tkw).reshape(-1)
+    if pack is not None:  # the whole rows packed themselves; the short tail returned its codes
+        tail = _pack_stream(tail, pack)
     one = {**kw, "drawn": None if kw["drawn"] is None else kw["drawn"][:1]}
     probe = kernel(v[:1], *(s[:1] if s.dim() else s for s in stats), **one)
     width = probe.numel()
