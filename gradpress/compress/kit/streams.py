@@ -1,8 +1,9 @@
 """The kit's standalone ``pack``/``unpack`` of a whole code stream.
 
-Codes whose kernel cannot pack them itself (widths other than 1, 2 and 4,
-and the short last chunk: :func:`gradpress.compress.kit.primitives.elementwise`)
-and packets decoded outside a kernel go through here. The stream is cut
+Codes that a kernel does not pack itself (widths other than 1, 2 and 4,
+every width of a kernel run with ``fuse_pack=False``, and the short last
+chunk: :func:`gradpress.compress.kit.primitives.elementwise`) and packets
+decoded outside a kernel go through here. The stream is cut
 into whole word groups (C = 32 / gcd(bits, 32) codes filling W int32
 words) and a tail shorter than one group. Compiled (CPU under ``auto``,
 little-endian, the widths below), the groups go through
@@ -15,9 +16,10 @@ the eager :func:`gradpress.compress.bits.pack_bits` /
 :func:`~gradpress.compress.bits.unpack_bits`.
 
 Invariant: the same bytes (and codes) as the eager functions for every
-width 1..24 and length, for codes below ``2**bits`` (the contract of a pack;
-a larger or negative code may spill into its neighbours differently); a group ends on a byte boundary (C * bits is a
-multiple of 32), so the tail's bytes simply follow. At 25M codes, one
+width 1..24 and length, for codes below ``2**bits`` (the contract of a
+pack; a larger or negative code may spill into its neighbours
+differently); a group ends on a byte boundary (C * bits is a multiple of
+32), so the tail's bytes simply follow. At 25M codes, one
 thread, compiled against eager (docs/bench.md, "Word-wide packs"): packing
 3, 5, 6 and 7 bits 5.5-6.5 ms against 31-48 ms, 12 bits 7.8 against 180;
 unpacking 12 bits 54 ms against 203.
