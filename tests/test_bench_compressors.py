@@ -225,3 +225,21 @@ def test_variants_put_kit_and_hand_written_side_by_side(tmp_path, capsys):
     assert ("qsgd:levels=4,bucket=64", "kit encode not slower than the hand-written version") in kinds
     assert not any(c.endswith("[hand]") and "roofline" in t for c, t in kinds)
     assert "--variants default,eager,hand" in result["command"]
+
+
+def test_the_report_says_when_decodes_pay_for_fresh_pages(monkeypatch):
+    """Above ~32 MB a decode's fresh output is faulted in on every call, so
+    the report names the huge-page settings the decode column depends on;
+    below that size it says nothing."""
+    from gradpress.bench import compressors_sweep
+    from gradpress.bench.compressors_report import format_table
+
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "1")
+    result = compressors_sweep.run_benchmark(["fp16"], [20_000], repeats=1)
+    assert result["env"]["thp_alloc"] == "1"
+    mode = compressors_sweep.transparent_hugepage()
+    assert result["env"]["transparent_hugepage"] == mode and mode in ("", "always", "madvise", "never")
+    assert "faulted in" not in format_table(result)
+    big = {**result, "rows": [{**r, "numel": 25_000_000} for r in result["rows"]]}
+    line = next(x for x in format_table(big).splitlines() if "faulted in" in x)
+    assert "THP_MEM_ALLOC_ENABLE=1" in line and f"transparent huge pages: {mode or 'unknown'}" in line

@@ -43,6 +43,11 @@ def format_table(result: dict[str, Any]) -> str:
         lines.append(f"copy roofline at {int(size):,} elements (bytes read + written, best of several runs): "
                      f"1 thread {pair['1']:.2f} GB/s, all threads {pair['all']:.2f} GB/s; "
                      f"%roof uses {roof:.2f} GB/s, measured at this run's {pair['run_threads']} thread(s)")
+    env = result.get("env", {})
+    if env.get("transparent_hugepage") is not None and any(r["numel"] * 4 > 32 * 2**20 for r in result["rows"]):
+        lines.append(f"decode returns a fresh tensor; above ~32 MB its pages are faulted in on every call "
+                     f"(transparent huge pages: {env['transparent_hugepage'] or 'unknown'}; "
+                     f"THP_MEM_ALLOC_ENABLE={env.get('thp_alloc') or 'unset'})")
     for s in result["skipped"]:
         lines.append(f"skipped {s['compressor']} at {s['numel']:,}: {s['reason']}")
     missed = [t for t in result["targets"] if not t["met"]]

@@ -7,6 +7,7 @@ every measured row.
 from __future__ import annotations
 
 import math
+import os
 import platform
 import time
 from collections.abc import Callable
@@ -109,9 +110,26 @@ def run_benchmark(specs: list[str], sizes: list[int], device: str = "cpu", data:
         "torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
         "threads": torch.get_num_threads(),
         "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
+        "thp_alloc": os.environ.get("THP_MEM_ALLOC_ENABLE", ""),
+        "transparent_hugepage": transparent_hugepage(),
     }
     return {"rows": rows, "skipped": skipped, "roofline": {str(k): v for k, v in roofline.items()},
             "rooflines": rooflines, "targets": evaluate_targets(rows), "env": env}
+
+
+def transparent_hugepage() -> str:
+    """The kernel's transparent huge page mode (``always``, ``madvise``,
+    ``never``), or "" where it cannot be read (not Linux). Decode times at
+    large sizes depend on it: each decode returns a fresh tensor, and above
+    glibc's mmap threshold (at most 32 MB) its pages are faulted in anew
+    every call (docs/bench.md, "Decode pays for a fresh 100 MB output")."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            text = f.read()
+    except OSError:
+        return ""
+    start, end = text.find("["), text.find("]")
+    return text[start + 1:end] if 0 <= start < end else text.strip()
 
 
 def evaluate_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
