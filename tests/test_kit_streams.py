@@ -111,7 +111,7 @@ def test_word_group_table_and_bad_widths() -> None:
 
 
 def test_qsgd_codes_compiled_equal_eager_bytes() -> None:
-    """QSGD packs after its kernel at every width (``fuse_pack=False``):
+    """QSGD packs after its kernel at every width on CPU (``fuse_pack=False``):
     whole chunks and tail written into one buffer, then the compiled stream
     pack (6 bits; 4 bits, levels 7, which other kernels pack in-kernel);
     and decode's unpack of a wide width (levels 1000: 11 bits)."""

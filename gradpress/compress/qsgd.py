@@ -103,9 +103,10 @@ class QSGD(kit.KitCompressor):
             stats = (factor,)
         else:  # s / n overflows for norms below s / max (subnormal buckets): |v| / n first, then times s
             stats = (torch.where(pos, n, torch.ones_like(n)), torch.where(pos, torch.full_like(n, s), torch.zeros_like(n)))
-        # packed after the kernel at every width: fused 2- and 4-bit packs made this kernel 3x slower (docs/bench.md)
-        codes = kit.elementwise(_levels, flat, b, stats, **self.randomness(flat, ctx), pack=self.bits, fuse_pack=False,
-                                s=s)
+        # on CPU packed after the kernel at every width: fused 2- and 4-bit packs made this kernel 3x slower there
+        # (docs/bench.md); elsewhere the fused pack stays (the Triton path tested on an H200; the stream pack is CPU-only)
+        codes = kit.elementwise(_levels, flat, b, stats, **self.randomness(flat, ctx), pack=self.bits,
+                                fuse_pack=flat.device.type != "cpu", s=s)
         return {"norms": wire, "codes": codes}
 
     def decode_fields(self, fields: dict[str, torch.Tensor], numel: int, dtype: torch.dtype) -> torch.Tensor:
