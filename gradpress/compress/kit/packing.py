@@ -31,23 +31,26 @@ def packed_nbytes(numel: int, bits: int) -> int:
     return (numel * bits + 7) // 8
 
 
+def _codes_per_group(bits: int, table: dict[int, int], unit: int) -> tuple[int, int]:
+    """``(codes, units)`` of a group that fills whole ``unit``-bit units, from
+    ``table``; ValueError outside 1..24 (traceable by Dynamo: a table lookup,
+    not math.gcd)."""
+    if not isinstance(bits, int) or not 1 <= bits <= 24:
+        raise ValueError(f"kit.pack/unpack: bits got {bits!r}; allowed: an int in 1..24")
+    per = table[bits]
+    return per, bits * per // unit
+
+
 def group(bits: int) -> tuple[int, int]:
     """``(L, B)``: codes per group and bytes per group for ``bits``-bit
-    codes; ValueError outside 1..24 (traceable by Dynamo: a table lookup,
-    :data:`gradpress.compress.bits.GROUP`, not math.gcd)."""
-    if not isinstance(bits, int) or not 1 <= bits <= 24:
-        raise ValueError(f"kit.pack: bits got {bits!r}; allowed: an int in 1..24")
-    per = GROUP[bits]
-    return per, bits * per // 8
+    codes (:data:`gradpress.compress.bits.GROUP`)."""
+    return _codes_per_group(bits, GROUP, 8)
 
 
 def word_group(bits: int) -> tuple[int, int]:
     """``(C, W)``: codes per group and int32 words per group when whole words
-    are filled, C = 32 / gcd(bits, 32) (a table lookup, traceable)."""
-    if not isinstance(bits, int) or not 1 <= bits <= 24:
-        raise ValueError(f"kit.pack/unpack: bits got {bits!r}; allowed: an int in 1..24")
-    per = WORD_GROUP[bits]
-    return per, bits * per // 32
+    are filled, C = 32 / gcd(bits, 32) (:data:`gradpress.compress.bits.WORD_GROUP`)."""
+    return _codes_per_group(bits, WORD_GROUP, 32)
 
 
 def pack_words(grid: torch.Tensor, bits: int) -> torch.Tensor:

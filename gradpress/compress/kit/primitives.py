@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from gradpress.compress.kit import compiler, packing
+from gradpress.compress.kit import compiler, packing, streams
 from gradpress.compress.kit.rng import counter_bits, counter_uniform
 from gradpress.compress.numerics import centered_std, chunks, row_norms
 from gradpress.compress.sparse import topk_magnitude
@@ -170,16 +170,16 @@ def elementwise(kernel: Callable[..., torch.Tensor], flat: torch.Tensor, chunk: 
     if len(calls) == 2 and compiler.will_compile(kernel, calls[0][0].numel(), flat.device.type) \
             and compiler.will_compile(compiler.into(kernel), calls[0][0].numel(), flat.device.type):
         out = _whole_and_tail(kernel, calls, pack if fuse else None)
-        return out if pack is None or fuse else _pack_stream(out, pack)
+        return out if pack is None or fuse else streams.pack(out, pack)
     outs, codes = [], []
     for v, stats, kw, direct in calls:
         out = compiler.run(kernel, v.numel(), v, *stats, **kw).reshape(-1)
         (outs if direct else codes).append(out)
     if pack is not None:
         if codes:
-            outs.append(_pack_stream(torch.cat(codes) if len(codes) > 1 else codes[0], pack))
+            outs.append(streams.pack(torch.cat(codes) if len(codes) > 1 else codes[0], pack))
         if not outs:
-            return _pack_stream(flat.new_zeros(0, dtype=torch.uint8), pack)
+            return streams.pack(flat.new_zeros(0, dtype=torch.uint8), pack)
     elif not outs:
         return kernel(flat.view(0, 1), *(s[:0, None] if s.dim() else s for s in per_chunk), key=key,
                       drawn=None if drawn is None else drawn.view(0, 1), **static).reshape(-1)
@@ -197,7 +197,7 @@ def _whole_and_tail(kernel: Callable[..., torch.Tensor], calls: list, pack: int 
     (v, stats, kw, _), (tv, tstats, tkw, _) = calls
     tail = compiler.run(kernel, tv.numel(), tv, *tstats, **tkw).reshape(-1)
     if pack is not None:  # the whole rows packed themselves; the short tail returned its codes
-        tail = _pack_stream(tail, pack)
+        tail = streams.pack(tail, pack)
     one = {**kw, "drawn": None if kw["drawn"] is None else kw["drawn"][:1]}
     probe = kernel(v[:1], *(s[:1] if s.dim() else s for s in stats), **one)
     width = probe.numel()
@@ -205,12 +205,6 @@ def _whole_and_tail(kernel: Callable[..., torch.Tensor], calls: list, pack: int 
     compiler.run(compiler.into(kernel), v.numel(), out[: v.shape[0] * width].view(v.shape[0], width), v, *stats, **kw)
     out[v.shape[0] * width:] = tail
     return out
-
-
-def _pack_stream(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    from gradpress.compress.kit import streams  # compiled word groups, eager tail (see kit.pack)
-
-    return streams.pack(codes, bits)
 
 
 def pack_rows(codes: torch.Tensor, bits: int, fuse: bool) -> torch.Tensor:
@@ -269,11 +263,11 @@ def pack_signs(flat: torch.Tensor, mask: str = "signbit") -> torch.Tensor:
     n = flat.numel()
     whole = n // 8 * 8
     if not whole or not compiler.will_compile(kernel, whole, flat.device.type):
-        return _pack_stream(predicate(flat), 1)
+        return streams.pack(predicate(flat), 1)
     weights = torch.ones(8, dtype=torch.int32, device=flat.device).bitwise_left_shift_(
         torch.arange(8, dtype=torch.int32, device=flat.device))  # 1, 2, ..., 128 (no host-to-device copy)
     bits = compiler.run(kernel, whole, flat[:whole], weights)
-    return torch.cat([bits, _pack_stream(predicate(flat[whole:]), 1)]) if whole < n else bits
+    return torch.cat([bits, streams.pack(predicate(flat[whole:]), 1)]) if whole < n else bits
 
 
 def _index(v: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
