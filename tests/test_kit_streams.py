@@ -127,3 +127,21 @@ def test_qsgd_codes_compiled_equal_eager_bytes() -> None:
             compiled_out = c.decode(compiled)
         assert all(torch.equal(a, b) for a, b in zip(eager.tensors, compiled.tensors)), spec
         assert torch.equal(eager_out, compiled_out), spec
+
+
+def test_fuse_pack_false_packs_after_the_kernel_at_a_fused_width() -> None:
+    """``fuse_pack=False``: the kernel is never asked to pack its rows (it
+    sees ``fuse=False``), and the result is still the LSB-first stream."""
+    seen: list[bool] = []
+
+    def codes(v: torch.Tensor, *, key, drawn, bits: int, fuse: bool) -> torch.Tensor:  # noqa: ANN001
+        seen.append(fuse)
+        return kit.pack_rows((v.abs() * 3).floor().clamp(max=3).to(torch.int32), bits, fuse)
+
+    x = torch.randn(512 * 5 + 9, generator=torch.Generator().manual_seed(7))
+    want = reference_stream((x.abs() * 3).floor().clamp(max=3).to(torch.int64).tolist(), 2)
+    for fuse_pack in (True, False):
+        seen.clear()
+        got = kit.elementwise(codes, x, 512, pack=2, fuse_pack=fuse_pack)
+        assert torch.equal(got, want)
+        assert any(seen) is fuse_pack  # the whole rows fuse only when allowed
