@@ -9,12 +9,15 @@ from the chi-square formula; thresholds are the 1e-6 upper quantiles
 from __future__ import annotations
 
 import math
+import warnings
 
+import pytest
 import torch
 
 from gradpress.compress import kit
 from gradpress.compress.base import Context
-from gradpress.compress.kit.rng import counter_bits, counter_uniform, seed_words
+from gradpress.compress.kit import compiler
+from gradpress.compress.kit.rng import LANES, counter_bits, counter_uniform, element_index, offset_key, seed_words
 
 N = 1 << 20
 
@@ -122,3 +125,45 @@ def test_every_bit_of_the_63_bit_seed_matters() -> None:
         other = _bits(base ^ (1 << bit), 1 << 14)
         same = float(((ref ^ other) >= 0).double().mean())  # sign bits agree
         assert 0.45 < same < 0.55, bit
+
+
+def _iota(n: int, offset: int) -> torch.Tensor:
+    return torch.arange(offset, offset + n, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("mode", ["off", "on"])
+def test_element_index_counts_every_element_whatever_way_it_is_built(mode: str) -> None:
+    """The index a kernel hashes is the element's position plus the part's
+    offset, checked against an iota computed here: through the lane table
+    (last dimension a multiple of 16, rows of several widths), through the
+    iota (other widths, a key without lanes), eager and compiled (one
+    compile serves the symbolic widths); and the lane table stays
+    0..15 when a part's key is offset."""
+    key = seed_words(77)
+    assert key[3:].tolist() == list(range(LANES))
+    part = offset_key(key, 1000)
+    assert part[:2].tolist() == key[:2].tolist() and int(part[2]) == 1000 and part[3:].tolist() == list(range(LANES))
+    assert offset_key(key, 5, lanes=False).tolist() == [*key[:2].tolist(), 5]
+    index = compiler.cpu_only(lambda v, k: element_index(v, k))
+    with compiler.forced(mode), warnings.catch_warnings():
+        warnings.filterwarnings("error", message="gradpress kit")  # a failed compile warns, falls back
+        for shape in [(1, 4096), (7, 64), (3, 4096), (2, 48), (5, 10), (1, 4099), (40,)]:
+            v = torch.zeros(shape)
+            n = v.numel()
+            for k in (part, offset_key(key, 1000, lanes=False)):
+                got = compiler.run(index, n, v, k) if n >= 64 else element_index(v, k)
+                assert torch.equal(got.reshape(-1), _iota(n, 1000)), (shape, k.numel())
+
+
+def test_the_lane_index_is_the_draws_of_a_plain_iota() -> None:
+    """A kernel drawing through the lane table (rows of 4096) draws exactly
+    the counter bits of the element positions (a permuted or shifted lane
+    table, or a row base off by a block, changes them)."""
+    flat = torch.randn(3 * 4096 + 5)
+    key = seed_words(2024)
+
+    def draw(v: torch.Tensor, *, key: torch.Tensor | None, drawn: torch.Tensor | None) -> torch.Tensor:
+        return kit.random_bits(v, key, drawn, 31)
+
+    got = kit.elementwise(draw, flat, 4096, key=key)
+    assert torch.equal(got, (counter_bits(key, _iota(flat.numel(), 0)) >> 1) & 0x7FFFFFFF)

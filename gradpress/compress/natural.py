@@ -50,6 +50,9 @@ __all__ = ["Natural", "max_exponent_code"]
 
 _BIAS, _BIAS64, _M64 = 127, 1023, 52
 _TINY_EXP64 = _BIAS64 - _BIAS + 1  # fp64 biased exponent of 2^-126, the smallest code's power
+#: elements per row of the kernel (no per-chunk statistic: rows of a multiple of kit.rng.LANES let a compiled
+#: kernel count indices from the key's lane table whatever the length; the short last row counts with an iota)
+TILE = 1 << 16
 
 
 def max_exponent_code(dtype: torch.dtype) -> int:
@@ -104,7 +107,7 @@ class Natural(kit.KitCompressor):
     def encode_fields(self, flat: torch.Tensor, dtype: torch.dtype, ctx: Context) -> dict[str, torch.Tensor]:
         kernel = _round64 if flat.dtype == torch.float64 else _round32
         flat = flat.contiguous()
-        out = kit.elementwise(kernel, flat, flat.numel(), (), **self.randomness(flat, ctx),
+        out = kit.elementwise(kernel, flat, TILE, (), **self.randomness(flat, ctx),
                               cap=max_exponent_code(dtype))
         return {"codes": out, "signs": kit.pack_signs(flat, "signbit")}  # -0.0 and NaN's sign too
 

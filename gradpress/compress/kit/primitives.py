@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from gradpress.compress.kit import compiler, packing, streams
+from gradpress.compress.kit import compiler, packing, rng, streams
 from gradpress.compress.kit.rng import counter_bits, counter_uniform
 from gradpress.compress.numerics import centered_std, chunks, row_norms
 from gradpress.compress.sparse import topk_magnitude
@@ -147,9 +147,13 @@ def elementwise(kernel: Callable[..., torch.Tensor], flat: torch.Tensor, chunk: 
     codes, uint8 or int32, packed afterwards in one pass over the stream
     (:mod:`gradpress.compress.kit.streams`: compiled word-wide groups).
     ``fuse_pack=False`` takes that way for every width: whether a fused pack
-    pays depends on the kernel (25M entries, one thread: TernGrad's 2-bit
-    kernel 42 ms fused against 46 ms apart; QSGD's 2- and 4-bit codes 90-100
-    ms fused against 32-33 ms apart, docs/bench.md).
+    pays depends on the kernel (25M entries, one thread: QSGD's 2- and 4-bit
+    codes 90-100 ms fused against 32-33 ms apart, docs/bench.md). A fused
+    kernel's random index comes from an iota, since its packing groups cross
+    the key's lane table (:func:`gradpress.compress.kit.rng.element_index`);
+    apart, from the lane table. TernGrad keeps its fused pack: apart it was
+    faster on one thread (22 against 26 ms) but twice as slow on two (27-30
+    against 12-14 ms, the eager 2-bit pack's temporaries).
     """
     parts = chunks(flat, max(chunk, 1))
     fuse = fuse_pack and pack in FUSED_WIDTHS and (chunk * pack) % 8 == 0
@@ -158,9 +162,11 @@ def elementwise(kernel: Callable[..., torch.Tensor], flat: torch.Tensor, chunk: 
     for v in parts:
         rows, n = v.shape[0], v.numel()
         stats = tuple(s[row: row + rows, None] if s.dim() else s for s in per_chunk)
-        part_key = None if key is None else torch.cat([key[:2], key[2:] + start])
-        part_drawn = None if drawn is None else drawn[start: start + n].view(v.shape)
         fused = fuse and v.shape[1] == chunk
+        # a row-packing kernel reads its codes in groups that cross the key's index lanes (every lane
+        # load became a gather: TernGrad 25 -> 235 ms at 25M entries), so it keeps the iota index
+        part_key = None if key is None else rng.offset_key(key, start, lanes=not fused)
+        part_drawn = None if drawn is None else drawn[start: start + n].view(v.shape)
         extra = {} if pack is None else {"bits": pack, "fuse": fused}
         calls.append((v, stats, {"key": part_key, "drawn": part_drawn, **extra, **static}, pack is None or fused))
         start += n
@@ -270,17 +276,13 @@ def pack_signs(flat: torch.Tensor, mask: str = "signbit") -> torch.Tensor:
     return torch.cat([bits, streams.pack(predicate(flat[whole:]), 1)]) if whole < n else bits
 
 
-def _index(v: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
-    return (torch.arange(v.numel(), dtype=torch.int32, device=v.device) + key[2]).view(v.shape)
-
-
 def uniform(v: torch.Tensor, key: torch.Tensor | None, drawn: torch.Tensor | None) -> torch.Tensor:
     """Inside a kernel: uniform [0, 1) draws shaped like ``v`` in its dtype,
     counter-based from ``key`` or the pre-drawn ``drawn``."""
     if drawn is not None:
         return drawn
     assert key is not None, "kit.uniform: the kernel was given neither a key nor drawn values"
-    return counter_uniform(key, _index(v, key), v.dtype)
+    return counter_uniform(key, rng.element_index(v, key), v.dtype)
 
 
 def random_bits(v: torch.Tensor, key: torch.Tensor | None, drawn: torch.Tensor | None, bits: int) -> torch.Tensor:
@@ -289,7 +291,7 @@ def random_bits(v: torch.Tensor, key: torch.Tensor | None, drawn: torch.Tensor |
     if drawn is not None:
         return drawn
     assert key is not None, "kit.random_bits: the kernel was given neither a key nor drawn values"
-    return (counter_bits(key, _index(v, key)) >> (32 - bits)) & ((1 << bits) - 1)
+    return (counter_bits(key, rng.element_index(v, key)) >> (32 - bits)) & ((1 << bits) - 1)
 
 
 def select_topk(flat: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

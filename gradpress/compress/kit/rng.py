@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["seed_words", "counter_bits", "counter_uniform"]
+__all__ = ["LANES", "seed_words", "offset_key", "element_index", "counter_bits", "counter_uniform"]
 
 _M1 = 0x7FEB352D
 _M2 = 0x846CA68B - (1 << 32)  # the same 32-bit pattern as a signed int32 constant
@@ -38,13 +38,50 @@ def _signed32(v: int) -> int:
     return v - (1 << 32) if v >= 1 << 31 else v
 
 
+#: lanes of the index table a key carries (one AVX-512 vector of int32)
+LANES = 16
+
+
 def seed_words(seed: int, device: torch.device | str = "cpu", salt: int = 0) -> torch.Tensor:
-    """The seed as an int32 tensor ``[k0, k1, offset = 0]`` (a tensor, so a
-    compiled kernel takes it as an input and never recompiles per step; the
-    offset is the index of a chunk's first element); ``salt`` derives an
+    """The seed as an int32 tensor ``[k0, k1, offset = 0, 0, 1, ..., 15]``
+    (a tensor, so a compiled kernel takes it as an input and never
+    recompiles per step; the offset is the index of a chunk's first element;
+    the last :data:`LANES` words are a lane table, which lets a compiled
+    kernel build element indices from a vector load instead of an iota:
+    Inductor's CPU iota cost 3.3 ms at 25M entries, one thread, more than
+    both hash rounds, see :func:`element_index`); ``salt`` derives an
     independent second stream."""
     seed = int(seed) ^ (salt * 0x9E3779B97F4A7C15)
-    return torch.tensor([_signed32(seed), _signed32(seed >> 32), 0], dtype=torch.int32, device=device)
+    return torch.tensor([_signed32(seed), _signed32(seed >> 32), 0, *range(LANES)], dtype=torch.int32, device=device)
+
+
+def offset_key(key: torch.Tensor, start: int, lanes: bool = True) -> torch.Tensor:
+    """``key`` for a part whose first element has index ``start``; without
+    its lane table when ``lanes`` is False (:func:`element_index` then
+    counts with an iota)."""
+    return torch.cat([key[:2], key[2:3] + start] + ([key[3:]] if lanes else []))
+
+
+def element_index(v: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """int32 index (offset ``key[2]`` + position) of every element of ``v``
+    (contiguous), the counter of :func:`counter_bits`. The same values
+    whichever way they are built.
+
+    On CPU, when ``v``'s last dimension is a multiple of :data:`LANES` and
+    ``key`` carries its lane table, the index is a block base plus the lane
+    table, so a compiled kernel loads the lanes as one vector: Inductor
+    turned an iota into a ``Vectorized::arange`` per vector, 3.3 ms at 25M
+    entries on one thread, more than both hash rounds (natural's kernel 9.7
+    -> 6.3 ms, docs/bench.md "Index lanes"). Otherwise (other widths, a key
+    without lanes, accelerators, where an iota is free) an iota."""
+    rows, width = (1, v.numel()) if v.dim() < 2 else (v.numel() // v.shape[-1], v.shape[-1])
+    if v.device.type != "cpu" or width % LANES or key.numel() < 3 + LANES:
+        return (torch.arange(v.numel(), dtype=torch.int32, device=v.device) + key[2]).view(v.shape)
+    # (rows, width / LANES, LANES): the lane is the innermost position itself, never a modulo of a
+    # symbolic row length (which made every load a gather: 5x slower)
+    row = torch.arange(rows, dtype=torch.int32, device=v.device)[:, None, None] * width
+    block = torch.arange(width // LANES, dtype=torch.int32, device=v.device)[None, :, None] * LANES
+    return ((row + block + key[2]) + key[3: 3 + LANES][None, None, :]).view(v.shape)
 
 
 def _lowbias32(h: torch.Tensor) -> torch.Tensor:
