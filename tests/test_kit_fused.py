@@ -86,14 +86,15 @@ def _bits_ref(mask: list[bool]) -> list[int]:
 
 
 @pytest.mark.parametrize("mode", ["on", "off"])
-@pytest.mark.parametrize("n", [40_000, 40_005, 5])
-def test_pack_signs_lays_out_the_bits(n: int, mode: str) -> None:
-    x = torch.randn(n, generator=torch.Generator().manual_seed(n))
+@pytest.mark.parametrize(("n", "dtype"), [(40_000, torch.float32), (40_005, torch.float32), (5, torch.float32),
+                                          (4_003, torch.float64), (4_008, torch.float16), (4_001, torch.bfloat16)])
+def test_pack_signs_lays_out_the_bits(n: int, dtype: torch.dtype, mode: str) -> None:
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n)).to(dtype)
     x[0], x[1] = -0.0, 0.0
     x[2] = float("nan")
     x[3] = -float("nan")
-    bits = x.view(torch.int32)
-    signbit = [b < 0 for b in bits.tolist()]  # the sign bit itself, -0.0 and a negative NaN included
+    as_int = {8: torch.int64, 4: torch.int32, 2: torch.int16}[x.element_size()]
+    signbit = [b < 0 for b in x.view(as_int).tolist()]  # the sign bit itself, -0.0 and a negative NaN included
     nonneg = [v >= 0 for v in x.tolist()]  # NaN compares false
     with compiler.forced(mode):
         assert kit.pack_signs(x, "signbit").tolist() == _bits_ref(signbit)
