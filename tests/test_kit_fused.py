@@ -55,6 +55,39 @@ def test_std_is_the_exact_deviation(name: str, mode: str) -> None:
 
 
 @pytest.mark.parametrize("mode", ["on", "off"])
+@pytest.mark.parametrize("name", sorted(_std_inputs()))
+def test_extremes_give_min_max_and_a_mean_the_exact_std_can_use(name: str, mode: str) -> None:
+    """``kit.extremes``: the minimum and maximum (Python's min/max of the
+    values), the fp64 mean when compiled (against ``math.fsum``), and
+    ``std`` given that mean is still the exact deviation rounded once."""
+    x = _std_inputs()[name]
+    values = x.double().tolist()
+    with compiler.forced(mode):
+        lo, hi, mean = kit.extremes(x)
+        got = kit.std(x, lo, hi, mean)
+    assert lo.dtype == hi.dtype == x.dtype and float(lo) == min(values) and float(hi) == max(values)
+    if mode == "off":
+        assert mean is None
+        return
+    assert mean.dtype == torch.float64 and math.isclose(float(mean), math.fsum(values) / len(values), rel_tol=1e-12,
+                                                        abs_tol=1e-300)
+    assert float(got) == float(torch.tensor(std_reference(x), dtype=torch.float64).to(x.dtype)), (name, float(got))
+
+
+@pytest.mark.parametrize("mode", ["on", "off"])
+def test_extremes_propagate_nan_and_inf(mode: str) -> None:
+    x = torch.randn(40_000, generator=torch.Generator().manual_seed(1))
+    with compiler.forced(mode):
+        x[17] = float("inf")
+        lo, hi, _ = kit.extremes(x)
+        assert float(hi) == math.inf and math.isfinite(float(lo))
+        x[40] = float("nan")
+        lo, hi, mean = kit.extremes(x)
+        assert math.isnan(float(lo)) and math.isnan(float(hi))
+        assert mean is None or math.isnan(float(mean))
+
+
+@pytest.mark.parametrize("mode", ["on", "off"])
 def test_std_of_a_constant_is_zero_and_non_finite_input_stays_non_finite(mode: str) -> None:
     with compiler.forced(mode):
         const = torch.full((40_000,), 0.1)
@@ -195,7 +228,8 @@ def test_whole_tensor_reductions_compile_on_cpu_only_under_auto() -> None:
     from gradpress.compress import natural, onebit
 
     n = 1 << 20
-    reductions = [onebit._side_sums, primitives._sum64, primitives._deviation_sums, primitives._signbit_bytes,
+    reductions = [onebit._side_sums, primitives._sum64, primitives._deviation_sums, primitives._extremes_sum64,
+                  primitives._signbit_bytes,
                   primitives._nonnegative_bytes]
     with compiler.forced("auto"):
         for device in ("cpu", "cuda"):

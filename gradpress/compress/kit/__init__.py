@@ -26,6 +26,7 @@ from gradpress.compress.kit.packing import packed_nbytes
 from gradpress.compress.kit.primitives import (
     chunks,
     elementwise,
+    extremes,
     gather,
     pack_rows,
     pack_signs,
@@ -41,7 +42,7 @@ from gradpress.compress.kit.rng import counter_bits, counter_uniform, seed_words
 
 __all__ = [
     "Field", "FieldSize", "KitCompressor", "byte_table", "chunks", "compiler", "counter_bits", "counter_uniform",
-    "elementwise", "gather", "pack", "pack_rows", "pack_signs", "packed_nbytes", "random_bits", "reduce", "scatter", "seed_words",
+    "elementwise", "extremes", "gather", "pack", "pack_rows", "pack_signs", "packed_nbytes", "random_bits", "reduce", "scatter", "seed_words",
     "select_mask", "select_topk", "std", "uniform", "unpack",
 ]
 

@@ -32,7 +32,7 @@ from gradpress.compress.kit.rng import counter_bits, counter_uniform
 from gradpress.compress.numerics import centered_std, chunks, row_norms
 from gradpress.compress.sparse import topk_magnitude
 
-__all__ = ["FUSED_WIDTHS", "chunks", "reduce", "elementwise", "pack_rows", "pack_signs", "std", "uniform", "random_bits", "select_topk", "select_mask",
+__all__ = ["FUSED_WIDTHS", "chunks", "reduce", "elementwise", "pack_rows", "pack_signs", "std", "extremes", "uniform", "random_bits", "select_topk", "select_mask",
            "scatter", "gather"]
 
 
@@ -92,7 +92,27 @@ def _deviation_sums(flat: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
     return torch.stack([(dev * dev).sum(), dev.sum()])
 
 
-def std(flat: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+@compiler.cpu_reduction
+def _extremes_sum64(flat: torch.Tensor) -> torch.Tensor:
+    return torch.stack([flat.amin().to(torch.float64), flat.amax().to(torch.float64), flat.sum(dtype=torch.float64)])
+
+
+def extremes(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(lo, hi, mean)`` of the non-empty flat floating ``flat``: its
+    minimum and maximum (0-d, ``flat``'s dtype; NaN propagates) and, when
+    compiled, its fp64 mean from the same pass (``None`` eager, where
+    :func:`std` computes its own). One compiled read instead of
+    ``aminmax`` and the first pass of :func:`std`: 4.4 against 4.2 + 2.9 ms
+    at 25M fp32 entries, one thread (docs/bench.md "Index lanes")."""
+    n = flat.numel()
+    if not compiler.will_compile(_extremes_sum64, n, flat.device.type):
+        lo, hi = torch.aminmax(flat)
+        return lo, hi, None
+    stats = compiler.run(_extremes_sum64, n, flat)
+    return stats[0].to(flat.dtype), stats[1].to(flat.dtype), stats[2] / n
+
+
+def std(flat: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, mean: torch.Tensor | None = None) -> torch.Tensor:
     """Population standard deviation of the flat floating ``flat`` whose
     minimum and maximum are ``lo`` and ``hi`` (0-d, ``flat``'s dtype; 0
     when ``lo == hi``, a constant infinite tensor included; otherwise
@@ -109,14 +129,17 @@ def std(flat: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
     drifts with the size (3.6e-5 relative at 2M entries, 135 units in the
     last place at 1M), so compiled and eager differ by that much. At 25M
     entries, one thread: about 10 ms compiled against 70 ms eager
-    (docs/bench.md)."""
+    (docs/bench.md). ``mean``: the fp64 mean :func:`extremes` computed in
+    the same pass as ``lo`` and ``hi`` (the compiled path then reads
+    ``flat`` once more, not twice)."""
     n = flat.numel()
     if flat.dtype == torch.float64 or not n or not compiler.will_compile(_deviation_sums, n, flat.device.type) \
             or not compiler.will_compile(_sum64, n, flat.device.type):
         if flat.dtype in (torch.float16, torch.bfloat16):  # numerics' scaling is for fp32 and fp64
             return centered_std(flat.float(), lo.float(), hi.float()).to(flat.dtype)
         return centered_std(flat, lo, hi)
-    mean = compiler.run(_sum64, n, flat) / n
+    if mean is None:
+        mean = compiler.run(_sum64, n, flat) / n
     sums = compiler.run(_deviation_sums, n, flat, mean) / n
     value = (sums[0] - sums[1] ** 2).clamp(min=0).sqrt().to(flat.dtype)
     return torch.where(lo == hi, torch.zeros_like(value), value)
@@ -152,9 +175,9 @@ def elementwise(kernel: Callable[..., torch.Tensor], flat: torch.Tensor, chunk: 
     codes 90-100 ms fused against 32-33 ms apart, docs/bench.md). A fused
     kernel's random index comes from an iota, since its packing groups cross
     the key's lane table (:func:`gradpress.compress.kit.rng.element_index`);
-    apart, from the lane table. TernGrad keeps its fused pack: apart it was
-    faster on one thread (22 against 26 ms) but twice as slow on two (27-30
-    against 12-14 ms, the eager 2-bit pack's temporaries).
+    apart, from the lane table. On CPU TernGrad now packs apart too (with the
+    compiled 2-bit stream pack: 23 against 26 ms on one thread, 14 against
+    12.5-14 on two; with eager's 2-bit pack it had been 33 and 30 ms).
     """
     parts = chunks(flat, max(chunk, 1))
     fuse = fuse_pack and pack in FUSED_WIDTHS and (chunk * pack) % 8 == 0

@@ -38,11 +38,13 @@ from gradpress.compress.kit import compiler, packing
 __all__ = ["pack", "unpack"]
 
 
-#: widths whose word groups are compiled (25M codes, one thread, docs/bench.md): packing every width but 1 and
-#: 2 (eager's multiply trick, as fast or faster) and 8 (a cast), measured faster at 3-7, 12 and 16 bits (the
-#: other wide widths run the same kernel shape); unpacking only widths above 8, measured faster at 12 and 16 (the
-#: narrow ones' compiled column gathers ran at 0.26-0.63x eager's speed)
-_COMPILED_PACK_WIDTHS = frozenset(range(1, 25)) - {1, 2, 8}
+#: widths whose word groups are compiled (25M codes, one thread, docs/bench.md): packing every width but 1
+#: (eager's multiply trick, as fast or faster) and 8 (a cast), measured faster at 3-7, 12 and 16 bits (the
+#: other wide widths run the same kernel shape); 2 bits is about as fast as eager alone (3.7 against 2.7 ms
+#: on one thread, 1.8 against 1.8 on two) but faster inside an encode, where eager's temporaries are fresh
+#: pages (TernGrad 23 against 33 ms, `qsgd:levels=1` 16.4 against 17.2); unpacking only widths above 8,
+#: measured faster at 12 and 16 (the narrow ones' compiled column gathers ran at 0.26-0.63x eager's speed)
+_COMPILED_PACK_WIDTHS = frozenset(range(1, 25)) - {1, 8}
 _COMPILED_UNPACK_WIDTHS = frozenset(range(9, 25))
 
 _KERNELS: dict[tuple[str, int], Callable[[torch.Tensor], torch.Tensor]] = {}
