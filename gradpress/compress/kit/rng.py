@@ -20,6 +20,10 @@ rounding ``floor(y + u)`` is biased by less than one grid step (the same
 granularity as ``torch.rand`` in fp32). Statistical quality is tested in
 tests/test_kit_rng.py (chi-square uniformity of bytes and of the top bits,
 serial pairs of neighbours, correlation between seeds).
+
+The index i is the element's position plus the part's offset; a compiled
+CPU kernel builds it from a lane table the key carries
+(:func:`element_index`), which gives the same i as an iota, faster.
 """
 
 from __future__ import annotations
