@@ -243,3 +243,29 @@ def test_the_report_says_when_decodes_pay_for_fresh_pages(monkeypatch):
     big = {**result, "rows": [{**r, "numel": 25_000_000} for r in result["rows"]]}
     line = next(x for x in format_table(big).splitlines() if "faulted in" in x)
     assert "THP_MEM_ALLOC_ENABLE=1" in line and f"transparent huge pages: {mode or 'unknown'}" in line
+
+
+@pytest.mark.parametrize(("before", "after"), [(30.0, 60.0), (50.0, 40.0)])
+def test_fractions_use_the_better_roofline_before_or_after_the_rows(monkeypatch, before, after):
+    """The copy roofline at the rows' thread count is measured before a
+    size's rows and again after them; every fraction (and the 25% target)
+    uses the faster of the two, and the report shows both."""
+    from gradpress.bench import compressors_sweep
+    from gradpress.bench.compressors_report import format_table
+
+    measured = iter([10.0, 20.0, before, after])  # 1 thread, all threads, before the rows, after them
+    monkeypatch.setattr(compressors_sweep, "best_copy_gbps", lambda x, runs, threads=None: next(measured))
+    result = compressors_sweep.run_benchmark(["qsgd:levels=4,bucket=64", "fp16"], [5_000], repeats=1)
+    best = max(before, after)
+    assert result["roofline"]["5000"] == best
+    assert result["rooflines"]["5000"] == {"1": 10.0, "all": 20.0, "run": best, "run_before": before,
+                                         "run_after": after, "run_threads": torch.get_num_threads()}
+    rows = [r for r in result["rows"] if r["kind"] == "method"]
+    assert len(rows) == 2
+    for r in rows:
+        assert r["roofline_gbps"] == best and r["encode_roofline_fraction"] == r["encode_gbps"] / best
+    target = next(t for t in result["targets"] if t["compressor"] == "qsgd:levels=4,bucket=64"
+                  and "roofline" in t["target"])
+    assert target["value"] == rows[0]["encode_gbps"] / best
+    assert f"%roof uses {best:.2f} GB/s" in format_table(result)
+    assert f"the better of {before:.2f} before the rows and {after:.2f} after" in format_table(result)

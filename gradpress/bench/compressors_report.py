@@ -42,7 +42,9 @@ def format_table(result: dict[str, Any]) -> str:
             continue
         lines.append(f"copy roofline at {int(size):,} elements (bytes read + written, best of several runs): "
                      f"1 thread {pair['1']:.2f} GB/s, all threads {pair['all']:.2f} GB/s; "
-                     f"%roof uses {roof:.2f} GB/s, measured at this run's {pair['run_threads']} thread(s)")
+                     f"%roof uses {roof:.2f} GB/s, measured at this run's {pair['run_threads']} thread(s)"
+                     + (f" (the better of {pair['run_before']:.2f} before the rows and {pair['run_after']:.2f} after)"
+                        if "run_after" in pair else ""))
     env = result.get("env", {})
     if env.get("transparent_hugepage") is not None and any(r["numel"] * 4 > 32 * 2**20 for r in result["rows"]):
         lines.append(f"decode returns a fresh tensor; above ~32 MB its pages are faulted in on every call "
