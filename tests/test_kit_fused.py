@@ -132,6 +132,8 @@ def test_pack_signs_lays_out_the_bits(n: int, dtype: torch.dtype, mode: str) -> 
     with compiler.forced(mode):
         assert kit.pack_signs(x, "signbit").tolist() == _bits_ref(signbit)
         assert kit.pack_signs(x, "nonnegative").tolist() == _bits_ref(nonneg)
+        strided = torch.stack([x, -x], dim=1).reshape(-1)[::2]  # x again, as a view of stride 2
+        assert kit.pack_signs(strided, "signbit").tolist() == _bits_ref(signbit)
         with pytest.raises(ValueError, match="mask got 'positive'; allowed: signbit, nonnegative"):
             kit.pack_signs(x, "positive")
 
@@ -239,3 +241,28 @@ def test_whole_tensor_reductions_compile_on_cpu_only_under_auto() -> None:
                 assert compiler.will_compile(kernel, n, device) == (elementwise_compiles and device == "cpu"), kernel
     with compiler.forced("on"):
         assert all(compiler.will_compile(k, n, "cuda") for k in reductions)
+
+
+@pytest.mark.parametrize("mode", ["on", "off"])
+def test_natural_fp64_coins_of_every_row_come_from_their_own_counters(mode: str) -> None:
+    """``natural`` on fp64 runs in rows of ``TILE`` entries and draws each
+    entry's 52 random bits from counters 2i and 2i + 1 of its index i over
+    the whole tensor. For 1.25 (mantissa 2^50) the code is 128 when those
+    bits are at least 3 * 2^50, else 127: computed here from the counters,
+    for a length with a short last row (an offset counted twice collided
+    the last row's coins with the middle's)."""
+    from gradpress.compress.kit.rng import counter_bits
+    from gradpress.compress.natural import TILE
+
+    n = 2 * TILE + 1000
+    comp = create("natural")
+    ctx = Context(step=3, seed=comp.seed)
+    x = torch.full((n,), 1.25, dtype=torch.float64)
+    key = comp.randomness(x, ctx)["key"]
+    index = torch.arange(n, dtype=torch.int32)
+    hi = counter_bits(key, 2 * index).to(torch.int64) & 0xFFFFF
+    lo = counter_bits(key, 2 * index + 1).to(torch.int64) & 0xFFFFFFFF
+    want = torch.where((hi << 32 | lo) >= 3 << 50, 128, 127).to(torch.uint8)
+    with compiler.forced(mode):
+        got = comp.fields(comp.encode(x, ctx))["codes"]
+    assert torch.equal(got, want)

@@ -147,7 +147,7 @@ def test_element_index_counts_every_element_whatever_way_it_is_built(mode: str) 
     index = compiler.cpu_only(lambda v, k: element_index(v, k))
     with compiler.forced(mode), warnings.catch_warnings():
         warnings.filterwarnings("error", message="gradpress kit")  # a failed compile warns, falls back
-        for shape in [(1, 4096), (7, 64), (3, 4096), (2, 48), (5, 10), (1, 4099), (40,)]:
+        for shape in [(1, 4096), (7, 64), (3, 4096), (2, 48), (5, 10), (1, 4099), (40,), (3, 0), (), (4, 32, 16)]:
             v = torch.zeros(shape)
             n = v.numel()
             for k in (part, offset_key(key, 1000, lanes=False)):
@@ -155,15 +155,40 @@ def test_element_index_counts_every_element_whatever_way_it_is_built(mode: str) 
                 assert torch.equal(got.reshape(-1), _iota(n, 1000)), (shape, k.numel())
 
 
-def test_the_lane_index_is_the_draws_of_a_plain_iota() -> None:
+@pytest.mark.parametrize("mode", ["off", "on"])
+def test_the_lane_index_is_the_draws_of_a_plain_iota(mode: str) -> None:
     """A kernel drawing through the lane table (rows of 4096) draws exactly
     the counter bits of the element positions (a permuted or shifted lane
-    table, or a row base off by a block, changes them)."""
-    flat = torch.randn(3 * 4096 + 5)
+    table, or a row base off by a block, changes them), eager and compiled
+    (5 whole rows: above the compile threshold)."""
+    flat = torch.randn(5 * 4096 + 5)
     key = seed_words(2024)
 
     def draw(v: torch.Tensor, *, key: torch.Tensor | None, drawn: torch.Tensor | None) -> torch.Tensor:
         return kit.random_bits(v, key, drawn, 31)
 
-    got = kit.elementwise(draw, flat, 4096, key=key)
+    with compiler.forced(mode), warnings.catch_warnings():
+        warnings.filterwarnings("error", message="gradpress kit")
+        got = kit.elementwise(draw, flat, 4096, key=key)
     assert torch.equal(got, (counter_bits(key, _iota(flat.numel(), 0)) >> 1) & 0x7FFFFFFF)
+
+
+def test_kernels_that_pack_their_rows_get_keys_without_lanes() -> None:
+    """``elementwise`` hands a row-packing kernel (fused 2-bit pack) a key
+    without its lane table, whose loads would cross its packing groups, and
+    every other kernel, the short last row of the packing one included, the
+    whole key."""
+    seen: list[tuple[int, bool]] = []
+
+    def codes(v: torch.Tensor, *, key: torch.Tensor | None, drawn: torch.Tensor | None, bits: int,
+              fuse: bool) -> torch.Tensor:
+        seen.append((key.numel(), fuse))
+        return kit.pack_rows((kit.random_bits(v, key, drawn, 2)), bits, fuse)
+
+    flat = torch.randn(2 * 64 + 8)
+    with compiler.forced("off"):
+        kit.elementwise(codes, flat, 64, key=seed_words(5), pack=2)
+        assert sorted(set(seen)) == [(3, True), (3 + LANES, False)]
+        seen.clear()
+        kit.elementwise(codes, flat, 64, key=seed_words(5), pack=2, fuse_pack=False)
+        assert set(seen) == {(3 + LANES, False)}

@@ -75,7 +75,8 @@ def _round64(x: torch.Tensor, *, key: torch.Tensor | None, drawn: torch.Tensor |
     bits = x.view(torch.int64)
     mag = bits & 0x7FFFFFFFFFFFFFFF
     if drawn is None:
-        idx = (torch.arange(x.numel(), device=x.device).view(x.shape) * 2 + key[2]).to(torch.int32)
+        # two counters per entry, 2i and 2i + 1 for the entry's index i over the whole tensor (offset included)
+        idx = ((torch.arange(x.numel(), device=x.device).view(x.shape) + key[2]) * 2).to(torch.int32)
         u = ((counter_bits(key, idx).to(torch.int64) & 0xFFFFF) << 32) | (counter_bits(key, idx + 1).to(torch.int64) & 0xFFFFFFFF)
     else:
         u = drawn

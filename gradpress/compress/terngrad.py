@@ -6,15 +6,17 @@ first clipped to [-c*sigma, c*sigma] where sigma is its population standard
 deviation *centered on its mean*, sqrt(mean((g - mean g)^2)), as the paper
 words it; then s = max|g| and q_i = s * sign(g_i) * Bernoulli(|g_i| / s),
 with coins from ``ctx.private_seed``
-(counter-based, fused into the kernel that compares and packs:
-:mod:`gradpress.compress.kit.rng`).
+(counter-based, fused into the kernel that compares:
+:mod:`gradpress.compress.kit.rng`; the 2-bit codes are packed by the same
+kernel on accelerators, after it on CPU).
 
 The centered deviation, not the root mean square, is the documented choice:
 for a tensor with a large mean and a small spread (g = 1 + 1e-4 N(0, 1))
 the bound is 2.5e-4 and every entry is clipped to it, thousands of times
 smaller than g (the rest goes to the residual: error feedback is on by
 default with clipping). sigma is computed in two passes (:func:`gradpress.compress.kit.std`, the
-corrected two-pass algorithm; eager on the tensor scaled by a power of
+corrected two-pass algorithm, compiled the first pass is the one that finds min and max,
+:func:`gradpress.compress.kit.extremes`; eager on the tensor scaled by a power of
 two, compiled accumulating in fp64: the exact sigma rounded once, where
 eager's fp32 accumulation drifts with the size, 3.6e-5 relative at 2M
 entries): no cancellation (a one-pass E[g^2] - E[g]^2

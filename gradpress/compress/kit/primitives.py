@@ -262,12 +262,12 @@ def pack_rows(codes: torch.Tensor, bits: int, fuse: bool) -> torch.Tensor:
 
 @compiler.cpu_reduction
 def _signbit_bytes(v: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    if sys.byteorder != "little":
+    if sys.byteorder != "little":  # the bit weights serve this branch only
         return torch.where(torch.signbit(v.view(-1, 8)), weights, 0).sum(dim=1, dtype=torch.int32).to(torch.uint8)
     # the top bit of each entry's last byte, or'ed into place: 5.0 against 6.1 ms for the weighted row sum at
     # 25M fp32 entries, one thread (2.6-2.8 against 3.1 on two; docs/bench.md "Index lanes")
     size = v.element_size()
-    rows = v.view(torch.uint8).view(-1, 8 * size)
+    rows = v.contiguous().view(torch.uint8).view(-1, 8 * size)  # a strided view cannot be reinterpreted
     out = rows[:, size - 1] >> 7
     for j in range(1, 8):  # unrolled at trace time
         out = out | ((rows[:, size * j + size - 1] >> 7) << j)

@@ -78,9 +78,10 @@ def element_index(v: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     entries on one thread, more than both hash rounds (natural's kernel 9.7
     -> 6.3 ms, docs/bench.md "Index lanes"). Otherwise (other widths, a key
     without lanes, accelerators, where an iota is free) an iota."""
-    rows, width = (1, v.numel()) if v.dim() < 2 else (v.numel() // v.shape[-1], v.shape[-1])
-    if v.device.type != "cpu" or width % LANES or key.numel() < 3 + LANES:
+    width = v.shape[-1] if v.dim() else 1
+    if v.device.type != "cpu" or not v.numel() or width % LANES or key.numel() < 3 + LANES:
         return (torch.arange(v.numel(), dtype=torch.int32, device=v.device) + key[2]).view(v.shape)
+    rows = v.numel() // width
     # (rows, width / LANES, LANES): the lane is the innermost position itself, never a modulo of a
     # symbolic row length (which made every load a gather: 5x slower)
     row = torch.arange(rows, dtype=torch.int32, device=v.device)[:, None, None] * width
