@@ -185,26 +185,41 @@ def _scaled(v: torch.Tensor, *, key: torch.Tensor | None, drawn: torch.Tensor | 
     return v * len(word)  # a string: a static parameter Dynamo guards on (floats and ints it makes dynamic)
 
 
-def test_past_the_recompile_limit_only_the_new_static_parameters_run_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
-    """fullgraph makes Dynamo's recompile limit an exception: the kit runs
-    that call eagerly with one warning, and keeps the kernel compiled for
-    the parameters it already compiled (not marked failed)."""
+def test_each_signature_compiles_apart_and_past_its_recompile_limit_only_new_shapes_run_eagerly(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every (kernel, dtypes, static parameters) signature is compiled as a
+    code object of its own, so a kernel called with many of them stays
+    compiled for all (Dynamo's limit counts per code object); within one
+    signature fullgraph makes the limit an exception: that call runs eagerly
+    with one warning, the shapes compiled before stay compiled, and the
+    kernel is not marked failed."""
     import torch._dynamo.config as dynamo_config
 
     monkeypatch.setattr(dynamo_config, "recompile_limit", 2)
     torch._dynamo.reset()
     x = torch.randn(20_000)
     before = compiler.compiled_count()
+    with compiler.forced("on"), warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no signature reaches the limit
+        for word in ("ab", "abc", "abcde", "abcdefg"):
+            for dtype in (torch.float32, torch.float64):
+                assert torch.equal(kit.elementwise(_scaled, x.to(dtype), 1000, word=word), x.to(dtype) * len(word))
+    assert compiler.compiled_count() == before + 8 and compiler.is_compiled(_scaled)
+
+    def plain(v: torch.Tensor) -> torch.Tensor:
+        return v * 3.0
+
+    shapes = [(20_000,), (200, 100), (20, 10, 100)]  # each rank a graph of its own within one signature
     with compiler.forced("on"):
-        for word in ("ab", "abc"):
-            assert torch.equal(kit.elementwise(_scaled, x, 1000, word=word), x * len(word))
+        for shape in shapes[:2]:
+            assert torch.equal(compiler.run(plain, 20_000, x.view(shape)), x.view(shape) * 3.0)
         with pytest.warns(RuntimeWarning, match="recompile limit"):
-            assert torch.equal(kit.elementwise(_scaled, x, 1000, word="abcde"), x * 5)
+            assert torch.equal(compiler.run(plain, 20_000, x.view(shapes[2])), x.view(shapes[2]) * 3.0)
         with warnings.catch_warnings():
             warnings.simplefilter("error", RuntimeWarning)  # warned once per kernel
-            assert torch.equal(kit.elementwise(_scaled, x, 1000, word="abcdefg"), x * 7)
-            assert torch.equal(kit.elementwise(_scaled, x, 1000, word="ab"), x * 2)  # still compiled
-    assert _scaled not in compiler._failed and compiler.compiled_count() == before + 1
+            assert torch.equal(compiler.run(plain, 20_000, x.view(shapes[2])), x.view(shapes[2]) * 3.0)
+            assert torch.equal(compiler.run(plain, 20_000, x.view(shapes[0])), x.view(shapes[0]) * 3.0)
+    assert plain not in compiler._failed and compiler.compiled_count() == before + 9
     torch._dynamo.reset()
 
 

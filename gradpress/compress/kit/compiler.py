@@ -17,7 +17,12 @@ Policy (``GRADPRESS_COMPILE``, read at every call):
 
 Each kernel is compiled with dynamic shapes, so one compile serves every
 size of one (kernel, dtype, device, static parameters) class; the compiled
-callables are cached here, keyed by the kernel function. A kernel whose
+callables are cached here, one per kernel and signature (the tensors' dtypes
+and devices, the static parameters other than floats, which Dynamo keeps
+symbolic), each a code object of its own: Dynamo counts recompiles (at most
+8) per code object, so one kernel called with several dtypes and widths in
+one process (qsgd at three level counts and four dtypes did) would
+otherwise run its later signatures eagerly. A kernel whose
 compilation fails (no C++ compiler, an Inductor gap) falls back to eager for
 the rest of the process, with one warning. Eager and compiled kernels are
 the same ops on the same inputs and give bit-identical results for the
@@ -44,13 +49,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import types
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["EAGER_NUMERICS", "MIN_COMPILE_NUMEL", "NEEDED", "compiled_count", "compiles", "cpu_only", "cpu_reduction", "forced", "into",
+__all__ = ["EAGER_NUMERICS", "MIN_COMPILE_NUMEL", "NEEDED", "compiled_count", "compiles", "is_compiled", "cpu_only", "cpu_reduction", "forced", "into",
            "keeps_eager_numerics", "mode", "run", "will_compile"]
 
 #: smallest tensor that ``auto`` compiles for
@@ -62,7 +68,7 @@ MIN_COMPILE_NUMEL = 1 << 14
 EAGER_NUMERICS = ("emulate_precision_casts", "eager_numerics.division_rounding")
 
 _MODES = {"auto": "auto", "": "auto", "1": "on", "on": "on", "true": "on", "0": "off", "off": "off", "false": "off"}
-_cache: dict[Callable[..., Any], Callable[..., Any]] = {}
+_cache: dict[tuple[Callable[..., Any], tuple[Any, ...]], Callable[..., Any]] = {}
 _failed: set[Callable[..., Any]] = set()
 _forced: list[str] = []
 
@@ -114,8 +120,43 @@ def keeps_eager_numerics(device_type: str = "cpu") -> bool:
 
 
 def compiled_count() -> int:
-    """Number of kernels compiled so far in this process."""
+    """Number of (kernel, signature) variants compiled so far in this process."""
     return len(_cache)
+
+
+def is_compiled(kernel: Callable[..., Any]) -> bool:
+    """Whether some signature of ``kernel`` has been compiled in this process."""
+    return any(k is kernel for k, _ in _cache)
+
+
+def _signature(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """What a compiled graph specializes on besides shapes: every tensor's
+    dtype and device type, and the static parameters but floats (Dynamo
+    keeps a float symbolic, and ``qsgd``'s level count is one: a variant per
+    value would recompile for every new value)."""
+    def part(v: Any) -> Any:
+        return (v.dtype, v.device.type) if isinstance(v, torch.Tensor) else v
+
+    key = tuple(part(a) for a in args) + tuple(
+        (k, part(v)) for k, v in sorted(kwargs.items()) if not isinstance(v, float))
+    try:
+        hash(key)
+    except TypeError:  # an unhashable static parameter: one variant for all of them
+        return ("unhashable",)
+    return key
+
+
+def _variant(kernel: Callable[..., Any], index: int) -> Callable[..., Any]:
+    """``kernel`` as a function over a copy of its code object (its own Dynamo
+    cache and recompile count); a callable without one is used as is."""
+    code = getattr(kernel, "__code__", None)
+    if code is None or not isinstance(kernel, types.FunctionType):
+        return kernel
+    fn = types.FunctionType(code.replace(co_name=f"{code.co_name}_v{index}"), kernel.__globals__, kernel.__name__,
+                            kernel.__defaults__, kernel.__closure__)
+    fn.__kwdefaults__ = kernel.__kwdefaults__
+    fn.__qualname__ = kernel.__qualname__
+    return fn
 
 
 _known_options: list[dict[str, bool]] = []
@@ -196,30 +237,34 @@ def run(kernel: Callable[..., Any], numel: int, *args: Any, **kwargs: Any) -> An
     device_type = _device_type(args)
     if not _policy_allows(kernel, numel, device_type):
         return kernel(*args, **kwargs)
-    fn = _cache.get(kernel)
+    key = (kernel, _signature(args, kwargs))
+    fn = _cache.get(key)
     if fn is None:
         options = _options()
         _warn_missing_numerics(options, device_type)
         # fullgraph: a kernel Dynamo cannot trace whole fails here (eager, one warning) instead of running as
         # several graphs with eager code between them (math.gcd in the packing once split every fused pack so)
-        fn = _cache[kernel] = torch.compile(kernel, dynamic=True, fullgraph=True, options=options)
+        fn = _cache[key] = torch.compile(_variant(kernel, len(_cache)), dynamic=True, fullgraph=True,
+                                         options=options)
     try:
         return fn(*args, **kwargs)
     except Exception as exc:  # noqa: BLE001 - any compiler failure falls back to the same ops, eager
-        if _recompile_limit(exc):  # this static-parameter set only: the ones compiled before stay compiled
+        if _recompile_limit(exc):  # this call's shapes only: the ones compiled before stay compiled
             _warn_recompile_limit(kernel)
             return kernel(*args, **kwargs)
         _failed.add(kernel)
-        _cache.pop(kernel, None)
+        for k in [k for k in _cache if k[0] is kernel]:
+            del _cache[k]
         warnings.warn(f"gradpress kit: compiling {kernel.__qualname__} failed ({type(exc).__name__}: {exc}); "
                       "running it eagerly from now on", RuntimeWarning, stacklevel=2)
         return kernel(*args, **kwargs)
 
 
 def _recompile_limit(exc: BaseException) -> bool:
-    """Dynamo's recompile limit (at most 8 compiled graphs per kernel by
-    default), which ``fullgraph`` turns into an exception: the call runs
-    eagerly, the kernel is not marked failed."""
+    """Dynamo's recompile limit (at most 8 compiled graphs per code object
+    by default: here per kernel and signature), which ``fullgraph`` turns
+    into an exception: the call runs eagerly, the kernel is not marked
+    failed."""
     return type(exc).__name__ in ("FailOnRecompileLimitHit", "FailOnCacheLimitHit")
 
 
@@ -230,8 +275,8 @@ def _warn_recompile_limit(kernel: Callable[..., Any]) -> None:
     if kernel not in _warned_limit:
         _warned_limit.add(kernel)
         warnings.warn(f"gradpress kit: {kernel.__qualname__} reached Dynamo's recompile limit (torch._dynamo.config."
-                      "recompile_limit); calls with other static parameters run eagerly, the compiled ones stay "
-                      "compiled", RuntimeWarning, stacklevel=3)
+                      "recompile_limit) for one signature (dtypes and static parameters); calls that need another "
+                      "graph there run eagerly, the compiled ones stay compiled", RuntimeWarning, stacklevel=3)
 
 
 _INTO: dict[Callable[..., Any], Callable[..., None]] = {}
