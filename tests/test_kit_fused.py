@@ -281,3 +281,20 @@ def test_natural_fp64_coins_of_every_row_come_from_their_own_counters(mode: str)
     with compiler.forced(mode):
         got = comp.fields(comp.encode(x, ctx))["codes"]
     assert torch.equal(got, want)
+
+
+def test_a_number_handed_to_a_kernel_every_call_does_not_compile_a_variant_per_value() -> None:
+    """Numbers are left out of a kernel's signature (Dynamo keeps them
+    symbolic): a kernel handed a new int and float on every call, like a
+    step counter, stays one compiled variant."""
+    def scaled(v: torch.Tensor, *, key: torch.Tensor | None, drawn: torch.Tensor | None, step: int,
+               gain: float) -> torch.Tensor:
+        return v * step + gain
+
+    x = torch.randn(20_000)
+    before = compiler.compiled_count()
+    with compiler.forced("on"), warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        for step in range(2, 7):
+            assert torch.equal(kit.elementwise(scaled, x, 1000, step=step, gain=step / 4), x * step + step / 4)
+    assert compiler.compiled_count() == before + 1

@@ -18,8 +18,8 @@ Policy (``GRADPRESS_COMPILE``, read at every call):
 Each kernel is compiled with dynamic shapes, so one compile serves every
 size of one (kernel, dtype, device, static parameters) class; the compiled
 callables are cached here, one per kernel and signature (the tensors' dtypes
-and devices, the static parameters other than floats, which Dynamo keeps
-symbolic), each a code object of its own: Dynamo counts recompiles (at most
+and devices, the static parameters other than numbers, which Dynamo keeps
+symbolic where it can), each a code object of its own: Dynamo counts recompiles (at most
 8) per code object, so one kernel called with several dtypes and widths in
 one process (qsgd at three level counts and four dtypes did) would
 otherwise run its later signatures eagerly. A kernel whose
@@ -129,16 +129,21 @@ def is_compiled(kernel: Callable[..., Any]) -> bool:
     return any(k is kernel for k, _ in _cache)
 
 
+def _numeric(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def _signature(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
     """What a compiled graph specializes on besides shapes: every tensor's
-    dtype and device type, and the static parameters but floats (Dynamo
-    keeps a float symbolic, and ``qsgd``'s level count is one: a variant per
-    value would recompile for every new value)."""
+    dtype and device type, and the static parameters but numbers. Dynamo
+    keeps an int or a float symbolic unless the kernel branches on it (then
+    it recompiles within the variant): a variant per value would compile
+    anew for every value, every step for a kernel handed the step number."""
     def part(v: Any) -> Any:
         return (v.dtype, v.device.type) if isinstance(v, torch.Tensor) else v
 
-    key = tuple(part(a) for a in args) + tuple(
-        (k, part(v)) for k, v in sorted(kwargs.items()) if not isinstance(v, float))
+    key = tuple(part(a) for a in args if not _numeric(a)) + tuple(
+        (k, part(v)) for k, v in sorted(kwargs.items()) if not _numeric(v))
     try:
         hash(key)
     except TypeError:  # an unhashable static parameter: one variant for all of them
