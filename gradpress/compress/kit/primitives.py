@@ -175,9 +175,7 @@ def elementwise(kernel: Callable[..., torch.Tensor], flat: torch.Tensor, chunk: 
     codes 90-100 ms fused against 32-33 ms apart, docs/bench.md). A fused
     kernel's random index comes from an iota, since its packing groups cross
     the key's lane table (:func:`gradpress.compress.kit.rng.element_index`);
-    apart, from the lane table. On CPU TernGrad now packs apart too (with the
-    compiled 2-bit stream pack: 23 against 26 ms on one thread, 14 against
-    12.5-14 on two; with eager's 2-bit pack it had been 33 and 30 ms).
+    apart, from the lane table (TernGrad's choice: gradpress/compress/terngrad.py).
     """
     parts = chunks(flat, max(chunk, 1))
     fuse = fuse_pack and pack in FUSED_WIDTHS and (chunk * pack) % 8 == 0

@@ -52,9 +52,10 @@ _KERNELS: dict[tuple[str, int], Callable[[torch.Tensor], torch.Tensor]] = {}
 
 def _kernel(kind: str, bits: int) -> Callable[[torch.Tensor], torch.Tensor]:
     """The word-group kernel ``kind`` ("pack": codes to bytes, "unpack":
-    int32 words to codes) for one width, a code object of its own: Dynamo
-    keeps compiled graphs (at most 8 recompiles) per code object, and a
-    width is a constant the compile specializes on."""
+    int32 words to codes) for one width, a function of its own (the width a
+    constant the compile specializes on; :func:`compiler.run` compiles each
+    on a code object of its own, so the widths do not share Dynamo's
+    recompile limit)."""
     fn = _KERNELS.get((kind, bits))
     if fn is None:
         per, words = packing.word_group(bits)
@@ -65,7 +66,6 @@ def _kernel(kind: str, bits: int) -> Callable[[torch.Tensor], torch.Tensor]:
             def fn(data: torch.Tensor) -> torch.Tensor:
                 return packing.unpack_words(data.view(-1, words), bits)
         fn.__qualname__ = f"kit.streams.{kind}[{bits} bits]"
-        fn.__code__ = fn.__code__.replace(co_name=f"{kind}_{bits}_bits")
         fn = _KERNELS.setdefault((kind, bits), compiler.cpu_only(fn))
     return fn
 
