@@ -19,7 +19,7 @@ def _fmt(v: Any, spec: str = ".2f") -> str:
 
 
 def format_table(result: dict[str, Any]) -> str:
-    head = (f"{'compressor':<28} {'numel':>10} {'enc GB/s':>9} {'dec GB/s':>9} {'%roof':>6} {'ratio':>8} "
+    head = (f"{'compressor':<28} {'numel':>10} {'enc GB/s':>9} {'dec GB/s':>9} {'into GB/s':>9} {'%roof':>6} {'ratio':>8} "
             f"{'wire bytes':>11} {'rel err':>8} {'dens q':>7} {'vs topk':>8} {'peak/in':>8}")
     lines = [head, "-" * len(head)]
     last = None
@@ -29,7 +29,7 @@ def format_table(result: dict[str, Any]) -> str:
         last = r["numel"]
         lines.append(
             f"{r['compressor'][:28]:<28} {r['numel']:>10,} {_fmt(r['encode_gbps']):>9} {_fmt(r['decode_gbps']):>9} "
-            f"{_fmt(100 * r['encode_roofline_fraction'], '.1f'):>6} {_fmt(r['ratio'], '.1f'):>8} "
+            f"{_fmt(r.get('decode_into_gbps')):>9} {_fmt(100 * r['encode_roofline_fraction'], '.1f'):>6} {_fmt(r['ratio'], '.1f'):>8} "
             f"{r['wire_bytes']:>11,} {_fmt(r['rel_error'], '.4f'):>8} {_fmt(r['density_quality'], '.3f'):>7} "
             f"{_fmt(r['speedup_vs_topk'], '.2f'):>8} {_fmt(r['peak_temp_ratio'], '.2f'):>8}"
         )
@@ -47,7 +47,8 @@ def format_table(result: dict[str, Any]) -> str:
                         if "run_after" in pair else ""))
     env = result.get("env", {})
     if env.get("transparent_hugepage") is not None and any(r["numel"] * 4 > 32 * 2**20 for r in result["rows"]):
-        lines.append(f"decode returns a fresh tensor; above ~32 MB its pages are faulted in on every call "
+        lines.append(f"dec: decode returns a fresh tensor; above ~32 MB its pages are faulted in on every call; into: "
+                     f"decode_into a reused buffer, as aggregation decodes "
                      f"(transparent huge pages: {env['transparent_hugepage'] or 'unknown'}; "
                      f"THP_MEM_ALLOC_ENABLE={env.get('thp_alloc') or 'unset'})")
     for s in result["skipped"]:

@@ -40,6 +40,7 @@ __all__ = [
     "Packet",
     "Param",
     "all_finite",
+    "check_decode_out",
     "derive_seed",
     "generator_for",
 ]
@@ -121,6 +122,15 @@ class Packet:
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+
+def check_decode_out(packet: Packet, out: torch.Tensor) -> None:
+    """Raise ValueError unless ``out`` can take ``packet``'s decoded tensor:
+    contiguous, ``packet.numel`` entries of ``packet.dtype``."""
+    if out.numel() != packet.numel or out.dtype != packet.dtype or not out.is_contiguous():
+        raise ValueError(f"decode_into: out is {tuple(out.shape)} x {out.dtype}"
+                         f"{'' if out.is_contiguous() else ' (not contiguous)'}; allowed: a contiguous tensor of "
+                         f"{packet.numel} entries of {packet.dtype} (the packet's)")
 
 
 @dataclass(frozen=True)
@@ -295,6 +305,18 @@ class Compressor:
 
     def decode(self, packet: Packet) -> torch.Tensor:
         raise NotImplementedError
+
+    def decode_into(self, packet: Packet, out: torch.Tensor) -> torch.Tensor:
+        """:meth:`decode` written into ``out`` (returned): a contiguous
+        tensor of ``packet.numel`` entries of ``packet.dtype``, any shape.
+        Bit-identical to ``decode(packet)``. Aggregation decodes every
+        rank's packet into the same buffers with it: a fresh output of tens
+        of MB costs its page faults on every call, more than many decoders
+        themselves (docs/bench.md, "Decoding into a buffer"). Methods that
+        can write straight into ``out`` override it; this default copies."""
+        check_decode_out(packet, out)
+        out.view(-1).copy_(self.decode(packet).reshape(-1))
+        return out
 
     def wire_bytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
         """Payload bytes for an input of ``numel`` elements (fixed-size

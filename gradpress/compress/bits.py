@@ -78,6 +78,26 @@ def byte_table(bits: int, dtype: torch.dtype, device: torch.device, values: torc
     return (values.to(device)[table] if values is not None else table).to(dtype).reshape(256, per)
 
 
+def unpack_table(table: torch.Tensor, data: torch.Tensor, numel: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The first ``numel`` values of the codes packed in the bytes ``data``,
+    each byte mapped to its row of ``table`` (a ``(256, per)``
+    :func:`byte_table`). ``out``: a flat contiguous buffer of ``numel``
+    entries of the table's dtype, written in place (``index_select`` with
+    int32 indices: the same values, and no int64 index tensor, whose fresh
+    pages cost more than the gather at 25M entries)."""
+    if out is None:
+        return table[data.long()].reshape(-1)[:numel]
+    per = table.shape[1]
+    if out.dim() != 1 or out.numel() != numel or out.dtype != table.dtype or not out.is_contiguous():
+        raise ValueError(f"unpack_table: out is {tuple(out.shape)} x {out.dtype}; allowed: a flat contiguous tensor "
+                         f"of {numel} entries of {table.dtype}")
+    whole = numel // per
+    torch.index_select(table, 0, data[:whole].to(torch.int32), out=out[: whole * per].view(whole, per))
+    if whole * per < numel:  # the last byte holds fewer codes
+        out[whole * per:] = table[data[whole: whole + 1].long()].reshape(-1)[: numel - whole * per]
+    return out
+
+
 # ----- narrow widths (bits < 8), little-endian -------------------------------------
 # Codes are first laid one per byte (uint8), so a group of L = 8 / gcd(bits, 8)
 # codes fills one L-byte machine word. Widths 1, 2, 4 gather the L fields of a

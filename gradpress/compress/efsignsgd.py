@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from gradpress.compress.base import Compressor, Context, Packet, Param
+from gradpress.compress.base import Compressor, Context, Packet, Param, check_decode_out
 from gradpress.compress.numerics import chunks, compute_dtype, host_reads, mean_abs, pack_scale, unpack_scale
 from gradpress.compress.registry import register
 from gradpress.compress.signs import pack_signs, unpack_signs, unpack_two
@@ -78,12 +78,24 @@ class EFSignSGD(Compressor):
         return Packet([pack_scale(scale, x.dtype), pack_signs(p)], x.shape, x.dtype)
 
     def decode(self, packet: Packet) -> torch.Tensor:
+        return self._decode(packet)
+
+    def decode_into(self, packet: Packet, out: torch.Tensor) -> torch.Tensor:
+        if self.chunk != 0:  # type: ignore[attr-defined]
+            return super().decode_into(packet, out)
+        check_decode_out(packet, out)
+        return self._decode(packet, out)
+
+    def _decode(self, packet: Packet, out: torch.Tensor | None = None) -> torch.Tensor:
         scale, data = packet.tensors[0], packet.tensors[1]
         d = math.prod(packet.shape)
         s = unpack_scale(scale, packet.dtype)
         if self.chunk == 0:  # type: ignore[attr-defined]
             s = s.reshape(())
             values = torch.stack([-s, s]).to(packet.dtype)
+            if out is not None:
+                unpack_two(data, d, values, out.view(-1))
+                return out
             return unpack_two(data, d, values).reshape(packet.shape)
         mags = s.to(packet.dtype).repeat_interleave(self.chunk)[:d]  # type: ignore[attr-defined]
         return (unpack_signs(data, d, packet.dtype) * mags).reshape(packet.shape)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from gradpress.compress.base import Compressor, Context, Packet
+from gradpress.compress.base import Compressor, Context, Packet, check_decode_out
 from gradpress.compress.numerics import compute_dtype
 from gradpress.compress.registry import register
 
@@ -58,6 +58,11 @@ class _Cast(Compressor):
 
     def decode(self, packet: Packet) -> torch.Tensor:
         return packet.tensors[0].to(packet.dtype).reshape(packet.shape)
+
+    def decode_into(self, packet: Packet, out: torch.Tensor) -> torch.Tensor:
+        check_decode_out(packet, out)
+        out.view(-1).copy_(packet.tensors[0])
+        return out
 
 
 @register

@@ -80,11 +80,13 @@ class MinMax8(kit.KitCompressor):
         codes = kit.elementwise(_codes, flat, self.chunk, stats, **rnd, stochastic=bool(self.stochastic))
         return {"mins": lo, "maxs": hi, "codes": codes}
 
-    def decode_fields(self, fields: dict[str, torch.Tensor], numel: int, dtype: torch.dtype) -> torch.Tensor:
+    def decode_fields(self, fields: dict[str, torch.Tensor], numel: int, dtype: torch.dtype,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
         f, lo_f, step = _frame(fields["mins"], fields["maxs"])
         stats = (lo_f, step) if f is None else (lo_f, step, f)
         big = torch.finfo(step.dtype).max
-        return kit.elementwise(_values, fields["codes"], self.chunk, stats, big=big).to(dtype)
+        into = out if out is not None and out.dtype == step.dtype else None
+        return kit.elementwise(_values, fields["codes"], self.chunk, stats, big=big, out=into).to(dtype)
 
 
 def _frame(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:

@@ -74,7 +74,8 @@ class OneBit(kit.KitCompressor):
             bits = kit.pack(mask, 1)
         return {"means": pack_scale(means, dtype), "bits": bits}
 
-    def decode_fields(self, fields: dict[str, torch.Tensor], numel: int, dtype: torch.dtype) -> torch.Tensor:
+    def decode_fields(self, fields: dict[str, torch.Tensor], numel: int, dtype: torch.dtype,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
         values = unpack_scale(fields["means"], dtype).flip(0).to(dtype)  # bit 0 -> negative mean, 1 -> non-negative
         data = fields["bits"]
-        return kit.gather(kit.byte_table(1, dtype, data.device, values), data).reshape(-1)[:numel]
+        return kit.unpack_table(kit.byte_table(1, dtype, data.device, values), data, numel, out)

@@ -109,12 +109,14 @@ class QSGD(kit.KitCompressor):
                                 fuse_pack=flat.device.type != "cpu", s=s)
         return {"norms": wire, "codes": codes}
 
-    def decode_fields(self, fields: dict[str, torch.Tensor], numel: int, dtype: torch.dtype) -> torch.Tensor:
+    def decode_fields(self, fields: dict[str, torch.Tensor], numel: int, dtype: torch.dtype,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
         cdt, s = compute_dtype(dtype), float(self.levels)
         n = unpack_scale(fields["norms"], dtype)
         scale = n / s
         # s * (n / s) may round above a norm at the dtype's maximum: step that scale down
         scale = torch.where(torch.isinf(scale * s) & torch.isfinite(n), torch.nextafter(scale, torch.zeros_like(scale)), scale)
         codes = kit.unpack(fields["codes"], self.bits, numel)
-        out = kit.elementwise(_values, codes, self.chunk_size(numel), (scale,), cdt=cdt, wide=self.bits > 8)
-        return out if dtype == cdt else saturate_(out, dtype).to(dtype)
+        res = kit.elementwise(_values, codes, self.chunk_size(numel), (scale,), cdt=cdt, wide=self.bits > 8,
+                              out=out if dtype == cdt else None)
+        return res if dtype == cdt else saturate_(res, dtype).to(dtype)

@@ -16,13 +16,11 @@ Packet: ``[bits (uint8)]``, bit i = (x_i >= 0), packed 8 per byte
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from gradpress.compress.base import Compressor, Context, Packet
 from gradpress.compress.registry import register
-from gradpress.compress.signs import pack_signs, unpack_signs
+from gradpress.compress.signs import decode_signs, pack_signs
 
 
 @register
@@ -40,5 +38,7 @@ class SignSGD(Compressor):
         return Packet([pack_signs(x)], x.shape, x.dtype)
 
     def decode(self, packet: Packet) -> torch.Tensor:
-        d = math.prod(packet.shape)
-        return unpack_signs(packet.tensors[0], d, packet.dtype).reshape(packet.shape)
+        return decode_signs(packet)
+
+    def decode_into(self, packet: Packet, out: torch.Tensor) -> torch.Tensor:
+        return decode_signs(packet, out)

@@ -14,7 +14,6 @@ raises ``ValueError``. Packet and wire size as ``signsgd``: ceil(d/8) bytes.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,7 +22,7 @@ import torch
 from gradpress.compress.base import Compressor, Context, Packet, Param
 from gradpress.compress.numerics import compute_dtype
 from gradpress.compress.registry import register
-from gradpress.compress.signs import pack_signs, unpack_signs
+from gradpress.compress.signs import decode_signs, pack_signs
 
 
 @register
@@ -66,8 +65,10 @@ class Signum(Compressor):
         return (numel + 7) // 8
 
     def decode(self, packet: Packet) -> torch.Tensor:
-        d = math.prod(packet.shape)
-        return unpack_signs(packet.tensors[0], d, packet.dtype).reshape(packet.shape)
+        return decode_signs(packet)
+
+    def decode_into(self, packet: Packet, out: torch.Tensor) -> torch.Tensor:
+        return decode_signs(packet, out)
 
     def state_dict(self) -> dict[str, Any]:
         return {"momentum": {k: v.clone() for k, v in self.buffers.items()}}

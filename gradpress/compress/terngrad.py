@@ -94,8 +94,9 @@ class TernGrad(kit.KitCompressor):
                                 fuse_pack=g.device.type != "cpu")
         return {"scale": wire, "codes": codes}
 
-    def decode_fields(self, fields: dict[str, torch.Tensor], numel: int, dtype: torch.dtype) -> torch.Tensor:
+    def decode_fields(self, fields: dict[str, torch.Tensor], numel: int, dtype: torch.dtype,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
         data = fields["codes"]
         table = torch.tensor([0.0, 1.0, -1.0, 0.0], dtype=compute_dtype(dtype), device=data.device)
         values = (table * unpack_scale(fields["scale"], dtype)).to(dtype)
-        return kit.gather(kit.byte_table(2, dtype, data.device, values), data).reshape(-1)[:numel]
+        return kit.unpack_table(kit.byte_table(2, dtype, data.device, values), data, numel, out)

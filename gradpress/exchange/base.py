@@ -30,7 +30,7 @@ from gradpress.exchange.costs import CostModel
 from gradpress.exchange.feedback import Feedback
 
 __all__ = [
-    "ExchangeResult", "Prelude", "Strategy", "aggregate", "available", "check_strategy", "encode_local", "get_strategy",
+    "ExchangeResult", "Prelude", "Strategy", "aggregate", "aggregate_packets", "available", "check_strategy", "encode_local", "get_strategy",
     "parse_strategy", "register_strategy", "strategy_class", "strategy_names",
 ]
 
@@ -108,6 +108,30 @@ def encode_local(
             r = compressor.residual(x, packet)
             residuals.append(r.div_(scale) if scale != 1.0 else r)
     return packets, residuals
+
+
+def aggregate_packets(compressor: Compressor, packets_by_rank: list[Packet], world_size: int,
+                      out: torch.Tensor | None = None, scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`aggregate` of the ranks' decoded packets, bit for bit, decoded
+    into two buffers instead of one fresh tensor per rank
+    (:meth:`~gradpress.compress.base.Compressor.decode_into`): the sum in
+    ``out`` (when it fits the packets: contiguous, their size and dtype;
+    else a new tensor), every later rank's packet in ``scratch`` (the same
+    size and dtype, reused; a new one where None). At 10M entries a fresh
+    40 MB output cost more page faults than most decoders compute
+    (docs/bench.md, "Decoding into a buffer")."""
+    first = packets_by_rank[0]
+    if out is None or out.numel() != first.numel or out.dtype != first.dtype or not out.is_contiguous():
+        out = torch.empty(first.shape, dtype=first.dtype, device=first.tensors[0].device if first.tensors else None)
+    total = compressor.decode_into(first, out)
+    if len(packets_by_rank) > 1 and (scratch is None or scratch.numel() != first.numel or scratch.dtype != first.dtype
+                                     or not scratch.is_contiguous()):
+        scratch = torch.empty_like(total)
+    for p in packets_by_rank[1:]:
+        total += compressor.decode_into(p, scratch)
+    if compressor.aggregation == "majority":
+        return total.sign_()
+    return total.div_(world_size)
 
 
 def aggregate(compressor: Compressor, decoded_by_rank: list[torch.Tensor], world_size: int) -> torch.Tensor:

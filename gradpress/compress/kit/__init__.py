@@ -37,13 +37,14 @@ from gradpress.compress.kit.primitives import (
     select_topk,
     std,
     uniform,
+    unpack_table,
 )
 from gradpress.compress.kit.rng import counter_bits, counter_uniform, seed_words
 
 __all__ = [
     "Field", "FieldSize", "KitCompressor", "byte_table", "chunks", "compiler", "counter_bits", "counter_uniform",
     "elementwise", "extremes", "gather", "pack", "pack_rows", "pack_signs", "packed_nbytes", "random_bits", "reduce", "scatter", "seed_words",
-    "select_mask", "select_topk", "std", "uniform", "unpack",
+    "select_mask", "select_topk", "std", "uniform", "unpack", "unpack_table",
 ]
 
 

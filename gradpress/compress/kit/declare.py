@@ -10,6 +10,10 @@ A declaration is a subclass that states, besides the usual ``name``,
   ``decode_fields(fields, numel, dtype) -> flat tensor``, written with the
   primitives of :mod:`gradpress.compress.kit.primitives` (``flat`` is the
   input in its compute dtype, fp32 or fp64; ``dtype`` the input's own).
+  A ``decode_fields`` that also takes ``out`` (a flat contiguous tensor of
+  ``numel`` entries of ``dtype``, or None) may write its result there and
+  return it: :meth:`KitCompressor.decode_into` then decodes without a fresh
+  output (what it returns elsewhere is copied into ``out``).
 
 From that the kit derives: the wire layout and the exact byte count for an
 input (:meth:`KitCompressor.layout`, :meth:`wire_bytes`, checked against
@@ -25,11 +29,12 @@ Registration is the ordinary ``@register`` of the compressor registry.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, ClassVar
 
 import torch
 
-from gradpress.compress.base import Compressor, Context, Packet, generator_for
+from gradpress.compress.base import Compressor, Context, Packet, check_decode_out, generator_for
 from gradpress.compress.kit.layout import Field, FieldSize, nbytes, sizes
 from gradpress.compress.kit.rng import MAX_NUMEL, seed_words
 from gradpress.compress.numerics import compute_dtype
@@ -56,6 +61,7 @@ class KitCompressor(Compressor):
             raise TypeError(f"{cls.__name__}.FIELDS repeats a field name: {names}")
         cls.uses_context = cls.RANDOM is not None
         cls.variable_size = any(f.count is None for f in cls.FIELDS)
+        cls._decodes_into = "out" in inspect.signature(cls.decode_fields).parameters
 
     def __init__(self, **params: Any) -> None:
         super().__init__(**params)
@@ -137,3 +143,13 @@ class KitCompressor(Compressor):
     def decode(self, packet: Packet) -> torch.Tensor:
         out = self.decode_fields(self.fields(packet), packet.numel, packet.dtype)
         return out.reshape(packet.shape)
+
+    def decode_into(self, packet: Packet, out: torch.Tensor) -> torch.Tensor:
+        if not self._decodes_into:
+            return super().decode_into(packet, out)
+        check_decode_out(packet, out)
+        flat = out.view(-1)
+        got = self.decode_fields(self.fields(packet), packet.numel, packet.dtype, out=flat)
+        if got.data_ptr() != flat.data_ptr() or got.numel() != flat.numel():  # wrote elsewhere: copy
+            flat.copy_(got.reshape(-1))
+        return out

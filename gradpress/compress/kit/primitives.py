@@ -27,13 +27,14 @@ from typing import Any
 
 import torch
 
+from gradpress.compress.bits import unpack_table
 from gradpress.compress.kit import compiler, packing, rng, streams
 from gradpress.compress.kit.rng import counter_bits, counter_uniform
 from gradpress.compress.numerics import centered_std, chunks, row_norms
 from gradpress.compress.sparse import topk_magnitude
 
 __all__ = ["FUSED_WIDTHS", "chunks", "reduce", "elementwise", "pack_rows", "pack_signs", "std", "extremes", "uniform", "random_bits", "select_topk", "select_mask",
-           "scatter", "gather"]
+           "scatter", "gather", "unpack_table"]
 
 
 #: code widths a kernel packs itself (see :func:`elementwise`)
@@ -148,7 +149,7 @@ def std(flat: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, mean: torch.Tens
 def elementwise(kernel: Callable[..., torch.Tensor], flat: torch.Tensor, chunk: int,
                 per_chunk: tuple[torch.Tensor, ...] = (), key: torch.Tensor | None = None,
                 drawn: torch.Tensor | None = None, pack: int | None = None, fuse_pack: bool = True,
-                **static: Any) -> torch.Tensor:
+                out: torch.Tensor | None = None, **static: Any) -> torch.Tensor:
     """Flat result of ``kernel(v, *stats, key=, drawn=, **static)``
     over ``flat`` cut into chunks (:func:`chunks`); ``v`` is a ``(rows,
     chunk)`` view and each ``per_chunk`` tensor (one entry per chunk) comes
@@ -176,6 +177,10 @@ def elementwise(kernel: Callable[..., torch.Tensor], flat: torch.Tensor, chunk: 
     kernel's random index comes from an iota, since its packing groups cross
     the key's lane table (:func:`gradpress.compress.kit.rng.element_index`);
     apart, from the lane table (TernGrad's choice: gradpress/compress/terngrad.py).
+
+    ``out`` (no ``pack``): a flat contiguous buffer of the result's size and
+    dtype that the compiled kernel writes straight into (decoders: no fresh
+    output, docs/bench.md "Decoding into a buffer"); the result is ``out``.
     """
     parts = chunks(flat, max(chunk, 1))
     fuse = fuse_pack and pack in FUSED_WIDTHS and (chunk * pack) % 8 == 0
@@ -195,14 +200,21 @@ def elementwise(kernel: Callable[..., torch.Tensor], flat: torch.Tensor, chunk: 
         row += rows
     # whole chunks and tail in one buffer: codes a kernel does not pack itself then go through one stream
     # pack; a kernel that packs its rows writes them packed, and the tail's codes are packed behind them
+    if out is not None and (pack is not None or out.numel() != flat.numel() or not out.is_contiguous()):
+        raise ValueError(f"kit.elementwise: out is {tuple(out.shape)} x {out.dtype}; allowed: a contiguous tensor "
+                         f"of {flat.numel()} entries, and no pack")
     if len(calls) == 2 and compiler.will_compile(kernel, calls[0][0].numel(), flat.device.type) \
             and compiler.will_compile(compiler.into(kernel), calls[0][0].numel(), flat.device.type):
-        out = _whole_and_tail(kernel, calls, pack if fuse else None)
-        return out if pack is None or fuse else streams.pack(out, pack)
+        res = _whole_and_tail(kernel, calls, pack if fuse else None, out)
+        return res if pack is None or fuse else streams.pack(res, pack)
+    if out is not None and len(calls) == 1:  # one view: the kernel writes into out (eager: a copy into it)
+        v, stats, kw, _ = calls[0]
+        compiler.run(compiler.into(kernel), v.numel(), out.view(v.shape), v, *stats, **kw)
+        return out
     outs, codes = [], []
     for v, stats, kw, direct in calls:
-        out = compiler.run(kernel, v.numel(), v, *stats, **kw).reshape(-1)
-        (outs if direct else codes).append(out)
+        part = compiler.run(kernel, v.numel(), v, *stats, **kw).reshape(-1)
+        (outs if direct else codes).append(part)
     if pack is not None:
         if codes:
             outs.append(streams.pack(torch.cat(codes) if len(codes) > 1 else codes[0], pack))
@@ -211,11 +223,15 @@ def elementwise(kernel: Callable[..., torch.Tensor], flat: torch.Tensor, chunk: 
     elif not outs:
         return kernel(flat.view(0, 1), *(s[:0, None] if s.dim() else s for s in per_chunk), key=key,
                       drawn=None if drawn is None else drawn.view(0, 1), **static).reshape(-1)
+    if out is not None:
+        return torch.cat(outs, out=out) if len(outs) > 1 else out.copy_(outs[0])
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
-def _whole_and_tail(kernel: Callable[..., torch.Tensor], calls: list, pack: int | None = None) -> torch.Tensor:
-    """The result of the whole chunks and the short last chunk in one buffer:
+def _whole_and_tail(kernel: Callable[..., torch.Tensor], calls: list, pack: int | None = None,
+                    buffer: torch.Tensor | None = None) -> torch.Tensor:
+    """The result of the whole chunks and the short last chunk in one buffer
+    (``buffer`` where given, its size and dtype the result's):
     the tail first (small), the whole chunks' shape and dtype from the kernel
     run eagerly on one row, then the compiled kernel writes the whole chunks
     straight into the buffer. Concatenating the two results instead (a fresh
@@ -229,7 +245,10 @@ def _whole_and_tail(kernel: Callable[..., torch.Tensor], calls: list, pack: int 
     one = {**kw, "drawn": None if kw["drawn"] is None else kw["drawn"][:1]}
     probe = kernel(v[:1], *(s[:1] if s.dim() else s for s in stats), **one)
     width = probe.numel()
-    out = torch.empty(v.shape[0] * width + tail.numel(), dtype=probe.dtype, device=v.device)
+    size = v.shape[0] * width + tail.numel()
+    if buffer is not None and (buffer.numel() != size or buffer.dtype != probe.dtype):
+        raise ValueError(f"kit.elementwise: out is {buffer.numel()} x {buffer.dtype}; the kernel gives {size} x {probe.dtype}")
+    out = torch.empty(size, dtype=probe.dtype, device=v.device) if buffer is None else buffer
     compiler.run(compiler.into(kernel), v.numel(), out[: v.shape[0] * width].view(v.shape[0], width), v, *stats, **kw)
     out[v.shape[0] * width:] = tail
     return out

@@ -37,7 +37,7 @@ from gradpress.exchange.base import (
     ExchangeResult,
     Prelude,
     Strategy,
-    aggregate,
+    aggregate_packets,
     encode_local,
     register_strategy,
 )
@@ -127,9 +127,18 @@ class Allgather(Strategy):
                 total.div_(self.world_size)
                 results.append(out[i] if dst is not None and out is not None else total.view(p.shape))
             return results
-        decoded_by_rank = [[compressor.decode(p) for p in theirs] for theirs in by_rank]
-        return [aggregate(compressor, [decoded_by_rank[r][i] for r in range(len(buffers))], self.world_size)
-                for i in range(len(packets))]
+        # each rank's packet decoded into one scratch buffer and added into the caller's output where it fits
+        results, scratch = [], None
+        for i, p in enumerate(packets):
+            dst = _flat_out(out, i, p)
+            if dst is not None and _shares_storage(p, dst):  # this rank's payload is the output itself ("none")
+                dst = None
+            if scratch is None or scratch.numel() < p.numel or scratch.dtype != p.dtype:
+                scratch = torch.empty(p.numel, dtype=p.dtype, device=_device(p)) if len(buffers) > 1 else None
+            total = aggregate_packets(compressor, [by_rank[r][i] for r in range(len(buffers))], self.world_size, dst,
+                                      None if scratch is None else scratch[: p.numel])
+            results.append(out[i] if dst is not None and out is not None else total.view(p.shape))
+        return results
 
 def _sparse(compressor: Compressor, packets: list[Packet]) -> bool:
     """Whether every packet is ``[values, integer flat indices]`` of a method
@@ -139,6 +148,16 @@ def _sparse(compressor: Compressor, packets: list[Packet]) -> bool:
         return False
     return all(len(p.tensors) == 2 and p.tensors[1].device.type == "cpu" and not p.tensors[1].is_floating_point()
                and p.tensors[0].is_floating_point() for p in packets)
+
+
+def _shares_storage(packet: Packet, t: torch.Tensor) -> bool:
+    """Whether a payload tensor of ``packet`` lives in ``t``'s storage."""
+    ptr = t.untyped_storage().data_ptr()
+    return any(p.untyped_storage().data_ptr() == ptr for p in packet.tensors)
+
+
+def _device(packet: Packet) -> torch.device | None:
+    return packet.tensors[0].device if packet.tensors else None
 
 
 def _flat_out(out: list[torch.Tensor] | None, i: int, packet: Packet) -> torch.Tensor | None:

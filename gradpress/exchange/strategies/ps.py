@@ -37,7 +37,14 @@ import torch
 import torch.distributed as dist
 
 from gradpress.compress.base import Compressor, Context, Packet
-from gradpress.exchange.base import ExchangeResult, Prelude, Strategy, aggregate, encode_local, register_strategy
+from gradpress.exchange.base import (
+    ExchangeResult,
+    Prelude,
+    Strategy,
+    aggregate_packets,
+    encode_local,
+    register_strategy,
+)
 from gradpress.exchange.costs import CostModel
 from gradpress.exchange.feedback import Feedback, namespace
 from gradpress.exchange.strategies.recompress import densified, recompress, template, unsupported_reason
@@ -153,7 +160,7 @@ class ParameterServer(Strategy):
                 own = packets[i]
                 out_packets.append(Packet(payloads, own.shape, own.dtype, dict(own.meta)))
             else:
-                avg = aggregate(compressor, [compressor.decode(by_rank[q][j]) for q in range(n)], n)
+                avg = aggregate_packets(compressor, [by_rank[q][j] for q in range(n)], n)
                 rctx = Context(key=f"{ctxs[i].key}#ps", step=ctxs[i].step, rank=me, world_size=n, seed=ctxs[i].seed)
                 pk, _ = recompress(root_comp, avg, rctx, feedback, Feedback.key(ROOT, rctx.key))
                 out_packets.append(pk)
