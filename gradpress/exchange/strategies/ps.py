@@ -67,7 +67,6 @@ class ParameterServer(Strategy):
         super().__init__(group)
         self.roots: dict[str, int] = {}
         self._next_root = 0
-        self._dense: tuple[Compressor, Compressor] | None = None
 
     def supports(self, compressor: Compressor) -> str | None:
         return unsupported_reason(compressor, "ps")
@@ -112,10 +111,13 @@ class ParameterServer(Strategy):
         return root
 
     def root_compressor(self, compressor: Compressor) -> Compressor:
-        """The compressor a root re-encodes with (cached densified copy)."""
-        if self._dense is None or self._dense[0] is not compressor:
-            self._dense = (compressor, densified(compressor, self.world_size))
-        return self._dense[1]
+        """The compressor a root re-encodes with: a densified shallow copy,
+        made afresh per call so that it shares the state ``compressor`` holds
+        *now* (never cached: a ``load_state_dict``, a checkpoint or the
+        snapshot ``nonfinite='skip'`` restores, gives ``compressor`` new
+        state objects, and a cached copy would keep learning into the old
+        ones, out of every later ``state_dict``)."""
+        return densified(compressor, self.world_size)
 
     def exchange(
         self, compressor: Compressor, tensors: list[torch.Tensor], ctxs: list[Context],
