@@ -56,7 +56,8 @@ from gradpress.algorithms.registry import register
 from gradpress.compress.base import Param
 
 PARAMS = (
-    Param("freeze_step", int, 100, "integer >= 0", lambda v: v >= 0,
+    # >= 1: with no warm-up v stays 0, every momentum is masked (v == 0) and no parameter ever moves
+    Param("freeze_step", int, 100, "integer >= 1", lambda v: v >= 1,
           "exact-Adam warm-up steps, after which the variance is frozen (15-25% of the run in the paper)"),
     BIAS_PARAM,
 )

@@ -49,7 +49,8 @@ from gradpress.algorithms.registry import register
 from gradpress.compress.base import Param
 
 PARAMS = (
-    Param("var_freeze_step", int, 100000, "integer >= 0", lambda v: v >= 0,
+    # >= 1: the anchor of the local steps and the variance they divide by come from the variance phase
+    Param("var_freeze_step", int, 100000, "integer >= 1", lambda v: v >= 1,
           "last step of the variance phase; local steps after it"),
     Param("var_update_scaler", int, 16, "integer >= 1", lambda v: v >= 1,
           "kappa: variance updates between doublings of their interval"),
