@@ -22,7 +22,9 @@ The user's ``torch.optim.Adam`` / ``AdamW`` only supplies hyperparameters:
 ``decoupled_weight_decay``) decays the parameters, ``Adam`` adds ``wd * p``
 to the gradient, as torch does. The algorithm keeps ``m``, ``v``, the step
 counters and (in the engine) both residuals; the optimizer's own state stays
-empty. ``amsgrad``, ``maximize`` and other optimizers are refused.
+empty. ``amsgrad``, ``maximize`` and other optimizers are refused, and so
+is a trainable parameter the optimizer holds but the model does not (the
+algorithm never calls ``optimizer.step()``: it would never be trained).
 
 Bias correction: torch's. The update is ``p -= lr / (1 - b1^t) * m /
 (sqrt(v / (1 - b2^s)) + eps)`` with ``t`` the steps taken and ``s`` the
@@ -109,6 +111,14 @@ class CompressedAdam(Algorithm):
         if missing:
             raise ValueError(f"algorithm {self.name!r}: parameter {missing[0]!r} is not in the optimizer; "
                              "the optimizer must hold every trainable parameter of the model")
+        mine = {id(p) for _, p in self.named}
+        for g, group in enumerate(opt.param_groups):  # this class steps self.named, never optimizer.step()
+            for p in group["params"]:
+                if p.requires_grad and id(p) not in mine:
+                    raise ValueError(f"algorithm {self.name!r}: optimizer param_groups[{g}] holds a parameter of "
+                                     f"shape {tuple(p.shape)} that is not a trainable parameter of the model; it "
+                                     "would never be trained (the algorithm steps the model's parameters itself): "
+                                     "register it in the model or freeze it (requires_grad=False)")
         self._group_of = [owner[id(p)] for _, p in self.named]
         self.exp_avg = [torch.zeros_like(p, memory_format=torch.preserve_format) for _, p in self.named]
         self.exp_avg_sq = [torch.zeros_like(p, memory_format=torch.preserve_format) for _, p in self.named]
