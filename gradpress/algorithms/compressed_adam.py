@@ -141,10 +141,24 @@ class CompressedAdam(Algorithm):
         decoupled = isinstance(self.optimizer, torch.optim.AdamW) or bool(g.get("decoupled_weight_decay", False))
         return float(g["lr"]), float(b1), float(b2), float(g["eps"]), float(g["weight_decay"]), decoupled
 
-    def _exact_average(self, grads: list[torch.Tensor]) -> None:
-        """Average ``grads`` uncompressed, in place (DDP's reduction)."""
+    def _exact_average(self, grads: list[torch.Tensor]) -> bool:
+        """Average ``grads`` uncompressed, in place (DDP's reduction), with
+        the engine's NaN/Inf protocol: a non-finite gradient on any rank
+        makes the sums non-finite on every rank, so every rank decides the
+        same. False: drop this step (``nonfinite='skip'``); ``raise`` raises
+        ``FloatingPointError`` naming the tensors; ``propagate`` (no host
+        sync) always gives True."""
         self.average_plain(grads)
         self._exchanges += 1
+        assert self.engine is not None
+        if self.engine.nonfinite == "propagate":
+            return True
+        bad = [n for (n, _), g in zip(self.named, grads) if not bool(torch.isfinite(g).all())]
+        if bad and self.engine.nonfinite == "raise":
+            raise FloatingPointError(f"gradpress: non-finite gradient (NaN/Inf) in {', '.join(map(repr, bad))} at "
+                                     f"{self.name} step {self.t} on at least one rank (nonfinite='raise'; use 'skip' "
+                                     "to drop such steps)")
+        return not bad
 
     @torch.no_grad()
     def _moments(self, grads: list[torch.Tensor], update_v: bool) -> None:

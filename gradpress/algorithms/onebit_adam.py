@@ -84,8 +84,7 @@ class OneBitAdam(CompressedAdam):
         self._begin_step()
         grads = self.gradients()
         if not compressed:
-            self._exact_average(grads)
-            if skip and not all(bool(torch.isfinite(g).all()) for g in grads):  # the same sums on every rank
+            if not self._exact_average(grads):  # nonfinite='skip' and a NaN/Inf sum (the same on every rank)
                 self.t -= 1
                 return
             self._moments(grads, update_v=True)

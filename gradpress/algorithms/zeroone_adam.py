@@ -93,13 +93,18 @@ class ZeroOneAdam(CompressedAdam):
         self._begin_step()
         grads = self.gradients()
         if self.t % self.var_interval == 0:
-            self._exact_average(grads)
+            if not self._exact_average(grads):  # nonfinite='skip' and a NaN/Inf sum (the same on every rank)
+                self.t -= 1
+                return
             self._moments(grads, update_v=True)
             self.var_counter += 1
             if self.var_counter == self.var_update_scaler:  # type: ignore[attr-defined]
                 self.var_counter, self.var_interval = 0, self.var_interval * 2
         else:
             self.sync(grads)
+            if self.engine is not None and self.engine.last_step_skipped:  # nonfinite='skip': every rank drops it
+                self.t -= 1
+                return
             self._mask_unseen(grads)
             self._moments(grads, update_v=False)
         self._apply()
