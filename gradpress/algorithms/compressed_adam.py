@@ -22,7 +22,9 @@ The user's ``torch.optim.Adam`` / ``AdamW`` only supplies hyperparameters:
 ``decoupled_weight_decay``) decays the parameters, ``Adam`` adds ``wd * p``
 to the gradient, as torch does. The algorithm keeps ``m``, ``v``, the step
 counters and (in the engine) both residuals; the optimizer's own state stays
-empty. ``amsgrad``, ``maximize`` and other optimizers are refused.
+empty. ``amsgrad``, ``maximize`` and other optimizers are refused, and so
+is a trainable parameter the optimizer holds but the model does not (the
+algorithm never calls ``optimizer.step()``: it would never be trained).
 
 Bias correction: torch's. The update is ``p -= lr / (1 - b1^t) * m /
 (sqrt(v / (1 - b2^s)) + eps)`` with ``t`` the steps taken and ``s`` the
@@ -109,6 +111,14 @@ class CompressedAdam(Algorithm):
         if missing:
             raise ValueError(f"algorithm {self.name!r}: parameter {missing[0]!r} is not in the optimizer; "
                              "the optimizer must hold every trainable parameter of the model")
+        mine = {id(p) for _, p in self.named}
+        for g, group in enumerate(opt.param_groups):  # this class steps self.named, never optimizer.step()
+            for p in group["params"]:
+                if p.requires_grad and id(p) not in mine:
+                    raise ValueError(f"algorithm {self.name!r}: optimizer param_groups[{g}] holds a parameter of "
+                                     f"shape {tuple(p.shape)} that is not a trainable parameter of the model; it "
+                                     "would never be trained (the algorithm steps the model's parameters itself): "
+                                     "register it in the model or freeze it (requires_grad=False)")
         self._group_of = [owner[id(p)] for _, p in self.named]
         self.exp_avg = [torch.zeros_like(p, memory_format=torch.preserve_format) for _, p in self.named]
         self.exp_avg_sq = [torch.zeros_like(p, memory_format=torch.preserve_format) for _, p in self.named]
@@ -131,10 +141,24 @@ class CompressedAdam(Algorithm):
         decoupled = isinstance(self.optimizer, torch.optim.AdamW) or bool(g.get("decoupled_weight_decay", False))
         return float(g["lr"]), float(b1), float(b2), float(g["eps"]), float(g["weight_decay"]), decoupled
 
-    def _exact_average(self, grads: list[torch.Tensor]) -> None:
-        """Average ``grads`` uncompressed, in place (DDP's reduction)."""
+    def _exact_average(self, grads: list[torch.Tensor]) -> bool:
+        """Average ``grads`` uncompressed, in place (DDP's reduction), with
+        the engine's NaN/Inf protocol: a non-finite gradient on any rank
+        makes the sums non-finite on every rank, so every rank decides the
+        same. False: drop this step (``nonfinite='skip'``); ``raise`` raises
+        ``FloatingPointError`` naming the tensors; ``propagate`` (no host
+        sync) always gives True."""
         self.average_plain(grads)
         self._exchanges += 1
+        assert self.engine is not None
+        if self.engine.nonfinite == "propagate":
+            return True
+        bad = [n for (n, _), g in zip(self.named, grads) if not bool(torch.isfinite(g).all())]
+        if bad and self.engine.nonfinite == "raise":
+            raise FloatingPointError(f"gradpress: non-finite gradient (NaN/Inf) in {', '.join(map(repr, bad))} at "
+                                     f"{self.name} step {self.t} on at least one rank (nonfinite='raise'; use 'skip' "
+                                     "to drop such steps)")
+        return not bad
 
     @torch.no_grad()
     def _moments(self, grads: list[torch.Tensor], update_v: bool) -> None:

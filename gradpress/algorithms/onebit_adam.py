@@ -56,7 +56,8 @@ from gradpress.algorithms.registry import register
 from gradpress.compress.base import Param
 
 PARAMS = (
-    Param("freeze_step", int, 100, "integer >= 0", lambda v: v >= 0,
+    # >= 1: with no warm-up v stays 0, every momentum is masked (v == 0) and no parameter ever moves
+    Param("freeze_step", int, 100, "integer >= 1", lambda v: v >= 1,
           "exact-Adam warm-up steps, after which the variance is frozen (15-25% of the run in the paper)"),
     BIAS_PARAM,
 )
@@ -83,8 +84,7 @@ class OneBitAdam(CompressedAdam):
         self._begin_step()
         grads = self.gradients()
         if not compressed:
-            self._exact_average(grads)
-            if skip and not all(bool(torch.isfinite(g).all()) for g in grads):  # the same sums on every rank
+            if not self._exact_average(grads):  # nonfinite='skip' and a NaN/Inf sum (the same on every rank)
                 self.t -= 1
                 return
             self._moments(grads, update_v=True)

@@ -49,7 +49,8 @@ from gradpress.algorithms.registry import register
 from gradpress.compress.base import Param
 
 PARAMS = (
-    Param("var_freeze_step", int, 100000, "integer >= 0", lambda v: v >= 0,
+    # >= 1: the anchor of the local steps and the variance they divide by come from the variance phase
+    Param("var_freeze_step", int, 100000, "integer >= 1", lambda v: v >= 1,
           "last step of the variance phase; local steps after it"),
     Param("var_update_scaler", int, 16, "integer >= 1", lambda v: v >= 1,
           "kappa: variance updates between doublings of their interval"),
@@ -92,13 +93,18 @@ class ZeroOneAdam(CompressedAdam):
         self._begin_step()
         grads = self.gradients()
         if self.t % self.var_interval == 0:
-            self._exact_average(grads)
+            if not self._exact_average(grads):  # nonfinite='skip' and a NaN/Inf sum (the same on every rank)
+                self.t -= 1
+                return
             self._moments(grads, update_v=True)
             self.var_counter += 1
             if self.var_counter == self.var_update_scaler:  # type: ignore[attr-defined]
                 self.var_counter, self.var_interval = 0, self.var_interval * 2
         else:
             self.sync(grads)
+            if self.engine is not None and self.engine.last_step_skipped:  # nonfinite='skip': every rank drops it
+                self.t -= 1
+                return
             self._mask_unseen(grads)
             self._moments(grads, update_v=False)
         self._apply()
