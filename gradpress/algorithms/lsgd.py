@@ -234,10 +234,11 @@ class LSGD(Algorithm):
     @torch.no_grad()
     def _move_toward(self, pulls: list[tuple[float, list[torch.Tensor]]]) -> None:
         """``x <- x + sum_k c_k (t_k - x)`` for every parameter, all pulls from
-        the same ``x``; one pull is ``lerp_`` (weight 1: exactly the target's)."""
+        the same ``x``; one pull is ``lerp_``, or with weight 1 a copy (exactly
+        the target's, even from a NaN ``x``, which ``lerp_`` would keep)."""
         for i, (_, p) in enumerate(self.named):
             if len(pulls) == 1:
-                p.lerp_(pulls[0][1][i], pulls[0][0])
+                p.copy_(pulls[0][1][i]) if pulls[0][0] == 1 else p.lerp_(pulls[0][1][i], pulls[0][0])
             else:
                 x = p.detach().clone()
                 for c, target in pulls:
@@ -334,7 +335,9 @@ class LSGD(Algorithm):
         leader's parameters arrive exactly)."""
         c = self.c  # type: ignore[attr-defined]
         w = (1 - c) / self.world_size + (c if self.rank == src else 0.0)
-        summed, sent = fused_allreduce([p.detach() * w for _, p in self.named], self.group)
+        # weight 0 sends zeros, not 0 * x (NaN where a diverged worker's x is)
+        summed, sent = fused_allreduce([p.detach() * w if w else torch.zeros_like(p) for _, p in self.named],
+                                       self.group)
         self._count(sent)
         for (_, p), s in zip(self.named, summed):
             p.copy_(s)
