@@ -101,3 +101,8 @@ def test_lsgd_c_one_pulls_a_nan_worker_onto_the_leader_bit_for_bit() -> None:
         # the election after the second step: rank 0 (finite loss) leads; c = 1 copies it on every rank
         assert torch.equal(r0[key][1], r1[key][1]), (key, torch.isnan(r1[key][1]).sum())
         assert torch.isfinite(r1[key][3]).all() and torch.equal(r0[key][3], r1[key][3]), key
+
+
+def test_lsgd_a_nan_loss_never_leads_against_an_infinite_loss() -> None:
+    r0, r1 = results()
+    assert r0["inf"] == r1["inf"] == [1]

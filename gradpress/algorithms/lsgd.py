@@ -256,10 +256,11 @@ class LSGD(Algorithm):
         dist.all_gather(losses, mine.reshape(()).to(device), group=self.group)
         self._count(8)
         values = [float(v) for v in losses]
-        key = [(v if not math.isnan(v) else math.inf, r) for r, v in enumerate(values)]
+        # NaN after every number, +inf included: a NaN loss never leads unless every loss is NaN
+        key = [(math.isnan(v), v if not math.isnan(v) else 0.0, r) for r, v in enumerate(values)]
         size = self.world_size // self.groups  # type: ignore[attr-defined]
-        self.leaders = {"global": min(key)[1],
-                        "local": [min(key[g * size:(g + 1) * size])[1] for g in range(self.groups)]}  # type: ignore[attr-defined]
+        self.leaders = {"global": min(key)[-1],
+                        "local": [min(key[g * size:(g + 1) * size])[-1] for g in range(self.groups)]}  # type: ignore[attr-defined]
         self.last_losses = torch.tensor(values, dtype=torch.float64)
         return self.last_losses
 
