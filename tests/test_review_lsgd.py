@@ -106,3 +106,13 @@ def test_lsgd_c_one_pulls_a_nan_worker_onto_the_leader_bit_for_bit() -> None:
 def test_lsgd_a_nan_loss_never_leads_against_an_infinite_loss() -> None:
     r0, r1 = results()
     assert r0["inf"] == r1["inf"] == [1]
+
+
+def test_lsgd_eval_model_is_the_leaders_model_on_every_rank_buffers_included() -> None:
+    r0, r1 = results()
+    leader = (r0, r1)[r0["eval"]["leader"]]["eval"]["own"]
+    assert r0["eval"]["leader"] == r1["eval"]["leader"]
+    assert not torch.equal(r0["eval"]["own"]["1.running_mean"], r1["eval"]["own"]["1.running_mean"])
+    for r in (r0, r1):
+        for k, v in leader.items():
+            assert torch.equal(r["eval"]["eval"][k], v), k

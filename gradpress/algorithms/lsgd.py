@@ -270,10 +270,11 @@ class LSGD(Algorithm):
                                          tensor_bytes={}, end_of_step=end_of_step)
         self._last["bytes"] += sent
 
-    def broadcast_params(self, src: int, group: dist.ProcessGroup, count: bool = True) -> list[torch.Tensor]:
-        """Rank ``src``'s (group rank of ``self.group``) parameters, on every rank of ``group``."""
-        params = [p.detach() for _, p in self.named]
-        out = [p.clone() for p in params]
+    def broadcast_params(self, src: int, group: dist.ProcessGroup, count: bool = True,
+                         tensors: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """Rank ``src``'s (group rank of ``self.group``) parameters (or its
+        ``tensors``), on every rank of ``group``."""
+        out = [t.detach().clone() for t in (tensors if tensors is not None else [p for _, p in self.named])]
         by_dtype: dict[torch.dtype, list[int]] = {}
         for i, p in enumerate(out):
             by_dtype.setdefault(p.dtype, []).append(i)
@@ -367,8 +368,10 @@ class LSGD(Algorithm):
         params = self.broadcast_params(self.leaders["global"], self.group, count=False)
         for p, src in zip([q for q in self._eval.parameters() if q.requires_grad], params):
             p.copy_(src)
-        for mine, theirs in zip(self._eval.buffers(), self.model.buffers()):
-            mine.copy_(theirs)
+        own = [b for b in self.model.buffers() if b.numel()]  # the leader's too (BatchNorm statistics)
+        theirs = self.broadcast_params(self.leaders["global"], self.group, count=False, tensors=own)
+        for mine, t in zip([b for b in self._eval.buffers() if b.numel()], theirs):
+            mine.copy_(t)
         return self._eval
 
     # ------------------------------------------------------------------ state
