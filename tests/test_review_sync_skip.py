@@ -78,3 +78,62 @@ def test_synchronous_phase_skips_the_optimizer_step_of_a_skipped_exchange() -> N
         assert torch.equal(r0[key]["params"], r1[key]["params"]), key
         err = (r0[key]["params"] - want).abs().max()
         assert torch.allclose(r0[key]["params"], want, rtol=0, atol=1e-12), (key, err)
+
+
+OUTER_LR, OUTER_MU, PERIOD = 0.7, 0.9, 2
+
+
+def _diloco_skip_worker(rank: int, world: int) -> dict:
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    algo = algorithms.create(f"diloco:period={PERIOD},outer_lr={OUTER_LR},outer_momentum={OUTER_MU}", model, opt,
+                             nonfinite="skip")
+    for step in range(3 * PERIOD):
+        opt.zero_grad()
+        loss = loss_of(model, rank, step)
+        if rank == 1 and step == PERIOD:  # rank 1 diverges in the second period
+            loss = loss * math.nan
+        loss.backward()
+        algo.step()
+    algo.close()
+    return {"params": flat(model), "theta": torch.cat([a.reshape(-1) for a in algo.anchor])}
+
+
+def ref_diloco_skipping(periods: int, skipped: int) -> torch.Tensor:
+    """DiLoCo by its definition, float64: each period the workers take plain
+    SGD steps from theta, Delta = mean_i(theta - x_i), v <- mu v + Delta
+    (v <- Delta at the first step), theta <- theta - lr (Delta + mu v); the
+    period ``skipped`` (a rank's outer gradient is NaN) leaves theta and v
+    untouched and every worker restarts from theta."""
+    theta = [p.detach().clone() for p in make_model().parameters()]
+    v: list[torch.Tensor] | None = None
+    for period in range(periods):
+        deltas = []
+        for rank in range(2):
+            m = make_model()
+            with torch.no_grad():
+                for p, t in zip(m.parameters(), theta):
+                    p.copy_(t)
+            for step in range(period * PERIOD, (period + 1) * PERIOD):
+                m.zero_grad()
+                loss_of(m, rank, step).backward()
+                with torch.no_grad():
+                    for p in m.parameters():
+                        p -= LR * p.grad
+            deltas.append([t - p.detach() for t, p in zip(theta, m.parameters())])
+        if period == skipped:
+            continue
+        mean = [(a + b) / 2 for a, b in zip(*deltas)]
+        v = [d.clone() for d in mean] if v is None else [OUTER_MU * b + d for b, d in zip(v, mean)]
+        theta = [t - OUTER_LR * (d + OUTER_MU * b) for t, d, b in zip(theta, mean, v)]
+    return torch.cat([t.reshape(-1) for t in theta])
+
+
+def test_diloco_outer_step_of_a_skipped_exchange_leaves_theta_and_momentum_alone() -> None:
+    want = ref_diloco_skipping(3, skipped=1)
+    r0, r1 = run_workers(_diloco_skip_worker, 2)
+    for r in (r0, r1):
+        assert torch.equal(r["params"], r0["params"]) and torch.equal(r["theta"], r0["theta"])
+        err = (r["theta"] - want).abs().max()
+        assert torch.allclose(r["theta"], want, rtol=0, atol=1e-12), err
+        assert torch.equal(r["params"], r["theta"])
