@@ -137,3 +137,30 @@ def test_diloco_outer_step_of_a_skipped_exchange_leaves_theta_and_momentum_alone
         err = (r["theta"] - want).abs().max()
         assert torch.allclose(r["theta"], want, rtol=0, atol=1e-12), err
         assert torch.equal(r["params"], r["theta"])
+
+
+def _streaming_skip_worker(rank: int, world: int) -> dict:
+    """F = 1, T = 0, alpha = 0: DiLoCo, merged through Streaming DiLoCo's path."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    spec = (f"streaming-diloco:period={PERIOD},fragments=1,overlap=0,alpha=0,outer_lr={OUTER_LR},"
+            f"outer_momentum={OUTER_MU}")
+    algo = algorithms.create(spec, model, opt, nonfinite="skip")
+    for step in range(3 * PERIOD):
+        opt.zero_grad()
+        loss = loss_of(model, rank, step)
+        if rank == 1 and step == PERIOD:
+            loss = loss * math.nan
+        loss.backward()
+        algo.step()
+    algo.close()
+    return {"params": flat(model), "theta": torch.cat([a.reshape(-1) for a in algo.anchor])}
+
+
+def test_streaming_merge_of_a_skipped_exchange_leaves_theta_alone_and_alpha_zero_copies_it() -> None:
+    want = ref_diloco_skipping(3, skipped=1)
+    r0, r1 = run_workers(_streaming_skip_worker, 2)
+    for r in (r0, r1):
+        err = (r["theta"] - want).abs().max()
+        assert torch.allclose(r["theta"], want, rtol=0, atol=1e-12), err
+        assert torch.equal(r["params"], r["theta"]), torch.isnan(r["params"]).sum()  # alpha = 0: theta exactly
