@@ -203,16 +203,24 @@ class Algorithm:
     def ddp_step(self, keys: list[str] | None = None) -> None:
         """DDP's step: average the gradients through the engine (keyed as
         :meth:`sync`), average the floating buffers, then the (identical)
-        local optimizer step; the step's bytes are those of the averaging."""
+        local optimizer step; the step's bytes are those of the averaging.
+        A step the engine skipped (``nonfinite=skip``: some rank's gradient
+        was not finite) counts as a step but leaves the optimizer alone on
+        every rank (parameters and momentum untouched), as DDP's loop does."""
         grads = self.gradients()
         self._last["bytes"] = self._last["host"] = 0
         self.sync(grads, keys=keys)
         for (_, p), g in zip(self.named, grads):
             if p.grad is None:
                 p.grad = g
+        skipped = self.engine is not None and self.engine.last_step_skipped
         self.average_plain(list(self.model.buffers()))
         sent, host = self._last["bytes"], self._last["host"]
-        self.local_step()
+        if skipped:  # nonfinite=skip dropped this step on every rank: DDP skips the optimizer step too
+            self._steps += 1
+            self._reset_last()
+        else:
+            self.local_step()
         self._last["bytes"], self._last["host"] = sent, host
 
     def sync(self, tensors: list[torch.Tensor], keys: list[str] | None = None) -> None:

@@ -221,7 +221,11 @@ class DiLoCo(Algorithm):
     @torch.no_grad()
     def outer_step(self, idx: Sequence[int]) -> None:
         """Average the outer gradient of ``idx`` through the engine, step
-        ``theta`` and restart those parameters from it."""
+        ``theta`` and restart those parameters from it. An exchange the
+        engine skipped (``nonfinite=skip``: some rank's outer gradient was
+        not finite) leaves ``theta`` and the outer momentum untouched (the
+        outer optimizer is not stepped on the zeroed average); the workers
+        still restart from ``theta``."""
         idx = list(idx)
         deltas = self.outer_gradient(idx)
         assert self.engine is not None
@@ -241,7 +245,8 @@ class DiLoCo(Algorithm):
             self.sync(deltas, keys=[self.named[i][0] for i in idx])
             if keep:
                 kept = [self.engine.feedback.current(self.named[i][0], self.named[i][1]) for i in idx]
-        self.apply_outer(idx, deltas)
+        if not self.engine.last_step_skipped:  # nonfinite=skip: theta and its momentum stay, workers restart
+            self.apply_outer(idx, deltas)
         for n, i in enumerate(idx):
             p = self.named[i][1]
             if keep:  # theta - e: the worker keeps the part of its own change it did not send

@@ -234,10 +234,11 @@ class LSGD(Algorithm):
     @torch.no_grad()
     def _move_toward(self, pulls: list[tuple[float, list[torch.Tensor]]]) -> None:
         """``x <- x + sum_k c_k (t_k - x)`` for every parameter, all pulls from
-        the same ``x``; one pull is ``lerp_`` (weight 1: exactly the target's)."""
+        the same ``x``; one pull is ``lerp_``, or with weight 1 a copy (exactly
+        the target's, even from a NaN ``x``, which ``lerp_`` would keep)."""
         for i, (_, p) in enumerate(self.named):
             if len(pulls) == 1:
-                p.lerp_(pulls[0][1][i], pulls[0][0])
+                p.copy_(pulls[0][1][i]) if pulls[0][0] == 1 else p.lerp_(pulls[0][1][i], pulls[0][0])
             else:
                 x = p.detach().clone()
                 for c, target in pulls:
@@ -255,10 +256,11 @@ class LSGD(Algorithm):
         dist.all_gather(losses, mine.reshape(()).to(device), group=self.group)
         self._count(8)
         values = [float(v) for v in losses]
-        key = [(v if not math.isnan(v) else math.inf, r) for r, v in enumerate(values)]
+        # NaN after every number, +inf included: a NaN loss never leads unless every loss is NaN
+        key = [(math.isnan(v), v if not math.isnan(v) else 0.0, r) for r, v in enumerate(values)]
         size = self.world_size // self.groups  # type: ignore[attr-defined]
-        self.leaders = {"global": min(key)[1],
-                        "local": [min(key[g * size:(g + 1) * size])[1] for g in range(self.groups)]}  # type: ignore[attr-defined]
+        self.leaders = {"global": min(key)[-1],
+                        "local": [min(key[g * size:(g + 1) * size])[-1] for g in range(self.groups)]}  # type: ignore[attr-defined]
         self.last_losses = torch.tensor(values, dtype=torch.float64)
         return self.last_losses
 
@@ -268,10 +270,11 @@ class LSGD(Algorithm):
                                          tensor_bytes={}, end_of_step=end_of_step)
         self._last["bytes"] += sent
 
-    def broadcast_params(self, src: int, group: dist.ProcessGroup, count: bool = True) -> list[torch.Tensor]:
-        """Rank ``src``'s (group rank of ``self.group``) parameters, on every rank of ``group``."""
-        params = [p.detach() for _, p in self.named]
-        out = [p.clone() for p in params]
+    def broadcast_params(self, src: int, group: dist.ProcessGroup, count: bool = True,
+                         tensors: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """Rank ``src``'s (group rank of ``self.group``) parameters (or its
+        ``tensors``), on every rank of ``group``."""
+        out = [t.detach().clone() for t in (tensors if tensors is not None else [p for _, p in self.named])]
         by_dtype: dict[torch.dtype, list[int]] = {}
         for i, p in enumerate(out):
             by_dtype.setdefault(p.dtype, []).append(i)
@@ -334,7 +337,9 @@ class LSGD(Algorithm):
         leader's parameters arrive exactly)."""
         c = self.c  # type: ignore[attr-defined]
         w = (1 - c) / self.world_size + (c if self.rank == src else 0.0)
-        summed, sent = fused_allreduce([p.detach() * w for _, p in self.named], self.group)
+        # weight 0 sends zeros, not 0 * x (NaN where a diverged worker's x is)
+        summed, sent = fused_allreduce([p.detach() * w if w else torch.zeros_like(p) for _, p in self.named],
+                                       self.group)
         self._count(sent)
         for (_, p), s in zip(self.named, summed):
             p.copy_(s)
@@ -363,8 +368,10 @@ class LSGD(Algorithm):
         params = self.broadcast_params(self.leaders["global"], self.group, count=False)
         for p, src in zip([q for q in self._eval.parameters() if q.requires_grad], params):
             p.copy_(src)
-        for mine, theirs in zip(self._eval.buffers(), self.model.buffers()):
-            mine.copy_(theirs)
+        own = [b for b in self.model.buffers() if b.numel()]  # the leader's too (BatchNorm statistics)
+        theirs = self.broadcast_params(self.leaders["global"], self.group, count=False, tensors=own)
+        for mine, t in zip([b for b in self._eval.buffers() if b.numel()], theirs):
+            mine.copy_(t)
         return self._eval
 
     # ------------------------------------------------------------------ state

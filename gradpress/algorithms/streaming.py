@@ -136,6 +136,7 @@ class StreamingDiLoCo(DiLoCo):
         before = self.engine.stats["bytes_sent"]
         self.engine.sync([self.named[i][0] for i in self.frags[item["fragment"]]], item["deltas"],
                          step=item["exchange"])
+        item["skipped"] = self.engine.last_step_skipped  # nonfinite=skip: merged without an outer step
         if item["buffers"]:
             t0 = time.perf_counter()
             summed, sent = fused_allreduce([b / self.world_size for b in item["buffers"]], self.group)
@@ -155,10 +156,12 @@ class StreamingDiLoCo(DiLoCo):
         """Apply an averaged outer gradient: outer step, then mix the local fragment."""
         self._wait(item)
         idx = self.frags[item["fragment"]]
-        self.apply_outer(idx, item["deltas"])
+        if not item.get("skipped", False):  # a skipped exchange leaves theta and its momentum alone
+            self.apply_outer(idx, item["deltas"])
         weight = 1.0 - self.alpha  # type: ignore[attr-defined]
-        for i in idx:
-            self.named[i][1].lerp_(self.anchor[i], weight)  # weight 1 is an exact copy
+        for i in idx:  # weight 1: an exact copy (lerp_ would keep a diverged worker's NaN)
+            p = self.named[i][1]
+            p.copy_(self.anchor[i]) if weight == 1 else p.lerp_(self.anchor[i], weight)
         for b, avg in zip(self._float_buffers(), item["buffers"]):
             b.copy_(avg)
         self._last["bytes"] += item["bytes"]
@@ -194,6 +197,7 @@ class StreamingDiLoCo(DiLoCo):
 
     def extra_state(self) -> dict[str, Any]:
         pending = [{"fragment": it["fragment"], "due": it["due"], "exchange": it["exchange"], "bytes": it["bytes"],
+                    "skipped": bool(it.get("skipped", False)),
                     "deltas": [d.clone() for d in it["deltas"]], "buffers": [b.clone() for b in it["buffers"]]}
                    for it in self.pending]
         return {**super().extra_state(), "pending": pending, "merged_bytes": self.merged_bytes}
@@ -208,6 +212,7 @@ class StreamingDiLoCo(DiLoCo):
                 raise ValueError(f"{self.name} state: a pending fragment does not match this model")
             self.pending.append({"fragment": int(it["fragment"]), "due": int(it["due"]),
                                  "exchange": int(it["exchange"]), "bytes": int(it["bytes"]),
+                                 "skipped": bool(it.get("skipped", False)),
                                  "deltas": [d.clone() for d in it["deltas"]],
                                  "buffers": [b.clone() for b in it["buffers"]]})
 
