@@ -53,6 +53,8 @@ def test_tbq_matches_its_formula_on_every_dtype(tbq) -> None:
             out = comp.decode(packet)
             assert out.dtype == dtype and out.shape == x.shape
             assert torch.equal(out, want), (dtype, d)
+            buf = torch.full((d,), float("nan"), dtype=dtype)
+            assert comp.decode_into(packet, buf) is buf and torch.equal(buf, want.reshape(-1)), (dtype, d)
             assert packet.nbytes == comp.wire_bytes(d, dtype) == (2 * d + 7) // 8
 
 
