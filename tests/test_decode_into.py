@@ -159,3 +159,20 @@ def test_allgather_average_written_into_the_inputs_is_exact() -> None:
         torch.testing.assert_close(res[0]["none"]["avg"][i].to(torch.float64), exact, rtol=1e-6, atol=1e-6)
         fp16 = torch.stack([res[r]["fp16"]["mine"][i].half().to(torch.float64) for r in range(world)]).mean(0)
         torch.testing.assert_close(res[0]["fp16"]["avg"][i].to(torch.float64), fp16, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("spec", SPECS)
+def test_residual_is_the_input_minus_its_decode(spec: str, dtype: torch.dtype) -> None:
+    """What error feedback keeps, ``p - decode(packet)``, computed in float64
+    here (exact for these dtypes' differences up to one rounding); the
+    packet is unchanged by it, even where it is the input itself (``none``)."""
+    for n in (1, 1000):
+        x = _input(n, dtype, 3)
+        comp, pk = _packet(spec, x)
+        sent = [t.clone() for t in pk.tensors]
+        want = (x.to(torch.float64) - comp.decode(pk).to(torch.float64)).to(dtype)
+        got = comp.residual(x.clone() if spec != "none" else x, pk)
+        assert got.dtype == dtype and got.shape == x.shape
+        assert torch.equal(_bits(got), _bits(want)) or torch.equal(got, want), (spec, dtype, n)
+        assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(pk.tensors, sent)), (spec, "packet changed")

@@ -123,6 +123,12 @@ class Packet:
     def numel(self) -> int:
         return math.prod(self.shape)
 
+    def aliases(self, t: torch.Tensor) -> bool:
+        """Whether a payload tensor lives in ``t``'s storage (``none``'s
+        payload is its input): writing into ``t`` would change the packet."""
+        ptr = t.untyped_storage().data_ptr()
+        return any(p.untyped_storage().data_ptr() == ptr for p in self.tensors)
+
 
 def check_decode_out(packet: Packet, out: torch.Tensor) -> None:
     """Raise ValueError unless ``out`` can take ``packet``'s decoded tensor:
@@ -334,6 +340,9 @@ class Compressor:
         if self.exact_values and len(packet.tensors) >= 2 and p.is_contiguous():
             p.view(-1).index_fill_(0, packet.tensors[1].long(), 0)
             return p
+        if p.dtype == packet.dtype and p.is_contiguous() and p.numel() == packet.numel and not packet.aliases(p):
+            # in place: one fresh buffer (the decode) instead of two, the same bits as p - decode(packet)
+            return p.sub_(self.decode_into(packet, torch.empty_like(p)).view(p.shape))
         return p - self.decode(packet).to(p.dtype)
 
     def values_dtype(self, dtype: torch.dtype) -> torch.dtype:

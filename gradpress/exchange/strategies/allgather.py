@@ -131,7 +131,7 @@ class Allgather(Strategy):
         results, scratch = [], None
         for i, p in enumerate(packets):
             dst = _flat_out(out, i, p)
-            if dst is not None and _shares_storage(p, dst):  # this rank's payload is the output itself ("none")
+            if dst is not None and p.aliases(dst):  # this rank's payload is the output itself ("none")
                 dst = None
             if scratch is None or scratch.numel() < p.numel or scratch.dtype != p.dtype:
                 scratch = torch.empty(p.numel, dtype=p.dtype, device=_device(p)) if len(buffers) > 1 else None
@@ -148,12 +148,6 @@ def _sparse(compressor: Compressor, packets: list[Packet]) -> bool:
         return False
     return all(len(p.tensors) == 2 and p.tensors[1].device.type == "cpu" and not p.tensors[1].is_floating_point()
                and p.tensors[0].is_floating_point() for p in packets)
-
-
-def _shares_storage(packet: Packet, t: torch.Tensor) -> bool:
-    """Whether a payload tensor of ``packet`` lives in ``t``'s storage."""
-    ptr = t.untyped_storage().data_ptr()
-    return any(p.untyped_storage().data_ptr() == ptr for p in packet.tensors)
 
 
 def _device(packet: Packet) -> torch.device | None:
