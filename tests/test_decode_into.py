@@ -78,15 +78,34 @@ def test_decode_into_compiled_whole_chunks_and_tail(spec: str) -> None:
         assert torch.equal(_bits(out), _bits(eager)), (spec, n)
 
 
+@pytest.mark.parametrize("layout", ["words", "offset", "bytes"])
 @pytest.mark.parametrize("mode", ["off", "on"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_natural_decode_is_the_signed_power_of_two_of_its_code(mode: str, dtype: torch.dtype) -> None:
+def test_natural_decode_is_the_signed_power_of_two_of_its_code(mode: str, dtype: torch.dtype, layout: str,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """Code c, sign bit s (bit j of byte i for entry 8i + j): (-1)^s 2^(c - 127),
-    code 0 a (signed) zero, 255 an infinity; computed here in float64."""
-    n = 70001 if mode == "on" else 1003
+    code 0 a (signed) zero, 255 an infinity; computed here in float64. The
+    sign field read as int64 words (``words``), from a received buffer at
+    an odd byte offset (``offset``), and as bytes (``bytes``: the
+    big-endian path, taken here by pretending)."""
+    if layout == "bytes":
+        monkeypatch.setattr("gradpress.compress.natural.sys.byteorder", "big")
+    for n in (70001, 70016) if mode == "on" else (1003, 1024):  # 70016 and 1024: whole 8-byte sign words
+        _check_natural(n, dtype, layout, mode)
+
+
+def _check_natural(n: int, dtype: torch.dtype, layout: str, mode: str) -> None:
     x = _input(n, dtype, 5)
     x[5] = float("inf")
     comp, pk = _packet("natural", x)
+    if layout == "offset":  # the payload inside a received buffer, 3 bytes in
+        buf = torch.zeros(3 + pk.nbytes, dtype=torch.uint8)
+        pos, tensors = 3, []
+        for t in pk.tensors:
+            buf[pos: pos + t.numel()] = t
+            tensors.append(buf[pos: pos + t.numel()])
+            pos += t.numel()
+        pk.tensors = tensors
     codes, signs = comp.fields(pk)["codes"], comp.fields(pk)["signs"]
     sign_bits = (signs.to(torch.int64).repeat_interleave(8) >> torch.arange(8).repeat(signs.numel())) & 1
     c = codes.to(torch.float64)

@@ -38,6 +38,7 @@ hand-written version is :mod:`gradpress.compress.handwritten.natural`.
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 
@@ -90,9 +91,23 @@ def _round64(x: torch.Tensor, *, key: torch.Tensor | None, drawn: torch.Tensor |
 
 
 def _values(c: torch.Tensor, signs: torch.Tensor, *, key: torch.Tensor | None, drawn: torch.Tensor | None) -> torch.Tensor:
-    """fp32 values of a row of exponent codes: ``code << 23``, sign bit j of the row's byte in bit 31."""
-    lane = torch.arange(c.shape[1], dtype=torch.int32, device=c.device)
-    return ((c.to(torch.int32) << 23) | (((signs.to(torch.int32) >> lane) & 1) << 31)).view(torch.float32)
+    """fp32 values of a row of exponent codes: ``code << 23``, with sign bit
+    j of the row's sign word (int64: 64 entries' bits, little-endian; or one
+    byte) in bit 31."""
+    lane = torch.arange(c.shape[1], dtype=signs.dtype, device=c.device)
+    return ((c.to(torch.int32) << 23) | (((signs >> lane) & 1) << 31).to(torch.int32)).view(torch.float32)
+
+
+def _sign_words(signs: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``(per-row sign words, row width)``: the packed sign bytes as int64
+    words of 64 entries each on little-endian machines (zero-padded to whole
+    words, copied where the field starts off an 8-byte boundary), else the
+    bytes themselves, rows of 8 (10M entries, one thread: 1.7 against 19 ms)."""
+    if sys.byteorder != "little":
+        return signs.to(torch.int32), 8
+    if signs.numel() % 8 or signs.storage_offset() % 8 or signs.data_ptr() % 8:
+        signs = torch.cat([signs, signs.new_zeros(-signs.numel() % 8)])
+    return signs.view(torch.int64), 64
 
 
 @register
@@ -120,7 +135,8 @@ class Natural(kit.KitCompressor):
 
     def decode_fields(self, fields: dict[str, torch.Tensor], numel: int, dtype: torch.dtype,
                       out: torch.Tensor | None = None) -> torch.Tensor:
-        # rows of 8 entries, each with its byte of sign bits: one compiled pass (10M entries, one thread: 12 ms into
+        # rows of 64 entries, each with its word of sign bits: one compiled pass (10M entries, one thread: 1.7 ms into
         # a buffer, against 45 ms for the exponents and a gather of the signs into fresh tensors)
+        words, width = _sign_words(fields["signs"])
         into = out if out is not None and dtype == torch.float32 else None
-        return kit.elementwise(_values, fields["codes"], 8, (fields["signs"],), out=into).to(dtype)
+        return kit.elementwise(_values, fields["codes"], width, (words,), out=into).to(dtype)
