@@ -58,6 +58,11 @@ Invariants:
   flight and saves their averaged results with the step they are due, the
   momentum buffers and the engine's residuals; a resumed run is
   bit-identical to one that never stopped.
+* ``nonfinite='skip'``: a dropped step applies nothing and, with the
+  Comprex optimizer, leaves every rank's momentum as it was (restored after
+  the inline exchange); it is refused with ``update=comprex`` and
+  staleness >= 1, where the next steps' momentum is formed before the
+  dropped step's verdict arrives.
 * A dead or stuck peer during a background exchange raises
   :class:`~gradpress.exchange.background.BackgroundError` in the training
   thread (after at most the group's ``timeout``), never a hang.
@@ -145,6 +150,12 @@ class Comprex(Algorithm):
             raise ValueError(f"algorithm {self.name!r}: parameter 'lookahead' is 'on' but 'update' is "
                              f"{self.update!r}; allowed: lookahead=on with update=comprex (the prediction "  # type: ignore[attr-defined]
                              "uses the local momentum only the Comprex optimizer keeps), or lookahead=auto/off")
+        self._skip = self.engine.config().get("nonfinite", "propagate") == "skip"
+        if self._skip and self.update == "comprex" and self.staleness > 0:  # type: ignore[attr-defined]
+            raise ValueError(f"algorithm {self.name!r}: nonfinite='skip' with update='comprex' needs staleness=0, "
+                             f"got staleness={self.staleness}: a skipped step must leave the momentum as it "  # type: ignore[attr-defined]
+                             "was, but the next steps' momentum is formed before its verdict arrives; allowed: "
+                             "staleness=0, update=optimizer, or nonfinite='propagate'/'raise'")
         self.lookahead_on = self.lookahead == "on" or (  # type: ignore[attr-defined]
             self.lookahead == "auto" and self.update == "comprex" and self.staleness > 0)  # type: ignore[attr-defined]
         self.look: LookAhead | None = None
@@ -188,6 +199,8 @@ class Comprex(Algorithm):
         """Launch this step's exchange; apply the one launched ``staleness``
         steps ago; re-broadcast when due."""
         t = self._steps
+        # nonfinite=skip (staleness 0): a dropped step leaves the momentum as it was on every rank
+        before = self.momentum_state.state_dict() if self._skip and self.update == "comprex" else None  # type: ignore[attr-defined]
         item: dict[str, Any] = {"step": t, "exchange": self._exchanges, "ratio": self.schedule_fn(t),
                                 "update": self._payload(), "bytes": 0, "skipped": False}
         if self.look is not None:  # this rank's stand-in for the update in flight
@@ -197,6 +210,8 @@ class Comprex(Algorithm):
         name = f"of step {t}"
         if self.staleness == 0:  # type: ignore[attr-defined]
             self.background.run(name, lambda: self._exchange(item))
+            if before is not None and item["skipped"]:
+                self.momentum_state.load_state_dict(before)
         else:
             # compression here, in the training thread, while the thread's exchange is on the wire
             ahead = self.engine.prepare([n for n, _ in self.named], item["update"], step=item["exchange"]) \

@@ -28,7 +28,9 @@ a step schedule (step t counts optimizer steps from 0):
    by allreduce and decoded once.
 
 The leader (master) is ``t mod N`` (rotating) or the fixed rank ``master``.
-Error feedback is on in phases 2 and 3 (one flat residual per rank).
+Error feedback is on in phases 2 and 3 (one flat residual per rank); at the
+first phase-2 step it takes over what phase 1's compressor left in the
+engine's residuals, so nothing phase 1 dropped is abandoned.
 Defaults (ring, ratio 3e-3, 200 dense steps) are the ones measured in
 docs/lgc.md: on mnist1d-cnn the paper's PS setting (ratio 1e-3, innovation
 1e-5) loses several points of accuracy; ring at 3e-3 stays near DDP.
@@ -159,6 +161,7 @@ class LGC(Algorithm):
         step, phase = self._steps, self.phase
         self._last["bytes"] = self._last["host"] = 0
         params = [p for _, p in self.named]
+        self._adopt_phase1_residual()
         flat = torch.cat([g.reshape(-1) for g in self.gradients()])
         acc = flat + self.residual
         leader = self.leader_at(step)
@@ -184,6 +187,20 @@ class LGC(Algorithm):
         sent = self._last["bytes"]
         self.local_step()
         self._last["bytes"] = sent
+
+    def _adopt_phase1_residual(self) -> None:
+        """Move what phase 1's compressor left in the engine's worker
+        residuals (keyed by parameter name) into the flat residual, so that
+        error feedback releases it in phases 2 and 3 instead of abandoning it.
+        Once, at the first compressed step (a no-op afterwards: nothing is left)."""
+        assert self.engine is not None
+        store = self.engine.feedback.residuals
+        offset = 0
+        for name, p in self.named:
+            held = store.pop(name, None)
+            if held is not None and held.numel() == p.numel():
+                self.residual[offset : offset + p.numel()] += held.reshape(-1).to(self.residual.dtype)
+            offset += p.numel()
 
     def _latent_exchange(self, acc: torch.Tensor, leader: int) -> Exchanged:
         if self.variant == "ps":  # type: ignore[attr-defined]
