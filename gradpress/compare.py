@@ -120,7 +120,7 @@ def _ref_runs(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _mean_final(runs: list[dict[str, Any]]) -> float | None:
-    vals = [s["final_metric"] for s in runs if s["final_metric"] is not None]
+    vals = [s["final_metric"] for s in runs if s["final_metric"] is not None and math.isfinite(s["final_metric"])]
     return sum(vals) / len(vals) if vals else None
 
 

@@ -3,7 +3,8 @@
 implementation of the aggregation both tables use).
 
 A *quantity* over seeds is a list with one value per seed, ``None`` where
-the run has none (it did not reach the target). :func:`stat` summarizes it:
+the run has none (it did not reach the target); a NaN or infinite value (a
+diverged run) counts as ``None``: it never enters mean, std, min or max. :func:`stat` summarizes it:
 ``n`` (seeds), ``k`` (seeds with a value), ``mean``, ``std`` (sample
 standard deviation, ddof=1; 0 for one value), ``min``, ``max`` over the
 ``k`` values, and ``values`` (per seed, ``None`` kept). :func:`fmt` writes
@@ -82,7 +83,7 @@ def parse_lr_grid(value: str | Sequence[float] | None, default_lr: float | None 
 
 
 def stat(values: Iterable[float | None]) -> dict[str, Any]:
-    vals = list(values)
+    vals = [None if v is None or not math.isfinite(v) else v for v in values]
     got = [float(v) for v in vals if v is not None]
     out: dict[str, Any] = {"n": len(vals), "k": len(got), "values": vals}
     if got:
