@@ -58,8 +58,12 @@ HOOK_FORMAT = "gradpress-hook/2"
 _OLD_FORMAT = "gradpress-hook/1"
 
 
-def strip_module(name: str) -> str:
-    return name[len("module."):] if name.startswith("module.") else name
+def strip_module(names: Sequence[str]) -> list[str]:
+    """``names`` less a wrapper's ``module.`` prefix, only when every name has
+    it: two parameters never share a key (a submodule ``module`` beside ``weight``)."""
+    if names and all(n.startswith("module.") for n in names):
+        return [n[len("module."):] for n in names]
+    return list(names)
 
 
 #: builds the engine for these (name, parameter) pairs; collective (own group, agreement, plan)
@@ -133,7 +137,8 @@ class GradpressHook:
             model = model.module
         if not isinstance(model, torch.nn.Module):
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        named = [(strip_module(n), p) for n, p in model.named_parameters()]
+        pairs = list(model.named_parameters())
+        named = list(zip(strip_module([n for n, _ in pairs]), (p for _, p in pairs)))
         if self._engine is not None:
             if {id(p): n for n, p in named} != self._names:
                 raise ValueError("this gradpress hook state is already bound to another model's parameters; "
