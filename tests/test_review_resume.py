@@ -1,9 +1,13 @@
 """Review D: what a resumed training run must carry over from its checkpoint
-besides the model (the divergence step)."""
+besides the model (the divergence step), and which resumes are the same run
+(a compressor spelled another way)."""
 
 from __future__ import annotations
 
+import pytest
+
 from gradpress import train
+from gradpress.train import checkpoint
 
 
 def test_resume_keeps_the_step_the_loss_first_became_non_finite(tmp_path):
@@ -19,3 +23,17 @@ def test_resume_keeps_the_step_the_loss_first_became_non_finite(tmp_path):
     resumed = train.run(dict(common, out=str(tmp_path / "part"), resume=True))
     assert resumed["steps"] == full["steps"]
     assert resumed["diverged_at_step"] == full["diverged_at_step"]
+
+
+@pytest.mark.parametrize("saved,given", [("topk", "topk:ratio=0.01"), ("qsgd:levels=16,bucket=512", "qsgd"),
+                                         ("topk:ratio=0.01", "topk:ratio=1e-2")])
+def test_resume_accepts_the_same_compressor_spelled_another_way(tmp_path, saved, given):
+    """Defaults written out or not, the compressor is the same and the run
+    continues exactly: resuming must not be refused."""
+    ck = train.make_config({"workload": "digits-mlp", "out": str(tmp_path), "compressor": saved})
+    cfg = train.make_config({"workload": "digits-mlp", "out": str(tmp_path), "compressor": given})
+    state = {"format": checkpoint.FORMAT, "config": checkpoint.compat(ck, 2)}
+    checkpoint.check_resume(state, cfg, 2)
+    other = train.make_config({"workload": "digits-mlp", "out": str(tmp_path), "compressor": "topk:ratio=0.02"})
+    with pytest.raises(ValueError, match=r"compressor: checkpoint has .*, this run has 'topk:ratio=0.02'"):
+        checkpoint.check_resume(state, other, 2)

@@ -131,9 +131,24 @@ def check_resume(state: Any, cfg: TrainConfig, world: int) -> None:
         raise ValueError(f"resume: {cfg.out}/{CHECKPOINT} is not a gradpress training checkpoint "
                          f"(format {found!r}; allowed: {FORMAT!r}, {_LEGACY!r})")
     theirs, mine = state["config"], compat(cfg, world)
-    diffs = [f"{k}: checkpoint has {theirs.get(k)!r}, this run has {mine[k]!r}" for k in mine if theirs.get(k) != mine[k]]
+    diffs = [f"{k}: checkpoint has {theirs.get(k)!r}, this run has {mine[k]!r}" for k in mine
+             if not _same(k, theirs.get(k), mine[k])]
     if diffs:
         raise ValueError("resume: the checkpoint is from a different configuration (" + "; ".join(diffs) + ")")
+
+
+def _same(key: str, theirs: Any, mine: Any) -> bool:
+    """Whether a checkpoint's setting ``key`` is this run's. Compressor specs
+    compare in their canonical form (``topk`` is ``topk:ratio=0.01``): the
+    same compressor spelled another way continues the same run."""
+    if key == "compressor" and isinstance(theirs, str) and isinstance(mine, str) and theirs != mine:
+        from gradpress.compress import create
+
+        try:
+            return create(theirs).spec() == create(mine).spec()
+        except ValueError:
+            return False
+    return theirs == mine
 
 
 def rank_state(state: Mapping[str, Any], rank: int, key: str) -> Any:
