@@ -37,3 +37,17 @@ def test_resume_accepts_the_same_compressor_spelled_another_way(tmp_path, saved,
     other = train.make_config({"workload": "digits-mlp", "out": str(tmp_path), "compressor": "topk:ratio=0.02"})
     with pytest.raises(ValueError, match=r"compressor: checkpoint has .*, this run has 'topk:ratio=0.02'"):
         checkpoint.check_resume(state, other, 2)
+
+
+def test_a_batch_larger_than_a_workers_shard_fails_before_any_worker_starts(tmp_path, monkeypatch):
+    """docs/train.md: bad values fail before any worker starts. 256 samples
+    over 2 workers leave 128 per worker: batch 200 gives no full batch."""
+    import torch.distributed.launcher.api as elastic
+
+    def no_workers(*args, **kwargs):
+        raise AssertionError("workers were started for a batch size that cannot work")
+
+    monkeypatch.setattr(elastic, "elastic_launch", no_workers)
+    with pytest.raises(ValueError, match=r"batch_size 200 x 2 workers exceeds the 256 training samples"):
+        train.run({"workload": "digits-mlp", "hidden": 8, "samples": 256, "batch_size": 200, "nproc": 2,
+                   "out": str(tmp_path), "progress": False})
