@@ -51,3 +51,21 @@ def test_a_batch_larger_than_a_workers_shard_fails_before_any_worker_starts(tmp_
     with pytest.raises(ValueError, match=r"batch_size 200 x 2 workers exceeds the 256 training samples"):
         train.run({"workload": "digits-mlp", "hidden": 8, "samples": 256, "batch_size": 200, "nproc": 2,
                    "out": str(tmp_path), "progress": False})
+
+
+def test_resume_keeps_the_metrics_lines_before_a_torn_last_line(tmp_path):
+    """A run that died while rank 0 appended a metrics line (disk full, power
+    loss) leaves half a line at the end of metrics.jsonl. Resuming keeps the
+    complete lines up to the checkpoint's step and drops the torn one; it
+    raised json.JSONDecodeError on rank 0 alone, and the other ranks then
+    waited in a collective for --timeout (a 2-worker resume hung)."""
+    import json
+
+    from gradpress.train.report import METRICS, MetricsLog
+
+    rows = [{"step": s, "loss": 2.0 - s / 10, "bytes": 100.0} for s in range(1, 6)]
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    (tmp_path / METRICS).write_text(text + '{"step": 6, "loss": 1.4, "by')
+    MetricsLog(tmp_path, 0, resumed_at=4)
+    kept = [json.loads(line) for line in (tmp_path / METRICS).read_text().splitlines()]
+    assert kept == rows[:4]
