@@ -13,7 +13,9 @@ file + rename) after every epoch and at the end (format ``gradpress-train/2``):
   ``replicated = True``) also that rank's ``model`` and ``optimizer``
   (restored after the algorithm is built, since building takes rank 0's
   parameters);
-* ``step_times``, ``history``.
+* ``step_times``, ``history``, ``diverged_at_step`` (the first step whose
+  loss was NaN/Inf, or None: a run goes on past it only with
+  ``--allow-divergence``, and a resumed run reports that step, not a later one).
 
 Everything is tensors, numbers, strings, lists and dicts, so the file loads
 with ``torch.load(..., weights_only=True)``. Checkpoints written before
@@ -129,9 +131,24 @@ def check_resume(state: Any, cfg: TrainConfig, world: int) -> None:
         raise ValueError(f"resume: {cfg.out}/{CHECKPOINT} is not a gradpress training checkpoint "
                          f"(format {found!r}; allowed: {FORMAT!r}, {_LEGACY!r})")
     theirs, mine = state["config"], compat(cfg, world)
-    diffs = [f"{k}: checkpoint has {theirs.get(k)!r}, this run has {mine[k]!r}" for k in mine if theirs.get(k) != mine[k]]
+    diffs = [f"{k}: checkpoint has {theirs.get(k)!r}, this run has {mine[k]!r}" for k in mine
+             if not _same(k, theirs.get(k), mine[k])]
     if diffs:
         raise ValueError("resume: the checkpoint is from a different configuration (" + "; ".join(diffs) + ")")
+
+
+def _same(key: str, theirs: Any, mine: Any) -> bool:
+    """Whether a checkpoint's setting ``key`` is this run's. Compressor specs
+    compare in their canonical form (``topk`` is ``topk:ratio=0.01``): the
+    same compressor spelled another way continues the same run."""
+    if key == "compressor" and isinstance(theirs, str) and isinstance(mine, str) and theirs != mine:
+        from gradpress.compress import create
+
+        try:
+            return create(theirs).spec() == create(mine).spec()
+        except ValueError:
+            return False
+    return theirs == mine
 
 
 def rank_state(state: Mapping[str, Any], rank: int, key: str) -> Any:
@@ -158,10 +175,11 @@ def _atomic_save(obj: Any, path: Path) -> None:
 
 def save(path: Path, cfg: TrainConfig, world: int, rank: int, device: torch.device, model: torch.nn.Module,
          opt: torch.optim.Optimizer, algo: Any, nxt: tuple[int, int], step: int, step_times: list[float],
-         history: list[dict[str, Any]]) -> None:
+         history: list[dict[str, Any]], diverged_at: int | None = None) -> None:
     """Gather every rank's algorithm and RNG state on rank 0 (and model and
     optimizer, unless the algorithm keeps replicas identical), which writes
-    one file atomically."""
+    one file atomically. ``diverged_at``: the first step whose loss was not
+    finite (None: none so far)."""
     mine: dict[str, Any] = {"algorithm": algo.state_dict(), "rng": rng_state(device)}
     if not getattr(algo, "replicated", False):
         mine["model"] = model.state_dict()
@@ -172,7 +190,7 @@ def save(path: Path, cfg: TrainConfig, world: int, rank: int, device: torch.devi
         _atomic_save({
             "format": FORMAT, "config": compat(cfg, world), "epoch": nxt[0], "batch": nxt[1], "step": step,
             "model": model.state_dict(), "optimizer": opt.state_dict(), "ranks": gathered,
-            "step_times": list(step_times), "history": list(history),
+            "step_times": list(step_times), "history": list(history), "diverged_at_step": diverged_at,
         }, path)
     dist.barrier()
 

@@ -159,12 +159,17 @@ def _start_forkserver() -> None:
 
 def _preload(cfg: TrainConfig) -> None:
     """Build the data once in the launcher, so that generated data land in
-    the cache before the workers look for them (and a bad workload option
-    fails here, before any worker starts). The workers' imports happen in
-    the fork server (:data:`FORKSERVER_PRELOAD`) or in each spawned worker,
-    not here: the launcher itself does not train."""
-    workloads.build(cfg.workload, data=cfg.data, hidden=cfg.hidden, params=cfg.params,
-                    samples=cfg.samples, text_bytes=cfg.text_bytes)
+    the cache before the workers look for them (and a bad workload option,
+    or a batch size that leaves a worker no full batch, fails here, before
+    any worker starts). The workers' imports happen in the fork server
+    (:data:`FORKSERVER_PRELOAD`) or in each spawned worker, not here: the
+    launcher itself does not train."""
+    from gradpress.train.loop import steps_per_epoch
+
+    wl = workloads.build(cfg.workload, data=cfg.data, hidden=cfg.hidden, params=cfg.params,
+                         samples=cfg.samples, text_bytes=cfg.text_bytes)
+    assert cfg.nproc is not None and cfg.batch_size is not None
+    steps_per_epoch(len(wl.train[1]), cfg.nproc, cfg.batch_size, cfg.workload)
 
 
 def _exit_codes(exc: BaseException) -> dict[int, tuple[int, int | None]]:

@@ -42,14 +42,20 @@ def dumps(obj: Any, **kw: Any) -> str:
 
 
 def _read_metrics(path: Path, upto_step: int) -> list[dict[str, Any]]:
+    """The complete lines of ``path`` up to step ``upto_step``. A line that
+    is not a JSON object with a ``step`` is skipped: only the last line can
+    be one, torn by a run that died while writing it (after its last
+    checkpoint, so it is redone anyway)."""
     if not path.exists():
         return []
     rows = []
-    for line in path.read_text().splitlines():
-        if line.strip():
+    for line in path.read_text(errors="replace").splitlines():
+        try:
             row = json.loads(line)
-            if row["step"] <= upto_step:
-                rows.append(row)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= upto_step:
+            rows.append(row)
     return rows
 
 

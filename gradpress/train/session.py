@@ -76,7 +76,9 @@ class _Logger:
         self.last_bytes = run.algo.stats["bytes_sent"]
         #: first step (on any rank) whose loss was not finite; inf while none (no host sync per step)
         self.bad_step = torch.full((), math.inf, dtype=torch.float64, device=run.device)
-        self.diverged_at: int | None = None
+        #: the first non-finite step of the whole run (restored on resume: it may precede the checkpoint)
+        self.diverged_at: int | None = run.diverged_at
+        self.seen_bad = False  # a non-finite loss seen since this process started
         self.events: Any = None  # TensorBoard event files (rank 0, --tensorboard)
         if cfg.tensorboard is not None and run.rank == 0:
             from gradpress.tensorboard import EventWriter
@@ -114,9 +116,11 @@ class _Logger:
         dist.all_reduce(mean_loss)
         bad = self.bad_step.clone()
         dist.all_reduce(bad, op=dist.ReduceOp.MIN)
-        diverged_now = self.diverged_at is None and math.isfinite(float(bad))
+        diverged_now = not self.seen_bad and math.isfinite(float(bad))
         if diverged_now:
-            self.diverged_at = int(bad)
+            self.seen_bad = True
+            if self.diverged_at is None:
+                self.diverged_at = int(bad)
         stats = r.algo.stats
         row: dict[str, Any] = {
             "step": t.step, "epoch": t.epoch + (t.batch + 1) / r.steps_per_epoch,
@@ -154,7 +158,7 @@ class _Logger:
         if epoch_end or last:
             nxt = (t.epoch + 1, 0) if epoch_end else (t.epoch, t.batch + 1)
             checkpoint.save(r.out / checkpoint.CHECKPOINT, cfg, r.world, r.rank, r.device, r.model, r.opt, r.algo,
-                            nxt, t.step, r.step_times, r.history)
+                            nxt, t.step, r.step_times, r.history, self.diverged_at)
         return False
 
 
@@ -172,6 +176,7 @@ class _Run:
         self.step_times: list[float] = []
         self.history: list[dict[str, Any]] = []
         self.metric_value: float | None = None
+        self.diverged_at: int | None = None  # restored from the checkpoint (--allow-divergence)
 
     def setup(self) -> dict[str, Any] | None:
         cfg, device = self.cfg, self.device
@@ -206,6 +211,7 @@ class _Run:
             self.step_times = list(state["step_times"])
             self.history = list(state["history"])
             self.metric_value = self.history[-1]["metric"] if self.history else None
+            self.diverged_at = state.get("diverged_at_step")
         return state
 
     def run(self) -> dict[str, Any]:

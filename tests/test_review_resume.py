@@ -1,0 +1,71 @@
+"""Review D: what a resumed training run must carry over from its checkpoint
+besides the model (the divergence step), and which resumes are the same run
+(a compressor spelled another way)."""
+
+from __future__ import annotations
+
+import pytest
+
+from gradpress import train
+from gradpress.train import checkpoint
+
+
+def test_resume_keeps_the_step_the_loss_first_became_non_finite(tmp_path):
+    """--allow-divergence: the run goes on past a NaN loss and checkpoints;
+    a resumed run must report the step the loss *first* became non-finite,
+    as the uninterrupted run does, not the first one after the resume."""
+    common = dict(workload="digits-mlp", hidden=8, samples=64, batch_size=16, epochs=2, optimizer="sgd", lr=1e30,
+                  log_every=1, progress=False, allow_divergence=True)
+    full = train.run(dict(common, out=str(tmp_path / "full")))
+    assert full["diverged_at_step"] is not None and full["diverged_at_step"] <= 4  # within the first epoch
+    first = train.run(dict(common, out=str(tmp_path / "part"), steps=4))  # one epoch (64 // 16), checkpointed
+    assert first["diverged_at_step"] == full["diverged_at_step"]
+    resumed = train.run(dict(common, out=str(tmp_path / "part"), resume=True))
+    assert resumed["steps"] == full["steps"]
+    assert resumed["diverged_at_step"] == full["diverged_at_step"]
+
+
+@pytest.mark.parametrize("saved,given", [("topk", "topk:ratio=0.01"), ("qsgd:levels=16,bucket=512", "qsgd"),
+                                         ("topk:ratio=0.01", "topk:ratio=1e-2")])
+def test_resume_accepts_the_same_compressor_spelled_another_way(tmp_path, saved, given):
+    """Defaults written out or not, the compressor is the same and the run
+    continues exactly: resuming must not be refused."""
+    ck = train.make_config({"workload": "digits-mlp", "out": str(tmp_path), "compressor": saved})
+    cfg = train.make_config({"workload": "digits-mlp", "out": str(tmp_path), "compressor": given})
+    state = {"format": checkpoint.FORMAT, "config": checkpoint.compat(ck, 2)}
+    checkpoint.check_resume(state, cfg, 2)
+    other = train.make_config({"workload": "digits-mlp", "out": str(tmp_path), "compressor": "topk:ratio=0.02"})
+    with pytest.raises(ValueError, match=r"compressor: checkpoint has .*, this run has 'topk:ratio=0.02'"):
+        checkpoint.check_resume(state, other, 2)
+
+
+def test_a_batch_larger_than_a_workers_shard_fails_before_any_worker_starts(tmp_path, monkeypatch):
+    """docs/train.md: bad values fail before any worker starts. 256 samples
+    over 2 workers leave 128 per worker: batch 200 gives no full batch."""
+    import torch.distributed.launcher.api as elastic
+
+    def no_workers(*args, **kwargs):
+        raise AssertionError("workers were started for a batch size that cannot work")
+
+    monkeypatch.setattr(elastic, "elastic_launch", no_workers)
+    with pytest.raises(ValueError, match=r"batch_size 200 x 2 workers exceeds the 256 training samples"):
+        train.run({"workload": "digits-mlp", "hidden": 8, "samples": 256, "batch_size": 200, "nproc": 2,
+                   "out": str(tmp_path), "progress": False})
+
+
+def test_resume_keeps_the_metrics_lines_before_a_torn_last_line(tmp_path):
+    """A run that died while rank 0 appended a metrics line (disk full, power
+    loss) leaves half a line at the end of metrics.jsonl. Resuming keeps the
+    complete lines up to the checkpoint's step and drops the torn one; it
+    raised json.JSONDecodeError on rank 0 alone, and the other ranks then
+    waited in a collective for --timeout (a 2-worker resume hung)."""
+    import json
+
+    from gradpress.train.report import METRICS, MetricsLog
+
+    rows = [{"step": s, "loss": 2.0 - s / 10, "bytes": 100.0} for s in range(1, 6)]
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    (tmp_path / METRICS).write_text(text + '{"step": 6, "loss": 1.4, "by')
+    MetricsLog(tmp_path, 0, resumed_at=4)
+    kept = [json.loads(line) for line in (tmp_path / METRICS).read_text().splitlines()]
+    assert kept == rows[:4]
