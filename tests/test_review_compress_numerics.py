@@ -26,3 +26,24 @@ def test_threshold_search_near_fp64_max_keeps_exact_values(spec: str) -> None:
     kept = y != 0
     assert kept.any()
     assert torch.equal(y[kept], x[kept])  # a sparsifier sends exact values
+
+
+@pytest.mark.parametrize("first", ["zero", "one_column"])
+def test_powersgd_warm_start_recovers_after_a_zero_gradient(first: str) -> None:
+    """A zero gradient (an unused parameter under DDP) made the stored Q
+    zero; with warm start, P = M Q then stayed zero on every later step and
+    every gradient silently decoded to zeros. One power iteration on a
+    matrix of rank <= r is exact (P P^T M = M), so the float64 M itself is
+    the reference."""
+    g = torch.Generator().manual_seed(1)
+    m64 = torch.randn(24, 2, generator=g, dtype=torch.float64) @ torch.randn(2, 18, generator=g, dtype=torch.float64)
+    comp = create("powersgd:rank=2,start_iter=0")
+    zero = torch.zeros(24, 18)
+    if first == "one_column":  # a rank-1 gradient whose Q keeps one exactly zero column
+        zero[:, 0] = 1.0
+    comp.decode(comp.encode(zero, Context(key="w", step=0)))
+    if first == "one_column":
+        comp.q["w"][:, 1] = 0.0
+    for step in (1, 2):
+        out = comp.decode(comp.encode(m64.float(), Context(key="w", step=step)))
+        assert torch.allclose(out.double(), m64, rtol=0, atol=1e-4 * float(m64.abs().max())), step
