@@ -47,3 +47,21 @@ def test_powersgd_warm_start_recovers_after_a_zero_gradient(first: str) -> None:
     for step in (1, 2):
         out = comp.decode(comp.encode(m64.float(), Context(key="w", step=step)))
         assert torch.allclose(out.double(), m64, rtol=0, atol=1e-4 * float(m64.abs().max())), step
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_dgc_local_clipping_of_a_gradient_whose_norm_overflows(dtype: torch.dtype) -> None:
+    """DGC clips ||g||_2 to clip * N^-1/2 (Lin et al. 2018, sec. 3.2). With
+    finite entries near the dtype's max the norm is inf, the coefficient
+    clip / inf was 0 and the whole gradient was silently sent as zeros."""
+    big = torch.finfo(dtype).max
+    g64 = torch.linspace(-0.9, 0.9, 64, dtype=torch.float64) * big
+    x = g64.to(dtype)
+    clip, world = 2.0, 4
+    comp = create(f"dgc:ratio=1,clip={clip},momentum=0")
+    y = comp.decode(comp.encode(x, Context(key="w", step=0, world_size=world)))
+    x64 = x.double()
+    want = x64 * (clip / world**0.5 / torch.linalg.vector_norm(x64 / big) / big)  # the paper's clip, float64
+    tol = 1e-5 if dtype != torch.bfloat16 else 1e-2
+    assert torch.isfinite(y).all()
+    assert torch.allclose(y.double(), want, rtol=tol, atol=tol * float(want.abs().max()))
