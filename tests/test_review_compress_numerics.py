@@ -65,3 +65,26 @@ def test_dgc_local_clipping_of_a_gradient_whose_norm_overflows(dtype: torch.dtyp
     tol = 1e-5 if dtype != torch.bfloat16 else 1e-2
     assert torch.isfinite(y).all()
     assert torch.allclose(y.double(), want, rtol=tol, atol=tol * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("dtype, scale", [(torch.float32, 1e37), (torch.float32, 3e36), (torch.bfloat16, 1e37),
+                                          (torch.float64, 1e306)])
+def test_gaussiank_threshold_of_large_finite_gradients(dtype: torch.dtype, scale: float) -> None:
+    """Gaussian-k's threshold |mu| + sigma Phi^-1(1 - delta/2) (Shi et al.
+    2019): the one-pass mean and std overflowed on finite data of large
+    magnitude, giving a NaN threshold (everything sent) or an infinite one
+    (nothing sent). Reference: mu and sigma in float64 (of x / scale)."""
+    from statistics import NormalDist
+
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(20000, generator=g, dtype=torch.float64) * scale).to(dtype)
+    x64 = x.double()
+    xs = x64 / scale  # float64 statistics on unit-scale data (fp64 data near its max would overflow)
+    thr = (xs.mean().abs() + NormalDist().inv_cdf(1 - 0.01 / 2) * xs.std()) * scale
+    want = torch.nonzero(x64.abs() >= thr).reshape(-1)
+    comp = create("gaussiank:ratio=0.01,correction=none")
+    packet = comp.encode(x, Context(key="w", step=0))
+    assert comp.last_adjustments == 0  # the float64 threshold keeps 2k/3 <= count <= 4k/3
+    got = packet.tensors[1].long()
+    assert len(set(got.tolist()) ^ set(want.tolist())) <= 1  # at most one entry at the boundary rounds apart
+    assert torch.equal(packet.tensors[0], x[got])
