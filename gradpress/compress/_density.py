@@ -155,7 +155,10 @@ def refine(count_at: Callable[[torch.Tensor], int], thr: torch.Tensor, count: in
             down *= 2.0
         prev = (u, f)
         u = u_new
-        nxt = torch.tensor(math.exp(u), dtype=torch.float64).to(dtype=dtype, device=thr.device)
+        try:
+            nxt = torch.tensor(math.exp(u), dtype=torch.float64).to(dtype=dtype, device=thr.device)
+        except OverflowError:  # e^u beyond every float (fp64 data near its maximum): no count there
+            break
         if not bool(torch.isfinite(nxt)) or float(nxt) <= 0:
             break
         thr = nxt

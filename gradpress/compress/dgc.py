@@ -59,7 +59,7 @@ from gradpress.compress._threshold_select import (
     work_dtype,
 )
 from gradpress.compress.base import Compressor, Context, Packet, Param
-from gradpress.compress.numerics import row_norms
+from gradpress.compress.numerics import row_norms, scale_pow2
 from gradpress.compress.params import ratio_param
 from gradpress.compress.registry import register
 from gradpress.compress.sampling import sampled_threshold
@@ -176,7 +176,11 @@ class DGC(QualityMixin, Compressor):
         if self.clip > 0:
             max_norm = self.clip / math.sqrt(max(1, ctx.world_size))
             norm = row_norms(g.view(1, -1)).reshape(())  # no overflow/underflow of the squares
-            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+            if finite and bool(torch.isinf(norm)):  # the norm itself exceeds the dtype (so > max_norm):
+                g = g * scale_pow2(torch.maximum(-lo, hi), wd)  # clip g / max|g| (exact power of two)
+                coef = max_norm / row_norms(g.view(1, -1)).reshape(())
+            else:
+                coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
             g = g * coef
         u = self.momentums.get(ctx.key)
         v = self.velocities.get(ctx.key)

@@ -32,6 +32,7 @@ error feedback on by default.
 
 from __future__ import annotations
 
+import math
 from statistics import NormalDist
 from typing import Any
 
@@ -40,6 +41,7 @@ import torch
 from gradpress.compress._density import correction_param
 from gradpress.compress._threshold_select import ThresholdSparsifier
 from gradpress.compress.base import Context, Packet
+from gradpress.compress.numerics import centered_std, scale_pow2
 from gradpress.compress.params import ratio_param
 from gradpress.compress.registry import register
 
@@ -65,8 +67,12 @@ class GaussianK(ThresholdSparsifier):
         self.last_adjustments = 0
 
     def _threshold(self, xw: torch.Tensor, a: torch.Tensor, k: int, ctx: Context) -> torch.Tensor:
-        mean = xw.mean()
-        std = xw.std() if xw.numel() > 1 else torch.zeros_like(mean)
+        d = xw.numel()
+        lo, hi = torch.aminmax(xw)
+        c = scale_pow2(torch.maximum(-lo, hi), xw.dtype)  # exact: the sum of x * c cannot overflow
+        mean = (xw * c).mean() / c
+        # two passes on scaled data (never the overflowing squares); sample std, as torch.std
+        std = centered_std(xw, lo, hi) * math.sqrt(d / (d - 1)) if d > 1 else torch.zeros_like(mean)
         z = NormalDist().inv_cdf(1.0 - self.ratio / 2.0) if self.ratio < 1 else 0.0
         thr = mean.abs() + z * torch.nan_to_num(std)
         self.last_adjustments = 0

@@ -119,11 +119,14 @@ class PowerSGD(Compressor):
             q = torch.randn(m, r, generator=gen, device=x.device, dtype=cdt)
         else:
             # a step with a NaN/Inf somewhere leaves a non-finite Q behind: start afresh
-            # then (every rank holds the same Q, so every rank decides alike; no host sync)
+            # then; a zero gradient (an unused parameter) leaves zero columns, from which
+            # P = M Q would stay zero forever: those columns start afresh (every rank holds
+            # the same Q, so every rank decides alike; no host sync)
             gen = generator_for(x.device, ctx.shared_seed)
             fresh = torch.randn(m, r, generator=gen, device=x.device, dtype=cdt)
             lo, hi = torch.aminmax(q)
-            q = torch.where(all_finite(q), q * scale_pow2(torch.maximum(-lo, hi), cdt), fresh)
+            usable = all_finite(q) & (q != 0).any(dim=0, keepdim=True)
+            q = torch.where(usable, q * scale_pow2(torch.maximum(-lo, hi), cdt), fresh)
         state = _Rounds(ctx.key, matrix, x.shape, x.dtype)
         return state, matrix @ q
 
