@@ -229,7 +229,10 @@ def pack_scale(t: torch.Tensor, dtype: torch.dtype, away: bool = False, saturate
     clamps to +-max; NaN stays NaN). fp64 inputs: int32, the upper word of
     the fp64 value rounded to nearest (``away``: away from zero, so the
     decoded magnitude is never below ``t``); a finite value never rounds to
-    inf. Relative precision 2^-21 (nearest) or 2^-20 (away)."""
+    inf (``saturate``: nor does an infinite one, the overflowed norm of a
+    finite bucket near fp64's maximum: it clamps to the largest finite
+    upper word; NaN stays NaN). Relative precision 2^-21 (nearest) or 2^-20
+    (away)."""
     t = t.reshape(-1)
     if dtype != torch.float64:
         out = t.to(torch.float32)
@@ -241,7 +244,8 @@ def pack_scale(t: torch.Tensor, dtype: torch.dtype, away: bool = False, saturate
     mag = bits & 0x7FFFFFFFFFFFFFFF
     word = (mag + ((1 << 32) - 1 if away else 1 << 31)) >> 32
     finite = mag < (_EXP_ALL << 32)
-    word = torch.where(finite & (word > _HI_MAX), torch.full_like(word, _HI_MAX), word)
+    capped = finite | (mag == (_EXP_ALL << 32)) if saturate else finite  # saturate: +-inf too, never NaN
+    word = torch.where(capped & (word > _HI_MAX), torch.full_like(word, _HI_MAX), word)
     word = word + (bits < 0).to(torch.int64) * (1 << 31)
     word = torch.where(word >= 1 << 31, word - (1 << 32), word)  # two's complement of the 32-bit word
     return word.to(torch.int32)

@@ -19,7 +19,8 @@ receives, so the method stays unbiased for every finite bucket whose norm
 the wire can hold: subnormal buckets included (their decoded values are
 exact only to the dtype's absolute resolution). fp64 inputs send the norm as
 the upper 32 bits of its fp64 value rounded away from zero (fp64 range).
-A norm beyond fp32 (fp32/fp16/bf16 inputs) saturates at fp32's maximum and
+A norm beyond fp32 (fp32/fp16/bf16 inputs), or beyond fp64 (a finite fp64
+bucket near its maximum), saturates at the largest value the wire holds and
 levels clip at s: finite, biased. Decoded values that the output dtype
 cannot hold (fp16 above 65504) saturate at its maximum.
 
