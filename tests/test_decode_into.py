@@ -156,11 +156,13 @@ def _allgather_into_inputs(rank: int, world: int) -> dict:
     for spec in ("none", "fp16", "qsgd"):
         comp = create(spec)
         ts = [_input(n, torch.float32, 100 * r + n) for r, n in ((rank, 1000), (rank, 37))]
+        ts.append(_input(96, torch.float32, 100 * rank + 5).view(8, 12))  # shaped: the scratch buffer is flat
+        ts.append(_input(24, torch.float32, 100 * rank + 6).view(2, 12)[:, ::2])  # not contiguous: no output
         mine = [t.clone() for t in ts]
         ctxs = [Context(key=f"t{i}", step=1, rank=rank, world_size=world) for i in range(len(ts))]
         res = strat.exchange(comp, ts, ctxs, None, out=ts)
         results[spec] = {"avg": [t.clone() for t in res.tensors], "mine": mine,
-                         "into_out": [a.data_ptr() == t.data_ptr() for a, t in zip(res.tensors, ts)]}
+                         "into_out": [a.data_ptr() == t.data_ptr() for a, t in zip(res.tensors[:3], ts)]}
     return results
 
 
@@ -168,12 +170,12 @@ def test_allgather_average_written_into_the_inputs_is_exact() -> None:
     world = 3
     res = run_workers(_allgather_into_inputs, world)
     for spec in ("none", "fp16", "qsgd"):
-        for i in range(2):
+        for i in range(4):
             avg0 = res[0][spec]["avg"][i]
             for r in range(world):
                 assert torch.equal(_bits(res[r][spec]["avg"][i]), _bits(avg0)), (spec, r)  # replicas identical
         assert all(all(r[spec]["into_out"]) for r in res) == (spec != "none"), spec
-    for i in range(2):  # none is lossless: the float64 mean of the ranks' own tensors
+    for i in range(4):  # none is lossless: the float64 mean of the ranks' own tensors
         exact = torch.stack([res[r]["none"]["mine"][i].to(torch.float64) for r in range(world)]).mean(0)
         torch.testing.assert_close(res[0]["none"]["avg"][i].to(torch.float64), exact, rtol=1e-6, atol=1e-6)
         fp16 = torch.stack([res[r]["fp16"]["mine"][i].half().to(torch.float64) for r in range(world)]).mean(0)

@@ -82,6 +82,7 @@ import torch
 import torch.distributed as dist
 
 from gradpress.algorithms.base import Algorithm
+from gradpress.algorithms.loss_probe import probe_class
 from gradpress.algorithms.registry import register
 from gradpress.compress.base import Param
 from gradpress.transport.collectives import fused_allreduce
@@ -91,26 +92,6 @@ from gradpress.transport.p2p import global_rank
 
 def _unit(v: float) -> bool:
     return 0 < v <= 1
-
-
-def _probe_class(sink: Any) -> type[torch.Tensor]:
-    """A tensor subclass whose ``backward()`` (and ``torch.autograd.backward``)
-    hands its scalar to ``sink`` first; results that leave autograd
-    (``detach``, no-grad ops) come back as plain tensors."""
-
-    class LossProbe(torch.Tensor):
-        @classmethod
-        def __torch_function__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
-            if func is torch.Tensor.backward or func is torch.autograd.backward:
-                root = args[0] if args else (kwargs or {}).get("tensors")
-                if isinstance(root, torch.Tensor) and root.numel() == 1:
-                    sink(root)
-            out = super().__torch_function__(func, types, args, kwargs or {})
-            if isinstance(out, LossProbe) and not out.requires_grad:
-                return out.as_subclass(torch.Tensor)
-            return out
-
-    return LossProbe
 
 
 @register
@@ -152,7 +133,7 @@ class LSGD(Algorithm):
             if bad:
                 raise ValueError(f"algorithm {self.name!r}: parameter 'average' is true but {', '.join(bad)}; "
                                  "allowed: average=true with groups=1, no compressor and prox=0")
-        self._probe = _probe_class(self.observe)
+        self._probe = probe_class(self.observe)
         #: losses seen in this step (sum, count) and step means since the election (sum, count);
         #: sums stay on the loss's device (no host sync per step)
         self._seen: list[Any] = [None, 0]

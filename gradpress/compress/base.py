@@ -26,11 +26,12 @@ import hashlib
 import math
 import struct
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar, final
 
 import torch
 
+from gradpress.compress.packet import Packet, check_decode_out
 from gradpress.compress.sparse import check_indexable
 from gradpress.compress.spec import coerce_params
 
@@ -97,46 +98,6 @@ class Context:
     @property
     def private_seed(self) -> int:
         return derive_seed("private", self.seed, self.step, self.key, self.rank)
-
-
-@dataclass
-class Packet:
-    """Encoded form of one tensor.
-
-    ``tensors`` are the payload, in a fixed order, each 1-D and contiguous;
-    they are what goes on the wire. ``shape``/``dtype`` are known to every
-    rank and are not sent. ``meta`` holds extra per-call facts that every rank
-    can recompute (for example PowerSGD's matrix view) and is never sent.
-    """
-
-    tensors: list[torch.Tensor]
-    shape: torch.Size
-    dtype: torch.dtype
-    meta: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def nbytes(self) -> int:
-        """Exact number of payload bytes on the wire."""
-        return sum(t.numel() * t.element_size() for t in self.tensors)
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    def aliases(self, t: torch.Tensor) -> bool:
-        """Whether a payload tensor lives in ``t``'s storage (``none``'s
-        payload is its input): writing into ``t`` would change the packet."""
-        ptr = t.untyped_storage().data_ptr()
-        return any(p.untyped_storage().data_ptr() == ptr for p in self.tensors)
-
-
-def check_decode_out(packet: Packet, out: torch.Tensor) -> None:
-    """Raise ValueError unless ``out`` can take ``packet``'s decoded tensor:
-    contiguous, ``packet.numel`` entries of ``packet.dtype``."""
-    if out.numel() != packet.numel or out.dtype != packet.dtype or not out.is_contiguous():
-        raise ValueError(f"decode_into: out is {tuple(out.shape)} x {out.dtype}"
-                         f"{'' if out.is_contiguous() else ' (not contiguous)'}; allowed: a contiguous tensor of "
-                         f"{packet.numel} entries of {packet.dtype} (the packet's)")
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,9 @@ issues its collectives in the same order even with several buckets and
 multi-round protocols (PyTorch's own PowerSGD hook mixes them up on gloo).
 
 Coalescing (``coalesce``; default: on for multi-round compressors such as
-PowerSGD and for strategies that pipeline a call, ``hierarchical:chunk=N``): the thread holds a step's buckets until DDP hands it the last
-one, then averages them in one engine call, so each round of the protocol is
+PowerSGD and for strategies that pipeline a call, ``hierarchical:chunk=N``):
+the thread holds a step's buckets until DDP hands it the last one, then
+averages them in one engine call, so each round of the protocol is
 one collective for the whole step (PowerSGD: one allreduce of every bucket's
 P with the plain tensors and NaN flags, one of every Q) instead of one per
 bucket and round. Every round costs a latency that is paid once per step
@@ -22,7 +23,8 @@ All the exchange work (plan, error feedback, NaN protocol, stats, state) is
 the engine's (:class:`gradpress.exchange.Synchronizer`); this module only
 turns a ``GradBucket`` into keyed views and keeps the step count. State is
 keyed by parameter name (stable across DDP's bucket rebuild after the first
-iteration), never by ``bucket.index()``.
+iteration; a wrapper's ``module.`` prefix dropped only when every name has
+it), never by ``bucket.index()``.
 
 A hook state is *bound* once it has its engine. ``make_hook(spec, model)``
 and ``register`` bind at once (collective); ``make_hook(spec)`` returns an
@@ -48,23 +50,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gradpress.ddp.state_format import _OLD_FORMAT, HOOK_FORMAT, _upgrade_v1, strip_module
 from gradpress.exchange import Synchronizer
 from gradpress.exchange.feedback import Feedback
 from gradpress.exchange.planner import Plan
 
 __all__ = ["GradpressHook", "gradpress_hook", "HOOK_FORMAT"]
-
-HOOK_FORMAT = "gradpress-hook/2"
-_OLD_FORMAT = "gradpress-hook/1"
-
-
-def strip_module(names: Sequence[str]) -> list[str]:
-    """``names`` less a wrapper's ``module.`` prefix, only when every name has
-    it: two parameters never share a key (a submodule ``module`` beside ``weight``)."""
-    if names and all(n.startswith("module.") for n in names):
-        return [n[len("module."):] for n in names]
-    return list(names)
-
 
 #: builds the engine for these (name, parameter) pairs; collective (own group, agreement, plan)
 Builder = Callable[[Sequence[tuple[str, torch.nn.Parameter]]], Synchronizer]
@@ -138,7 +129,7 @@ class GradpressHook:
         if not isinstance(model, torch.nn.Module):
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         pairs = list(model.named_parameters())
-        named = list(zip(strip_module([n for n, _ in pairs]), (p for _, p in pairs)))
+        named = list(zip(strip_module([n for n, _ in pairs]), [p for _, p in pairs], strict=True))
         if self._engine is not None:
             if {id(p): n for n, p in named} != self._names:
                 raise ValueError("this gradpress hook state is already bound to another model's parameters; "
@@ -367,26 +358,6 @@ class GradpressHook:
             self._queue.put(None)
             self._thread.join(timeout=5)
         _OPEN_HOOKS.discard(self)
-
-
-def _upgrade_v1(state: Mapping[str, Any]) -> dict[str, Any]:
-    """A ``gradpress-hook/1`` state (residuals in three stores) in today's
-    layout: ring and PS-root residuals move into the one feedback store."""
-    memory = dict(state.get("memory", {}))
-    residuals = dict(memory.get("residuals", {}))
-    strategies = dict(state.get("strategies", {}))
-    for name, namespace in (("ring", "ring"), ("ps", "root")):
-        old = dict(strategies.get(name, {}))
-        residuals.update({Feedback.key(namespace, k): v for k, v in old.pop("residuals", {}).items()})
-        if name in strategies:
-            strategies[name] = old
-    config = dict(state["config"])
-    config["parameters"] = [[n, list(s), d] for n, s, d in config.get("parameters", [])]
-    config.setdefault("plan_costs", None)
-    return {
-        **state, "config": config, "strategies": strategies,
-        "feedback": {"beta": memory.get("beta", 1.0), "gamma": memory.get("gamma", 1.0), "residuals": residuals},
-    }
 
 
 _OPEN_HOOKS: weakref.WeakSet[GradpressHook] = weakref.WeakSet()

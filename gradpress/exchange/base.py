@@ -127,8 +127,9 @@ def aggregate_packets(compressor: Compressor, packets_by_rank: list[Packet], wor
     if len(packets_by_rank) > 1 and (scratch is None or scratch.numel() != first.numel or scratch.dtype != first.dtype
                                      or not scratch.is_contiguous()):
         scratch = torch.empty_like(total)
+    flat = total.view(-1)  # the scratch buffer may be flat where the sum is shaped (or the other way round)
     for p in packets_by_rank[1:]:
-        total += compressor.decode_into(p, scratch)
+        flat += compressor.decode_into(p, scratch).view(-1)
     if compressor.aggregation == "majority":
         return total.sign_()
     return total.div_(world_size)
