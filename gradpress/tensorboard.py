@@ -61,13 +61,15 @@ def require_tensorboard(what: str = "--tensorboard") -> None:
 
 
 class EventWriter:
-    """TensorBoard event files in ``logdir`` (created). Write on one rank only."""
+    """TensorBoard event files in ``logdir`` (created). Write on one rank only.
+    ``purge_step``: a resumed run's first step; TensorBoard drops the events
+    at and after it that the interrupted run wrote past its checkpoint."""
 
-    def __init__(self, logdir: str | Path) -> None:
+    def __init__(self, logdir: str | Path, purge_step: int | None = None) -> None:
         require_tensorboard()
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(log_dir=str(logdir))
+        self.writer = SummaryWriter(log_dir=str(logdir), purge_step=purge_step)
 
     def write(self, step: int, *, stats: Mapping[str, Any], loss: float | None = None, metric: float | None = None,
               bytes_per_step: float | None = None) -> None:

@@ -11,6 +11,7 @@ import importlib.util
 import json
 import math
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -75,3 +76,35 @@ def test_train_writes_the_consensus_distance_of_a_gossip_algorithm(tmp_path) -> 
     assert len(tags["gradpress/loss"]) == 4 and len(tags["gradpress/bytes_per_step"]) == 4
     distance = tags["gradpress/consensus_distance"]
     assert distance and all(math.isfinite(d) and d >= 0 for d in distance)
+
+
+def _dir_scalars(logdir: Path, tag: str) -> list[tuple[int, float]]:
+    """(step, value) of ``tag`` over the whole log directory, read as
+    TensorBoard reads it (event files in order, purges applied)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return [(e.step, e.value) for e in acc.Scalars(tag)]
+
+
+@needs_tb
+def test_a_resumed_run_purges_the_events_the_interrupted_run_wrote_past_its_checkpoint(tmp_path) -> None:
+    """The interrupted run checkpointed at step 4 and logged steps 5 and 6
+    before it died; the resumed run logs 5..8 again. TensorBoard must show
+    each step once, with the resumed run's values (as metrics.jsonl does)."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    common = dict(workload="digits-mlp", hidden=8, samples=64, batch_size=16, epochs=2, optimizer="sgd", lr=0.1,
+                  log_every=1, progress=False)
+    tb, out = tmp_path / "tb", str(tmp_path / "run")
+    train.run(dict(common, out=out, steps=4, tensorboard=str(tb)))  # one epoch, checkpointed at step 4
+    stale = SummaryWriter(log_dir=str(tb))  # what the interrupted run wrote after its checkpoint
+    for step in (5, 6):
+        stale.add_scalar("gradpress/loss", 1e6, step)
+    stale.close()
+    train.run(dict(common, out=out, resume=True, tensorboard=str(tb)))
+    rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    got = _dir_scalars(tb, "gradpress/loss")
+    assert [s for s, _ in got] == [r["step"] for r in rows] == list(range(1, 9))
+    assert [v for _, v in got] == pytest.approx([r["loss"] for r in rows])

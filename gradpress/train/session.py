@@ -83,7 +83,8 @@ class _Logger:
         if cfg.tensorboard is not None and run.rank == 0:
             from gradpress.tensorboard import EventWriter
 
-            self.events = EventWriter(cfg.tensorboard)
+            # resumed: the interrupted run's events after the checkpoint go (as metrics.jsonl's rows do)
+            self.events = EventWriter(cfg.tensorboard, purge_step=start_step + 1 if start_step else None)
 
     def close(self) -> None:
         self.bar.close()
