@@ -16,6 +16,7 @@ import pytest
 import torch
 from distributed import run_workers, value_errors
 from test_algorithms import batch, make_model
+from test_compressed_adam import grads_at
 
 import gradpress.algorithms as algorithms
 
@@ -61,16 +62,6 @@ NAN_STEP = 2  # rank 1's gradient is NaN at this (0-based) step, an exact-averag
 B1, B2, EPS, LR = 0.9, 0.999, 1e-8, 0.01
 
 
-def _grads64(params: list[torch.Tensor], rank: int, step: int) -> list[torch.Tensor]:
-    model = make_model()
-    with torch.no_grad():
-        for p, q in zip(model.parameters(), params):
-            p.copy_(q)
-    x, y = batch(rank, step)
-    torch.nn.functional.mse_loss(model(x), y).backward()
-    return [p.grad.clone() for p in model.parameters()]
-
-
 def _adam_reference(batches: list[int]) -> torch.Tensor:
     """torch's Adam on the exact average of the 2 workers' gradients, float64,
     by its formula, over the given batch indices (a skipped step: absent)."""
@@ -78,7 +69,7 @@ def _adam_reference(batches: list[int]) -> torch.Tensor:
     m = [torch.zeros_like(p) for p in params]
     v = [torch.zeros_like(p) for p in params]
     for t, step in enumerate(batches, start=1):
-        per_rank = [_grads64(params, r, step) for r in range(2)]
+        per_rank = [grads_at(params, r, step) for r in range(2)]
         for i, p in enumerate(params):
             g = (per_rank[0][i] + per_rank[1][i]) / 2
             m[i] = B1 * m[i] + (1 - B1) * g

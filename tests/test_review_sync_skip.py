@@ -23,18 +23,23 @@ def flat(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-def _skip_worker(rank: int, spec: str) -> dict:
-    model = make_model()
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    algo = algorithms.create(spec, model, opt, nonfinite="skip")
-    for step in range(4):
+def _train_with_a_nan(algo, model: nn.Module, opt: torch.optim.Optimizer, rank: int, steps: int, nan_at: int) -> None:
+    """``steps`` steps of the algorithm; rank 1's loss (so its gradient) is NaN at step ``nan_at``."""
+    for step in range(steps):
         opt.zero_grad()
         loss = loss_of(model, rank, step)
-        if rank == 1 and step == NAN_STEP:
+        if rank == 1 and step == nan_at:
             loss = loss * math.nan
         loss.backward()
         algo.step()
     algo.close()
+
+
+def _skip_worker(rank: int, spec: str) -> dict:
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    algo = algorithms.create(spec, model, opt, nonfinite="skip")
+    _train_with_a_nan(algo, model, opt, rank, 4, NAN_STEP)
     return {"params": flat(model), "steps": algo.stats["steps"]}
 
 
@@ -88,14 +93,7 @@ def _diloco_skip_worker(rank: int, world: int) -> dict:
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     algo = algorithms.create(f"diloco:period={PERIOD},outer_lr={OUTER_LR},outer_momentum={OUTER_MU}", model, opt,
                              nonfinite="skip")
-    for step in range(3 * PERIOD):
-        opt.zero_grad()
-        loss = loss_of(model, rank, step)
-        if rank == 1 and step == PERIOD:  # rank 1 diverges in the second period
-            loss = loss * math.nan
-        loss.backward()
-        algo.step()
-    algo.close()
+    _train_with_a_nan(algo, model, opt, rank, 3 * PERIOD, PERIOD)  # rank 1 diverges in the second period
     return {"params": flat(model), "theta": torch.cat([a.reshape(-1) for a in algo.anchor])}
 
 
@@ -146,14 +144,7 @@ def _streaming_skip_worker(rank: int, world: int) -> dict:
     spec = (f"streaming-diloco:period={PERIOD},fragments=1,overlap=0,alpha=0,outer_lr={OUTER_LR},"
             f"outer_momentum={OUTER_MU}")
     algo = algorithms.create(spec, model, opt, nonfinite="skip")
-    for step in range(3 * PERIOD):
-        opt.zero_grad()
-        loss = loss_of(model, rank, step)
-        if rank == 1 and step == PERIOD:
-            loss = loss * math.nan
-        loss.backward()
-        algo.step()
-    algo.close()
+    _train_with_a_nan(algo, model, opt, rank, 3 * PERIOD, PERIOD)
     return {"params": flat(model), "theta": torch.cat([a.reshape(-1) for a in algo.anchor])}
 
 
