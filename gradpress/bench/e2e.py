@@ -82,7 +82,7 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--optimizer", default=None, metavar="NAME",
                    help="sgd, momentum or adam (default: the workload's; mnist1d-cnn: momentum)")
     p.add_argument("--threads", type=positive_int("--threads"), default=None,
-                   help="torch threads per worker (default: max(1, cores // nodes))")
+                   help="torch threads per worker (default: max(1, cores // (nodes x workers per node)))")
     p.add_argument("--seed", type=int, default=0, help="seed of weights, data and shared randomness (default 0)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per configuration run (default 600)")
     p.add_argument("--train-to", dest="train_to", type=float, default=None, metavar="TARGET",
