@@ -66,7 +66,7 @@ def names() -> list[str]:
 def check_spec(spec: Any) -> str:
     """Validate an algorithm spec (name and parameters) without building it;
     returns its canonical form, every parameter spelled out as the algorithm
-    reports it (``localsgd`` -> ``localsgd:period=8``). Raises ValueError
+    reports it (``localsgd`` -> ``localsgd:period=8,optimizer_state=auto``). Raises ValueError
     naming the algorithm or the parameter and what is allowed."""
     name, params = split_spec(spec)
     if name == "ddp":
