@@ -78,7 +78,7 @@ def test_decode_into_compiled_whole_chunks_and_tail(spec: str) -> None:
         assert torch.equal(_bits(out), _bits(eager)), (spec, n)
 
 
-@pytest.mark.parametrize("layout", ["words", "offset", "bytes"])
+@pytest.mark.parametrize("layout", ["words", "offset", "strided", "bytes"])
 @pytest.mark.parametrize("mode", ["off", "on"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_natural_decode_is_the_signed_power_of_two_of_its_code(mode: str, dtype: torch.dtype, layout: str,
@@ -106,6 +106,11 @@ def _check_natural(n: int, dtype: torch.dtype, layout: str, mode: str) -> None:
             tensors.append(buf[pos: pos + t.numel()])
             pos += t.numel()
         pk.tensors = tensors
+    if layout == "strided":  # outside the packet contract (1-D contiguous payloads), decoded all the same
+        signs = pk.tensors[1]
+        wide = torch.zeros(2 * signs.numel(), dtype=torch.uint8)
+        wide[::2] = signs
+        pk.tensors = [pk.tensors[0], wide[::2]]
     codes, signs = comp.fields(pk)["codes"], comp.fields(pk)["signs"]
     sign_bits = (signs.to(torch.int64).repeat_interleave(8) >> torch.arange(8).repeat(signs.numel())) & 1
     c = codes.to(torch.float64)
@@ -197,3 +202,12 @@ def test_residual_is_the_input_minus_its_decode(spec: str, dtype: torch.dtype) -
         assert got.dtype == dtype and got.shape == x.shape
         assert torch.equal(_bits(got), _bits(want)) or torch.equal(got, want), (spec, dtype, n)
         assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(pk.tensors, sent)), (spec, "packet changed")
+
+
+def test_residual_of_a_tensor_that_requires_grad_is_not_taken_in_place() -> None:
+    """A leaf that requires grad cannot be changed in place: the residual is then a new tensor."""
+    x = _input(1000, torch.float32, 9).requires_grad_()
+    comp, pk = _packet("qsgd", x.detach())
+    got = comp.residual(x, pk)
+    want = x.detach().to(torch.float64) - comp.decode(pk).to(torch.float64)
+    torch.testing.assert_close(got.detach().to(torch.float64), want, rtol=0, atol=1e-6)

@@ -301,7 +301,8 @@ class Compressor:
         if self.exact_values and len(packet.tensors) >= 2 and p.is_contiguous():
             p.view(-1).index_fill_(0, packet.tensors[1].long(), 0)
             return p
-        if p.dtype == packet.dtype and p.is_contiguous() and p.numel() == packet.numel and not packet.aliases(p):
+        if p.dtype == packet.dtype and p.is_contiguous() and p.numel() == packet.numel and not packet.aliases(p) \
+                and not p.requires_grad:
             # in place: one fresh buffer (the decode) instead of two, the same bits as p - decode(packet)
             return p.sub_(self.decode_into(packet, torch.empty_like(p)).view(p.shape))
         return p - self.decode(packet).to(p.dtype)

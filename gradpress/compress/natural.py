@@ -101,11 +101,11 @@ def _values(c: torch.Tensor, signs: torch.Tensor, *, key: torch.Tensor | None, d
 def _sign_words(signs: torch.Tensor) -> tuple[torch.Tensor, int]:
     """``(per-row sign words, row width)``: the packed sign bytes as int64
     words of 64 entries each on little-endian machines (zero-padded to whole
-    words, copied where the field starts off an 8-byte boundary), else the
+    words, copied where the field starts off an 8-byte boundary or is strided), else the
     bytes themselves, rows of 8 (10M entries, one thread: 1.7 against 19 ms)."""
     if sys.byteorder != "little":
         return signs.to(torch.int32), 8
-    if signs.numel() % 8 or signs.storage_offset() % 8 or signs.data_ptr() % 8:
+    if signs.numel() % 8 or signs.storage_offset() % 8 or signs.data_ptr() % 8 or not signs.is_contiguous():
         signs = torch.cat([signs, signs.new_zeros(-signs.numel() % 8)])
     return signs.view(torch.int64), 64
 

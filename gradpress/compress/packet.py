@@ -38,7 +38,10 @@ class Packet:
 
     def aliases(self, t: torch.Tensor) -> bool:
         """Whether a payload tensor lives in ``t``'s storage (``none``'s
-        payload is its input): writing into ``t`` would change the packet."""
+        payload is its input, as is fp16's for an fp16 input and bf16's for
+        a bf16 one): writing into ``t`` would change the packet. Storages are
+        compared, so two tensors over the same memory through different
+        storages (``from_blob``, NumPy) are not caught."""
         ptr = t.untyped_storage().data_ptr()
         return any(p.untyped_storage().data_ptr() == ptr for p in self.tensors)
 

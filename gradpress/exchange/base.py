@@ -114,10 +114,12 @@ def aggregate_packets(compressor: Compressor, packets_by_rank: list[Packet], wor
                       out: torch.Tensor | None = None, scratch: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`aggregate` of the ranks' decoded packets, bit for bit, decoded
     into two buffers instead of one fresh tensor per rank
-    (:meth:`~gradpress.compress.base.Compressor.decode_into`): the sum in
-    ``out`` (when it fits the packets: contiguous, their size and dtype;
-    else a new tensor), every later rank's packet in ``scratch`` (the same
-    size and dtype, reused; a new one where None). At 10M entries a fresh
+    (:meth:`~gradpress.compress.base.Compressor.decode_into`): the result
+    (the mean, or the sign of the sum for a majority vote) in ``out`` (when
+    it fits the packets: contiguous, their size and dtype; else a new
+    tensor), every later rank's packet in ``scratch`` (the same size and
+    dtype, reused; a new one where None). Neither may overlap a packet's
+    payload: they are written while packets are still to be read. At 10M entries a fresh
     40 MB output cost more page faults than most decoders compute
     (docs/bench.md, "Decoding into a buffer")."""
     first = packets_by_rank[0]

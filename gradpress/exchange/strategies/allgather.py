@@ -131,7 +131,7 @@ class Allgather(Strategy):
         results, scratch = [], None
         for i, p in enumerate(packets):
             dst = _flat_out(out, i, p)
-            if dst is not None and p.aliases(dst):  # this rank's payload is the output itself ("none")
+            if dst is not None and p.aliases(dst):  # this rank's payload is the output itself (none; fp16 of fp16)
                 dst = None
             if scratch is None or scratch.numel() < p.numel or scratch.dtype != p.dtype:
                 scratch = torch.empty(p.numel, dtype=p.dtype, device=_device(p)) if len(buffers) > 1 else None
