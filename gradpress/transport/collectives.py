@@ -85,7 +85,8 @@ def allgather_with_head(buffer: torch.Tensor, head: torch.Tensor | None, group: 
         padded[:h] = head
     padded[offset : offset + buffer.numel()] = buffer
     gathered = torch.empty(world_size * width, dtype=torch.uint8, device=buffer.device)
-    gather_single(gathered, padded, group=group)
+    if width:  # 0 on every rank alike (the sizes are known to all): no empty collective
+        gather_single(gathered, padded, group=group)
     sent += width
     if not variable:
         heads = [gathered[r * width : r * width + h] for r in range(world_size)]
