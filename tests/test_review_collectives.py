@@ -30,8 +30,9 @@ def _gathers(rank: int, world: int, cases: list[tuple[list[int], int, bool]]) ->
         head = torch.arange(h, dtype=torch.uint8) + 100 * rank
         handed.clear()
         heads, bufs, sent = allgather_with_head(_payload(rank, sizes[rank]), head, None, world, variable)
+        alone = allgather_with_head(_payload(rank, sizes[rank]), head, None, 1, variable)[2]  # a world of one
         results[(tuple(sizes), h, variable)] = ([x.tolist() for x in heads], [b.tolist() for b in bufs], sent,
-                                                list(handed))
+                                                list(handed), alone)
     mixed = [torch.tensor([1.5, -2.25], dtype=torch.float16) * (rank + 1), torch.arange(6, dtype=torch.int32).view(2, 3),
              torch.full((2, 2), 0.1, dtype=torch.float64), torch.zeros(0), torch.tensor([rank + 0.5]),
              torch.tensor([3, rank], dtype=torch.int64)]
@@ -49,12 +50,14 @@ def test_allgather_and_fused_allreduce_against_references() -> None:
     res = run_workers(_gathers, world, CASES)
     for rank, got in enumerate(res):
         for sizes, h, variable in CASES:
-            heads, bufs, sent, handed = got[(tuple(sizes), h, variable)]
+            heads, bufs, sent, handed, alone = got[(tuple(sizes), h, variable)]
             case = (rank, sizes, h, variable)
             assert heads == [(torch.arange(h, dtype=torch.uint8) + 100 * r).tolist() for r in range(world)], case
             assert bufs == [_payload(r, sizes[r]).tolist() for r in range(world)], case
             assert 0 not in handed, f"an empty collective was issued: {case}, {handed}"
             assert sent == sum(handed), (case, sent, handed)
+            if len(set(sizes)) == 1:  # "figures compare across world sizes": a world of one counts the same
+                assert alone == sent, (case, alone, sent)
         dtypes, values, sent = got["allreduce"]
         assert dtypes == [(torch.float16, (2,)), (torch.int32, (2, 3)), (torch.float64, (2, 2)), (torch.float32, (0,)),
                           (torch.float32, (1,)), (torch.int64, (2,))]

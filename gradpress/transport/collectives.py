@@ -61,8 +61,9 @@ def allgather_with_head(buffer: torch.Tensor, head: torch.Tensor | None, group: 
     h = head.numel()
     h8 = (h + 7) // 8 * 8
     if world_size == 1 or not dist.is_initialized():
-        # nothing travels, but count what would be handed over, as the allreduce paths do
-        return [head], [buffer], h + buffer.numel()
+        # nothing travels, but count what would be handed over (size exchange and padding
+        # included, as below), as the allreduce paths do
+        return [head], [buffer], (h8 + 8 if variable else h8) + (buffer.numel() + 7) // 8 * 8
     gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     sent = 0
     if variable:
