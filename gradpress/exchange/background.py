@@ -86,12 +86,17 @@ class Background:
 
     def run(self, name: str, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` now on the calling thread, after the jobs in flight
-        (staleness 0: nothing is hidden, the whole time counts as waited)."""
+        (staleness 0: nothing is hidden, the whole time counts as waited).
+        After a failure (inline or on the thread) it fails at once, like
+        :meth:`submit`'s later jobs: ``fn`` is not called."""
         self.drain()
+        if self._failed is not None:
+            raise self._error(name, RuntimeError(f"an earlier background job failed: {self._failed}"))
         t0 = time.perf_counter()
         try:
             return fn()
         except Exception as exc:
+            self._failed, self._reported = exc, True
             raise self._error(name, exc) from exc
         finally:
             dt = time.perf_counter() - t0

@@ -61,8 +61,9 @@ def allgather_with_head(buffer: torch.Tensor, head: torch.Tensor | None, group: 
     h = head.numel()
     h8 = (h + 7) // 8 * 8
     if world_size == 1 or not dist.is_initialized():
-        # nothing travels, but count what would be handed over, as the allreduce paths do
-        return [head], [buffer], h + buffer.numel()
+        # nothing travels, but count what would be handed over (size exchange and padding
+        # included, as below), as the allreduce paths do
+        return [head], [buffer], (h8 + 8 if variable else h8) + (buffer.numel() + 7) // 8 * 8
     gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     sent = 0
     if variable:
@@ -85,7 +86,8 @@ def allgather_with_head(buffer: torch.Tensor, head: torch.Tensor | None, group: 
         padded[:h] = head
     padded[offset : offset + buffer.numel()] = buffer
     gathered = torch.empty(world_size * width, dtype=torch.uint8, device=buffer.device)
-    gather_single(gathered, padded, group=group)
+    if width:  # 0 on every rank alike (the sizes are known to all): no empty collective
+        gather_single(gathered, padded, group=group)
     sent += width
     if not variable:
         heads = [gathered[r * width : r * width + h] for r in range(world_size)]

@@ -27,14 +27,19 @@ def device_of(group: dist.ProcessGroup | None) -> torch.device:
 
 
 def timeout_of(group: dist.ProcessGroup | None, timeout: float | datetime.timedelta | None) -> datetime.timedelta | None:
-    """``timeout`` as a timedelta (validated), else the timeout of ``group``
-    (None where torch does not say)."""
+    """``timeout`` as a timedelta (validated: an invalid one, infinite or
+    beyond what a timedelta holds included, raises ValueError, never another
+    error), else the timeout of ``group`` (None where torch does not say)."""
     if timeout is not None:
         if isinstance(timeout, datetime.timedelta):
             return timeout
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ValueError(f"timeout must be a positive number of seconds or a timedelta, got {timeout!r}")
-        return datetime.timedelta(seconds=float(timeout))
+        try:
+            return datetime.timedelta(seconds=float(timeout))
+        except OverflowError:  # inf, or more than timedelta.max
+            raise ValueError(f"timeout must be a positive number of seconds or a timedelta, at most "
+                             f"{datetime.timedelta.max.total_seconds():.0f} seconds, got {timeout!r}") from None
     try:
         device = torch.device("cuda") if dist.get_backend(group) == "nccl" else torch.device("cpu")
         return group._get_backend(device).options._timeout  # type: ignore[union-attr]
