@@ -9,7 +9,7 @@ ranks (``workers_per_host``; torchrun numbers ranks host by host); the first
 rank of each host is its leader.
 
 1. **Inner (dense, fast link)**: the call's tensors are summed onto the
-   leader (``reduce`` on the host's group: one fused buffer unpipelined;
+   leader (``reduce`` on the host's group: one fused buffer per dtype unpipelined;
    pipelined, piece by piece in the caller's own tensors, a non-contiguous
    one copied alone). Workers' values enter exactly, so every worker's own
    residual is zero.
@@ -273,24 +273,30 @@ class Hierarchical(Strategy):
             return self._pipelined(compressor, tensors, ctxs, feedback, pieces)
         t0 = time.perf_counter()
         per = self.workers_per_host
-        sizes = [t.numel() for t in tensors]
-        flat = torch.cat([t.reshape(-1) for t in tensors]) if len(tensors) > 1 else tensors[0].reshape(-1).clone()
-        dense = flat.numel() * flat.element_size()
+        # one fused buffer per dtype (a mixed call keeps each tensor's dtype, as the pipelined path does)
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, t in enumerate(tensors):
+            by_dtype.setdefault(t.dtype, []).append(i)
+        flats = [torch.cat([tensors[i].reshape(-1) for i in idx]) for idx in by_dtype.values()]
+        views = list(tensors)
+        for idx, flat in zip(by_dtype.values(), flats):
+            for i, v in zip(idx, flat.split([tensors[i].numel() for i in idx])):
+                views[i] = v.view(tensors[i].shape)
+        dense = sum(f.numel() * f.element_size() for f in flats)
         comm = 0.0
         sent = host = 0
         if per > 1:
             t = time.perf_counter()
-            dist.reduce(flat, dst=self._leader_global, group=self.intra)
+            for flat in flats:
+                dist.reduce(flat, dst=self._leader_global, group=self.intra)
             comm += time.perf_counter() - t
             sent += dense
             host += dense
-        tensor_bytes = [0 if self.is_leader else s * flat.element_size() for s in sizes]
+        tensor_bytes = [0 if self.is_leader else t.numel() * t.element_size() for t in tensors]
         if self.is_leader:
-            flat.div_(per)
-            means = list(flat.split(sizes))
             qs, keys = [], [Feedback.key(HOST, c.key) for c in ctxs]
-            for m, t, k in zip(means, tensors, keys):
-                m = m.view(t.shape)
+            for m, k in zip(views, keys):
+                m = m.div_(per)
                 if feedback is not None:
                     m = m.add(feedback.current(k, m), alpha=feedback.beta)
                 qs.append(m)
@@ -303,14 +309,16 @@ class Hierarchical(Strategy):
             if feedback is not None and res.residuals is not None:
                 for k, r in zip(keys, res.residuals):
                     feedback.stage(k, r)
-            flat = torch.cat([a.reshape(-1) for a in res.tensors]).to(flat.dtype)
+            for v, a in zip(views, res.tensors):
+                v.copy_(a.reshape(v.shape))
         if per > 1:
             t = time.perf_counter()
-            dist.broadcast(flat, src=self._leader_global, group=self.intra)
+            for flat in flats:
+                dist.broadcast(flat, src=self._leader_global, group=self.intra)
             comm += time.perf_counter() - t
             sent += dense if self.is_leader else 0
             host += dense if self.is_leader else 0
-        results = [a.view(t.shape) for a, t in zip(flat.split(sizes), tensors)]
+        results = views
         # every worker's values entered the host sum exactly: its own residual is zero
         residuals = [t.zero_() for t in tensors] if feedback is not None else None
         total = time.perf_counter() - t0
