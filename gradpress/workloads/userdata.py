@@ -60,6 +60,9 @@ def read(path: str) -> tuple[np.ndarray, np.ndarray]:
         raise ValueError(f"data file {str(path)!r}: y must hold integer class labels, got dtype {y.dtype}")
     if len(y) < 10:
         raise ValueError(f"data file {str(path)!r}: need at least 10 samples, got {len(y)}")
+    if x.size == 0:
+        raise ValueError(f"data file {str(path)!r}: x has no features (shape {x.shape}); "
+                         "expected shape (samples, features...) with at least 1 feature")
     x = x.reshape(len(x), -1).astype(np.float32)
     if not np.all(np.isfinite(x)):
         raise ValueError(f"data file {str(path)!r}: x contains NaN or infinite values")
