@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
+from gradpress import workloads
 from gradpress.workloads import userdata
 
 
@@ -20,3 +22,22 @@ def test_userdata_rejects_zero_features(tmp_path, shape):
     path = _save(tmp_path, x=np.zeros(shape, dtype=np.float32), y=np.arange(20) % 2)
     with pytest.raises(ValueError, match=r"d\.npz.*x.*feature"):
         userdata.read(path)
+
+
+@pytest.mark.parametrize("scale", [1e20, 1e37])
+def test_userdata_standardizes_large_finite_features(tmp_path, scale):
+    # finite values (within float32) must stay finite and keep their information
+    rng = np.random.RandomState(0)
+    x = rng.randn(50, 3)
+    x[:, 0] *= scale
+    y = (x[:, 0] > 0).astype(np.int64)
+    w = workloads.build("data-mlp", data=_save(tmp_path, x=x, y=y), hidden=8)
+    xt = torch.cat([w.train[0], w.test[0]])
+    assert torch.isfinite(xt).all()
+    train0 = w.train[0][:, 0].double()
+    assert abs(train0.mean().item()) < 1e-4 and abs(train0.std(unbiased=False).item() - 1.0) < 1e-4
+    # the feature still separates the classes as the raw column did
+    yt = torch.cat([w.train[1], w.test[1]])
+    pos = xt[:, 0][yt == 1]
+    neg = xt[:, 0][yt == 0]
+    assert pos.min() > neg.max()
