@@ -1,4 +1,4 @@
-"""Review of the workloads: user data validation and standardization."""
+"""Review of the workloads: user data validation and standardization, --params parsing."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gradpress import workloads
-from gradpress.workloads import userdata
+from gradpress.workloads import userdata, wide
 
 
 def _save(tmp_path, **arrays):
@@ -41,3 +41,9 @@ def test_userdata_standardizes_large_finite_features(tmp_path, scale):
     pos = xt[:, 0][yt == 1]
     neg = xt[:, 0][yt == 0]
     assert pos.min() > neg.max()
+
+
+@pytest.mark.parametrize("text, expected", [("1.005K", 1005), ("2.01M", 2_010_000), ("0.3M", 300_000),
+                                            ("4.35K", 4350)])
+def test_parse_count_decimal(text, expected):
+    assert wide.parse_count(text) == expected
