@@ -47,3 +47,13 @@ def test_userdata_standardizes_large_finite_features(tmp_path, scale):
                                             ("4.35K", 4350)])
 def test_parse_count_decimal(text, expected):
     assert wide.parse_count(text) == expected
+
+
+@pytest.mark.parametrize("name", ["a.npy", "a.npz"])
+def test_userdata_single_npy_array_clear_error(tmp_path, name):
+    # a file written by numpy.save (one array, not an archive), whatever its suffix
+    path = tmp_path / name
+    with open(path, "wb") as f:
+        np.save(f, np.zeros((20, 3)))
+    with pytest.raises(ValueError, match=rf"{name}.*single \.npy array.*'x' and 'y'"):
+        userdata.read(str(path))

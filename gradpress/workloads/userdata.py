@@ -25,9 +25,10 @@ def read(path: str) -> tuple[np.ndarray, np.ndarray]:
     if not os.path.isfile(path):
         raise ValueError(f"data file {str(path)!r} does not exist")
     try:
-        with np.load(path, allow_pickle=False) as f:
-            if not hasattr(f, "files"):
-                raise ValueError(f"data file {str(path)!r} is a single .npy array; expected a .npz with arrays 'x' and 'y'")
+        f = np.load(path, allow_pickle=False)
+        if not hasattr(f, "files"):  # a plain array (numpy.save), not a context manager
+            raise ValueError(f"data file {str(path)!r} is a single .npy array; expected a .npz with arrays 'x' and 'y'")
+        with f:
             missing = [k for k in ("x", "y") if k not in f.files]
             if missing:
                 raise ValueError(f"data file {str(path)!r} lacks array(s) {', '.join(missing)}; "
