@@ -57,3 +57,35 @@ def test_userdata_single_npy_array_clear_error(tmp_path, name):
         np.save(f, np.zeros((20, 3)))
     with pytest.raises(ValueError, match=rf"{name}.*single \.npy array.*'x' and 'y'"):
         userdata.read(str(path))
+
+
+def _zip(path, entries):
+    import zipfile
+
+    with zipfile.ZipFile(path, "w") as z:
+        for name, data in entries.items():
+            z.writestr(name, data)
+    return str(path)
+
+
+def _npy(array):
+    import io
+
+    buf = io.BytesIO()
+    np.save(buf, array)
+    return buf.getvalue()
+
+
+def test_userdata_member_not_npy_clear_error(tmp_path):
+    # a zip whose x.npy is no .npy array: numpy hands back raw bytes
+    path = _zip(tmp_path / "d.npz", {"x.npy": b"1,2,3\n4,5,6\n", "y.npy": _npy(np.arange(20) % 2)})
+    with pytest.raises(ValueError, match=r"d\.npz.*'x'.*not a \.npy array"):
+        userdata.read(path)
+
+
+def test_userdata_truncated_member_not_called_pickled(tmp_path):
+    x = _npy(np.zeros((20, 3)))
+    path = _zip(tmp_path / "d.npz", {"x.npy": x[:60], "y.npy": _npy(np.arange(20) % 2)})
+    with pytest.raises(ValueError, match=r"d\.npz.*not a valid \.npz") as info:
+        userdata.read(path)
+    assert "pickled" not in str(info.value)

@@ -34,12 +34,18 @@ def read(path: str) -> tuple[np.ndarray, np.ndarray]:
                 raise ValueError(f"data file {str(path)!r} lacks array(s) {', '.join(missing)}; "
                                  f"it has {', '.join(f.files) or 'none'}; expected 'x' (samples x features) and 'y' (labels)")
             x, y = f["x"], f["y"]
+            for key, arr in (("x", x), ("y", y)):
+                if not isinstance(arr, np.ndarray):  # numpy hands back the raw bytes of a non-.npy member
+                    raise ValueError(f"data file {str(path)!r}: member '{key}' is not a .npy array; "
+                                     "save arrays 'x' and 'y' with numpy.savez")
     except ValueError as exc:
         if "data file" in str(exc):
             raise
         if not zipfile.is_zipfile(path):
             raise ValueError(f"data file {str(path)!r} is not a .npz archive; expected one written by "
                              "numpy.savez with arrays 'x' (samples x features) and 'y' (integer labels)") from None
+        if "allow_pickle" not in str(exc):  # e.g. a truncated or damaged member
+            raise ValueError(f"data file {str(path)!r} is not a valid .npz archive: {exc}") from None
         raise ValueError(f"data file {str(path)!r} holds pickled objects, which are not loaded; save plain numeric "
                          "arrays 'x' and 'y' with numpy.savez") from None
     except (OSError, zipfile.BadZipFile, EOFError) as exc:
