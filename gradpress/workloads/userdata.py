@@ -25,20 +25,27 @@ def read(path: str) -> tuple[np.ndarray, np.ndarray]:
     if not os.path.isfile(path):
         raise ValueError(f"data file {str(path)!r} does not exist")
     try:
-        with np.load(path, allow_pickle=False) as f:
-            if not hasattr(f, "files"):
-                raise ValueError(f"data file {str(path)!r} is a single .npy array; expected a .npz with arrays 'x' and 'y'")
+        f = np.load(path, allow_pickle=False)
+        if not hasattr(f, "files"):  # a plain array (numpy.save), not a context manager
+            raise ValueError(f"data file {str(path)!r} is a single .npy array; expected a .npz with arrays 'x' and 'y'")
+        with f:
             missing = [k for k in ("x", "y") if k not in f.files]
             if missing:
                 raise ValueError(f"data file {str(path)!r} lacks array(s) {', '.join(missing)}; "
                                  f"it has {', '.join(f.files) or 'none'}; expected 'x' (samples x features) and 'y' (labels)")
             x, y = f["x"], f["y"]
+            for key, arr in (("x", x), ("y", y)):
+                if not isinstance(arr, np.ndarray):  # numpy hands back the raw bytes of a non-.npy member
+                    raise ValueError(f"data file {str(path)!r}: member '{key}' is not a .npy array; "
+                                     "save arrays 'x' and 'y' with numpy.savez")
     except ValueError as exc:
         if "data file" in str(exc):
             raise
         if not zipfile.is_zipfile(path):
             raise ValueError(f"data file {str(path)!r} is not a .npz archive; expected one written by "
                              "numpy.savez with arrays 'x' (samples x features) and 'y' (integer labels)") from None
+        if "allow_pickle" not in str(exc):  # e.g. a truncated or damaged member
+            raise ValueError(f"data file {str(path)!r} is not a valid .npz archive: {exc}") from None
         raise ValueError(f"data file {str(path)!r} holds pickled objects, which are not loaded; save plain numeric "
                          "arrays 'x' and 'y' with numpy.savez") from None
     except (OSError, zipfile.BadZipFile, EOFError) as exc:
@@ -60,6 +67,9 @@ def read(path: str) -> tuple[np.ndarray, np.ndarray]:
         raise ValueError(f"data file {str(path)!r}: y must hold integer class labels, got dtype {y.dtype}")
     if len(y) < 10:
         raise ValueError(f"data file {str(path)!r}: need at least 10 samples, got {len(y)}")
+    if x.size == 0:
+        raise ValueError(f"data file {str(path)!r}: x has no features (shape {x.shape}); "
+                         "expected shape (samples, features...) with at least 1 feature")
     x = x.reshape(len(x), -1).astype(np.float32)
     if not np.all(np.isfinite(x)):
         raise ValueError(f"data file {str(path)!r}: x contains NaN or infinite values")
@@ -77,7 +87,8 @@ def build(*, data: str | None = None, hidden: int | None = None, samples: int | 
     order = np.random.RandomState(0).permutation(len(labels))
     x, labels = x[order], labels[order].astype(np.int64)
     cut = max(1, int(0.8 * len(labels)))
-    mean, std = x[:cut].mean(axis=0), x[:cut].std(axis=0)
+    # in float64: float32 sums of large finite features overflow (NaN inputs or a feature zeroed)
+    mean, std = x[:cut].mean(axis=0, dtype=np.float64), x[:cut].std(axis=0, dtype=np.float64)
     x = (x - mean) / np.where(std > 0, std, 1.0)
     xt, yt = torch.from_numpy(x.astype(np.float32)), torch.from_numpy(labels)
     train, test = split_cap((xt[:cut], yt[:cut]), (xt[cut:], yt[cut:]), samples)

@@ -33,7 +33,7 @@ def parse_count(value: int | str, field: str = "params") -> int:
         m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)\s*", str(value))
         if not m:
             raise ValueError(f"{field} must be a count like 500K, 10M or 250000 (suffixes K, M, G), got {value!r}")
-        n = int(float(m.group(1)) * _SUFFIX[m.group(2).upper()])
+        n = round(float(m.group(1)) * _SUFFIX[m.group(2).upper()])  # not int(): 1.005 * 1000 is 1004.99...
     if n < 1000:
         raise ValueError(f"{field} must be at least 1K, got {value!r}")
     return n
