@@ -412,3 +412,19 @@ def test_payload_cell_names_the_bytes_that_stay_inside_a_host():
         "87.54 MB (80.00 MB in hosts)"
     for host in (None, 0, 0.0):  # flat strategies and PyTorch baselines: the plain figure
         assert _payload({"payload_bytes_per_step": 7_600_000, "host_bytes_per_step": host}) == "7.60 MB"
+
+
+def test_the_target_line_says_which_way_the_metric_reaches_it():
+    """Accuracy reaches its target from below, bits per character from above."""
+    from gradpress.bench.e2e_report import markdown
+
+    res = _seed_result([10.0, 5.0], [0.95, 0.92])
+    res["command"] = "gradpress bench e2e --train-to 0.9"
+    assert "Target: accuracy >= 0.9 " in markdown(res)
+    res["setup"].update(metric="bpc", higher_is_better=False)
+    res["target"] = 2.5
+    assert "Target: bpc <= 2.5 " in markdown(res)
+    from gradpress.bench.e2e_seeds import combine
+    from gradpress.bench.e2e_seeds import markdown as seeds_markdown
+
+    assert "Target: bpc <= 2.5 " in seeds_markdown(combine([res, res], [0, 1], "gradpress bench e2e --seeds 2"))

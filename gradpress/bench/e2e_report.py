@@ -33,6 +33,11 @@ TRAIN_FIELDS = (
 )
 
 
+
+def reach_sign(setup: dict[str, Any]) -> str:
+    """How the metric reaches its target: ``>=`` (accuracy), ``<=`` (a loss, bits per character)."""
+    return ">=" if setup.get("higher_is_better", True) else "<="
+
 def _payload(row: dict) -> str:
     """The payload cell: bytes per step, and the part that stayed inside a host when there is one."""
     host = row.get("host_bytes_per_step")
@@ -114,7 +119,7 @@ def markdown(result: dict[str, Any]) -> str:
                   "- compress/comm s/step: the gradpress hook's compress_s and comm_s per step (rank 0)."]
         lines += _background_table(result)
     else:
-        lines.append(f"Target: {s['metric']} >= {result['target']} (evaluated every {s['eval_every']} steps; "
+        lines.append(f"Target: {s['metric']} {reach_sign(s)} {result['target']} (evaluated every {s['eval_every']} steps; "
                      "the clock stops while evaluating).")
         lines.append("")
         lines.append("| configuration | time to target | steps to target | best metric | speed-up vs DDP "
@@ -174,7 +179,7 @@ def plot(result: dict[str, Any], path: str | Path) -> Path:
             text = f"{r['time_to_target_s']:.1f}s" if r["reached"] else "not reached"
             ax.annotate(text, (x, b.get_height()), textcoords="offset points", xytext=(0, 3), ha="center",
                         va="bottom", fontsize=8)
-        ax.set_ylabel(f"wall-clock seconds to {s['metric']} >= {result['target']}")
+        ax.set_ylabel(f"wall-clock seconds to {s['metric']} {reach_sign(s)} {result['target']}")
         ax.set_title(f"time to target, {s['workload']}, {s['nodes']} nodes, {s['bandwidth']}")
     ax.set_xticks(xs)
     ax.set_xticklabels(labels, rotation=25, ha="right", fontsize=8)

@@ -128,8 +128,9 @@ def run_e2e(args: argparse.Namespace) -> dict[str, Any]:
         "compute": compute, "rows": rows, "notes": notes, "seconds": time.monotonic() - t_start,
     }
     if mode == "train":
-        metric = next((r0.get("metric") for r0 in _raw_first(runner, len(configs)) if r0), "accuracy")
-        result["setup"]["metric"] = metric
+        first = next((r0 for r0 in _raw_first(runner, len(configs)) if r0), {})
+        result["setup"]["metric"] = first.get("metric", "accuracy")
+        result["setup"]["higher_is_better"] = bool(first.get("higher_is_better", True))
     return result
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from gradpress import compare_stats
+from gradpress.bench.e2e_report import reach_sign
 
 __all__ = ["run_seeds", "combine", "markdown", "plot"]
 
@@ -64,7 +65,7 @@ def markdown(result: dict[str, Any]) -> str:
              f"{s['optimizer']} {lr_text(s['lr'], [g['label'] for g in result['aggregate']])}, "
              f"{s['threads']} thread(s) per worker, "
              f"torch {s['torch']}, {s['cpus']} CPU(s). Seeds: {', '.join(map(str, result['seeds']))}.", "",
-             f"Target: {s['metric']} >= {result['target']} (evaluated every {s['eval_every']} steps; the clock stops "
+             f"Target: {s['metric']} {reach_sign(s)} {result['target']} (evaluated every {s['eval_every']} steps; the clock stops "
              "while evaluating). Over seeds: mean ± sample std [min, max]; time and steps over the seeds that "
              "reached the target, `not reached (k of N)` counts the others. Speed-up vs DDP: per seed (DDP's time / "
              "this configuration's, where both reached), then summarized.", "",
@@ -109,7 +110,7 @@ def plot(result: dict[str, Any], path: str | Path) -> Path:
         note = f"{t['mean']:.1f}s" + (f"\n{t['n'] - t['k']} of {t['n']} missed" if t["k"] < t["n"] else "")
         ax.annotate(note, (x, t["max"]), textcoords="offset points", xytext=(0, 3), ha="center", va="bottom",
                     fontsize=8)
-    ax.set_ylabel(f"wall-clock seconds to {s['metric']} >= {result['target']} (mean, min-max)")
+    ax.set_ylabel(f"wall-clock seconds to {s['metric']} {reach_sign(s)} {result['target']} (mean, min-max)")
     ax.set_title(f"time to target over {len(result['seeds'])} seeds, {s['workload']}, {s['nodes']} nodes, "
                  f"{s['bandwidth']}")
     ax.set_xticks(xs)

@@ -351,6 +351,7 @@ def run_train(job: dict[str, Any]) -> dict[str, Any]:
     reached_at = history[-1] if history and sign * history[-1]["metric"] >= sign * job["target"] else None
     result = {
         "mode": "train", "rank": rank, "world_size": world, "label": cfg.label, "metric": wl.metric,
+        "higher_is_better": wl.higher_is_better,
         "target": job["target"], "reached": reached_at is not None,
         "time_to_target_s": reached_at["seconds"] if reached_at else None,
         "steps_to_target": reached_at["step"] if reached_at else None,
