@@ -1,0 +1,43 @@
+"""``gradpress compare`` driver (review): diverged runs in the lr sweep and
+the comparison, output files of a reused directory, failed runs."""
+
+from __future__ import annotations
+
+import json
+
+from gradpress import train
+from gradpress.cli import main as cli
+
+
+def _summary(cfg, final, diverged_at=None):
+    """What train.run returns: a run that diverged stopped at the next logging step with the metric of its
+    last evaluation (finite: the evaluation before the NaN, or the NaN model's accuracy)."""
+    hist = [{"step": 10, "bytes_total": 1000, "metric": final, "loss": 1.0}]
+    return {"compressor": cfg.compressor, "algorithm": cfg.algorithm, "final_metric": final, "final_loss": 1.0,
+            "higher_is_better": True, "history": hist, "seed": cfg.seed, "median_step_s": 0.01,
+            "bytes_per_step": 100.0, "compression_ratio": 1.0, "lr": cfg.lr, "strategy": "allreduce",
+            "workload": cfg.workload, "world_size": 1, "steps": cfg.steps, "batch_size": cfg.batch_size,
+            "optimizer": cfg.optimizer, "schedule": cfg.schedule, "metric": "accuracy",
+            "nothing_compressed": False, "diverged_at_step": diverged_at}
+
+
+def _args(out, *extra):
+    return ["compare", "--compressors", "none", "--workload", "digits-mlp", "--steps", "40", "--no-progress",
+            "--out", str(out), *extra]
+
+
+def test_lr_sweep_never_picks_a_rate_whose_run_diverged(tmp_path, monkeypatch):
+    # lr 0.1 looked good at its last evaluation (0.8), then its loss became NaN at step 12: the sweep run
+    # stopped short of its budget. 0.01 ran to the end (0.5). The rule: a diverged rate is never chosen.
+    calls = []
+
+    def fake_run(cfg):
+        calls.append((cfg.lr, cfg.steps))
+        return _summary(cfg, 0.8, diverged_at=12) if cfg.lr == 0.1 else _summary(cfg, 0.5)
+
+    monkeypatch.setattr(train, "run", fake_run)
+    out = tmp_path / "cmp"
+    assert cli(_args(out, "--lr-sweep", "0.01,0.1")) == 0
+    record = json.loads((out / "sweep.json").read_text())
+    assert record["methods"][0]["best_lr"] == 0.01
+    assert [c for c in calls if c[1] == 40] == [(0.01, 40)]
