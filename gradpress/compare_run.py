@@ -13,7 +13,10 @@ from typing import Any
 
 from gradpress import compare, compare_report, compare_stats, train, workloads
 
-__all__ = ["run", "sweep"]
+__all__ = ["run", "sweep", "OUTPUTS"]
+
+#: the files a compare writes in its directory (``compare-partial.json``: the runs that finished before one failed)
+OUTPUTS = ("compare.json", "compare-stats.json", "compare.md", "compare.png", "sweep.json", "compare-partial.json")
 
 
 def sweep(configs: list[Any], rates: list[float], steps: int | None, seeds: list[int],
@@ -90,6 +93,8 @@ def run(compressors: str | Iterable[str] | None, options: Mapping[str, Any] | No
     for cfg in configs:
         if cfg.lr != shared_lr and rates is None:
             shared_lr = None  # e.g. an algorithm with its own default lr
+    for name in OUTPUTS:  # a reused directory: no file of an earlier compare is left to pass for this one's
+        (root / name).unlink(missing_ok=True)
     record = None
     if rates is not None:
         record = sweep(configs, rates, steps, seed_list[:1], root)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from gradpress import train
 from gradpress.cli import main as cli
 
@@ -41,3 +43,26 @@ def test_lr_sweep_never_picks_a_rate_whose_run_diverged(tmp_path, monkeypatch):
     record = json.loads((out / "sweep.json").read_text())
     assert record["methods"][0]["best_lr"] == 0.01
     assert [c for c in calls if c[1] == 40] == [(0.01, 40)]
+
+
+def test_a_reused_directory_keeps_no_files_of_an_earlier_compare(tmp_path, monkeypatch):
+    out = tmp_path / "cmp"
+    monkeypatch.setattr(train, "run", lambda cfg: _summary(cfg, 0.5))
+    assert cli(_args(out, "--lr-sweep", "0.01,0.1")) == 0
+    assert (out / "sweep.json").exists()
+
+    def crash(cfg):  # the next compare's first run fails: nothing it wrote may look like a finished result
+        raise RuntimeError("worker rank 1 was killed by SIGKILL")
+
+    monkeypatch.setattr(train, "run", crash)
+    with pytest.raises(RuntimeError):
+        cli(_args(out))
+    left = {p.name for p in out.iterdir() if p.is_file()}
+    assert left.isdisjoint({"compare.json", "compare-stats.json", "compare.md", "compare.png", "sweep.json"}), left
+
+    monkeypatch.setattr(train, "run", lambda cfg: _summary(cfg, 0.5))
+    assert cli(_args(out, "--algorithms", "ddp")) == 0  # no sweep this time, and it finished
+    stats = json.loads((out / "compare-stats.json").read_text())
+    assert stats["sweep"] is None
+    assert {p.name for p in out.iterdir() if p.is_file()} == {
+        "compare.json", "compare-stats.json", "compare.md", "compare.png"}
