@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from gradpress import compare, compare_report, compare_stats, train, workloads
+from gradpress.train.launch import WorkerFailed
 
 __all__ = ["run", "sweep", "OUTPUTS"]
 
@@ -105,7 +106,10 @@ def run(compressors: str | Iterable[str] | None, options: Mapping[str, Any] | No
         for cfg in configs:
             for seed in seed_list:
                 run_cfg = train.make_config(cfg, seed=seed, out=f"{cfg.out}-s{seed}") if multi else cfg
-                summaries.append(train.run(run_cfg))
+                try:
+                    summaries.append(train.run(run_cfg))
+                except WorkerFailed as exc:  # which run: the launcher's message names only the worker
+                    raise WorkerFailed(f"run {compare.label(vars(cfg))}, seed {seed}: {exc}") from None
     except BaseException:
         if summaries:  # what finished is not lost
             root.mkdir(parents=True, exist_ok=True)

@@ -66,3 +66,20 @@ def test_a_reused_directory_keeps_no_files_of_an_earlier_compare(tmp_path, monke
     assert stats["sweep"] is None
     assert {p.name for p in out.iterdir() if p.is_file()} == {
         "compare.json", "compare-stats.json", "compare.md", "compare.png"}
+
+
+def test_a_failed_worker_fails_compare_in_one_line_with_exit_1(tmp_path, monkeypatch, capsys):
+    from gradpress.train.launch import WorkerFailed
+
+    def run(cfg):
+        if cfg.compressor == "fp16":
+            raise WorkerFailed("worker rank 1 was killed by SIGKILL (pid 4242)")
+        return _summary(cfg, 0.5)
+
+    monkeypatch.setattr(train, "run", run)
+    out = tmp_path / "cmp"
+    rc = cli(["compare", "--compressors", "none,fp16", "--workload", "digits-mlp", "--steps", "4", "--out", str(out)])
+    assert rc == 1  # as `gradpress train` (docs/train.md, "Failures and exit codes"), not a traceback
+    err = capsys.readouterr().err
+    assert "gradpress compare: error:" in err and "killed by SIGKILL" in err and "fp16" in err
+    assert [s["compressor"] for s in json.loads((out / "compare-partial.json").read_text())] == ["none"]

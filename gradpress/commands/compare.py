@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from gradpress import compare, compare_report, train
+from gradpress.train.launch import WorkerFailed
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -41,8 +43,17 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run_cli(args: argparse.Namespace) -> int:
     opts = {k: v for k, v in vars(args).items() if k in train.FIELDS or k == "config"}
     out = opts.pop("out", "runs/compare")
-    result = compare.run(args.compressors, opts, out=out, target=args.target, algorithms=args.algorithms,
-                         seeds=args.seeds, lr_sweep=args.lr_sweep, sweep_steps=args.sweep_steps)
+    try:
+        result = compare.run(args.compressors, opts, out=out, target=args.target, algorithms=args.algorithms,
+                             seeds=args.seeds, lr_sweep=args.lr_sweep, sweep_steps=args.sweep_steps)
+    except WorkerFailed as exc:  # exit codes as `gradpress train`'s (docs/train.md)
+        partial = Path(out) / "compare-partial.json"
+        kept = f" (the runs that finished: {partial})" if partial.exists() else ""
+        print(f"gradpress compare: error: {exc}{kept}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("gradpress compare: interrupted; workers stopped", file=sys.stderr)
+        return 130
     stats = json.loads((Path(out) / "compare-stats.json").read_text())
     print()
     print(stats["lr"]["text"])
