@@ -119,8 +119,15 @@ def _ref_runs(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [s for s in summaries if label(s) == name]
 
 
+def final(s: Mapping[str, Any]) -> float | None:
+    """A run's final metric; None where it has none: NaN/Inf, or a loss that became NaN/Inf (the run stopped
+    early, or went on with NaN weights, keeping the finite metric of its last evaluation)."""
+    fm = s["final_metric"]
+    return None if fm is None or not math.isfinite(fm) or s.get("diverged_at_step") is not None else fm
+
+
 def _mean_final(runs: list[dict[str, Any]]) -> float | None:
-    vals = [s["final_metric"] for s in runs if s["final_metric"] is not None and math.isfinite(s["final_metric"])]
+    vals = [v for v in map(final, runs) if v is not None]
     return sum(vals) / len(vals) if vals else None
 
 
@@ -153,7 +160,7 @@ def annotate(summaries: list[dict[str, Any]], target: float | None) -> list[dict
     same seed, else the reference's mean)."""
     ref = _reference(summaries)
     refs = _ref_runs(summaries)
-    ref_by_seed = {r.get("seed"): r["final_metric"] for r in refs}
+    ref_by_seed = {r.get("seed"): final(r) for r in refs}
     ref_mean = _mean_final(refs)
     tgt = target_for(summaries, target)
     out = []
@@ -166,9 +173,8 @@ def annotate(summaries: list[dict[str, Any]], target: float | None) -> list[dict
         step_s = s.get("median_step_s")
         s["time_to_target"] = None if steps is None or step_s is None else steps * step_s
         s["reference"] = label(ref)
-        base = ref_by_seed.get(s.get("seed"), ref_mean) if len(refs) > 1 else ref["final_metric"]
-        s["delta_vs_reference"] = (None if s["final_metric"] is None or base is None
-                                   else s["final_metric"] - base)
+        base = ref_by_seed.get(s.get("seed"), ref_mean) if len(refs) > 1 else final(ref)
+        s["delta_vs_reference"] = None if final(s) is None or base is None else final(s) - base
         out.append(s)
     return out
 
@@ -197,7 +203,8 @@ def table(summaries: list[dict[str, Any]]) -> str:
         d = s["delta_vs_reference"]
         rows.append([
             f"`{s.get('algorithm', 'ddp')}`",
-            f"`{s['compressor']}`" + (" (nothing compressed)" if s.get("nothing_compressed") else ""),
+            f"`{s['compressor']}`" + (" (nothing compressed)" if s.get("nothing_compressed") else "")
+            + ("" if s.get("diverged_at_step") is None else f" (diverged at step {s['diverged_at_step']})"),
             *([str(s.get("seed"))] if seeds else []), *([f"{s['lr']:g}"] if lrs else []),
             "-" if fm is None else f"{fm:.4f}",
             "-" if d is None else f"{d:+.4f}",

@@ -11,7 +11,7 @@ from gradpress import compare, compare_stats
 __all__ = ["aggregate", "aggregate_table", "lr_note", "markdown"]
 
 FIELDS = {
-    "final_metric": lambda r: r["final_metric"],
+    "final_metric": compare.final,
     "delta_vs_reference": lambda r: r["delta_vs_reference"],
     "steps_to_target": lambda r: r["steps_to_target"],
     "time_to_target": lambda r: r["time_to_target"],

@@ -83,3 +83,23 @@ def test_a_failed_worker_fails_compare_in_one_line_with_exit_1(tmp_path, monkeyp
     err = capsys.readouterr().err
     assert "gradpress compare: error:" in err and "killed by SIGKILL" in err and "fp16" in err
     assert [s["compressor"] for s in json.loads((out / "compare-partial.json").read_text())] == ["none"]
+
+
+def test_a_diverged_seed_counts_as_no_metric_in_the_target_and_the_aggregate():
+    from types import SimpleNamespace
+
+    from gradpress import compare, compare_report
+
+    def run(name, seed, final, diverged_at=None):
+        cfg = SimpleNamespace(compressor=name, algorithm="ddp", seed=seed, lr=0.01, workload="digits-mlp", steps=40,
+                              batch_size=16, optimizer="sgd", schedule="constant")
+        return _summary(cfg, final, diverged_at)
+
+    # seed 1 of the reference diverged: its last evaluation (the NaN model's accuracy) is finite, 0.0625
+    runs = [run("none", 0, 0.9), run("none", 1, 0.0625, diverged_at=30), run("none", 2, 0.8),
+            run("fp16", 0, 0.88), run("fp16", 1, 0.87), run("fp16", 2, 0.86)]
+    out = compare.annotate(runs, None)
+    assert out[0]["target"] == pytest.approx(0.95 * (0.9 + 0.8) / 2)
+    fm = compare_report.aggregate(out)[0]["final_metric"]
+    assert fm["k"] == 2 and fm["mean"] == pytest.approx(0.85)
+    assert "diverged at step 30" in compare.table(out)
