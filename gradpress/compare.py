@@ -137,10 +137,10 @@ def target_for(summaries: list[dict[str, Any]], target: float | None = None) -> 
     if target is not None:
         return float(target)
     ref = _reference(summaries)
-    final = _mean_final(_ref_runs(summaries))
-    if final is None:
+    mean = _mean_final(_ref_runs(summaries))
+    if mean is None:
         return None
-    return final * (0.95 if ref["higher_is_better"] else 1.05)
+    return mean * (0.95 if ref["higher_is_better"] else 1.05)
 
 
 def _reached(s: Mapping[str, Any], target: float | None) -> tuple[int | None, int | None]:
