@@ -39,3 +39,28 @@ def test_stochastic_rounding_of_half_inputs_never_rounds_zero_up(mode: str, dtyp
     with compiler.forced(mode):
         out = kit.elementwise(kernel, y, 4096, key=seed_words(5))
     assert torch.equal(out, y)
+
+
+def _broken_compile(*a: object, **k: object) -> object:
+    """A ``torch.compile`` whose compiled function fails when called."""
+    def fn(*x: object, **y: object) -> object:
+        raise RuntimeError("no compiler here")
+    return fn
+
+
+def test_a_failing_kernel_warns_once_with_its_into_variant(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whole chunks and a tail (the kernel and its ``into`` variant): one
+    failed compile, one warning, and eager from then on for both."""
+    monkeypatch.setattr(torch, "compile", _broken_compile)
+    monkeypatch.setattr(compiler, "_cache", {})
+    monkeypatch.setattr(compiler, "_failed", set())
+
+    def k3(v: torch.Tensor, *, key: torch.Tensor | None, drawn: torch.Tensor | None) -> torch.Tensor:
+        return v * 3
+
+    with compiler.forced("on"), pytest.warns(RuntimeWarning) as seen:
+        out = kit.elementwise(k3, torch.ones(10), 4)
+    assert torch.equal(out, torch.full((10,), 3.0))
+    assert [str(w.message).split(" failed")[0] for w in seen if "compiling" in str(w.message)] == [
+        f"gradpress kit: compiling {k3.__qualname__}"]
+    assert not compiler.will_compile(compiler.into(k3), 10, "cpu")
