@@ -222,7 +222,7 @@ def cpu_reduction(kernel: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _policy_allows(kernel: Callable[..., Any], numel: int, device_type: str) -> bool:
-    if kernel in _failed or not compiles(numel, device_type):
+    if _BASE.get(kernel, kernel) in _failed or not compiles(numel, device_type):
         return False
     return device_type == "cpu" or kernel not in _cpu_only or mode() == "on"
 
@@ -257,8 +257,9 @@ def run(kernel: Callable[..., Any], numel: int, *args: Any, **kwargs: Any) -> An
         if _recompile_limit(exc):  # this call's shapes only: the ones compiled before stay compiled
             _warn_recompile_limit(kernel)
             return kernel(*args, **kwargs)
-        _failed.add(kernel)
-        for k in [k for k in _cache if k[0] is kernel]:
+        base = _BASE.get(kernel, kernel)  # a kernel and its ``into`` variant fail together: one warning
+        _failed.add(base)
+        for k in [k for k in _cache if _BASE.get(k[0], k[0]) is base]:
             del _cache[k]
         warnings.warn(f"gradpress kit: compiling {kernel.__qualname__} failed ({type(exc).__name__}: {exc}); "
                       "running it eagerly from now on", RuntimeWarning, stacklevel=2)
@@ -285,6 +286,8 @@ def _warn_recompile_limit(kernel: Callable[..., Any]) -> None:
 
 
 _INTO: dict[Callable[..., Any], Callable[..., None]] = {}
+#: each ``into`` variant's kernel (a compile failure of either marks the kernel failed)
+_BASE: dict[Callable[..., Any], Callable[..., Any]] = {}
 
 
 def into(kernel: Callable[..., torch.Tensor]) -> Callable[..., None]:
@@ -302,4 +305,5 @@ def into(kernel: Callable[..., torch.Tensor]) -> Callable[..., None]:
         # object, so wrappers sharing one would share that limit and later kernels would silently run eagerly
         fn.__code__ = fn.__code__.replace(co_name=f"into_{len(_INTO)}")
         fn = _INTO.setdefault(kernel, fn)
+        _BASE[fn] = kernel
     return fn

@@ -10,12 +10,14 @@ k0, k1 the low and high 32-bit words of S::
 
     bits(i) = lowbias32(lowbias32(i + k0) ^ k1)          (32 bits)
     uniform(i) = (bits(i) >> 8) / 2^24                  (fp32: 24 bits)
+               = (bits(i) >> (32 - p)) / 2^p             (fp16: p = 11, bf16: p = 8)
                = bits(i) / 2^32                          (fp64: all 32 bits)
 
 Invariants: a pure function of (S, i): identical on every rank, every device
 and in eager and compiled code (integer ops only, two's complement int32
 arithmetic; logical shifts are written as shift-and-mask); ``uniform`` lies
-in [0, 1) on a grid of 2^-24 (fp32) or 2^-32 (fp64), so a stochastic
+in [0, 1) on a grid of 2^-24 (fp32), 2^-32 (fp64), 2^-11 (fp16) or 2^-8
+(bf16: the top bits, each value exact in the dtype), so a stochastic
 rounding ``floor(y + u)`` is biased by less than one grid step (the same
 granularity as ``torch.rand`` in fp32). Statistical quality is tested in
 tests/test_kit_rng.py (chi-square uniformity of bytes and of the top bits,
@@ -102,9 +104,18 @@ def counter_bits(key: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return _lowbias32(_lowbias32(index + key[0]).bitwise_xor_(key[1]))
 
 
+#: significand bits of the narrow float dtypes: their uniforms take that many top bits, so every value is exact
+#: (24 bits cast to fp16 overflowed to inf, and rounded up to 1.0 in bf16)
+_NARROW = {torch.float16: 11, torch.bfloat16: 8}
+
+
 def counter_uniform(key: torch.Tensor, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Uniform [0, 1) of ``dtype`` (fp32: 24-bit grid; fp64: 32-bit grid)."""
+    """Uniform [0, 1) of ``dtype`` (fp32: 24-bit grid; fp64: 32-bit grid;
+    fp16: 11-bit, bf16: 8-bit, the top bits of the fp32 grid)."""
     h = counter_bits(key, index)
+    if dtype in _NARROW:
+        p = _NARROW[dtype]
+        return ((h >> (32 - p)) & ((1 << p) - 1)).to(dtype) * (2.0 ** -p)
     hi = ((h >> 8) & 0xFFFFFF).to(dtype) * (2.0 ** -24)
     if dtype == torch.float64:
         return hi + (h & 0xFF).to(dtype) * (2.0 ** -32)
