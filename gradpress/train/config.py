@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
+import gradpress.train.algorithm as algorithms
 from gradpress import workloads
-from gradpress.train import algorithm as algorithms
 from gradpress.train.optim import OPTIMIZERS, SCHEDULES
 
 __all__ = ["TrainConfig", "FIELDS", "RESUME_FIXED", "NONFINITE", "SEED_MAX", "make_config", "check_out"]
