@@ -36,10 +36,7 @@ def sweep(configs: list[Any], rates: list[float], steps: int | None, seeds: list
                 if steps is not None:
                     over["steps"] = steps
                 s = train.run(train.make_config(cfg, **over))
-                fm = s["final_metric"]
-                # a diverged run stopped early (or went on with NaN weights): its metric is that of its last
-                # evaluation, finite, not one after the sweep budget; it counts as no metric
-                fm = None if fm is None or not math.isfinite(fm) or s.get("diverged_at_step") is not None else fm
+                fm = compare.final(s)  # a diverged run's last finite evaluation counts as no metric
                 scores.setdefault(lr, []).append(fm)
                 runs.append({"lr": lr, "seed": seed, "final_metric": fm, "final_loss": s.get("final_loss")})
                 higher = s["higher_is_better"]

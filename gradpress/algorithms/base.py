@@ -41,7 +41,7 @@ from gradpress.compress.base import Param
 from gradpress.compress.spec import coerce_params
 from gradpress.exchange import Synchronizer
 from gradpress.exchange.agree import agree, config_diff
-from gradpress.transport.collectives import fused_allreduce
+from gradpress.transport.collectives import flat_by_dtype, fused_allreduce
 from gradpress.transport.groups import own_group
 from gradpress.transport.p2p import global_rank
 
@@ -255,17 +255,12 @@ class Algorithm:
         if self.world_size == 1:
             return
         tensors = [p for _, p in self.model.named_parameters()] + [b for b in self.model.buffers()]
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for t in tensors:
-            if t.numel():
-                by_dtype.setdefault(t.dtype, []).append(t)
-        for group in by_dtype.values():
-            flat = torch.cat([t.detach().reshape(-1) for t in group])
+        tensors = [t for t in tensors if t.numel()]
+        flats, views = flat_by_dtype(tensors)
+        for flat in flats:
             dist.broadcast(flat, global_rank(self.group, 0), group=self.group)
-            offset = 0
-            for t in group:
-                t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                offset += t.numel()
+        for t, v in zip(tensors, views):
+            t.copy_(v)
 
     # ------------------------------------------------------------- reporting
     @property

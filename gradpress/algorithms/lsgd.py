@@ -85,7 +85,7 @@ from gradpress.algorithms.base import Algorithm
 from gradpress.algorithms.loss_probe import probe_class
 from gradpress.algorithms.registry import register
 from gradpress.compress.base import Param
-from gradpress.transport.collectives import fused_allreduce
+from gradpress.transport.collectives import flat_by_dtype, fused_allreduce
 from gradpress.transport.groups import device_of, timeout_of
 from gradpress.transport.p2p import global_rank
 
@@ -255,20 +255,12 @@ class LSGD(Algorithm):
                          tensors: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """Rank ``src``'s (group rank of ``self.group``) parameters (or its
         ``tensors``), on every rank of ``group``."""
-        out = [t.detach().clone() for t in (tensors if tensors is not None else [p for _, p in self.named])]
-        by_dtype: dict[torch.dtype, list[int]] = {}
-        for i, p in enumerate(out):
-            by_dtype.setdefault(p.dtype, []).append(i)
-        for idx in by_dtype.values():
-            flat = torch.cat([out[i].reshape(-1) for i in idx])
+        flats, views = flat_by_dtype(tensors if tensors is not None else [p for _, p in self.named])
+        for flat in flats:
             dist.broadcast(flat, global_rank(self.group, src), group=group)
             if count:
                 self._count(flat.numel() * flat.element_size())
-            offset = 0
-            for i in idx:
-                out[i].copy_(flat[offset:offset + out[i].numel()].view_as(out[i]))
-                offset += out[i].numel()
-        return out
+        return views
 
     @torch.no_grad()
     def global_leader_params(self, src: int) -> list[torch.Tensor]:

@@ -10,34 +10,45 @@ ever issued.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 
-__all__ = ["fused_allreduce", "allgather_bytes", "allgather_with_head"]
+__all__ = ["fused_allreduce", "flat_by_dtype", "allgather_bytes", "allgather_with_head"]
+
+
+def flat_by_dtype(tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """One fused buffer per dtype (dtypes in order of first appearance; a
+    dtype's tensors in order, detached copies) and, per tensor, its view into
+    its buffer, shaped like it: what one collective per dtype works on."""
+    groups: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault(t.dtype, []).append(i)
+    flats: list[torch.Tensor] = []
+    views: list[torch.Tensor | None] = [None] * len(tensors)
+    for idx in groups.values():
+        flat = torch.cat([tensors[i].detach().reshape(-1) for i in idx])
+        for i, v in zip(idx, flat.split([tensors[i].numel() for i in idx])):
+            views[i] = v.view(tensors[i].shape)
+        flats.append(flat)
+    return flats, views  # type: ignore[return-value]
 
 
 def fused_allreduce(tensors: list[torch.Tensor], group: dist.ProcessGroup | None) -> tuple[list[torch.Tensor], int]:
     """Allreduce-sum ``tensors`` (grouped by dtype, one collective per dtype).
     Returns the summed tensors (same order, same shapes) and the bytes handed over."""
-    out: list[torch.Tensor | None] = [None] * len(tensors)
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for i, t in enumerate(tensors):
-        if t.numel():
-            by_dtype.setdefault(t.dtype, []).append(i)
-        else:
-            out[i] = t
+    out = list(tensors)  # empty tensors come back as they are
+    full = [i for i, t in enumerate(tensors) if t.numel()]
+    flats, views = flat_by_dtype([tensors[i] for i in full])
     sent = 0
-    for idxs in by_dtype.values():
-        flat = torch.cat([tensors[i].reshape(-1) for i in idxs])
+    for flat in flats:
         if dist.is_initialized() and dist.get_world_size(group) > 1:
             dist.all_reduce(flat, group=group)
         sent += flat.numel() * flat.element_size()
-        offset = 0
-        for i in idxs:
-            n = tensors[i].numel()
-            out[i] = flat[offset : offset + n].view_as(tensors[i])
-            offset += n
-    return out, sent  # type: ignore[return-value]
+    for i, v in zip(full, views):
+        out[i] = v
+    return out, sent
 
 
 def allgather_bytes(buffer: torch.Tensor, group: dist.ProcessGroup | None, world_size: int, variable: bool) -> tuple[list[torch.Tensor], int]:

@@ -78,7 +78,7 @@ from gradpress.exchange.feedback import Feedback, namespace
 from gradpress.exchange.pieces import Piece, cut
 from gradpress.exchange.strategies.allgather import Allgather
 from gradpress.exchange.strategies.hierarchical_pipeline import pipelined
-from gradpress.transport.collectives import fused_allreduce
+from gradpress.transport.collectives import flat_by_dtype, fused_allreduce
 from gradpress.transport.groups import timeout_of
 from gradpress.transport.p2p import swap_bytes
 
@@ -274,14 +274,7 @@ class Hierarchical(Strategy):
         t0 = time.perf_counter()
         per = self.workers_per_host
         # one fused buffer per dtype (a mixed call keeps each tensor's dtype, as the pipelined path does)
-        by_dtype: dict[torch.dtype, list[int]] = {}
-        for i, t in enumerate(tensors):
-            by_dtype.setdefault(t.dtype, []).append(i)
-        flats = [torch.cat([tensors[i].reshape(-1) for i in idx]) for idx in by_dtype.values()]
-        views = list(tensors)
-        for idx, flat in zip(by_dtype.values(), flats):
-            for i, v in zip(idx, flat.split([tensors[i].numel() for i in idx])):
-                views[i] = v.view(tensors[i].shape)
+        flats, views = flat_by_dtype(tensors)
         dense = sum(f.numel() * f.element_size() for f in flats)
         comm = 0.0
         sent = host = 0
