@@ -63,7 +63,8 @@ import torch.distributed as dist
 
 from gradpress.algorithms.base import Algorithm
 from gradpress.compress import Compressor, create
-from gradpress.compress.base import Param
+from gradpress.compress.base import Param, all_finite
+from gradpress.exchange.nonfinite import nonfinite_gradient_error
 from gradpress.exchange.planner import Decision, Plan
 from gradpress.exchange.strategies.recompress import unsupported_reason
 
@@ -153,11 +154,9 @@ class CompressedAdam(Algorithm):
         assert self.engine is not None
         if self.engine.nonfinite == "propagate":
             return True
-        bad = [n for (n, _), g in zip(self.named, grads) if not bool(torch.isfinite(g).all())]
+        bad = [n for (n, _), g in zip(self.named, grads) if not bool(all_finite(g))]
         if bad and self.engine.nonfinite == "raise":
-            raise FloatingPointError(f"gradpress: non-finite gradient (NaN/Inf) in {', '.join(map(repr, bad))} at "
-                                     f"{self.name} step {self.t} on at least one rank (nonfinite='raise'; use 'skip' "
-                                     "to drop such steps)")
+            raise nonfinite_gradient_error(bad, f"{self.name} step {self.t}")
         return not bad
 
     @torch.no_grad()

@@ -35,9 +35,16 @@ from gradpress.compress.base import all_finite
 from gradpress.exchange.feedback import Feedback
 from gradpress.exchange.stats import ExchangeStats
 
-__all__ = ["NONFINITE_MODES", "StepGuard", "local_flags"]
+__all__ = ["NONFINITE_MODES", "StepGuard", "local_flags", "nonfinite_gradient_error"]
 
 NONFINITE_MODES = ("propagate", "skip", "raise")
+
+
+def nonfinite_gradient_error(names: list[str], where: str) -> FloatingPointError:
+    """``nonfinite='raise'``'s error for the gradients ``names`` at ``where``
+    (``"step 3"``): the same on every rank, which all saw the same flags."""
+    return FloatingPointError(f"gradpress: non-finite gradient (NaN/Inf) in {', '.join(repr(k) for k in names)} at "
+                              f"{where} on at least one rank (nonfinite='raise'; use 'skip' to drop such steps)")
 
 
 def local_flags(tensors: list[torch.Tensor], flat: torch.Tensor | None) -> torch.Tensor:
@@ -121,10 +128,7 @@ class StepGuard:
         """``raise``: fail (on every rank: all saw the same flags); ``skip``:
         every rank zeroes the call's tensors."""
         if self.mode == "raise":
-            raise FloatingPointError(
-                f"gradpress: non-finite gradient (NaN/Inf) in {', '.join(repr(k) for k in names)} at step "
-                f"{step} on at least one rank (nonfinite='raise'; use 'skip' to drop such steps)"
-            )
+            raise nonfinite_gradient_error(names, f"step {step}")
         zero()
 
     def end_step(self, feedback: Feedback) -> None:
