@@ -15,6 +15,7 @@ from distributed import run_workers
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradpress.ddp
+from gradpress.compress.halfprec import Float16
 from gradpress.exchange import Synchronizer
 from gradpress.exchange.costs import FIELDS, CostModel, Fit, load_costs
 from gradpress.exchange.probe import measure
@@ -133,12 +134,22 @@ def test_cost_file_errors(tmp_path) -> None:  # noqa: ANN001
 
 
 # ----------------------------------------------------------- 7. overflow in the sum
+class _UnboundedFp16(Float16):
+    """fp16 without its summand bound: a summable codec whose sum can
+    overflow, to exercise the engine's check of compressed averages."""
+
+    def bound_summand(self, x: torch.Tensor, summands: int) -> torch.Tensor:
+        return x
+
+
 def _overflow(rank: int, world: int) -> dict:
     out = {}
-    for mode in ("propagate", "skip", "raise"):
+    for mode in ("propagate", "skip", "raise", "bounded"):
         m = model()
         ddp = DDP(m)
-        hook = gradpress.ddp.register(ddp, "fp16", strategy="collective", min_numel=16, nonfinite=mode)
+        codec = "fp16" if mode == "bounded" else _UnboundedFp16()
+        hook = gradpress.ddp.register(ddp, codec, strategy="collective", min_numel=16,
+                                      nonfinite="propagate" if mode == "bounded" else mode)
         x = torch.full((8, 40), 1.0)
         loss = ddp(x).sum() * 3e5  # every rank's gradient is finite; g/N is near fp16's max; the sum is not
         rec: dict = {"error": None}
@@ -167,6 +178,10 @@ def test_fp16_sum_overflow_is_caught(overflow: list[dict]) -> None:
         assert res["skip"]["skipped"] is True and res["skip"]["grad_finite"] is True, res["skip"]
         err = res["raise"]["error"]
         assert err and err.startswith("FloatingPointError") and "overflowed" in err, err
+        # the registered fp16 bounds its summands (tests/test_summand_bound.py): the same gradients average to a
+        # finite, saturated value, and the step is not treated as bad
+        bounded = res["bounded"]
+        assert bounded["grad_finite"] is True and bounded["nonfinite_steps"] == 0 and bounded["error"] is None
 
 
 # ------------------------------------------------------ old hook states still load

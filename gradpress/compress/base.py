@@ -294,6 +294,16 @@ class Compressor:
         probe = copy.deepcopy(self) if self.stateful else self  # never touch real state
         return probe.encode(x, Context(key="__wire_bytes__")).nbytes
 
+    def bound_summand(self, x: torch.Tensor, summands: int) -> torch.Tensor:
+        """``x`` as it may be encoded when ``summands`` packets like its own
+        are added in their payload's dtype (allreduce, a ring's hops, a PS
+        root): limited so that the sum cannot overflow that dtype. The
+        strategies encode this and keep ``x - decode`` as the residual, so
+        error feedback sees what the limit cut. Summable methods whose payload
+        is narrower than their input (fp16, bf16) override it; the default
+        returns ``x``."""
+        return x
+
     def residual(self, p: torch.Tensor, packet: Packet) -> torch.Tensor:
         """``p - decode(packet)``, what error feedback keeps. May reuse the
         storage of ``p`` (the caller gives ``p`` up): sparsifiers that keep

@@ -1,9 +1,12 @@
 """``fp16`` and ``bf16``: cast to 16 bits, exchange, cast back.
 
 Summable (the half-precision payloads add elementwise). The strategies scale
-summable packets by 1/N before encoding, which keeps the fp16 sum from
-overflowing (as PyTorch's ``fp16_compress_hook`` does). The cast saturates at
-the target's largest finite value instead of overflowing to inf. Deterministic
+summable packets by 1/N before encoding (as PyTorch's ``fp16_compress_hook``
+does), and bound each summand (:meth:`_Cast.bound_summand`) so that the sum
+of N payloads, added in 16 bits, saturates near the format's maximum
+instead of overflowing to inf: an average of fp32 gradients beyond 65504
+is finite (about +-65504), not inf. The cast saturates at the target's
+largest finite value instead of overflowing to inf. Deterministic
 round-to-nearest, so not exactly unbiased; error feedback is off by default
 because the error is at the rounding level.
 
@@ -22,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from gradpress.compress.base import Compressor, Context, Packet, check_decode_out
-from gradpress.compress.numerics import compute_dtype
+from gradpress.compress.numerics import compute_dtype, summand_limit
 from gradpress.compress.registry import register
 
 
@@ -44,6 +47,19 @@ class _Cast(Compressor):
             # saturate instead of overflowing to inf; clamped in fp32 (fp64 inputs in fp64: one rounding)
             flat = flat.to(compute_dtype(x.dtype)).clamp(-limit, limit)
         return Packet([flat.to(self.target).contiguous()], x.shape, x.dtype)
+
+    def bound_summand(self, x: torch.Tensor, summands: int) -> torch.Tensor:
+        """Entries beyond :func:`~gradpress.compress.numerics.summand_limit`
+        clamped (in fp32, fp64 for fp64 inputs), so the sum of ``summands``
+        payloads saturates near the format's maximum instead of overflowing
+        to inf; ``x`` itself when nothing is beyond it (then the packet is
+        bit for bit the unbounded one)."""
+        if summands <= 1:
+            return x
+        limit = summand_limit(self.target, summands)
+        if not self._may_overflow(x.reshape(-1), limit):
+            return x
+        return x.to(compute_dtype(x.dtype)).clamp(-limit, limit)
 
     @staticmethod
     def _may_overflow(flat: torch.Tensor, limit: float) -> bool:

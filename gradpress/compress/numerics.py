@@ -18,6 +18,9 @@ included, give finite, non-degenerate scales.
   which keeps fp64's range in the 4 bytes the wire formats pin.
 * Outputs (:func:`saturate_`): a decoded value that its (narrower) dtype
   cannot hold saturates at the dtype's largest finite value.
+* Sums on the wire (:func:`summand_limit`): the largest magnitude each of N
+  summands may have so that their sum, added in a narrow dtype in any order
+  (an allreduce, a ring's hops, a PS root), cannot round to inf.
 
 Data-dependent fallbacks read one flag on the host on CPU (a cheap read); on
 other devices they are computed always and chosen with ``torch.where``, so
@@ -36,6 +39,7 @@ __all__ = [
     "SYNC_FREE",
     "centered_std",
     "compute_dtype",
+    "summand_limit",
     "exponent_of",
     "flat_norm",
     "host_reads",
@@ -61,6 +65,24 @@ _INT = {torch.float32: torch.int32, torch.float64: torch.int64}
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """fp64 stays fp64; everything narrower is computed in fp32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def summand_limit(dtype: torch.dtype, summands: int) -> float:
+    """Largest ``|term|`` such that ``summands`` terms, each rounded to
+    ``dtype`` and added in ``dtype`` in any order, stay finite.
+
+    With ``M`` the dtype's maximum and ``h`` half the spacing of its top
+    binade (fp16: 16, bf16: 2^119): rounding a term of about ``M / N`` to
+    the dtype adds at most ``2h / N`` to it, and each of the ``N - 1``
+    additions at most ``h``, so terms of at most ``(M - (N + 1) h) / N``
+    sum to at most ``M`` (rounding to nearest never passes ``M``: overflow
+    needs ``M + h``). The total is floored at ``M / 2``, where it is no
+    longer a guarantee (fp16 beyond 2,046 summands, bf16 beyond 255): the
+    engine's non-finite check still catches an overflow there.
+    """
+    finfo = torch.finfo(dtype)
+    half_spacing = finfo.max / (2.0 - finfo.eps) * finfo.eps / 2.0  # 2^emax * eps / 2
+    return max(finfo.max - (summands + 1) * half_spacing, finfo.max / 2.0) / summands
 
 
 def host_reads(t: torch.Tensor) -> bool:

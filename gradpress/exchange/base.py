@@ -92,17 +92,20 @@ class ExchangeResult:
 
 
 def encode_local(
-    compressor: Compressor, tensors: list[torch.Tensor], ctxs: list[Context], scale: float, feedback: Feedback | None
+    compressor: Compressor, tensors: list[torch.Tensor], ctxs: list[Context], scale: float, feedback: Feedback | None,
+    summands: int = 1,
 ) -> tuple[list[Packet], list[torch.Tensor] | None]:
     """Encode ``scale * t`` for each tensor; with ``feedback`` (error feedback on) also
     return ``t - decode(packet) / scale`` (what error feedback keeps),
     computed by ``Compressor.residual`` (which may reuse ``t``'s storage:
-    the tensors must be the caller's own, not gradient views)."""
+    the tensors must be the caller's own, not gradient views).
+    ``summands``: how many such packets the caller adds in their payload's
+    dtype (:meth:`Compressor.bound_summand` keeps that sum finite)."""
     packets = []
     residuals: list[torch.Tensor] | None = [] if feedback is not None else None
     for t, c in zip(tensors, ctxs):
         x = t * scale if scale != 1.0 else t
-        packet = compressor.encode(x, c)
+        packet = compressor.encode(compressor.bound_summand(x, summands), c)
         packets.append(packet)
         if residuals is not None:
             r = compressor.residual(x, packet)

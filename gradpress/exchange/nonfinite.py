@@ -16,10 +16,13 @@ How every rank learns the same thing: one flag per tensor (1 where this
 rank's tensor is not finite) rides in the plain allreduce of the call, so the
 sums tell every rank which tensors are bad anywhere. When nothing is
 compressed, a NaN/Inf survives the plain sum, so the result itself tells.
-Finite inputs whose exchange overflows (an fp16 sum of N values near 65504)
-give a non-finite average that is identical on every rank (every rank
-decodes the same bytes): the averages of compressed tensors are checked too
-(one ``aminmax`` read each) and such a step is treated like a bad input.
+Finite inputs whose exchange overflows give a non-finite average that is
+identical on every rank (every rank decodes the same bytes): the averages
+of compressed tensors are checked too (one ``aminmax`` read each) and such
+a step is treated like a bad input. fp16/bf16 bound their summands so that
+their 16-bit sums saturate instead (``Compressor.bound_summand``; a
+guarantee up to 2,046 fp16 / 255 bf16 summands): this check is what is left
+for codecs that do not, and beyond those counts.
 Flags stay tensors on the hot path (no host sync) except in ``skip`` and
 ``raise`` modes, which must branch: one sync per call there.
 """

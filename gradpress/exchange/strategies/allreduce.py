@@ -72,7 +72,8 @@ class Allreduce(Strategy):
         """Packets of ``t / N`` (one-round compressors only; no collective); the
         ``buffer`` is the list of their payload tensors, in packet order."""
         t0 = time.perf_counter()
-        packets, residuals = encode_local(compressor, tensors, ctxs, 1.0 / self.world_size, feedback)
+        packets, residuals = encode_local(compressor, tensors, ctxs, 1.0 / self.world_size, feedback,
+                                          self.world_size)
         payloads = [t for p in packets for t in p.tensors]
         return Encoded(packets, residuals, payloads, time.perf_counter() - t0)
 

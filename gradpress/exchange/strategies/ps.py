@@ -127,7 +127,8 @@ class ParameterServer(Strategy):
         comm = 0.0
         n, me = self.world_size, self.rank
         summable = compressor.is_summable
-        packets, residuals = encode_local(compressor, tensors, ctxs, 1.0 / n if summable else 1.0, feedback)
+        packets, residuals = encode_local(compressor, tensors, ctxs, 1.0 / n if summable else 1.0, feedback,
+                                          n if summable else 1)
         tensor_bytes = [p.nbytes for p in packets]
         if n == 1:
             results = [compressor.decode(p) for p in packets]

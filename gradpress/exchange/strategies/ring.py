@@ -176,7 +176,9 @@ class Ring(Strategy):
         owned = (r + 1) % n
         est_pieces: list[list[torch.Tensor]] | None = None
         if compressor.is_summable:
-            own = [[compressor.encode(piece(flats, i, c), ctx(i, c)) for i in range(m)] for c in range(n)]
+            # every hop adds payloads in their own dtype: bounded summands keep the sum finite
+            own = [[compressor.encode(compressor.bound_summand(piece(flats, i, c), n), ctx(i, c)) for i in range(m)]
+                   for c in range(n)]
             if feedback is not None:
                 est_pieces = [decode_all(own[c]) for c in range(n)]
             out = own[r]

@@ -1,0 +1,115 @@
+"""Summable 16-bit payloads are added in 16 bits (allreduce, the ring's hops,
+a PS root): fp32 gradients beyond fp16's range must average to a finite,
+saturated value, never inf (found by tests/test_exchange_fuzz.py's long run:
+fp16 through allreduce/ring/auto averaged fp32 inputs near 1e37 to inf)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from distributed import run_workers
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gradpress.compress import Context, create
+from gradpress.compress.numerics import summand_limit
+from gradpress.exchange import get_strategy
+from gradpress.exchange.feedback import Feedback
+
+HALF = [torch.float16, torch.bfloat16]
+
+
+def _sum_in(dtype: torch.dtype, terms: list[float], order: str) -> float:
+    """The sum of ``terms`` (each rounded to ``dtype``), added in ``dtype``:
+    left to right, or pairwise (a tree, as reduce-scatter schedules add)."""
+    vals = [torch.tensor(t, dtype=dtype) for t in terms]
+    if order == "sequential":
+        acc = vals[0]
+        for v in vals[1:]:
+            acc = acc + v
+        return float(acc)
+    while len(vals) > 1:
+        vals = [vals[i] + vals[i + 1] if i + 1 < len(vals) else vals[i] for i in range(0, len(vals), 2)]
+    return float(vals[0])
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("n", [2, 3, 4, 7, 16, 100, 255])
+def test_the_worst_case_sum_stays_finite(dtype: torch.dtype, n: int) -> None:
+    limit = summand_limit(dtype, n)
+    top = torch.finfo(dtype).max
+    for order in ("sequential", "pairwise"):
+        assert abs(_sum_in(dtype, [limit] * n, order)) <= top
+        assert abs(_sum_in(dtype, [-limit] * n, order)) <= top
+    # not needlessly small: the bound gives up at most (n + 1) half spacings of the top binade (2^emax eps / 2)
+    half_spacing = top / (2 - torch.finfo(dtype).eps) * torch.finfo(dtype).eps / 2
+    assert n * limit >= top - (n + 1) * half_spacing - 1e-9 * top
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(HALF), st.integers(2, 64), st.integers(0, 2**31))
+def test_any_terms_within_the_bound_sum_finitely_in_any_order(dtype: torch.dtype, n: int, seed: int) -> None:
+    rnd = random.Random(seed)
+    limit = summand_limit(dtype, n)
+    terms = [limit * rnd.choice([1.0, 1.0, 0.999, rnd.random()]) for _ in range(n)]
+    rnd.shuffle(terms)
+    for order in ("sequential", "pairwise"):
+        assert abs(_sum_in(dtype, terms, order)) <= torch.finfo(dtype).max
+
+
+@pytest.mark.parametrize("name", ["fp16", "bf16"])
+def test_bound_is_the_identity_within_range_and_a_clamp_beyond(name: str) -> None:
+    comp = create(name)
+    x = torch.randn(1000, dtype=torch.float32)
+    assert comp.bound_summand(x, 4) is x  # in range: the packet is bit for bit the unbounded one
+    assert comp.bound_summand(x, 1) is x
+    target = torch.float16 if name == "fp16" else torch.bfloat16
+    big = torch.tensor([3e38, -3e38, float("inf"), float("nan"), 1.0], dtype=torch.float32)
+    if name == "fp16":
+        big[:2] = torch.tensor([1e6, -1e6])
+    limit = summand_limit(target, 4)
+    out = comp.bound_summand(big, 4)
+    assert out[0].item() == pytest.approx(limit, rel=1e-6) and out[1].item() == pytest.approx(-limit, rel=1e-6)
+    assert out[2].item() == pytest.approx(limit, rel=1e-6) and torch.isnan(out[3]) and out[4].item() == 1.0
+    assert create("none").bound_summand(big, 4) is big  # payload in the input's own dtype: nothing to bound
+
+
+def _worker(rank: int, world: int) -> dict:
+    out = {}
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(64, 9, generator=g, dtype=torch.float32)
+    x[0, :] = 1e6 * (rank + 1)  # every rank beyond fp16's range, same sign
+    x[1, :] = -3e37  # near fp32's maximum
+    x[2, :] = 40000.0  # x / N fits one fp16 payload, the sum of N does not (N >= 2)
+    for strategy in ("allreduce", "ring", "ps"):
+        for ef in (False, True):
+            strat = get_strategy(strategy, None)
+            ctx = Context(key="w", step=0, rank=rank, world_size=world, seed=3)
+            feedback = Feedback() if ef else None
+            res = strat.exchange(create("fp16"), [x.clone()], [ctx], feedback)
+            out[(strategy, ef)] = res.tensors[0]
+    out["x"] = x
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_fp16_averages_of_out_of_range_gradients_saturate(world: int) -> None:
+    results = run_workers(_worker, world)
+    xs = torch.stack([r["x"].double() for r in results])
+    mean = xs.mean(0)
+    top = torch.finfo(torch.float16).max
+    for key in results[0]:
+        if key == "x":
+            continue
+        avg = results[0][key]
+        assert all(torch.equal(r[key], avg) for r in results), key  # replicas identical
+        assert torch.isfinite(avg).all(), (key, avg[:3, 0])
+        assert (avg[0] > top / 2).all() and (avg[0] <= top).all(), key  # saturated, right sign
+        assert (avg[1] < -top / 2).all() and (avg[1] >= -top).all(), key
+        # 40000 on every rank: x / N fits, and so does the mean, though N such payloads each at 65504 / N would not
+        assert torch.allclose(avg[2].double(), mean[2], rtol=1e-3), key
+        # entries in range: the float64 mean within fp16 rounding (the bound did not touch them)
+        rest = avg[3:].double()
+        assert torch.allclose(rest, mean[3:], rtol=2e-3, atol=2e-3), key
