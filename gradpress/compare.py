@@ -9,8 +9,9 @@ the spec syntax of ``gradpress train --algorithm`` / ``--compressor``.
 
 Outputs in ``out``: ``compare.json`` (the list of training summaries, one
 per configuration and seed, each with ``steps_to_target``,
-``bytes_to_target``, ``time_to_target``, ``delta_vs_reference`` and
-``target`` added), ``compare-stats.json`` (per configuration: mean, std,
+``bytes_to_target``, ``time_to_target``, ``delta_vs_reference``,
+``target`` and ``status`` ``finished`` added; a run that failed is its
+:func:`gradpress.compare_run.failure` record there, ``status`` ``failed``), ``compare-stats.json`` (per configuration: mean, std,
 min, max over seeds; the learning rates used; the sweep), ``sweep.json``
 (with ``--lr-sweep``), ``compare.md`` (the tables) and ``compare.png``
 (metric vs step and metric vs cumulative bytes sent by rank 0, log scale;
@@ -190,15 +191,23 @@ def _fmt_bytes(n: float | None) -> str:
 
 
 def table(summaries: list[dict[str, Any]]) -> str:
-    """Markdown table of annotated summaries."""
-    metric = summaries[0]["metric"]
-    ref = summaries[0]["reference"]
+    """Markdown table of annotated summaries; a failed run's record
+    (``status`` ``failed``, :func:`gradpress.compare_run.failure`) is a row
+    that says ``failed (exit N)``. At least one summary must be a finished run."""
+    first = next(s for s in summaries if s.get("status") != "failed")
+    metric = first["metric"]
+    ref = first["reference"]
     seeds = len({s.get("seed") for s in summaries}) > 1
     lrs = len({s.get("lr") for s in summaries}) > 1
     head = ["algorithm", "compressor"] + (["seed"] if seeds else []) + (["lr"] if lrs else []) + [f"final {metric}", f"vs {ref}", "bytes/step", "ratio", "step ms", "steps to target",
             "bytes to target"]
     rows = []
     for s in summaries:
+        if s.get("status") == "failed":
+            rows.append([f"`{s.get('algorithm', 'ddp')}`", f"`{s['compressor']}`",
+                         *([str(s.get("seed"))] if seeds else []), *([f"{s['lr']:g}"] if lrs else []),
+                         f"failed (exit {s['exit_code']})"] + ["-"] * 6)
+            continue
         fm = s["final_metric"]
         d = s["delta_vs_reference"]
         rows.append([
@@ -270,7 +279,8 @@ def plot(summaries: list[dict[str, Any]], path: Path) -> None:
     a2.set_title(f"{metric} vs bytes on the wire")
     if tgt is not None:
         a1.text(0.99, tgt, "target", transform=a1.get_yaxis_transform(), ha="right", va="bottom", color="0.4", fontsize=8)
-    a2.legend(loc="best", fontsize=8, framealpha=0.9)
+    if groups:  # no run evaluated (e.g. every loss became NaN before the first evaluation): no curve, no legend
+        a2.legend(loc="best", fontsize=8, framealpha=0.9)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
@@ -298,7 +308,7 @@ def _plan_runs(compressors: str | Iterable[str] | None, algorithms: str | Iterab
 
 
 def run(compressors: str | Iterable[str] | None, options: Mapping[str, Any] | None = None, *,
-        out: str = "runs/compare", target: float | None = None, algorithms: str | Iterable[str] | None = None,
+        out: str | None = None, target: float | None = None, algorithms: str | Iterable[str] | None = None,
         seeds: str | int | list[int] | None = None, lr_sweep: str | list[float] | None = None,
         sweep_steps: int | None = None) -> list[dict[str, Any]]:
     """See :func:`gradpress.compare_run.run`."""

@@ -78,7 +78,12 @@ def lr_note(result: list[dict[str, Any]], record: dict[str, Any] | None) -> dict
 
 
 def markdown(result: list[dict[str, Any]], groups: list[dict[str, Any]], target: float | None, seeds: list[int],
-             multi: bool, note: dict[str, Any], record: dict[str, Any] | None) -> str:
+             multi: bool, note: dict[str, Any], record: dict[str, Any] | None,
+             rows: list[dict[str, Any]] | None = None, failed: list[dict[str, Any]] | None = None) -> str:
+    """The page: ``result`` the finished runs (annotated); ``rows`` every
+    comparison run in order, failed ones included (default ``result``);
+    ``failed`` every failed run's record, the sweep's included, listed with
+    its error."""
     s0 = result[0]
     tgt = s0["target"]
     rule = "given with --target" if target is not None else (
@@ -102,5 +107,9 @@ def markdown(result: list[dict[str, Any]], groups: list[dict[str, Any]], target:
                "target x that run's median step time. Per-seed rows: below and in compare.json.", "",
                aggregate_table(groups, s0["metric"], s0["reference"], record is not None), "",
                "Per seed:", ""]
-    md += [compare.table(result), "", "![metric vs step and bytes](compare.png)", ""]
+    md += [compare.table(rows if rows is not None else result), ""]
+    if failed:
+        md += [f"Failed runs ({len(failed)}; `gradpress train` exit status in brackets):", ""]
+        md += [f"* {f['label']} (exit {f['exit_code']}): {f['error']}" for f in failed] + [""]
+    md += ["![metric vs step and bytes](compare.png)", ""]
     return "\n".join(md)

@@ -1,31 +1,82 @@
 """The driver of ``gradpress compare`` (:func:`gradpress.compare.run`):
 optional learning-rate sweep, every configuration at every seed, the
 output files. See :mod:`gradpress.compare` for the outputs and the target,
-:mod:`gradpress.compare_stats` for the statistics and the lr rule."""
+:mod:`gradpress.compare_stats` for the statistics and the lr rule.
+
+A run that fails (a worker failed: :class:`~gradpress.train.launch.WorkerFailed`,
+``gradpress train`` exit 1; or a ``ValueError`` from its workers, exit 2)
+does not stop the compare: it is recorded (:func:`failure`) and the others
+go on; after every run and every output file :func:`run` raises
+:class:`RunsFailed` naming the failed runs. Ctrl-C stops at once, keeping
+what was recorded in ``compare-partial.json``."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from gradpress import compare, compare_report, compare_stats, train, workloads
+from gradpress.train.config import load_toml
 from gradpress.train.launch import WorkerFailed
 
-__all__ = ["run", "sweep", "OUTPUTS"]
+__all__ = ["run", "sweep", "OUTPUTS", "RunsFailed", "failure", "DEFAULT_OUT"]
 
-#: the files a compare writes in its directory (``compare-partial.json``: the runs that finished before one failed)
+#: the files a compare writes in its directory (``compare-partial.json``: the runs recorded before Ctrl-C)
 OUTPUTS = ("compare.json", "compare-stats.json", "compare.md", "compare.png", "sweep.json", "compare-partial.json")
+#: where a compare writes when neither ``out`` nor the ``--config`` file names a directory
+DEFAULT_OUT = "runs/compare"
+
+
+class RunsFailed(WorkerFailed):
+    """Raised by :func:`run` after every run and every output file when some
+    runs failed. ``result``: the finished runs, annotated (what :func:`run`
+    returns otherwise); ``failed``: the :func:`failure` records, in run order."""
+
+    def __init__(self, result: list[dict[str, Any]], failed: list[dict[str, Any]], total: int) -> None:
+        self.result, self.failed = result, failed
+        super().__init__(f"{len(failed)} of {total} runs failed: "
+                         + "; ".join(f"{f['label']}: {f['error']}" for f in failed))
+
+
+def failure(cfg: Any, seed: int, out: str, exc: BaseException, sweep: bool = False) -> dict[str, Any]:
+    """The record of a failed run: ``status`` ``failed``, what it ran, its
+    ``error`` and the ``exit_code`` ``gradpress train`` exits with for it
+    (1: a worker failed; 2: a ValueError). ``label`` names it in messages."""
+    name = compare.label(vars(cfg))
+    return {"status": "failed", "algorithm": cfg.algorithm, "compressor": cfg.compressor, "seed": seed,
+            "lr": cfg.lr, "out": out, "error": str(exc), "exit_code": 1 if isinstance(exc, WorkerFailed) else 2,
+            "label": f"sweep {name} at lr {cfg.lr:g}, seed {seed}" if sweep else f"{name}, seed {seed}"}
+
+
+def _config_file(opts: Mapping[str, Any], out: str | None) -> str:
+    """Where the compare writes: ``out``, else the ``--config`` file's
+    ``out``, else :data:`DEFAULT_OUT`. The file may not set ``resume``:
+    compare starts every run afresh in its own directory."""
+    path = opts.get("config")
+    given = load_toml(str(path)) if path else {}
+    if given.get("resume", False) is not False:
+        raise ValueError(f"resume: not a compare option (config file {str(path)!r} sets resume = "
+                         f"{str(given['resume']).lower()}); compare starts every run afresh: remove it from the file")
+    if out is None:
+        out = given.get("out", DEFAULT_OUT)
+        if not isinstance(out, (str, os.PathLike)) or not str(out):
+            raise ValueError(f"out must be a directory path, got {out!r} (in config file {str(path)!r})")
+    return str(out)
 
 
 def sweep(configs: list[Any], rates: list[float], steps: int | None, seeds: list[int],
-          root: Path) -> dict[str, Any]:
+          root: Path, failed: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """Train every config at every rate (``steps`` steps, or its own budget
     if None) and every sweep seed; pick each config's rate by
-    :data:`compare_stats.BEST_LR_RULE`. Returns the JSON-able record."""
+    :data:`compare_stats.BEST_LR_RULE`. Returns the JSON-able record. A run
+    that fails counts as no metric (as a diverged one) and its
+    :func:`failure` record is appended to ``failed``."""
     methods = []
+    higher = True  # set by the first finished run; with none, every score is missing and the direction moot
     for i, cfg in enumerate(configs):
         scores: dict[float, list[float | None]] = {}
         runs = []
@@ -35,7 +86,17 @@ def sweep(configs: list[Any], rates: list[float], steps: int | None, seeds: list
                                         "out": str(root / "sweep" / f"{Path(cfg.out).name}-lr{lr:g}-s{seed}")}
                 if steps is not None:
                     over["steps"] = steps
-                s = train.run(train.make_config(cfg, **over))
+                run_cfg = train.make_config(cfg, **over)
+                try:
+                    s = train.run(run_cfg)
+                except (WorkerFailed, ValueError) as exc:
+                    record = failure(run_cfg, seed, run_cfg.out, exc, sweep=True)
+                    if failed is not None:
+                        failed.append(record)
+                    scores.setdefault(lr, []).append(None)
+                    runs.append({"lr": lr, "seed": seed, "final_metric": None, "final_loss": None,
+                                 "status": "failed", "error": record["error"], "exit_code": record["exit_code"]})
+                    continue
                 fm = compare.final(s)  # a diverged run's last finite evaluation counts as no metric
                 scores.setdefault(lr, []).append(fm)
                 runs.append({"lr": lr, "seed": seed, "final_metric": fm, "final_loss": s.get("final_loss")})
@@ -49,22 +110,26 @@ def sweep(configs: list[Any], rates: list[float], steps: int | None, seeds: list
 
 
 def run(compressors: str | Iterable[str] | None, options: Mapping[str, Any] | None = None, *,
-        out: str = "runs/compare", target: float | None = None,
+        out: str | None = None, target: float | None = None,
         algorithms: str | Iterable[str] | None = None, seeds: str | int | list[int] | None = None,
         lr_sweep: str | list[float] | None = None, sweep_steps: int | None = None) -> list[dict[str, Any]]:
     """Train ``options`` (training options, as for :func:`gradpress.train.run`)
     once per (algorithm, compressor) pair and seed; write the output files;
-    return the annotated per-run summaries. ``compressors`` None: each
+    return the annotated per-run summaries. ``out`` None: the ``out`` of
+    the ``config`` file in ``options``, else :data:`DEFAULT_OUT` (the file
+    may not set ``resume``). ``compressors`` None: each
     algorithm's default; ``algorithms`` None: ``ddp``. ``seeds``: a count
     (seeds ``seed``, ``seed+1``, ...) or a list; None: the one ``seed``.
     ``lr_sweep``: rates or factors of the default lr (``"x0.3,x1,x3"``),
     tried on ``sweep_steps`` steps (default: a quarter of ``--steps``, or
     the full budget when only epochs are given) at the first seed; each
-    method then runs at its own best rate."""
+    method then runs at its own best rate. Runs that fail are recorded and
+    the others go on; then :class:`RunsFailed` is raised (module doc)."""
     opts = dict(options or {})
     for key in ("algorithm", "compressor", "resume"):
         if key in opts:
             raise ValueError(f"{key}: not a compare option (compare sets it per run)")
+    out = _config_file(opts, out)
     if not compressors and not algorithms:
         raise ValueError("compressors: give at least one compressor or algorithm spec, e.g. "
                          "--compressors none,fp16,topk:ratio=0.01 or --algorithms ddp,localsgd:period=8")
@@ -94,32 +159,45 @@ def run(compressors: str | Iterable[str] | None, options: Mapping[str, Any] | No
     for name in OUTPUTS:  # a reused directory: no file of an earlier compare is left to pass for this one's
         (root / name).unlink(missing_ok=True)
     record = None
+    failed: list[dict[str, Any]] = []  # every failed run, the sweep's included
+    total = 0
     if rates is not None:
-        record = sweep(configs, rates, steps, seed_list[:1], root)
+        record = sweep(configs, rates, steps, seed_list[:1], root, failed)
+        total += len(configs) * len(rates)
         root.mkdir(parents=True, exist_ok=True)
         (root / "sweep.json").write_text(json.dumps(record, indent=2) + "\n")
-    summaries: list[dict[str, Any]] = []
+    rows: list[dict[str, Any]] = []  # the comparison's runs in order: summaries and failure records
     try:
         for cfg in configs:
             for seed in seed_list:
                 run_cfg = train.make_config(cfg, seed=seed, out=f"{cfg.out}-s{seed}") if multi else cfg
                 try:
-                    summaries.append(train.run(run_cfg))
-                except WorkerFailed as exc:  # which run: the launcher's message names only the worker
-                    raise WorkerFailed(f"run {compare.label(vars(cfg))}, seed {seed}: {exc}") from None
+                    rows.append(dict(train.run(run_cfg), status="finished"))
+                except (WorkerFailed, ValueError) as exc:  # this run failed: record it, go on with the others
+                    rows.append(failure(cfg, seed, run_cfg.out, exc))
+                    failed.append(rows[-1])
     except BaseException:
-        if summaries:  # what finished is not lost
+        if rows:  # what was recorded is not lost
             root.mkdir(parents=True, exist_ok=True)
-            (root / "compare-partial.json").write_text(json.dumps(summaries, indent=2) + "\n")
+            (root / "compare-partial.json").write_text(json.dumps(rows, indent=2) + "\n")
         raise
-    result = compare.annotate(summaries, target)
+    total += len(rows)
+    finished = [r for r in rows if r["status"] == "finished"]
+    result = compare.annotate(finished, target) if finished else []
+    annotated = iter(result)
+    rows = [next(annotated) if r["status"] == "finished" else r for r in rows]
     root.mkdir(parents=True, exist_ok=True)
-    (root / "compare.json").write_text(json.dumps(result, indent=2) + "\n")
-    agg = compare_report.aggregate(result)
-    lr_note = compare_report.lr_note(result, record)
-    (root / "compare-stats.json").write_text(json.dumps(
-        {"seeds": seed_list, "target": result[0]["target"], "lr": lr_note, "sweep": record,
-         "aggregate": [{k: v for k, v in g.items() if k != "rows"} for g in agg]}, indent=2) + "\n")
-    (root / "compare.md").write_text(compare_report.markdown(result, agg, target, seed_list, multi, lr_note, record))
-    compare.plot(result, root / "compare.png")
+    (root / "compare.json").write_text(json.dumps(rows, indent=2) + "\n")
+    if result:
+        agg = compare_report.aggregate(result)
+        lr_note = compare_report.lr_note(result, record)
+        (root / "compare-stats.json").write_text(json.dumps(
+            {"seeds": seed_list, "target": result[0]["target"], "lr": lr_note, "sweep": record,
+             "aggregate": [{k: v for k, v in g.items() if k != "rows"} for g in agg], "failed": failed},
+            indent=2) + "\n")
+        (root / "compare.md").write_text(compare_report.markdown(result, agg, target, seed_list, multi, lr_note, record,
+                                                                  rows=rows, failed=failed))
+        compare.plot(result, root / "compare.png")
+    if failed:
+        raise RunsFailed(result, failed, total)
     return result

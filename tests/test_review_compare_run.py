@@ -20,7 +20,8 @@ def _summary(cfg, final, diverged_at=None):
             "bytes_per_step": 100.0, "compression_ratio": 1.0, "lr": cfg.lr, "strategy": "allreduce",
             "workload": cfg.workload, "world_size": 1, "steps": cfg.steps, "batch_size": cfg.batch_size,
             "optimizer": cfg.optimizer, "schedule": cfg.schedule, "metric": "accuracy",
-            "nothing_compressed": False, "diverged_at_step": diverged_at}
+            "nothing_compressed": False, "diverged_at_step": diverged_at,
+            "allow_divergence": bool(getattr(cfg, "allow_divergence", False))}
 
 
 def _args(out, *extra):
@@ -68,21 +69,96 @@ def test_a_reused_directory_keeps_no_files_of_an_earlier_compare(tmp_path, monke
         "compare.json", "compare-stats.json", "compare.md", "compare.png"}
 
 
-def test_a_failed_worker_fails_compare_in_one_line_with_exit_1(tmp_path, monkeypatch, capsys):
+def test_a_failed_run_is_recorded_and_the_others_go_on(tmp_path, monkeypatch, capsys):
+    """One failed run no longer stops the compare: it is recorded as failed
+    (its error and the exit status `gradpress train` gives it) in compare.json
+    and the table, the other runs go on, and compare exits 1 naming it."""
     from gradpress.train.launch import WorkerFailed
 
     def run(cfg):
         if cfg.compressor == "fp16":
             raise WorkerFailed("worker rank 1 was killed by SIGKILL (pid 4242)")
+        if cfg.compressor == "topk:ratio=0.1":
+            raise ValueError("hierarchical: a worker found something wrong")  # a worker's ValueError: train exits 2
         return _summary(cfg, 0.5)
 
     monkeypatch.setattr(train, "run", run)
     out = tmp_path / "cmp"
-    rc = cli(["compare", "--compressors", "none,fp16", "--workload", "digits-mlp", "--steps", "4", "--out", str(out)])
+    rc = cli(["compare", "--compressors", "none,fp16,topk:ratio=0.1,signsgd", "--workload", "digits-mlp",
+              "--steps", "4", "--out", str(out)])
     assert rc == 1  # as `gradpress train` (docs/train.md, "Failures and exit codes"), not a traceback
+    captured = capsys.readouterr()
+    last = captured.err.strip().splitlines()[-1]
+    assert last.startswith("gradpress compare: error: 2 of 4 runs failed:"), last
+    assert "fp16, seed 0" in last and "killed by SIGKILL" in last and "topk:ratio=0.1, seed 0" in last
+    runs = json.loads((out / "compare.json").read_text())
+    assert [(r["compressor"], r["status"]) for r in runs] == [
+        ("none", "finished"), ("fp16", "failed"), ("topk:ratio=0.1", "failed"), ("signsgd", "finished")]
+    assert runs[1]["exit_code"] == 1 and "killed by SIGKILL (pid 4242)" in runs[1]["error"]
+    assert runs[2]["exit_code"] == 2 and "something wrong" in runs[2]["error"]
+    assert runs[1]["out"].endswith("1-fp16") and runs[1]["seed"] == 0
+    assert "| `fp16`" in captured.out and "failed (exit 1)" in captured.out  # the printed table
+    md = (out / "compare.md").read_text()
+    assert "failed (exit 1)" in md and "failed (exit 2)" in md and "killed by SIGKILL" in md
+    assert not (out / "compare-partial.json").exists()  # everything is in compare.json
+    assert (out / "compare-stats.json").exists() and (out / "compare.png").exists()
+
+
+def test_every_run_failed_writes_the_failures_and_exits_1(tmp_path, monkeypatch, capsys):
+    from gradpress.train.launch import WorkerFailed
+
+    def run(cfg):
+        raise WorkerFailed(f"worker rank 0 timed out ({cfg.compressor})")
+
+    monkeypatch.setattr(train, "run", run)
+    out = tmp_path / "cmp"
+    rc = cli(["compare", "--compressors", "none,fp16", "--workload", "digits-mlp", "--steps", "4", "--seeds", "2",
+              "--out", str(out)])
+    assert rc == 1
     err = capsys.readouterr().err
-    assert "gradpress compare: error:" in err and "killed by SIGKILL" in err and "fp16" in err
-    assert [s["compressor"] for s in json.loads((out / "compare-partial.json").read_text())] == ["none"]
+    assert "4 of 4 runs failed" in err and "fp16, seed 1: worker rank 0 timed out (fp16)" in err
+    runs = json.loads((out / "compare.json").read_text())
+    assert [(r["compressor"], r["seed"], r["status"]) for r in runs] == [
+        ("none", 0, "failed"), ("none", 1, "failed"), ("fp16", 0, "failed"), ("fp16", 1, "failed")]
+
+
+def test_a_failed_sweep_run_counts_as_no_metric_and_fails_the_compare(tmp_path, monkeypatch, capsys):
+    from gradpress.train.launch import WorkerFailed
+
+    def run(cfg):
+        if cfg.lr == 0.1 and cfg.steps == 10:  # a sweep run (a quarter of --steps 40)
+            raise WorkerFailed("worker rank 1 was killed by SIGKILL (pid 7)")
+        return _summary(cfg, 0.5)
+
+    monkeypatch.setattr(train, "run", run)
+    out = tmp_path / "cmp"
+    assert cli(_args(out, "--lr-sweep", "0.01,0.1")) == 1
+    record = json.loads((out / "sweep.json").read_text())
+    failed = [r for r in record["methods"][0]["runs"] if r.get("status") == "failed"]
+    assert [(r["lr"], r["exit_code"]) for r in failed] == [(0.1, 1)] and failed[0]["final_metric"] is None
+    assert record["methods"][0]["best_lr"] == 0.01
+    assert [r["status"] for r in json.loads((out / "compare.json").read_text())] == ["finished"]
+    assert "1 of 3 runs failed: sweep none at lr 0.1, seed 0: worker rank 1 was killed" in capsys.readouterr().err
+
+
+def test_ctrl_c_still_exits_130_keeping_the_finished_and_failed_runs(tmp_path, monkeypatch, capsys):
+    from gradpress.train.launch import WorkerFailed
+
+    def run(cfg):
+        if cfg.compressor == "fp16":
+            raise WorkerFailed("worker rank 1 was killed by SIGKILL (pid 1)")
+        if cfg.compressor == "signsgd":
+            raise KeyboardInterrupt
+        return _summary(cfg, 0.5)
+
+    monkeypatch.setattr(train, "run", run)
+    out = tmp_path / "cmp"
+    assert cli(["compare", "--compressors", "none,fp16,signsgd,topk:ratio=0.1", "--workload", "digits-mlp",
+                "--steps", "4", "--out", str(out)]) == 130
+    assert "interrupted" in capsys.readouterr().err
+    partial = json.loads((out / "compare-partial.json").read_text())
+    assert [(r["compressor"], r["status"]) for r in partial] == [("none", "finished"), ("fp16", "failed")]
+    assert not (out / "compare.json").exists()
 
 
 def test_a_diverged_seed_counts_as_no_metric_in_the_target_and_the_aggregate():
@@ -103,3 +179,78 @@ def test_a_diverged_seed_counts_as_no_metric_in_the_target_and_the_aggregate():
     fm = compare_report.aggregate(out)[0]["final_metric"]
     assert fm["k"] == 2 and fm["mean"] == pytest.approx(0.85)
     assert "diverged at step 30" in compare.table(out)
+
+
+def test_a_diverged_run_makes_compare_exit_3_as_train_does(tmp_path, monkeypatch, capsys):
+    """`gradpress train` exits 3 when the loss became NaN/Inf (0 with
+    --allow-divergence); compare exited 0. Now: the compare finishes, writes
+    everything, names the diverged runs and exits 3 (0 and a warning with
+    --allow-divergence); a failed run (exit 1) takes precedence."""
+    def run(cfg):
+        return _summary(cfg, 0.1, diverged_at=12) if cfg.compressor == "fp16" else _summary(cfg, 0.5)
+
+    monkeypatch.setattr(train, "run", run)
+    out = tmp_path / "cmp"
+    args = ["compare", "--compressors", "none,fp16", "--workload", "digits-mlp", "--steps", "40", "--out", str(out)]
+    assert cli(args) == 3
+    err = capsys.readouterr().err
+    assert "gradpress compare: error: 1 of 2 runs diverged (loss became non-finite): fp16, seed 0 at step 12" in err
+    assert [r["diverged_at_step"] for r in json.loads((out / "compare.json").read_text())] == [None, 12]
+    assert (out / "compare.md").exists()
+
+    assert cli([*args, "--allow-divergence"]) == 0
+    err = capsys.readouterr().err
+    assert "gradpress compare: warning: 1 of 2 runs diverged (loss became non-finite): fp16, seed 0 at step 12" in err
+
+    from gradpress.train.launch import WorkerFailed
+
+    def worse(cfg):
+        if cfg.compressor == "none":
+            raise WorkerFailed("worker rank 1 was killed by SIGKILL (pid 3)")
+        return run(cfg)
+
+    monkeypatch.setattr(train, "run", worse)
+    assert cli(args) == 1
+    err = capsys.readouterr().err
+    assert "1 of 2 runs failed: none, seed 0" in err and "1 of 2 runs diverged" in err
+
+
+def test_a_real_diverged_run_exits_3(tmp_path, capsys):
+    """End to end (one process, a few steps): lr 1e30 makes the loss NaN."""
+    out = tmp_path / "cmp"
+    rc = cli(["compare", "--compressors", "none", "--workload", "digits-mlp", "--hidden", "8", "--samples", "64",
+              "--batch-size", "16", "--epochs", "1", "--optimizer", "sgd", "--lr", "1e30", "--log-every", "1",
+              "--no-progress", "--out", str(out)])
+    assert rc == 3
+    assert "1 of 1 runs diverged" in capsys.readouterr().err
+    assert json.loads((out / "compare.json").read_text())[0]["diverged_at_step"] is not None
+
+
+def test_out_and_resume_in_a_config_file(tmp_path, monkeypatch, capsys):
+    """`out` in a --config TOML is where compare writes (a --out flag overrides
+    it); `resume = true` is refused, naming the key and the file (compare
+    starts every run afresh), before anything trains."""
+    calls = []
+    monkeypatch.setattr(train, "run", lambda cfg: calls.append(cfg.out) or _summary(cfg, 0.5))
+    monkeypatch.chdir(tmp_path)
+    toml = tmp_path / "cmp.toml"
+    toml.write_text('workload = "digits-mlp"\nsteps = 4\nout = "from-toml"\n')
+    base = ["compare", "--compressors", "none,fp16", "--config", str(toml)]
+    assert cli(base) == 0
+    assert (tmp_path / "from-toml" / "compare.json").exists() and not (tmp_path / "runs").exists()
+    assert [str(tmp_path / "from-toml" / n) for n in ("0-none", "1-fp16")] == [str(tmp_path / c) for c in calls]
+    assert cli([*base, "--out", str(tmp_path / "flag")]) == 0
+    assert (tmp_path / "flag" / "compare.json").exists()
+    from gradpress import compare
+
+    compare.run("none", {"config": str(toml)})  # the Python API: out left out -> the file's
+    assert calls[-1] == "from-toml/0-none"
+
+    calls.clear()
+    toml.write_text('workload = "digits-mlp"\nsteps = 4\nresume = true\n')
+    assert cli([*base, "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert f"resume: not a compare option (config file {str(toml)!r} sets resume = true)" in err
+    assert calls == [] and not (tmp_path / "r").exists()
+    toml.write_text('workload = "digits-mlp"\nsteps = 4\nresume = false\n')
+    assert cli([*base, "--out", str(tmp_path / "f")]) == 0

@@ -69,3 +69,52 @@ def test_resume_keeps_the_metrics_lines_before_a_torn_last_line(tmp_path):
     MetricsLog(tmp_path, 0, resumed_at=4)
     kept = [json.loads(line) for line in (tmp_path / METRICS).read_text().splitlines()]
     assert kept == rows[:4]
+
+
+@pytest.mark.parametrize("saved,given", [
+    ("hierarchical", "hierarchical:chunk=262144"),
+    ("hierarchical:chunk=262144,outer=collective", "hierarchical:outer=collective,chunk=262144"),
+    ("hierarchical:workers_per_host=0,outer=collective,chunk=262144", "hierarchical"),
+    ("hierarchical:chunk=2.62144e5", "hierarchical:chunk=262144"),
+    ("ring", "ring:"),
+])
+def test_resume_accepts_the_same_strategy_spelled_another_way(tmp_path, saved, given):
+    """As for compressors: defaults written out or not, parameters in another
+    order, the strategy is the same and the run continues exactly, so the
+    resume must not be refused (it compared the raw text)."""
+    from gradpress.exchange.strategies.hierarchical import CHUNK
+
+    assert CHUNK == 262144  # the default the specs above spell out
+    ck = train.make_config({"workload": "digits-mlp", "out": str(tmp_path), "strategy": saved})
+    cfg = train.make_config({"workload": "digits-mlp", "out": str(tmp_path), "strategy": given})
+    state = {"format": checkpoint.FORMAT, "config": checkpoint.compat(ck, 2)}
+    checkpoint.check_resume(state, cfg, 2)
+    checkpoint.check_resume({"format": checkpoint.FORMAT, "config": checkpoint.compat(cfg, 2)}, ck, 2)
+
+
+@pytest.mark.parametrize("saved,given", [
+    ("hierarchical", "hierarchical:chunk=0"),
+    ("hierarchical:outer=ring", "hierarchical"),
+    ("hierarchical", "ring"),
+    ("collective", "allgather"),
+])
+def test_resume_still_refuses_a_different_strategy(tmp_path, saved, given):
+    """A real change of strategy (or of one of its parameters) is refused,
+    naming the field and both values as given."""
+    ck = train.make_config({"workload": "digits-mlp", "out": str(tmp_path), "strategy": saved})
+    cfg = train.make_config({"workload": "digits-mlp", "out": str(tmp_path), "strategy": given})
+    state = {"format": checkpoint.FORMAT, "config": checkpoint.compat(ck, 2)}
+    with pytest.raises(ValueError, match=rf"strategy: checkpoint has {saved!r}, this run has {given!r}"):
+        checkpoint.check_resume(state, cfg, 2)
+
+
+def test_a_resumed_run_accepts_the_strategy_with_its_defaults_spelled_out(tmp_path):
+    """End to end: `gradpress train --strategy hierarchical`, then
+    `--resume --strategy hierarchical:chunk=<default>` continues the run."""
+    from gradpress.exchange.strategies.hierarchical import CHUNK
+
+    common = dict(workload="digits-mlp", hidden=8, samples=64, batch_size=16, optimizer="sgd", lr=0.1,
+                  log_every=1, progress=False, nproc=1, out=str(tmp_path))
+    first = train.run(dict(common, epochs=1, strategy="hierarchical"))
+    resumed = train.run(dict(common, epochs=2, strategy=f"hierarchical:outer=collective,chunk={CHUNK}", resume=True))
+    assert resumed["steps"] == 2 * first["steps"]

@@ -40,7 +40,7 @@ from gradpress.compress import Compressor, create
 from gradpress.compress.base import Param
 from gradpress.compress.spec import coerce_params
 from gradpress.exchange import Synchronizer
-from gradpress.exchange.agree import agree, config_diff
+from gradpress.exchange.agree import agree, config_diff, same_config
 from gradpress.transport.collectives import flat_by_dtype, fused_allreduce
 from gradpress.transport.groups import own_group
 from gradpress.transport.p2p import global_rank
@@ -315,7 +315,7 @@ class Algorithm:
         assert self.engine is not None
         if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
             raise ValueError(f"not a gradpress algorithm state dict (missing format {STATE_FORMAT!r})")
-        if state["config"] != self.config():
+        if not same_config(state["config"], self.config()):
             raise ValueError(f"algorithm state dict is from a different configuration "
                              f"({config_diff(state['config'], self.config())})")
         self.engine.load_state_dict(state["exchange"])

@@ -9,7 +9,7 @@ import json
 import sys
 from pathlib import Path
 
-from gradpress import compare, compare_report, train
+from gradpress import compare, compare_report, compare_run, train
 from gradpress.train.launch import WorkerFailed
 
 
@@ -41,19 +41,54 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_cli(args: argparse.Namespace) -> int:
+    """Run, print the table; exit codes (docs/train.md, "Comparing compressors
+    and algorithms"): 0 every run finished, 1 some run failed (all the others
+    ran; each named), 2 bad options (before anything trains), 3 some run's loss
+    became NaN/Inf (0 with ``--allow-divergence``), 130 interrupted (Ctrl-C)."""
     opts = {k: v for k, v in vars(args).items() if k in train.FIELDS or k == "config"}
-    out = opts.pop("out", "runs/compare")
+    out = opts.pop("out", None)
+    failed: list[dict] = []
     try:
         result = compare.run(args.compressors, opts, out=out, target=args.target, algorithms=args.algorithms,
                              seeds=args.seeds, lr_sweep=args.lr_sweep, sweep_steps=args.sweep_steps)
-    except WorkerFailed as exc:  # exit codes as `gradpress train`'s (docs/train.md)
-        partial = Path(out) / "compare-partial.json"
-        kept = f" (the runs that finished: {partial})" if partial.exists() else ""
-        print(f"gradpress compare: error: {exc}{kept}", file=sys.stderr)
+    except compare_run.RunsFailed as exc:
+        result, failed = exc.result, exc.failed
+        error = f"gradpress compare: error: {exc}"
+    except WorkerFailed as exc:  # not a run of its own (kept for callers that raise it)
+        print(f"gradpress compare: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("gradpress compare: interrupted; workers stopped", file=sys.stderr)
+        partial = Path(out or _out(opts)) / "compare-partial.json"
+        kept = f" (the runs recorded: {partial})" if partial.exists() else ""
+        print(f"gradpress compare: interrupted; workers stopped{kept}", file=sys.stderr)
         return 130
+    out = out or _out(opts)
+    if result:
+        _print(args, result, out)
+    diverged = [r for r in result if r.get("diverged_at_step") is not None]
+    total = len(result) + sum(1 for f in failed if not f["label"].startswith("sweep "))
+    if diverged:
+        allowed = all(r.get("allow_divergence") for r in diverged)
+        word = "warning" if allowed else "error"
+        names = ", ".join(f"{compare.label(r)}, seed {r.get('seed')} at step {r['diverged_at_step']}"
+                          for r in diverged)
+        print(f"gradpress compare: {word}: {len(diverged)} of {total} runs diverged (loss became non-finite): "
+              f"{names}", file=sys.stderr)
+    if failed:
+        print(error, file=sys.stderr)
+        return 1
+    return 0 if not diverged or all(r.get("allow_divergence") for r in diverged) else 3
+
+
+def _out(opts: dict) -> str:
+    """The directory a compare wrote to when ``--out`` was not given."""
+    try:
+        return compare_run._config_file(opts, None)
+    except ValueError:
+        return compare_run.DEFAULT_OUT
+
+
+def _print(args: argparse.Namespace, result: list[dict], out: str) -> None:
     stats = json.loads((Path(out) / "compare-stats.json").read_text())
     print()
     print(stats["lr"]["text"])
@@ -62,10 +97,10 @@ def run_cli(args: argparse.Namespace) -> int:
         print(compare_report.aggregate_table(groups, result[0]["metric"], result[0]["reference"],
                                              stats["sweep"] is not None))
     else:
-        print(compare.table(result))
+        rows = json.loads((Path(out) / "compare.json").read_text())  # failed runs included
+        print(compare.table(rows))
     tgt = result[0]["target"]
     if tgt is not None:
         print(f"target {result[0]['metric']}: {tgt:.4f}")
     extra = f", {out}/sweep.json" if args.lr_sweep is not None else ""
     print(f"wrote {out}/compare.json, {out}/compare-stats.json{extra}, {out}/compare.md, {out}/compare.png")
-    return 0

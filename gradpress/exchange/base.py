@@ -30,8 +30,9 @@ from gradpress.exchange.costs import CostModel
 from gradpress.exchange.feedback import Feedback
 
 __all__ = [
-    "ExchangeResult", "Prelude", "Strategy", "aggregate", "aggregate_packets", "available", "check_strategy", "encode_local", "get_strategy",
-    "parse_strategy", "register_strategy", "strategy_class", "strategy_names",
+    "ExchangeResult", "Prelude", "Strategy", "aggregate", "aggregate_packets", "available", "canonical_strategy",
+    "check_strategy", "encode_local", "get_strategy", "parse_strategy", "register_strategy", "same_strategy",
+    "strategy_class", "strategy_key", "strategy_names",
 ]
 
 
@@ -270,6 +271,54 @@ def parse_strategy(spec: str) -> tuple[str, dict[str, Any]]:
     if params:
         coerce_params(declared, params, name, "strategy")
     return name, params
+
+
+def canonical_strategy(spec: str) -> str:
+    """The canonical form of a strategy spec: the name, then every parameter
+    the strategy declares, in its declared order, with its default where not
+    given (``hierarchical`` -> ``hierarchical:workers_per_host=0,outer=collective,chunk=262144``;
+    ``ring:`` -> ``ring``). Two specs with the same canonical form run the same
+    strategy. ValueError as :func:`parse_strategy`."""
+    from gradpress.compress.spec import coerce_params
+
+    name, params = parse_strategy(spec)
+    declared = () if name in PSEUDO else getattr(strategy_class(name), "PARAMS", ())
+    if not declared:
+        return name
+    values = coerce_params(declared, params, name, "strategy")
+    return name + ":" + ",".join(f"{k}={v}" for k, v in values.items())
+
+
+def strategy_key(spec: str) -> str:
+    """The name an exchange engine goes by for a strategy spec, part of the
+    configuration every rank and a resumed run must agree on: the name, then
+    only the parameters that differ from their defaults, sorted by name, as
+    their values coerce (``hierarchical:chunk=262144`` -> ``hierarchical``,
+    ``hierarchical:outer=ring,chunk=0`` -> ``hierarchical:chunk=0,outer=ring``).
+    Specs that run the same strategy have the same key. ValueError as
+    :func:`parse_strategy`."""
+    from gradpress.compress.spec import coerce_params
+
+    name, params = parse_strategy(spec)
+    if not params:
+        return name
+    declared = strategy_class(name).PARAMS  # type: ignore[attr-defined]  # parse_strategy: it declares them
+    values = coerce_params(declared, params, name, "strategy")
+    default = {p.name: p.default for p in declared}
+    changed = sorted(k for k, v in values.items() if v != default[k])
+    return name + (":" + ",".join(f"{k}={values[k]}" for k in changed) if changed else "")
+
+
+def same_strategy(theirs: Any, mine: Any) -> bool:
+    """Whether two engine strategy names (:func:`strategy_key`, or a spec as
+    an earlier version named it: parameters as given, defaults included) run
+    the same strategy."""
+    if theirs == mine:
+        return True
+    try:
+        return isinstance(theirs, str) and isinstance(mine, str) and strategy_key(theirs) == strategy_key(mine)
+    except ValueError:
+        return False
 
 
 def check_strategy(spec: str, compressor: Compressor | None = None) -> str:

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from gradpress.compress.base import Compressor
-from gradpress.exchange.base import Strategy, get_strategy, parse_strategy, strategy_class, strategy_names
+from gradpress.exchange.base import Strategy, get_strategy, parse_strategy, strategy_class, strategy_key, strategy_names
 from gradpress.exchange.costs import CostModel, load_costs
 from gradpress.exchange.planner import Decision, Plan, Planner, log_plan
 from gradpress.transport.groups import device_of
@@ -91,15 +91,17 @@ class StrategyChoice:
 
     def _resolve(self, strategy: str) -> tuple[str, dict[str, str]]:
         """(the name this choice goes by, the strategy's parameters). A
-        strategy with parameters (``hierarchical:workers_per_host=2,outer=ring``)
-        goes by its whole spec, so the configuration every rank must agree on
-        holds them."""
+        strategy with parameters goes by its
+        :func:`~gradpress.exchange.base.strategy_key`, the name and the
+        parameters that differ from their defaults
+        (``hierarchical:outer=ring,workers_per_host=2``): the configuration
+        every rank must agree on holds them, and one strategy spelled two
+        ways (defaults written out, another order) is one configuration."""
         name, params = parse_strategy(strategy)
         if name == "collective" or (name == "auto" and self.compressor.rounds > 1):
             return self.general, {}
-        if params:
-            return f"{name}:" + ",".join(f"{k}={params[k]}" for k in sorted(params)), params
-        return name, {}
+        key = strategy_key(strategy)
+        return key, (params if key != name else {})
 
     def _make(self, name: str) -> Strategy:
         """The strategy object ``name`` (a registry name, or this choice's

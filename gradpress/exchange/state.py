@@ -75,13 +75,14 @@ class EngineState:
         mistyped part) raises ValueError naming the part, and leaves this
         engine exactly as it was (a part that fails while loading is rolled
         back)."""
-        from gradpress.exchange.agree import config_diff
+        from gradpress.exchange.agree import config_diff, same_config
+        from gradpress.exchange.base import same_strategy
 
         if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
             raise ValueError(f"not a gradpress exchange state dict (missing format {STATE_FORMAT!r})")
         _check_state(state)
         theirs, mine = state["config"], self.config()
-        if theirs != mine:
+        if not same_config(theirs, mine):
             raise ValueError(f"gradpress state dict is from a different configuration ({config_diff(theirs, mine)})")
         backup, plan = copy.deepcopy(self.state_dict()), self.plan
         part = "feedback"
@@ -90,6 +91,8 @@ class EngineState:
             part = "compressor"
             self.compressor.load_state_dict(state["compressor"])
             for name, st in state.get("strategies", {}).items():
+                # an earlier version's name for the same strategy (its defaults written out)
+                name = next((n for n in self.strategies if same_strategy(name, n)), name)
                 if name in self.strategies:
                     part = f"strategies[{name!r}]"
                     self.strategies[name].load_state_dict(st)

@@ -138,17 +138,34 @@ def check_resume(state: Any, cfg: TrainConfig, world: int) -> None:
 
 
 def _same(key: str, theirs: Any, mine: Any) -> bool:
-    """Whether a checkpoint's setting ``key`` is this run's. Compressor specs
-    compare in their canonical form (``topk`` is ``topk:ratio=0.01``): the
-    same compressor spelled another way continues the same run."""
-    if key == "compressor" and isinstance(theirs, str) and isinstance(mine, str) and theirs != mine:
-        from gradpress.compress import create
-
+    """Whether a checkpoint's setting ``key`` is this run's. Compressor and
+    strategy specs compare in their canonical form (``topk`` is
+    ``topk:ratio=0.01``, ``hierarchical`` is
+    ``hierarchical:workers_per_host=0,outer=collective,chunk=262144``): the
+    same compressor or strategy spelled another way continues the same run."""
+    if key in _CANONICAL and isinstance(theirs, str) and isinstance(mine, str) and theirs != mine:
+        canonical = _CANONICAL[key]()
         try:
-            return create(theirs).spec() == create(mine).spec()
+            return canonical(theirs) == canonical(mine)
         except ValueError:
             return False
     return theirs == mine
+
+
+def _compressor_canonical() -> Any:
+    from gradpress.compress import create
+
+    return lambda spec: create(spec).spec()
+
+
+def _strategy_canonical() -> Any:
+    from gradpress.exchange.base import canonical_strategy
+
+    return canonical_strategy
+
+
+#: settings compared in their canonical form: key -> a loader of spec -> canonical spec
+_CANONICAL = {"compressor": _compressor_canonical, "strategy": _strategy_canonical}
 
 
 def rank_state(state: Mapping[str, Any], rank: int, key: str) -> Any:

@@ -24,7 +24,7 @@ import gradpress.train.algorithm as algorithms
 from gradpress import workloads
 from gradpress.train.optim import OPTIMIZERS, SCHEDULES
 
-__all__ = ["TrainConfig", "FIELDS", "RESUME_FIXED", "NONFINITE", "SEED_MAX", "make_config", "check_out"]
+__all__ = ["TrainConfig", "FIELDS", "RESUME_FIXED", "NONFINITE", "SEED_MAX", "make_config", "check_out", "load_toml"]
 
 #: what a step does when a rank's gradient has a NaN/Inf (``gradpress.ddp.NONFINITE_MODES``)
 NONFINITE = ("propagate", "skip", "raise")
@@ -76,7 +76,9 @@ RESUME_FIXED = ("workload", "data", "hidden", "params", "samples", "text_bytes",
                 "plan_costs")
 
 
-def _load_toml(path: str) -> dict[str, Any]:
+def load_toml(path: str) -> dict[str, Any]:
+    """The options of a ``--config`` TOML file, keys as field names (``-`` -> ``_``);
+    ValueError for a missing or invalid file or an unknown key."""
     if sys.version_info >= (3, 11):
         import tomllib
     else:  # pragma: no cover
@@ -160,7 +162,7 @@ def make_config(config: Mapping[str, Any] | argparse.Namespace | TrainConfig | N
         raise ValueError(f"unknown training option(s) {', '.join(map(repr, unknown))}; allowed: {', '.join(FIELDS)}")
     merged: dict[str, Any] = {}
     if given.get("config"):
-        merged.update(_load_toml(str(given["config"])))
+        merged.update(load_toml(str(given["config"])))
     merged.update({k: v for k, v in given.items() if k != "config"})
     return _validate(TrainConfig(**merged))
 
