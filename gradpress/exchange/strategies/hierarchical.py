@@ -44,6 +44,16 @@ sends both ways over one TCP connection, which ran at ~65% of a shaped
 link's rate. The host residual stays per tensor, so checkpoints do not
 depend on ``chunk``.
 
+A leader whose part raises (its compressor's encode, the leaders'
+exchange, a decode) still broadcasts to its host, an abort marker in place
+of the average (:mod:`~gradpress.exchange.strategies.hierarchical_abort`:
+no extra collective in a healthy call; each worker reads one entry), then
+raises its own error; its workers raise one naming it, at once instead of
+at the group's timeout. The other hosts' ranks wait for that leader in the
+leaders' exchange, as every flat strategy's ranks wait for a rank whose
+encode raised, unless their own leaders raise too (a compressor that
+refuses the input refuses it on every leader).
+
 Invariants: the outer strategy gives every leader the bit-identical average
 and the broadcast copies it, so replicas are bit-identical; with equal hosts
 the result is the mean over all N ranks (mean over hosts of host means).
@@ -77,6 +87,7 @@ from gradpress.exchange.costs import CostModel
 from gradpress.exchange.feedback import Feedback, namespace
 from gradpress.exchange.pieces import Piece, cut
 from gradpress.exchange.strategies.allgather import Allgather
+from gradpress.exchange.strategies.hierarchical_abort import is_marked, leader_failed, mark_failed
 from gradpress.exchange.strategies.hierarchical_pipeline import pipelined
 from gradpress.transport.collectives import flat_by_dtype, fused_allreduce
 from gradpress.transport.groups import timeout_of
@@ -286,24 +297,31 @@ class Hierarchical(Strategy):
             sent += dense
             host += dense
         tensor_bytes = [0 if self.is_leader else t.numel() * t.element_size() for t in tensors]
+        failure: Exception | None = None
         if self.is_leader:
-            qs, keys = [], [Feedback.key(HOST, c.key) for c in ctxs]
-            for m, k in zip(views, keys):
-                m = m.div_(per)
-                if feedback is not None:
-                    m = m.add(feedback.current(k, m), alpha=feedback.beta)
-                qs.append(m)
-            outer = self._outer_strategy(compressor)
-            t = time.perf_counter()
-            res = outer.exchange(compressor, qs, ctxs, feedback)
-            comm += max(0.0, time.perf_counter() - t - res.compress_s)
-            sent += res.bytes_sent
-            tensor_bytes = list(res.tensor_bytes)
-            if feedback is not None and res.residuals is not None:
-                for k, r in zip(keys, res.residuals):
-                    feedback.stage(k, r)
-            for v, a in zip(views, res.tensors):
-                v.copy_(a.reshape(v.shape))
+            try:
+                qs, keys = [], [Feedback.key(HOST, c.key) for c in ctxs]
+                for m, k in zip(views, keys):
+                    m = m.div_(per)
+                    if feedback is not None:
+                        m = m.add(feedback.current(k, m), alpha=feedback.beta)
+                    qs.append(m)
+                outer = self._outer_strategy(compressor)
+                t = time.perf_counter()
+                res = outer.exchange(compressor, qs, ctxs, feedback)
+                comm += max(0.0, time.perf_counter() - t - res.compress_s)
+                sent += res.bytes_sent
+                tensor_bytes = list(res.tensor_bytes)
+                staged = list(zip(keys, res.residuals)) if feedback is not None and res.residuals is not None else []
+                for v, a in zip(views, res.tensors):
+                    v.copy_(a.reshape(v.shape))
+            except Exception as exc:  # noqa: BLE001 - the host is told below (the marker), then it is re-raised
+                failure = exc
+                for flat in flats:
+                    mark_failed(flat)
+            else:
+                for k, r in staged:
+                    feedback.stage(k, r)  # type: ignore[union-attr]
         if per > 1:
             t = time.perf_counter()
             for flat in flats:
@@ -311,6 +329,10 @@ class Hierarchical(Strategy):
             comm += time.perf_counter() - t
             sent += dense if self.is_leader else 0
             host += dense if self.is_leader else 0
+        if failure is not None:
+            raise failure
+        if per > 1 and not self.is_leader and flats and is_marked(flats[-1]):
+            raise self._leader_failed(ctxs)
         results = views
         # every worker's values entered the host sum exactly: its own residual is zero
         residuals = [t.zero_() for t in tensors] if feedback is not None else None
@@ -338,6 +360,11 @@ class Hierarchical(Strategy):
         residuals = [torch.zeros_like(t) for t in tensors] if feedback is not None else None
         return ExchangeResult(results, dense, residuals, [t.numel() * t.element_size() for t in tensors], 0.0,
                               time.perf_counter() - t0, host_bytes=dense)
+
+    def _leader_failed(self, ctxs: list[Context]) -> RuntimeError:
+        """A worker's error when its leader's broadcast is the abort marker."""
+        first = ctxs[0] if ctxs else Context(key="?")
+        return leader_failed(self._leader_global, self.host, first.key, first.step, len(ctxs))
 
     def _pieces(self, compressor: Compressor, tensors: list[torch.Tensor]) -> list[Piece] | None:
         """The call's pieces when it is pipelined: ``chunk`` set, a one-round
