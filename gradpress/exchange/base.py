@@ -171,9 +171,6 @@ class Strategy:
     planned: ClassVar[bool] = True
     #: carries only summable compressors (the planner checks candidates by it)
     summable_only: ClassVar[bool] = False
-    #: the DDP hook should average a step's buckets in one call (a strategy
-    #: that pipelines one call: the pipeline fills and drains once per step)
-    wants_coalescing: bool = False
 
     def __init__(self, group: dist.ProcessGroup | None) -> None:
         self.group = group
@@ -183,6 +180,13 @@ class Strategy:
     def supports(self, compressor: Compressor) -> str | None:
         """None if usable with ``compressor``, else the reason it is not."""
         return None
+
+    def pipelines(self, compressor: Compressor) -> bool:
+        """Whether a call with ``compressor`` is pipelined in pieces (the DDP
+        hook then averages a step's buckets in one call, so the pipeline
+        fills and drains once per step; otherwise each bucket is its own
+        call and overlaps backward)."""
+        return False
 
     def exchange(
         self, compressor: Compressor, tensors: list[torch.Tensor], ctxs: list[Context],

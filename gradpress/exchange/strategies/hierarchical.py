@@ -141,7 +141,6 @@ class Hierarchical(Strategy):
         values = coerce_params(self.PARAMS, params, "hierarchical", "strategy")
         self.outer_name: str = values["outer"]
         self.chunk: int = int(values["chunk"])
-        self.wants_coalescing = self.chunk > 0
         given = int(values["workers_per_host"])
         layout_error = None
         if self.world_size == 1:  # a world of one (or no group yet: a configuration check) is one host
@@ -366,13 +365,17 @@ class Hierarchical(Strategy):
         first = ctxs[0] if ctxs else Context(key="?")
         return leader_failed(self._leader_global, self.host, first.key, first.step, len(ctxs))
 
+    def pipelines(self, compressor: Compressor) -> bool:
+        """``chunk`` set, several hosts (one host is one dense allreduce), a
+        one-round compressor and a collective between the leaders
+        (``allreduce``/``allgather``; not PowerSGD's rounds, not a ring):
+        the same on every rank."""
+        return (bool(self.chunk) and self.hosts > 1 and compressor.rounds == 1
+                and self._outer_for(compressor) in ("allreduce", "allgather"))
+
     def _pieces(self, compressor: Compressor, tensors: list[torch.Tensor]) -> list[Piece] | None:
-        """The call's pieces when it is pipelined: ``chunk`` set, a one-round
-        compressor and a collective between the leaders (the same decision on
-        every rank: it depends only on the shapes)."""
-        if not self.chunk or compressor.rounds != 1 or self._outer_for(compressor) not in ("allreduce", "allgather"):
-            return None
-        return cut(tensors, self.chunk)
+        """The call's pieces when it is pipelined (:meth:`pipelines`; they depend only on the shapes)."""
+        return cut(tensors, self.chunk) if self.pipelines(compressor) else None
 
     def _pipelined(
         self, compressor: Compressor, tensors: list[torch.Tensor], ctxs: list[Context],
