@@ -201,9 +201,12 @@ class Strategy:
         raise NotImplementedError
 
     @classmethod
-    def predict(cls, costs: CostModel, numel: int, world_size: int, summable: bool) -> tuple[float, int]:
-        """Predicted seconds for one tensor of ``numel`` elements, and the
-        number of partitions that achieves it."""
+    def predict(cls, costs: CostModel, numel: int, world_size: int, summable: bool, *,
+                elem_size: int = 4) -> tuple[float, int]:
+        """Predicted seconds for one tensor of ``numel`` elements of
+        ``elem_size`` bytes (its dtype: what a dense step moves; compressed
+        sizes come from ``costs.wire``), and the number of partitions that
+        achieves it."""
         raise NotImplementedError
 
     def state_dict(self) -> dict[str, Any]:

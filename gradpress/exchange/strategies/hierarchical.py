@@ -44,15 +44,10 @@ sends both ways over one TCP connection, which ran at ~65% of a shaped
 link's rate. The host residual stays per tensor, so checkpoints do not
 depend on ``chunk``.
 
-A leader whose part raises (its compressor's encode, the leaders'
-exchange, a decode) still broadcasts to its host, an abort marker in place
-of the average (:mod:`~gradpress.exchange.strategies.hierarchical_abort`:
-no extra collective in a healthy call; each worker reads one entry), then
-raises its own error; its workers raise one naming it, at once instead of
-at the group's timeout. The other hosts' ranks wait for that leader in the
-leaders' exchange, as every flat strategy's ranks wait for a rank whose
-encode raised, unless their own leaders raise too (a compressor that
-refuses the input refuses it on every leader).
+A leader whose part raises (encode, the leaders' exchange, a decode)
+broadcasts an abort marker to its host in place of the average, then
+raises; its workers raise an error naming it at once (no extra collective
+in a healthy call: :mod:`~gradpress.exchange.strategies.hierarchical_abort`).
 
 Invariants: the outer strategy gives every leader the bit-identical average
 and the broadcast copies it, so replicas are bit-identical; with equal hosts
@@ -88,6 +83,7 @@ from gradpress.exchange.feedback import Feedback, namespace
 from gradpress.exchange.pieces import Piece, cut
 from gradpress.exchange.strategies.allgather import Allgather
 from gradpress.exchange.strategies.hierarchical_abort import is_marked, leader_failed, mark_failed
+from gradpress.exchange.strategies.hierarchical_costs import predict_seconds
 from gradpress.exchange.strategies.hierarchical_pipeline import pipelined
 from gradpress.transport.collectives import flat_by_dtype, fused_allreduce
 from gradpress.transport.groups import timeout_of
@@ -234,32 +230,22 @@ class Hierarchical(Strategy):
         return f"between hosts ({name}): {reason}" if reason else None
 
     @classmethod
-    def predict(cls, costs: CostModel, numel: int, world_size: int, summable: bool) -> tuple[float, int]:
-        """Rough, for H hosts of L workers (L from the environment, as the
-        strategy itself takes it): the dense reduce onto the leader and the
-        broadcast back, ``2 AR_host(4 d)`` (``CostModel.intra_host_allreduce``:
-        the injected ``intra_allreduce`` fit, else the group's allreduce),
-        plus the leaders' exchange with the default outer strategy, the
-        group's collectives of N ranks scaled to H leaders, pipelined (the
-        default ``chunk``: encoding and decoding overlap the wire, so the
-        larger of the two counts): summable packets
-        ``max(AR(c(d)) ((H - 1) / H) / ((N - 1) / N), ENC(d) + DEC(d))`` (the
-        bytes a ring allreduce moves per rank), else
-        ``max(AG(c(d)) (H - 1) / (N - 1), ENC(d) + H DEC(d))``."""
-        d = float(numel)
+    def predict(cls, costs: CostModel, numel: int, world_size: int, summable: bool, *,
+                elem_size: int = 4) -> tuple[float, int]:
+        """The bytes over a leader's links, by formula, read off the fits
+        (:mod:`~gradpress.exchange.strategies.hierarchical_costs`): the dense
+        reduce and broadcast, ``e d`` bytes each over the host's link (the
+        injected ``intra_allreduce`` fit of L workers, else the group's
+        ``allreduce``), plus the leaders' exchange with the default outer
+        strategy, pipelined: summable ``2 (H - 1) / H c(d)`` (a ring
+        allreduce), else ``(H - 1) c(d)`` (an allgather), on the group's
+        fits, or the codec time if larger. L from the environment, as the
+        strategy itself takes it."""
         try:
             per = max(1, workers_per_host_from_env())
         except ValueError:
             per = 1
-        n = max(1, world_size)
-        h = max(1, n // per)
-        inner = 2 * costs.intra_host_allreduce(4 * d) if per > 1 else 0.0
-        if summable:  # a ring allreduce moves 2 (k-1)/k of the payload per rank among k ranks
-            scale = ((h - 1) / h) / ((n - 1) / n) if n > 1 else 0.0
-            outer = max(costs.allreduce(costs.wire(d)) * scale, costs.encode(d) + costs.decode(d))
-        else:
-            outer = max(costs.allgather(costs.wire(d)) * (h - 1) / max(1, n - 1), costs.encode(d) + h * costs.decode(d))
-        return inner + outer, 1
+        return predict_seconds(costs, numel, world_size, summable, per, elem_size), 1
 
     def state_dict(self) -> dict[str, Any]:
         """The host layout the ``host/`` residuals were kept for."""
