@@ -232,15 +232,10 @@ class Hierarchical(Strategy):
     @classmethod
     def predict(cls, costs: CostModel, numel: int, world_size: int, summable: bool, *,
                 elem_size: int = 4) -> tuple[float, int]:
-        """The bytes over a leader's links, by formula, read off the fits
-        (:mod:`~gradpress.exchange.strategies.hierarchical_costs`): the dense
-        reduce and broadcast, ``e d`` bytes each over the host's link (the
-        injected ``intra_allreduce`` fit of L workers, else the group's
-        ``allreduce``), plus the leaders' exchange with the default outer
-        strategy, pipelined: summable ``2 (H - 1) / H c(d)`` (a ring
-        allreduce), else ``(H - 1) c(d)`` (an allgather), on the group's
-        fits, or the codec time if larger. L from the environment, as the
-        strategy itself takes it."""
+        """The bytes over a leader's links (dense reduce and broadcast, the
+        leaders' exchange) read off the fits, by the formulas of
+        :mod:`~gradpress.exchange.strategies.hierarchical_costs`; L from
+        the environment, as the strategy itself takes it."""
         try:
             per = max(1, workers_per_host_from_env())
         except ValueError:
