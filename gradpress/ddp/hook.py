@@ -9,7 +9,9 @@ issues its collectives in the same order even with several buckets and
 multi-round protocols (PyTorch's own PowerSGD hook mixes them up on gloo).
 
 Coalescing (``coalesce``; default: on for multi-round compressors such as
-PowerSGD and for strategies that pipeline a call, ``hierarchical:chunk=N``):
+PowerSGD and when a strategy the plan uses pipelines a call with the
+compressor, ``hierarchical:chunk=N`` with a one-round compressor between
+several hosts' leaders by allreduce or allgather):
 the thread holds a step's buckets until DDP hands it the last one, then
 averages them in one engine call, so each round of the protocol is
 one collective for the whole step (PowerSGD: one allreduce of every bucket's
@@ -182,10 +184,15 @@ class GradpressHook:
     @property
     def coalescing(self) -> bool:
         """Whether a step's buckets are averaged in one engine call (default:
-        for multi-round compressors and for strategies that pipeline a call)."""
+        for multi-round compressors, and when a strategy the plan uses
+        pipelines a call with the compressor, ``Strategy.pipelines``)."""
         if self._coalesce is not None:
             return self._coalesce
-        return self.engine.compressor.rounds > 1 or any(s.wants_coalescing for s in self.engine.strategies.values())
+        engine = self.engine
+        if engine.compressor.rounds > 1:
+            return True
+        used = {d.strategy for d in engine.plan.decisions.values() if d.compressed}
+        return any(engine.strategies[name].pipelines(engine.compressor) for name in used if name in engine.strategies)
 
     def replan(self, costs: Any = None) -> Plan:
         """Measure the group (or use ``costs``) and rebuild the plan.

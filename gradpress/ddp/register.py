@@ -144,7 +144,10 @@ def register(
     ``coalesce``: hold a step's buckets until DDP hands over the last one and
     average them in one call (each protocol round one collective per step,
     not per bucket); None (default): on for multi-round compressors
-    (PowerSGD), off otherwise. Every rank must pass the same value.
+    (PowerSGD) and when a strategy the plan uses pipelines the call
+    (``hierarchical`` with ``chunk`` > 0, a one-round compressor and
+    allreduce/allgather between several hosts), off otherwise. Every rank
+    must pass the same value.
     """
     if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
         raise ValueError(f"ddp_model must be torch.nn.parallel.DistributedDataParallel, got {type(ddp_model).__name__}")

@@ -175,9 +175,6 @@ class Strategy:
     planned: ClassVar[bool] = True
     #: carries only summable compressors (the planner checks candidates by it)
     summable_only: ClassVar[bool] = False
-    #: the DDP hook should average a step's buckets in one call (a strategy
-    #: that pipelines one call: the pipeline fills and drains once per step)
-    wants_coalescing: bool = False
 
     def __init__(self, group: dist.ProcessGroup | None) -> None:
         self.group = group
@@ -187,6 +184,13 @@ class Strategy:
     def supports(self, compressor: Compressor) -> str | None:
         """None if usable with ``compressor``, else the reason it is not."""
         return None
+
+    def pipelines(self, compressor: Compressor) -> bool:
+        """Whether a call with ``compressor`` is pipelined in pieces (the DDP
+        hook then averages a step's buckets in one call, so the pipeline
+        fills and drains once per step; otherwise each bucket is its own
+        call and overlaps backward)."""
+        return False
 
     def exchange(
         self, compressor: Compressor, tensors: list[torch.Tensor], ctxs: list[Context],
@@ -201,9 +205,12 @@ class Strategy:
         raise NotImplementedError
 
     @classmethod
-    def predict(cls, costs: CostModel, numel: int, world_size: int, summable: bool) -> tuple[float, int]:
-        """Predicted seconds for one tensor of ``numel`` elements, and the
-        number of partitions that achieves it."""
+    def predict(cls, costs: CostModel, numel: int, world_size: int, summable: bool, *,
+                elem_size: int = 4) -> tuple[float, int]:
+        """Predicted seconds for one tensor of ``numel`` elements of
+        ``elem_size`` bytes (its dtype: what a dense step moves; compressed
+        sizes come from ``costs.wire``), and the number of partitions that
+        achieves it."""
         raise NotImplementedError
 
     def state_dict(self) -> dict[str, Any]:

@@ -14,7 +14,9 @@ Optional: ``intra_allreduce``, an allreduce of x bytes among the workers of
 one host (their fast link), for the ``hierarchical`` strategy's inner steps.
 The probe measures the whole group only, so it is given by injected costs
 (``plan_costs``); without it the hierarchical prediction uses the group's
-``allreduce`` (as if the host's link were as slow as the group's).
+``allreduce`` of N ranks (as if the host's link were as slow as the
+group's). Either is read at the payload that moves the step's bytes per
+link (:mod:`gradpress.exchange.strategies.hierarchical_costs`).
 """
 
 from __future__ import annotations

@@ -29,13 +29,16 @@ elements of e bytes on N workers, with ``m = d / K`` elements per partition:
   BC(c'(m))`` (one broadcast per root) ``+ K DEC(m)`` (everyone decodes every
   part). Summable: the root adds payloads (no decode/re-encode), ``c' = c``.
 * hierarchical (a candidate only when the launch has L > 1 workers on each
-  of H > 1 hosts, see :mod:`gradpress.exchange.plans`): ``2 AR_host(4 d)``
-  (dense reduce onto the host's leader and broadcast back, on the optional
-  injected ``intra_allreduce`` fit, else the group's ``AR``) plus the
-  leaders' exchange, the group's collectives scaled from N ranks to H,
-  pipelined (its default ``chunk``: the codec overlaps the wire):
-  summable ``max(AR(c(d)) ((H-1)/H) / ((N-1)/N), ENC(d) + DEC(d))``, else
-  ``max(AG(c(d)) (H-1)/(N-1), ENC(d) + H DEC(d))``.
+  of H > 1 hosts, see :mod:`gradpress.exchange.plans`): the bytes over a
+  leader's links read off the fits
+  (:mod:`gradpress.exchange.strategies.hierarchical_costs`): the dense
+  reduce and broadcast, ``e d`` each over the host's link (the optional
+  injected ``intra_allreduce`` fit of L workers, else the group's ``AR``
+  of N), at the payload whose allreduce moves that much per link
+  (``AR_k(b k / (2 (k-1)))``), plus the leaders' exchange, pipelined (its
+  default ``chunk``: the codec overlaps the wire): summable
+  ``max(AR(2 (H-1)/H c(d) N / (2 (N-1))), ENC(d) + DEC(d))``, else
+  ``max(AG((H-1) c(d) / (N-1)), ENC(d) + H DEC(d))``.
 
 Per tensor the cheapest option wins; a compressed option is chosen only when
 it predicts at least :data:`MIN_GAIN` (10%) less time than uncompressed
@@ -193,7 +196,8 @@ class Planner:
         ``Strategy.predict`` for the others."""
         out: dict[str, tuple[float, int]] = {"uncompressed": (self.costs.allreduce(elem_size * float(numel)), 1)}
         for opt in self.candidates:
-            out[opt] = strategy_class(opt).predict(self.costs, numel, self.world_size, self.summable)
+            out[opt] = strategy_class(opt).predict(self.costs, numel, self.world_size, self.summable,
+                                                   elem_size=elem_size)
         return out
 
     def decide(self, key: str, numel: int, elem_size: int = 4, eligible: bool = True, reason: str = "") -> Decision:

@@ -57,7 +57,8 @@ class Allgather(Strategy):
     carries_prelude = True
 
     @classmethod
-    def predict(cls, costs: CostModel, numel: int, world_size: int, summable: bool) -> tuple[float, int]:
+    def predict(cls, costs: CostModel, numel: int, world_size: int, summable: bool, *,
+                elem_size: int = 4) -> tuple[float, int]:
         """``ENC(d) + AG(c(d)) + N DEC(d)``."""
         d = float(numel)
         return costs.encode(d) + costs.allgather(costs.wire(d)) + world_size * costs.decode(d), 1

@@ -37,7 +37,8 @@ class Allreduce(Strategy):
         return None
 
     @classmethod
-    def predict(cls, costs: CostModel, numel: int, world_size: int, summable: bool) -> tuple[float, int]:
+    def predict(cls, costs: CostModel, numel: int, world_size: int, summable: bool, *,
+                elem_size: int = 4) -> tuple[float, int]:
         """``ENC(d) + AR(c(d)) + DEC(d)``."""
         d = float(numel)
         return costs.encode(d) + costs.allreduce(costs.wire(d)) + costs.decode(d), 1

@@ -64,7 +64,8 @@ class Cyclic(Strategy):
         return None
 
     @classmethod
-    def predict(cls, costs: CostModel, numel: int, world_size: int, summable: bool) -> tuple[float, int]:
+    def predict(cls, costs: CostModel, numel: int, world_size: int, summable: bool, *,
+                elem_size: int = 4) -> tuple[float, int]:
         """``ENC(d) + BC(c(d) / 2) + AR(c(d) / 2)``: half of a value-index
         packet travels as indices, half as values."""
         d = float(numel)

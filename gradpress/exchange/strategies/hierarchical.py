@@ -44,6 +44,11 @@ sends both ways over one TCP connection, which ran at ~65% of a shaped
 link's rate. The host residual stays per tensor, so checkpoints do not
 depend on ``chunk``.
 
+A leader whose part raises (encode, the leaders' exchange, a decode)
+broadcasts an abort marker to its host in place of the average, then
+raises; its workers raise an error naming it at once (no extra collective
+in a healthy call: :mod:`~gradpress.exchange.strategies.hierarchical_abort`).
+
 Invariants: the outer strategy gives every leader the bit-identical average
 and the broadcast copies it, so replicas are bit-identical; with equal hosts
 the result is the mean over all N ranks (mean over hosts of host means).
@@ -77,6 +82,8 @@ from gradpress.exchange.costs import CostModel
 from gradpress.exchange.feedback import Feedback, namespace
 from gradpress.exchange.pieces import Piece, cut
 from gradpress.exchange.strategies.allgather import Allgather
+from gradpress.exchange.strategies.hierarchical_abort import is_marked, leader_failed, mark_failed
+from gradpress.exchange.strategies.hierarchical_costs import predict_seconds
 from gradpress.exchange.strategies.hierarchical_pipeline import pipelined
 from gradpress.transport.collectives import flat_by_dtype, fused_allreduce
 from gradpress.transport.groups import timeout_of
@@ -130,7 +137,6 @@ class Hierarchical(Strategy):
         values = coerce_params(self.PARAMS, params, "hierarchical", "strategy")
         self.outer_name: str = values["outer"]
         self.chunk: int = int(values["chunk"])
-        self.wants_coalescing = self.chunk > 0
         given = int(values["workers_per_host"])
         layout_error = None
         if self.world_size == 1:  # a world of one (or no group yet: a configuration check) is one host
@@ -224,32 +230,17 @@ class Hierarchical(Strategy):
         return f"between hosts ({name}): {reason}" if reason else None
 
     @classmethod
-    def predict(cls, costs: CostModel, numel: int, world_size: int, summable: bool) -> tuple[float, int]:
-        """Rough, for H hosts of L workers (L from the environment, as the
-        strategy itself takes it): the dense reduce onto the leader and the
-        broadcast back, ``2 AR_host(4 d)`` (``CostModel.intra_host_allreduce``:
-        the injected ``intra_allreduce`` fit, else the group's allreduce),
-        plus the leaders' exchange with the default outer strategy, the
-        group's collectives of N ranks scaled to H leaders, pipelined (the
-        default ``chunk``: encoding and decoding overlap the wire, so the
-        larger of the two counts): summable packets
-        ``max(AR(c(d)) ((H - 1) / H) / ((N - 1) / N), ENC(d) + DEC(d))`` (the
-        bytes a ring allreduce moves per rank), else
-        ``max(AG(c(d)) (H - 1) / (N - 1), ENC(d) + H DEC(d))``."""
-        d = float(numel)
+    def predict(cls, costs: CostModel, numel: int, world_size: int, summable: bool, *,
+                elem_size: int = 4) -> tuple[float, int]:
+        """The bytes over a leader's links (dense reduce and broadcast, the
+        leaders' exchange) read off the fits, by the formulas of
+        :mod:`~gradpress.exchange.strategies.hierarchical_costs`; L from
+        the environment, as the strategy itself takes it."""
         try:
             per = max(1, workers_per_host_from_env())
         except ValueError:
             per = 1
-        n = max(1, world_size)
-        h = max(1, n // per)
-        inner = 2 * costs.intra_host_allreduce(4 * d) if per > 1 else 0.0
-        if summable:  # a ring allreduce moves 2 (k-1)/k of the payload per rank among k ranks
-            scale = ((h - 1) / h) / ((n - 1) / n) if n > 1 else 0.0
-            outer = max(costs.allreduce(costs.wire(d)) * scale, costs.encode(d) + costs.decode(d))
-        else:
-            outer = max(costs.allgather(costs.wire(d)) * (h - 1) / max(1, n - 1), costs.encode(d) + h * costs.decode(d))
-        return inner + outer, 1
+        return predict_seconds(costs, numel, world_size, summable, per, elem_size), 1
 
     def state_dict(self) -> dict[str, Any]:
         """The host layout the ``host/`` residuals were kept for."""
@@ -286,24 +277,31 @@ class Hierarchical(Strategy):
             sent += dense
             host += dense
         tensor_bytes = [0 if self.is_leader else t.numel() * t.element_size() for t in tensors]
+        failure: Exception | None = None
         if self.is_leader:
-            qs, keys = [], [Feedback.key(HOST, c.key) for c in ctxs]
-            for m, k in zip(views, keys):
-                m = m.div_(per)
-                if feedback is not None:
-                    m = m.add(feedback.current(k, m), alpha=feedback.beta)
-                qs.append(m)
-            outer = self._outer_strategy(compressor)
-            t = time.perf_counter()
-            res = outer.exchange(compressor, qs, ctxs, feedback)
-            comm += max(0.0, time.perf_counter() - t - res.compress_s)
-            sent += res.bytes_sent
-            tensor_bytes = list(res.tensor_bytes)
-            if feedback is not None and res.residuals is not None:
-                for k, r in zip(keys, res.residuals):
-                    feedback.stage(k, r)
-            for v, a in zip(views, res.tensors):
-                v.copy_(a.reshape(v.shape))
+            try:
+                qs, keys = [], [Feedback.key(HOST, c.key) for c in ctxs]
+                for m, k in zip(views, keys):
+                    m = m.div_(per)
+                    if feedback is not None:
+                        m = m.add(feedback.current(k, m), alpha=feedback.beta)
+                    qs.append(m)
+                outer = self._outer_strategy(compressor)
+                t = time.perf_counter()
+                res = outer.exchange(compressor, qs, ctxs, feedback)
+                comm += max(0.0, time.perf_counter() - t - res.compress_s)
+                sent += res.bytes_sent
+                tensor_bytes = list(res.tensor_bytes)
+                staged = list(zip(keys, res.residuals)) if feedback is not None and res.residuals is not None else []
+                for v, a in zip(views, res.tensors):
+                    v.copy_(a.reshape(v.shape))
+            except Exception as exc:  # noqa: BLE001 - the host is told below (the marker), then it is re-raised
+                failure = exc
+                for flat in flats:
+                    mark_failed(flat)
+            else:
+                for k, r in staged:
+                    feedback.stage(k, r)  # type: ignore[union-attr]
         if per > 1:
             t = time.perf_counter()
             for flat in flats:
@@ -311,6 +309,10 @@ class Hierarchical(Strategy):
             comm += time.perf_counter() - t
             sent += dense if self.is_leader else 0
             host += dense if self.is_leader else 0
+        if failure is not None:
+            raise failure
+        if per > 1 and not self.is_leader and flats and is_marked(flats[-1]):
+            raise self._leader_failed(ctxs)
         results = views
         # every worker's values entered the host sum exactly: its own residual is zero
         residuals = [t.zero_() for t in tensors] if feedback is not None else None
@@ -339,13 +341,22 @@ class Hierarchical(Strategy):
         return ExchangeResult(results, dense, residuals, [t.numel() * t.element_size() for t in tensors], 0.0,
                               time.perf_counter() - t0, host_bytes=dense)
 
+    def _leader_failed(self, ctxs: list[Context]) -> RuntimeError:
+        """A worker's error when its leader's broadcast is the abort marker."""
+        first = ctxs[0] if ctxs else Context(key="?")
+        return leader_failed(self._leader_global, self.host, first.key, first.step, len(ctxs))
+
+    def pipelines(self, compressor: Compressor) -> bool:
+        """``chunk`` set, several hosts (one host is one dense allreduce), a
+        one-round compressor and a collective between the leaders
+        (``allreduce``/``allgather``; not PowerSGD's rounds, not a ring):
+        the same on every rank."""
+        return (bool(self.chunk) and self.hosts > 1 and compressor.rounds == 1
+                and self._outer_for(compressor) in ("allreduce", "allgather"))
+
     def _pieces(self, compressor: Compressor, tensors: list[torch.Tensor]) -> list[Piece] | None:
-        """The call's pieces when it is pipelined: ``chunk`` set, a one-round
-        compressor and a collective between the leaders (the same decision on
-        every rank: it depends only on the shapes)."""
-        if not self.chunk or compressor.rounds != 1 or self._outer_for(compressor) not in ("allreduce", "allgather"):
-            return None
-        return cut(tensors, self.chunk)
+        """The call's pieces when it is pipelined (:meth:`pipelines`; they depend only on the shapes)."""
+        return cut(tensors, self.chunk) if self.pipelines(compressor) else None
 
     def _pipelined(
         self, compressor: Compressor, tensors: list[torch.Tensor], ctxs: list[Context],

@@ -72,7 +72,8 @@ class ParameterServer(Strategy):
         return unsupported_reason(compressor, "ps")
 
     @classmethod
-    def predict(cls, costs: CostModel, numel: int, world_size: int, summable: bool) -> tuple[float, int]:
+    def predict(cls, costs: CostModel, numel: int, world_size: int, summable: bool, *,
+                elem_size: int = 4) -> tuple[float, int]:
         """Best K in 1..N, with ``m = d / K``: ``K ENC(m) + P2P((N-1) c(m)) +
         K DEC(m)``, plus ``K BC(c(m))`` when summable (the root adds
         payloads), else ``N DEC(m) + ENC(m) + K BC(c'(m))`` (the root decodes,

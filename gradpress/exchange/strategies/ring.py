@@ -86,7 +86,8 @@ class Ring(Strategy):
         return unsupported_reason(compressor, "ring")
 
     @classmethod
-    def predict(cls, costs: CostModel, numel: int, world_size: int, summable: bool) -> tuple[float, int]:
+    def predict(cls, costs: CostModel, numel: int, world_size: int, summable: bool, *,
+                elem_size: int = 4) -> tuple[float, int]:
         """Chunks of ``d_c = d / N``: ``N ENC(d_c) + 2 (N-1) P2P(c(d_c)) +
         N DEC(d_c)``, plus ``(N-1) DEC(d_c)`` at the hops when not summable.
         Partitioning does not help a ring (it already splits): K = 1."""

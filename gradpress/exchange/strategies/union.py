@@ -64,7 +64,8 @@ class Union(Strategy):
                                   "topk, threshold, dgc_threshold, sidco, gaussiank, redsync")
 
     @classmethod
-    def predict(cls, costs: CostModel, numel: int, world_size: int, summable: bool) -> tuple[float, int]:
+    def predict(cls, costs: CostModel, numel: int, world_size: int, summable: bool, *,
+                elem_size: int = 4) -> tuple[float, int]:
         """``ENC(d) + AG(c(d) / 2) + AR(N c(d) / 2)``: the indices (half of a
         value-index packet) gathered, then at most N supports' values summed
         (disjoint supports: the worst case)."""
