@@ -5,6 +5,8 @@ must never come back as NaN/Inf, an exception, or silently as zeros."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -88,3 +90,48 @@ def test_gaussiank_threshold_of_large_finite_gradients(dtype: torch.dtype, scale
     got = packet.tensors[1].long()
     assert len(set(got.tolist()) ^ set(want.tolist())) <= 1  # at most one entry at the boundary rounds apart
     assert torch.equal(packet.tensors[0], x[got])
+
+
+def _pow2_unit(x64: torch.Tensor) -> float:
+    """2^-e with max|x| 2^-e in [0.5, 1): an exact rescaling of float64 data."""
+    return 2.0 ** -torch.frexp(x64.abs().max())[1].item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_gaussiank_uncorrected_threshold_of_finite_data_near_the_dtype_max(dtype: torch.dtype) -> None:
+    """``gaussiank:correction=none`` (Shi et al. 2019): thr = |mu| + sigma
+    Phi^-1(1 - delta/2), then up to 3 steps (x0.5 below 2k/3, x1.5 above
+    4k/3). Uniform data on +-0.9 max: sigma Phi^-1 exceeds the dtype (inf),
+    so nothing was selected, and inf x0.5 stayed inf: every step sent
+    nothing. Reference: the same definition in float64 on the data scaled by
+    a power of two (exact), counts by |x| >= thr."""
+    from statistics import NormalDist
+
+    ratio, d = 0.01, 20000
+    g = torch.Generator().manual_seed(3)
+    x = ((torch.rand(d, generator=g, dtype=torch.float64) * 2 - 1) * (0.9 * torch.finfo(dtype).max)).to(dtype)
+    c = _pow2_unit(x.double())
+    xs = x.double() * c  # exact; |xs| < 1
+    k = math.ceil(ratio * d)  # kept_count
+    thr = xs.mean().abs().item() + NormalDist().inv_cdf(1 - ratio / 2) * xs.std().item()
+    steps = 0
+    for _ in range(3):
+        n = int(((xs.abs() >= thr) & (xs != 0)).sum())
+        if n < 2 * k / 3:
+            thr *= 0.5
+        elif n > 4 * k / 3:
+            thr *= 1.5
+        else:
+            break
+        steps += 1
+    want = torch.nonzero((xs.abs() >= thr) & (xs != 0)).reshape(-1)
+    assert want.numel() > 0  # the definition sends something here
+    comp = create("gaussiank:ratio=0.01,correction=none")
+    packet = comp.encode(x, Context(key="w", step=0))
+    y = comp.decode(packet)
+    assert torch.isfinite(y).all()
+    assert comp.last_adjustments == steps
+    got = packet.tensors[1].long()
+    assert len(set(got.tolist()) ^ set(want.tolist())) <= 1  # at most one entry at the boundary rounds apart
+    assert torch.equal(packet.tensors[0], x[got])
+

@@ -46,6 +46,19 @@ the default ``strategy="collective"`` that is what runs; any other strategy
 ``min_numel`` and 1-D tensors (biases, norms) travel uncompressed, as in
 every gradpress exchange.
 
+A parameter whose ``.grad`` is None: torch's Adam skips it (the
+parameter, ``m``, ``v`` and its step count stay). These optimizers decide
+on what every rank agrees on, with DDP's rule: the ranks exchange one flag
+per parameter (inside the gradient's allreduce on exact steps, a small
+allreduce of its own before a compressed exchange; one host read). Missing
+on every rank: skipped as torch does (not exchanged, so its residuals stay
+too). Missing on some ranks only: a zero gradient there (DDP's average),
+and every rank steps it. Bias correction counts each parameter's own steps
+(``steps``) and variance updates (``v_steps``), as torch's per-parameter
+``step`` does. 0/1 Adam's local steps exchange nothing per step: there a
+missing gradient skips the parameter on that rank alone (its local Adam
+step), and the step counts advance on every rank so they stay equal.
+
 Invariants: ``m``, ``v`` and the parameters are bit-identical on every rank
 after every synchronized step (the engine's average is); with an identity
 compressor and no freeze the update is distributed Adam's (tested in
@@ -123,8 +136,9 @@ class CompressedAdam(Algorithm):
         self._group_of = [owner[id(p)] for _, p in self.named]
         self.exp_avg = [torch.zeros_like(p, memory_format=torch.preserve_format) for _, p in self.named]
         self.exp_avg_sq = [torch.zeros_like(p, memory_format=torch.preserve_format) for _, p in self.named]
-        self.t = 0  # Adam steps taken
-        self.v_steps = 0  # variance updates taken
+        self.t = 0  # the algorithm's steps (its schedule: freeze, intervals)
+        self.steps = [0] * len(self.named)  # Adam steps each parameter took (torch's per-parameter ``step``)
+        self.v_steps = [0] * len(self.named)  # variance updates of each parameter
         assert self.engine is not None
         if self._chunked and self.world_size > 1:
             n = self.world_size
@@ -142,46 +156,66 @@ class CompressedAdam(Algorithm):
         decoupled = isinstance(self.optimizer, torch.optim.AdamW) or bool(g.get("decoupled_weight_decay", False))
         return float(g["lr"]), float(b1), float(b2), float(g["eps"]), float(g["weight_decay"]), decoupled
 
-    def _exact_average(self, grads: list[torch.Tensor]) -> bool:
-        """Average ``grads`` uncompressed, in place (DDP's reduction), with
-        the engine's NaN/Inf protocol: a non-finite gradient on any rank
-        makes the sums non-finite on every rank, so every rank decides the
-        same. False: drop this step (``nonfinite='skip'``); ``raise`` raises
-        ``FloatingPointError`` naming the tensors; ``propagate`` (no host
-        sync) always gives True."""
-        self.average_plain(grads)
+    def _has_grad(self, like: torch.Tensor) -> torch.Tensor:
+        """1 where this rank's parameter has a ``.grad``, else 0 (``like``'s dtype and device)."""
+        return torch.tensor([float(p.grad is not None) for _, p in self.named], dtype=like.dtype, device=like.device)
+
+    def agree_present(self) -> list[bool]:
+        """Per parameter: whether some rank has its gradient (one small
+        allreduce, one host read); the same list on every rank."""
+        if not self.named:
+            return []
+        flags = self._has_grad(self.named[0][1])
+        if self.world_size > 1:
+            self.average_plain([flags])
+        return (flags > 0).tolist()
+
+    def _exact_average(self, grads: list[torch.Tensor]) -> list[bool] | None:
+        """Average ``grads`` uncompressed, in place (DDP's reduction; a
+        missing gradient counts as zeros), with the engine's NaN/Inf
+        protocol: a non-finite gradient on any rank makes the sums
+        non-finite on every rank, so every rank decides the same. Returns
+        :meth:`agree_present`'s list (its flags ride in the same allreduce),
+        or None: drop this step (``nonfinite='skip'``); ``raise`` raises
+        ``FloatingPointError`` naming the tensors; ``propagate`` never drops."""
+        flags = self._has_grad(grads[0]) if grads else None
+        self.average_plain([*grads, flags] if flags is not None else grads)
         self._exchanges += 1
+        present = (flags > 0).tolist() if flags is not None else []
         assert self.engine is not None
         if self.engine.nonfinite == "propagate":
-            return True
+            return present
         bad = [n for (n, _), g in zip(self.named, grads) if not bool(all_finite(g))]
         if bad and self.engine.nonfinite == "raise":
             raise nonfinite_gradient_error(bad, f"{self.name} step {self.t}")
-        return not bad
+        return None if bad else present
 
     @torch.no_grad()
-    def _moments(self, grads: list[torch.Tensor], update_v: bool) -> None:
+    def _moments(self, grads: list[torch.Tensor], update_v: bool, present: list[bool]) -> None:
         """``m <- b1 m + (1 - b1) g`` (and ``v <- b2 v + (1 - b2) g^2`` when
-        ``update_v``), with Adam's L2 term ``g + wd p`` unless decoupled."""
+        ``update_v``, counted in ``v_steps``), with Adam's L2 term ``g + wd
+        p`` unless decoupled; only the parameters ``present`` says."""
         for i, (g, (_, p)) in enumerate(zip(grads, self.named)):
+            if not present[i]:
+                continue
             _, b1, b2, _, wd, decoupled = self._hyper(i)
             if wd and not decoupled:
                 g = g.add(p, alpha=wd)
             self.exp_avg[i].lerp_(g, 1 - b1)
             if update_v:
                 self.exp_avg_sq[i].mul_(b2).addcmul_(g, g, value=1 - b2)
-        if update_v:
-            self.v_steps += 1
+                self.v_steps[i] += 1
 
     def _denom(self, i: int) -> torch.Tensor:
         """``sqrt(v / (1 - b2^s)) + eps`` of parameter ``i`` (a fresh tensor)."""
         _, _, b2, eps, _, _ = self._hyper(i)
-        bc2 = 1 - b2 ** self.v_steps if self.bias_correction and self.v_steps else 1.0  # type: ignore[attr-defined]
+        s = self.v_steps[i]
+        bc2 = 1 - b2 ** s if self.bias_correction and s else 1.0  # type: ignore[attr-defined]
         return (self.exp_avg_sq[i].sqrt() / bc2 ** 0.5).add_(eps)
 
     def _bc1(self, i: int) -> float:
         b1 = self._hyper(i)[1]
-        return 1 - b1 ** self.t if self.bias_correction else 1.0  # type: ignore[attr-defined]
+        return 1 - b1 ** self.steps[i] if self.bias_correction else 1.0  # type: ignore[attr-defined]
 
     @torch.no_grad()
     def _delta(self, i: int) -> torch.Tensor:
@@ -195,24 +229,31 @@ class CompressedAdam(Algorithm):
         return delta
 
     @torch.no_grad()
-    def _apply(self) -> None:
-        """The Adam update of every parameter (torch's order: decay, then the step)."""
+    def _apply(self, present: list[bool], count: list[bool] | None = None) -> None:
+        """The Adam update of the parameters ``present`` says (torch's order:
+        decay, then the step); ``steps`` counts one for those ``count`` says
+        (default: ``present``), before the update, as torch does."""
+        for i, c in enumerate(present if count is None else count):
+            self.steps[i] += int(c)
         for i, (_, p) in enumerate(self.named):
+            if not present[i]:
+                continue
             lr, _, _, _, wd, decoupled = self._hyper(i)
             if wd and decoupled:
                 p.mul_(1 - lr * wd)
             p.addcdiv_(self.exp_avg[i], self._denom(i), value=-lr / self._bc1(i))
 
     @torch.no_grad()
-    def _mask_unseen(self, tensors: list[torch.Tensor]) -> None:
+    def _mask_unseen(self, tensors: list[torch.Tensor], idx: list[int] | None = None) -> None:
         """Zero ``tensors`` where ``v == 0``: coordinates whose gradient has
         always been exactly 0 (embedding rows of tokens never seen). One bit
         cannot say 0, so a compressed exchange gives them +-scale, and with
         ``v = 0`` Adam would step them by ``lr * scale / eps``. The automatic
         form of DeepSpeed's user-given ``exp_avg_mask``; a no-op without
-        compression (their momentum is exactly 0 then)."""
-        for t, v in zip(tensors, self.exp_avg_sq):
-            t.masked_fill_(v == 0, 0.0)
+        compression (their momentum is exactly 0 then). ``idx``: the
+        parameters ``tensors`` belong to (default: all, in order)."""
+        for t, i in zip(tensors, range(len(tensors)) if idx is None else idx):
+            t.masked_fill_(self.exp_avg_sq[i] == 0, 0.0)
 
     def _begin_step(self) -> None:
         self.t += 1
@@ -229,7 +270,7 @@ class CompressedAdam(Algorithm):
     # ---------------------------------------------------------------- state
     def extra_state(self) -> dict[str, Any]:
         return {"exp_avg": [m.clone() for m in self.exp_avg], "exp_avg_sq": [v.clone() for v in self.exp_avg_sq],
-                "t": self.t, "v_steps": self.v_steps, "phase": self.phase_state()}
+                "t": self.t, "steps": list(self.steps), "v_steps": list(self.v_steps), "phase": self.phase_state()}
 
     def load_extra_state(self, state: Mapping[str, Any]) -> None:
         for field in ("exp_avg", "exp_avg_sq"):
@@ -243,7 +284,15 @@ class CompressedAdam(Algorithm):
                                      f"the model's is {tuple(p.shape)}")
             setattr(self, field, [s.to(p.device, p.dtype).clone() for (_, p), s in zip(self.named, saved)])
         self.t = int(state["t"])
-        self.v_steps = int(state["v_steps"])
+        n = len(self.named)
+        # a state saved before per-parameter counts held one count for every parameter
+        steps, v_steps = state.get("steps", self.t), state["v_steps"]
+        for field, value in (("steps", steps), ("v_steps", v_steps)):
+            counts = [int(value)] * n if isinstance(value, (int, float)) else [int(c) for c in value]
+            if len(counts) != n:
+                raise ValueError(f"{self.name} state: {field!r} has {len(counts)} counts, the model has {n} "
+                                 "parameters")
+            setattr(self, field, counts)
         self.load_phase_state(state.get("phase", {}))
 
     def phase_state(self) -> dict[str, Any]:

@@ -84,21 +84,25 @@ class OneBitAdam(CompressedAdam):
         self._begin_step()
         grads = self.gradients()
         if not compressed:
-            if not self._exact_average(grads):  # nonfinite='skip' and a NaN/Inf sum (the same on every rank)
+            present = self._exact_average(grads)
+            if present is None:  # nonfinite='skip' and a NaN/Inf sum (the same on every rank)
                 self.t -= 1
                 return
-            self._moments(grads, update_v=True)
+            self._moments(grads, update_v=True, present=present)
         else:
-            self._moments(grads, update_v=False)
-            self.sync(self.exp_avg)
-            self._mask_unseen(self.exp_avg)
-            if skip and self.engine is not None and self.engine.last_step_skipped:
+            present = self.agree_present()  # a parameter no rank has a gradient for is not exchanged
+            idx = [i for i, ok in enumerate(present) if ok]
+            self._moments(grads, update_v=False, present=present)
+            if idx:
+                self.sync([self.exp_avg[i] for i in idx], keys=[self.named[i][0] for i in idx])
+                self._mask_unseen([self.exp_avg[i] for i in idx], idx)
+            if skip and idx and self.engine is not None and self.engine.last_step_skipped:
                 assert saved is not None
                 for m, s in zip(self.exp_avg, saved):
                     m.copy_(s)
                 self.t -= 1
                 return
-        self._apply()
+        self._apply(present)
 
     def phase_state(self) -> dict[str, Any]:
         return {"freeze_step": self.freeze_step}  # type: ignore[attr-defined]

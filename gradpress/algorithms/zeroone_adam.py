@@ -26,6 +26,10 @@ Training via 0/1 Adam" (ICLR 2023); the schedule follows DeepSpeed's
   ``local_step_clipper``. At the freeze the residuals are cleared (they held
   gradient errors, and now hold momentum errors), as DeepSpeed does.
 
+A missing gradient (``.grad`` is None) on a local step skips that
+parameter on that rank alone (no exchange to agree on); elsewhere the
+agreed rule of :mod:`gradpress.algorithms.compressed_adam` holds.
+
 Bias correction and the exchange: :mod:`gradpress.algorithms.compressed_adam`
 (``s``, the count of variance updates, is what corrects ``v``). Between
 synchronizations the replicas differ; :meth:`eval_model` is then their
@@ -93,30 +97,39 @@ class ZeroOneAdam(CompressedAdam):
         self._begin_step()
         grads = self.gradients()
         if self.t % self.var_interval == 0:
-            if not self._exact_average(grads):  # nonfinite='skip' and a NaN/Inf sum (the same on every rank)
+            present = self._exact_average(grads)
+            if present is None:  # nonfinite='skip' and a NaN/Inf sum (the same on every rank)
                 self.t -= 1
                 return
-            self._moments(grads, update_v=True)
+            self._moments(grads, update_v=True, present=present)
             self.var_counter += 1
             if self.var_counter == self.var_update_scaler:  # type: ignore[attr-defined]
                 self.var_counter, self.var_interval = 0, self.var_interval * 2
         else:
-            self.sync(grads)
-            if self.engine is not None and self.engine.last_step_skipped:  # nonfinite='skip': every rank drops it
+            present = self.agree_present()  # a parameter no rank has a gradient for is not exchanged
+            idx = [i for i, ok in enumerate(present) if ok]
+            if idx:
+                self.sync([grads[i] for i in idx], keys=[self.named[i][0] for i in idx])
+            if idx and self.engine is not None and self.engine.last_step_skipped:  # nonfinite='skip': all drop it
                 self.t -= 1
                 return
-            self._mask_unseen(grads)
-            self._moments(grads, update_v=False)
-        self._apply()
+            self._mask_unseen([grads[i] for i in idx], idx)
+            self._moments(grads, update_v=False, present=present)
+        self._apply(present)
         if self.frozen:  # the next step is local: the residuals change meaning
             self.engine.feedback.residuals.clear()  # type: ignore[union-attr]
             self.anchor = [p.detach().clone() for _, p in self.named]
 
     @torch.no_grad()
     def _local_step(self) -> None:
+        """A local Adam step: a parameter without a gradient on this rank
+        stays (torch's skip, on this rank alone: nothing is exchanged to
+        agree on), while every rank counts the step, so that the bias
+        corrections stay equal on every rank."""
         self._begin_step()
-        self._moments(self.gradients(), update_v=False)
-        self._apply()
+        mine = [p.grad is not None for _, p in self.named]
+        self._moments(self.gradients(), update_v=False, present=mine)
+        self._apply(mine, count=[True] * len(self.named))
         for i in range(len(self.named)):
             self.lrs[i] += self._hyper(i)[0]
         self._synced = False

@@ -13,6 +13,11 @@ elements the mean achieved/target density is 1.66 on Laplace at delta = 1%
 Student-t(3); on real mnist1d-cnn gradients single calls range from 0 to
 2.6.
 
+The statistics, ``|mu| + sigma z`` and the steps are computed on the data
+times a power of two (exact) that brings max |x| to [0.5, 1): finite data
+up to the dtype's maximum never overflows them (a threshold above the
+dtype's max selects nothing, as its definition does).
+
 ``correction=adaptive`` (default): the Gaussian estimate without the fixed
 x0.5/x1.5 steps, inside the density correction of
 :mod:`gradpress.compress._density`: multiplied by a per-tensor scale
@@ -69,17 +74,21 @@ class GaussianK(ThresholdSparsifier):
     def _threshold(self, xw: torch.Tensor, a: torch.Tensor, k: int, ctx: Context) -> torch.Tensor:
         d = xw.numel()
         lo, hi = torch.aminmax(xw)
-        c = scale_pow2(torch.maximum(-lo, hi), xw.dtype)  # exact: the sum of x * c cannot overflow
-        mean = (xw * c).mean() / c
+        # everything on the data scaled by c = 2^-e (exact): |x c| < 1, so neither the statistics
+        # nor |mu| + z sigma nor a x1.5 step can overflow; x * c >= thr_s is x >= thr_s / c
+        c = scale_pow2(torch.maximum(-lo, hi), xw.dtype)
+        mean = (xw * c).mean()
         # two passes on scaled data (never the overflowing squares); sample std, as torch.std
-        std = centered_std(xw, lo, hi) * math.sqrt(d / (d - 1)) if d > 1 else torch.zeros_like(mean)
+        std = centered_std(xw, lo, hi, scaled=True) * math.sqrt(d / (d - 1)) if d > 1 else torch.zeros_like(mean)
         z = NormalDist().inv_cdf(1.0 - self.ratio / 2.0) if self.ratio < 1 else 0.0
         thr = mean.abs() + z * torch.nan_to_num(std)
         self.last_adjustments = 0
         if self.corrected:
-            return thr  # the density correction takes it from here
+            return thr / c  # the density correction takes it from here
         for _ in range(MAX_ADJUST):
-            nnz = self._count(a, thr)
+            # thr / c overflows only where the threshold exceeds the dtype's max, so above every |x|:
+            # inf counts (and selects) the same nothing
+            nnz = self._count(a, thr / c)
             if nnz < 2 * k / 3:
                 thr = thr * 0.5
             elif nnz > 4 * k / 3:
@@ -87,7 +96,7 @@ class GaussianK(ThresholdSparsifier):
             else:
                 break
             self.last_adjustments += 1
-        return thr
+        return thr / c
 
     def _encode(self, x: torch.Tensor, ctx: Context) -> Packet:
         packet = super()._encode(x, ctx)

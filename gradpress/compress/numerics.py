@@ -191,7 +191,7 @@ def mean_abs(v: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isinf(mean), m * (torch.linalg.vector_norm(v / safe, 1) / d), mean)
 
 
-def centered_std(g: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+def centered_std(g: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scaled: bool = False) -> torch.Tensor:
     """Population standard deviation sqrt(mean((g - mean g)^2)) of the flat
     floating ``g`` whose minimum and maximum are ``lo`` and ``hi``.
 
@@ -202,7 +202,10 @@ def centered_std(g: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.T
     E[g]^2 does) nor overflows nor loses to underflow. Exactly 0 when
     ``lo == hi`` (a sum of equal values is not exact, so the deviations of a
     constant would not be 0). 0-d, dtype of ``g``; non-finite ``g`` gives a
-    non-finite result."""
+    non-finite result. ``scaled``: the deviation of ``g * c`` itself (not
+    divided by c), for a caller that works on the scaled data (no
+    rounding where the deviation is subnormal, no overflow of what it
+    computes from it)."""
     d = g.numel()
     if d == 0:
         return torch.zeros((), dtype=g.dtype, device=g.device)
@@ -210,7 +213,7 @@ def centered_std(g: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.T
     dev = g * c
     dev.sub_(dev.mean())
     var = (torch.linalg.vector_norm(dev) ** 2 / d - (dev.sum() / d) ** 2).clamp(min=0)
-    std = var.sqrt() / c
+    std = var.sqrt() if scaled else var.sqrt() / c
     return torch.where(lo == hi, torch.zeros_like(std), std)
 
 

@@ -41,7 +41,10 @@ Choices where the paper leaves room (recorded here):
   ln|x|). Reductions over all of x and compacting its 25% exceedances cost
   more than an exact top-k on one CPU thread; the sample's moments differ
   from the full ones by well under 1%. Each later stage gathers its exceedances (one
-  host sync). Sums are accumulated in fp64 and the fitted parameters are
+  host sync). Sums run in the work dtype, converted to fp64; where one
+  overflows (finite data near the dtype's max) the moments are taken of
+  the data times a power of two and the fitted threshold scaled back
+  (every fit is scale equivariant). The fitted parameters are
   fp64 0-d tensors. The selection itself is exact (``|x| >= threshold``
   over all entries, :class:`~gradpress.compress._threshold_select.BlockMax`).
 
@@ -83,6 +86,7 @@ import torch
 from gradpress.compress._density import correction_param
 from gradpress.compress._threshold_select import ThresholdSparsifier
 from gradpress.compress.base import Context, Packet, Param
+from gradpress.compress.numerics import host_reads, scale_pow2
 from gradpress.compress.params import ratio_param
 from gradpress.compress.registry import register
 
@@ -128,22 +132,44 @@ def gamma_upper_inv(a: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.exp(t)
 
 
-def _moments(y: torch.Tensor, need_log: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(n, mean, variance, mean of ln) of the nonzero entries of ``y >= 0``
-    (exact zeros are not counted). Reductions run in the work dtype
-    (pairwise summation), the results are fp64 0-d tensors."""
-    n = torch.count_nonzero(y).to(torch.float64)
-    n_safe = n.clamp(min=1.0)
-    mu = y.sum().to(torch.float64) / n_safe
-    var = (torch.dot(y, y).to(torch.float64) / n_safe - mu * mu).clamp(min=0.0)
+def _sums(y: torch.Tensor, need_log: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sum, sum of squares, sum of ln over the nonzero entries) of ``y >= 0``, fp64 0-d."""
+    s1 = y.sum().to(torch.float64)
+    s2 = torch.dot(y, y).to(torch.float64)
     if need_log:
         tiny = torch.finfo(y.dtype).tiny
         # zeros are clamped to `tiny`; their log is taken back out of the sum
-        total = torch.log(y.clamp(min=tiny)).sum().to(torch.float64)
-        mlog = (total - (y.numel() - n) * math.log(tiny)) / n_safe
+        n_zero = y.numel() - torch.count_nonzero(y).to(torch.float64)
+        slog = torch.log(y.clamp(min=tiny)).sum().to(torch.float64) - n_zero * math.log(tiny)
     else:
-        mlog = torch.zeros((), dtype=torch.float64, device=y.device)
-    return n, mu, var, mlog
+        slog = torch.zeros((), dtype=torch.float64, device=y.device)
+    return s1, s2, slog
+
+
+def _moments(y: torch.Tensor, need_log: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                         torch.Tensor]:
+    """(n, mean, variance, mean of ln, c) of the nonzero entries of ``y * c``
+    for ``y >= 0`` (exact zeros are not counted). ``c`` is 1, or, where a
+    sum over ``y`` overflows its dtype (finite data near the dtype's max; on
+    accelerators always, with no host read), the power of two that brings
+    max y to [0.5, 1): the fits are scale equivariant, so a threshold fitted
+    to these moments is ``c`` times y's. Reductions run in the work dtype
+    (pairwise summation), the results are fp64 0-d tensors."""
+    n = torch.count_nonzero(y).to(torch.float64)
+    n_safe = n.clamp(min=1.0)
+    c = torch.ones((), dtype=torch.float64, device=y.device)
+    s1, s2, slog = None, None, None
+    if host_reads(y):
+        s1, s2, slog = _sums(y, need_log)
+        if not bool(torch.isfinite(s1) & torch.isfinite(s2)):
+            s1 = None
+    if s1 is None:  # scaled: exact (a power of two), no square overflows
+        cy = scale_pow2(y.amax(), y.dtype) if y.numel() else torch.ones((), dtype=y.dtype, device=y.device)
+        s1, s2, slog = _sums(y * cy, need_log)
+        c = cy.to(torch.float64)
+    mu = s1 / n_safe
+    var = (s2 / n_safe - mu * mu).clamp(min=0.0)
+    return n, mu, var, slog / n_safe, c
 
 
 def fit_threshold(dist: str, mu: torch.Tensor, var: torch.Tensor, mlog: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:
@@ -215,19 +241,20 @@ def sidco_threshold(a: torch.Tensor | None, ratio: float, dist: str, stages: int
         stage_dist = dist if (i == 0 or dist != "gamma") else "gpareto"
         if i == 0:
             if a is None:  # fit on the sample; rescale to its nonzero count
-                n, mu, var, mlog = _moments(rest, False)
+                n, mu, var, mlog, c = _moments(rest, False)
                 d = rest.numel()
             else:
-                n, mu, var, mlog = _moments(a, stage_dist == "gamma")
+                n, mu, var, mlog, c = _moments(a, stage_dist == "gamma")
             target = FIRST_RATIO if stages > 1 else ratio
             r = (target * d / n.clamp(min=1.0)).clamp(max=1.0)  # rescale to the nonzero count
         else:
             rest = rest[rest > thr.to(src.dtype)]
-            n, mu, var, mlog = _moments(rest - thr.to(src.dtype), stage_dist == "gamma")
+            n, mu, var, mlog, c = _moments(rest - thr.to(src.dtype), stage_dist == "gamma")
             r = torch.full((), per_stage, dtype=torch.float64, device=src.device)
         eta = fit_threshold(stage_dist, mu, var, mlog, r)
         eta = torch.where((n > 0) & torch.isfinite(eta), eta.clamp(min=0.0), torch.zeros_like(eta))
-        thr = thr + eta
+        # back to y's scale: inf only where the threshold exceeds fp64, above every |x| (selects nothing)
+        thr = thr + eta / c
     return thr.to(src.dtype)
 
 
