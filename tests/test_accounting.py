@@ -78,6 +78,7 @@ class Shim:
     def __init__(self) -> None:
         self.bytes = 0
         self.calls: dict[str, int] = {}
+        self.by_call: dict[str, int] = {}  # bytes per torch.distributed function
 
     @staticmethod
     def _nbytes(t: torch.Tensor) -> int:
@@ -86,6 +87,7 @@ class Shim:
     def _count(self, name: str, nbytes: int) -> None:
         self.bytes += nbytes
         self.calls[name] = self.calls.get(name, 0) + 1
+        self.by_call[name] = self.by_call.get(name, 0) + nbytes
 
     @contextlib.contextmanager
     def installed(self):  # noqa: ANN201
@@ -136,7 +138,21 @@ def _engine(rank: int, world: int, strategy: str, spec: str, kw: dict) -> dict:
             engine.sync(keys[2:], [g[k] for k in keys[2:]], step=step, end_of_step=True)
             per_step.append((shim.bytes - before, engine.stats["last_step_bytes"]))
     return {"per_step": per_step, "total": shim.bytes, "stats": engine.stats, "calls": shim.calls,
-            "plan": engine.plan.to_dict()}
+            "plan": engine.plan.to_dict(), "by_call": shim.by_call}
+
+
+def _large_prelude(rank: int, world: int) -> dict:
+    """allgather with a prelude too large to ride inside the gather (a 1-D
+    tensor of 20K floats, left uncompressed): it is allreduced on its own."""
+    shapes = {"w": (33, 10), "big": (20_000,)}
+    engine = Synchronizer("topk:ratio=0.1", params=[(k, s, torch.float32) for k, s in shapes.items()],
+                          strategy="allgather", min_numel=16)
+    shim = Shim()
+    with shim.installed():
+        for step in range(2):
+            g = torch.Generator().manual_seed(step * 10 + rank)
+            engine.sync(list(shapes), [torch.randn(s, generator=g) for s in shapes.values()], step=step)
+    return {"total": shim.bytes, "stats": engine.stats, "by_call": shim.by_call}
 
 
 class _Net(torch.nn.Module):
@@ -165,7 +181,7 @@ def _hook(rank: int, world: int, spec: str, strategy: str) -> dict:
             per_step.append((shim.bytes - before, hook.stats["last_step_bytes"]))
     stats = hook.stats
     hook.close()
-    return {"per_step": per_step, "total": shim.bytes, "stats": stats}
+    return {"per_step": per_step, "total": shim.bytes, "stats": stats, "by_call": shim.by_call}
 
 
 def _algorithm(rank: int, world: int, spec: str, compressor: str) -> dict:
@@ -214,7 +230,7 @@ def _timed(rank: int, world: int) -> dict:
 
 
 def _worker(rank: int, world: int) -> dict:
-    out: dict = {"timed": _timed(rank, world)}
+    out: dict = {"timed": _timed(rank, world), "large prelude": _large_prelude(rank, world)}
     for strategy, spec, kw in CASES:
         out[(strategy, spec)] = _engine(rank, world, strategy, spec, kw)
     for spec, strategy in (("none", "collective"), ("topk:ratio=0.05", "collective"), ("qsgd", "ring"),
@@ -361,3 +377,58 @@ def test_stats_state_without_a_new_counter_restarts_it_at_zero():
     full = used().state_dict()
     resumed.load_state_dict(full)
     assert resumed.snapshot()["host_bytes"] == 80 == full["host_bytes"]
+
+
+def _check_strategy_bytes(res: dict, what: object) -> None:
+    """``strategy_bytes`` splits ``bytes_sent`` by the strategy that handed
+    the bytes over; what went to ``all_reduce`` (counted by the shim) is the
+    plain allreduce of the uncompressed tensors plus the allreduce strategy's
+    own, nothing else (``union``, which allreduces its values, aside)."""
+    by = res["stats"]["strategy_bytes"]
+    assert sum(by.values()) == res["stats"]["bytes_sent"] == res["total"], (what, by, res["total"])
+    if "union" not in by:
+        assert by.get("uncompressed", 0) + by.get("allreduce", 0) == res["by_call"].get("all_reduce", 0), (
+            what, by, res["by_call"])
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}")
+def test_bytes_per_strategy_add_up_and_name_the_plain_allreduce(world_results, case) -> None:  # noqa: ANN001
+    """Under a mixed plan (uncompressed small and 1-D tensors beside a
+    compressed strategy) the uncompressed tensors' plain allreduce is counted
+    apart from the strategy (``bench e2e`` counts each at its own wire
+    factor): under ``ring`` and ``ps`` it is a collective of its own; under
+    ``allgather`` (a small prelude) and ``allreduce`` it rides inside the
+    strategy's collective and counts as the strategy's."""
+    world, res = world_results
+    strategy, spec, _ = case
+    for r in range(world):
+        got = res[r][(strategy, spec)]
+        _check_strategy_bytes(got, (case, r))
+        by, calls = got["stats"]["strategy_bytes"], got["by_call"]
+        if strategy in ("ring", "ps"):
+            assert by["uncompressed"] == calls["all_reduce"] > 0, (case, by, calls)
+        if strategy == "allgather":  # the prelude rode inside the gather: no allreduce at all
+            assert "uncompressed" not in by and "all_reduce" not in calls, (case, by, calls)
+            gathered = sum(calls.get(n, 0) for n in ("all_gather", "all_gather_into_tensor", "all_gather_single"))
+            assert by["allgather"] == gathered, (case, by, calls)
+        if strategy == "collective" and spec == "none":  # nothing compressed: all of it the plain allreduce
+            assert by == {"uncompressed": got["total"]}, (case, by)
+
+
+def test_a_large_prelude_beside_allgather_counts_as_uncompressed(world_results) -> None:  # noqa: ANN001
+    world, res = world_results
+    for r in range(world):
+        got = res[r]["large prelude"]
+        _check_strategy_bytes(got, ("large prelude", r))
+        by, calls = got["stats"]["strategy_bytes"], got["by_call"]
+        assert by["uncompressed"] == calls["all_reduce"] >= 2 * 4 * 20_000, (by, calls)
+        assert by["allgather"] == got["total"] - calls["all_reduce"], (by, calls)
+
+
+@pytest.mark.parametrize("what", [("hook", "none", "collective"), ("hook", "topk:ratio=0.05", "collective"),
+                                  ("hook", "qsgd", "ring"), ("hook", "topk:ratio=0.05", "ps")],
+                         ids=lambda w: f"{w[1]}-{w[2]}")
+def test_hook_bytes_per_strategy_add_up(world_results, what) -> None:  # noqa: ANN001
+    world, res = world_results
+    for r in range(world):
+        _check_strategy_bytes(res[r][what], (what, r))

@@ -199,6 +199,52 @@ def test_wire_factor_and_command_line():
     assert build_parser().parse_args(__import__("shlex").split(line)[1:]).workers_per_node == 2
 
 
+def _gradpress_row(world: int, plan: dict, payload: float, by_strategy: dict | None) -> dict:
+    """A row of ``bench e2e`` from one gradpress configuration's rank
+    results, as the worker reports them (no cluster: the figures are given)."""
+    from types import SimpleNamespace
+
+    from gradpress.bench.e2e_rows import _step_row
+
+    r0 = {"warmup": 2, "steps": 3, "median_step_s": 0.5, "step_s": [0.5] * 3, "payload_bytes_per_step": payload,
+          "plan": plan, "strategy": "auto"}
+    if by_strategy is not None:
+        r0["strategy_bytes_per_step"] = by_strategy
+    cfg = RunConfig("gradpress", "g", "topk:ratio=0.1", strategy="auto")
+    return _step_row(cfg, SimpleNamespace(ok=True, seconds=1.0), [r0] * world, [], 0.25, 1_000_000, world, None, "t")
+
+
+def test_ideal_payload_counts_each_partitions_bytes_at_the_factor_of_how_it_was_sent():
+    """A mixed plan (a ``ring`` tensor, ``allgather`` partitions, uncompressed
+    tensors): the ideal time counts each collective's bytes at its own wire
+    factor (bytes on the busiest link direction per byte handed over). The
+    uncompressed tensors went through a plain ring allreduce: 2(N-1)/N, not
+    the ring's 1 that the one compressed strategy of the plan gave them."""
+    world, rate, compute = 4, 1_000_000, 0.25
+    plan = {"w": ["ring", 1], "v": ["ring", 1], "b": ["uncompressed", 1], "u": ["uncompressed", 1]}
+    row = _gradpress_row(world, plan, 1400.0, {"ring": 1000.0, "uncompressed": 400.0})
+    link = 1000 * 1 + 400 * 2 * (world - 1) / world  # 1600 bytes on the busiest link direction
+    assert row["ideal_payload_s"] == pytest.approx(compute + link * 8 / rate)
+    assert row["wire_factor"] == pytest.approx(link / 1400)
+    # several compressed strategies and a plain allreduce, each at its factor
+    plan = {"w#0": ["allgather", 2], "v": ["ring", 1], "b": ["uncompressed", 1]}
+    row = _gradpress_row(world, plan, 700.0, {"allgather": 300.0, "ring": 100.0, "uncompressed": 300.0})
+    link = 300 * (world - 1) + 100 * 1 + 300 * 2 * (world - 1) / world
+    assert row["ideal_payload_s"] == pytest.approx(compute + link * 8 / rate)
+    # the uncompressed tensors rode inside the allgather (a small prelude): all of it at N-1
+    plan = {"w": ["allgather", 1], "b": ["uncompressed", 1]}
+    row = _gradpress_row(world, plan, 500.0, {"allgather": 500.0})
+    assert row["ideal_payload_s"] == pytest.approx(compute + 500 * (world - 1) * 8 / rate)
+    # no breakdown (a worker of before, or an algorithm's own bytes) or a strategy of no single factor: no figure
+    for by in (None, {"allgather": 400.0}, {"ps": 300.0, "uncompressed": 200.0}):
+        row = _gradpress_row(world, plan, 500.0, by)
+        assert row["ideal_payload_s"] is None and row["wire_factor"] is None, by
+    # one strategy throughout: its factor, breakdown or not
+    for by in (None, {"allreduce": 500.0}):
+        row = _gradpress_row(world, {"w": ["allreduce", 1]}, 500.0, by)
+        assert row["ideal_payload_s"] == pytest.approx(compute + 500 * 1.5 * 8 / rate), by
+
+
 def test_intra_bandwidth_needs_several_workers_per_node():
     from gradpress.bench.e2e_args import _resolve
 
@@ -254,6 +300,9 @@ def test_worker_step_and_train_modes_on_two_local_workers(tmp_path):
     assert a["steps"] == 3 and len(a["step_s"]) == 3 and a["warmup"] == 2 and a["buckets"] >= 1
     assert 0 < a["payload_bytes_per_step"] < 0.5 * a["dense_bytes_per_step"]
     assert {s for s, _ in a["plan"].values()} <= {"allgather", "uncompressed"} and a["strategy"] == "allgather"
+    # the payload by the strategy that handed it over (biases left dense ride inside the gather: small)
+    assert set(a["strategy_bytes_per_step"]) <= {"allgather", "uncompressed"}
+    assert sum(a["strategy_bytes_per_step"].values()) == pytest.approx(a["payload_bytes_per_step"])
     assert a["loss"] != b["loss"]  # each rank its own batches
     local = parse_configs("localsgd:period=2/topk:ratio=0.05@allgather")[0].to_dict()
     a, b = run_workers(_run_worker_mode, 2, "train", local, str(tmp_path))

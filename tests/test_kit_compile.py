@@ -221,6 +221,28 @@ def test_policy_off_never_compiles(monkeypatch: pytest.MonkeyPatch) -> None:
         compiler.mode()
 
 
+@pytest.mark.parametrize("given", ["Maybe", " YES ", "2"])
+def test_a_bad_compile_mode_is_named_as_given_with_every_accepted_value(given: str,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The error shows the value exactly as set (not lower-cased, not
+    stripped) and lists every value the parser accepts: the ones accepted
+    here, in any case and with spaces around them."""
+    accepted = {"auto": "auto", "": "auto", "1": "on", "on": "on", "true": "on", "0": "off", "off": "off",
+                "false": "off"}
+    for value, want in accepted.items():
+        for spelled in (value, f" {value.upper()} "):
+            monkeypatch.setenv("GRADPRESS_COMPILE", spelled)
+            assert compiler.mode() == want, spelled
+    monkeypatch.setenv("GRADPRESS_COMPILE", given)
+    with pytest.raises(ValueError) as info:
+        compiler.mode()
+    message = str(info.value)
+    assert f"GRADPRESS_COMPILE got {given!r};" in message, message
+    listed = message.split("allowed", 1)[1]
+    for value in accepted:
+        assert repr(value) in listed, (value, message)
+
+
 def test_a_failing_compile_falls_back_to_eager_with_a_warning(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch, "compile", _broken_compile)
 

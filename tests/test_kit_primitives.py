@@ -142,3 +142,42 @@ def test_pack_rows_of_a_wide_width_gives_each_rows_stream(bits: int) -> None:
     for r in range(rows):
         stream = sum(int(v) << (i * bits) for i, v in enumerate(codes[r].tolist()))
         assert got[r].tolist() == list(stream.to_bytes(c * bits // 8, "little")), r
+
+
+def _half_plus(v: torch.Tensor, s: torch.Tensor, *, key: torch.Tensor | None, drawn: torch.Tensor | None) -> torch.Tensor:
+    return v * 0.5 + s  # the input's dtype
+
+
+# n, chunk: one view of whole chunks (10, 5), whole chunks and a short last one (10, 4), the short one alone (3, 4),
+# nothing (0, 4)
+OUT_CASES = [(10, 5), (10, 4), (3, 4), (0, 4)]
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("n, chunk", OUT_CASES)
+def test_elementwise_out_of_another_dtype_size_or_device_is_refused(n: int, chunk: int, compiled: bool,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """``out`` must have the result's dtype (float32 here), size and device:
+    eager it was cast into silently (a float64 buffer got float32 values
+    widened, a float16 one rounded). ``compiled``: the compiled paths, with
+    a ``torch.compile`` that hands the function back (their logic, no
+    Inductor)."""
+    from gradpress.compress.kit import compiler
+
+    monkeypatch.setattr(compiler, "_cache", {})
+    monkeypatch.setattr(torch, "compile", lambda fn, **_: fn)
+    x = _x(n, seed=n)
+    stat = torch.arange(1, -(-n // chunk) + 1, dtype=torch.float32)
+    mode = "on" if compiled else "off"
+    for bad in (torch.empty(n, dtype=torch.float64), torch.empty(n, dtype=torch.float16)):
+        with compiler.forced(mode), pytest.raises(ValueError, match=rf"out is .*{bad.dtype}.*result is .*float32"):
+            kit.elementwise(_half_plus, x, chunk, (stat,), out=bad)
+    strided = [torch.empty(n, 2)[:, 0]] if n > 1 else []  # an empty or one-entry view is contiguous
+    for bad in (torch.empty(n + 1), torch.empty(n, device="meta"), torch.empty(1, n), *strided):
+        with compiler.forced(mode), pytest.raises(ValueError, match=r"kit.elementwise: out is"):
+            kit.elementwise(_half_plus, x, chunk, (stat,), out=bad)
+    want = [v * 0.5 + float(stat[i // chunk]) for i, v in enumerate(x.double().tolist())]
+    good = torch.full((n,), float("nan"))
+    with compiler.forced(mode):
+        got = kit.elementwise(_half_plus, x, chunk, (stat,), out=good)
+    assert got is good and got.tolist() == pytest.approx(want, rel=1e-6)

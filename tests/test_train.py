@@ -100,6 +100,75 @@ def test_bad_data_files(capsys, tmp_path):
     assert "data: --data trains the 'data-mlp' workload" in capsys.readouterr().err
 
 
+def _count_data_reads(monkeypatch):
+    """Counts of the .npy members numpy reads in this process (``x`` and
+    ``y`` of a --data archive: each read decompresses the whole array) and
+    of the bytes read out of zip members (a header-only look reads a few
+    hundred)."""
+    import zipfile
+
+    counts = {"arrays": 0, "bytes": 0}
+    read_array, zip_read = np.lib.format.read_array, zipfile.ZipExtFile.read
+
+    def counting_read_array(*a, **k):
+        counts["arrays"] += 1
+        return read_array(*a, **k)
+
+    def counting_zip_read(self, n=-1):
+        data = zip_read(self, n)
+        counts["bytes"] += len(data)
+        return data
+
+    monkeypatch.setattr(np.lib.format, "read_array", counting_read_array)
+    monkeypatch.setattr(zipfile.ZipExtFile, "read", counting_zip_read)
+    return counts
+
+
+def test_a_data_file_is_read_once_by_the_launcher(tmp_path, monkeypatch):
+    """A --data file was read whole three times (the config check, the
+    launcher's preload, each worker): the config check now reads the .npy
+    headers only, the launcher reads the arrays once (its preload, which
+    checks the values before any worker starts), each worker once."""
+    from gradpress.train import launch
+
+    rng = np.random.RandomState(0)
+    path = tmp_path / "big.npz"
+    np.savez(path, x=rng.randn(4000, 8), y=np.arange(4000) % 3)  # 256 KB of features
+    counts = _count_data_reads(monkeypatch)
+    cfg = train.make_config({"data": str(path), "nproc": 2, "steps": 1, "out": str(tmp_path / "o")})
+    assert counts == {"arrays": 0, "bytes": counts["bytes"]} and counts["bytes"] < 1024, counts
+    launched = []
+    monkeypatch.setattr(launch, "_start_forkserver", lambda: None)
+    monkeypatch.setattr("torch.distributed.launcher.api.elastic_launch",
+                        lambda config, entry: lambda cfg_dict, env: launched.append(cfg_dict) or {0: {"ok": {}}})
+    assert launch.run(cfg) == {} and len(launched) == 1
+    assert counts["arrays"] == 2, counts  # x and y, once each: the preload
+    # a worker builds its data once: x and y once each
+    counts["arrays"] = 0
+    from gradpress import workloads
+
+    workloads.build("data-mlp", data=str(path), hidden=8)
+    assert counts["arrays"] == 2, counts
+
+
+def test_bad_data_values_still_fail_before_any_worker_starts(tmp_path, monkeypatch):
+    """What the headers cannot show (NaN features, non-integer labels, one
+    class) is found by the launcher's one read, before any worker starts,
+    with the same messages."""
+    from gradpress.train import launch
+
+    monkeypatch.setattr(launch, "_start_forkserver", lambda: None)
+    monkeypatch.setattr("torch.distributed.launcher.api.elastic_launch",
+                        lambda *a: pytest.fail("a worker was started"))
+    x = np.zeros((30, 4))
+    for arrays, match in [({"x": np.full((30, 4), np.nan), "y": np.arange(30) % 2}, "NaN"),
+                          ({"x": x, "y": np.linspace(0, 1, 30)}, "y must hold integer class labels"),
+                          ({"x": x, "y": np.zeros(30, dtype=int)}, "at least 2 classes")]:
+        np.savez(tmp_path / "bad.npz", **arrays)
+        with pytest.raises(ValueError, match=match):
+            launch.run({"data": str(tmp_path / "bad.npz"), "nproc": 2, "steps": 1, "out": str(tmp_path / "o")})
+
+
 def test_resume_without_checkpoint(capsys, tmp_path):
     assert cli(["train", "--resume", "--out", str(tmp_path / "empty")]) == 2
     assert "resume: no checkpoint" in capsys.readouterr().err

@@ -150,6 +150,39 @@ def test_userdata_rejects(tmp_path, arrays, match):
         userdata.read(_save(tmp_path, **arrays))
 
 
+@pytest.mark.parametrize("arrays,match", [
+    ({"x": np.zeros((20, 3))}, "lacks array.*y"),
+    ({"x": np.zeros((20, 3)), "y": np.arange(19) % 2}, "x has 20 samples but y has 19"),
+    ({"x": np.array([["a", "b"]] * 20), "y": np.arange(20) % 2}, "x must be numeric"),
+    ({"x": np.zeros((20, 3), dtype=complex), "y": np.arange(20) % 2}, "x must be real-valued"),
+    ({"x": np.zeros((20, 3)), "y": np.array(["a", "b"] * 10)}, "y must hold integer class labels"),
+    ({"x": np.zeros(20), "y": np.arange(20) % 2}, "x must have shape"),
+    ({"x": np.zeros((20, 3)), "y": np.zeros((20, 2))}, "y must be 1-D"),
+    ({"x": np.zeros((8, 3)), "y": np.arange(8) % 2}, "at least 10 samples"),
+    ({"x": np.zeros((20, 0)), "y": np.arange(20) % 2}, "no features"),
+    ({"x": np.array([{"a": 1}] * 12, dtype=object), "y": np.arange(12) % 2}, "pickled objects"),
+])
+def test_userdata_header_check_gives_reads_message(tmp_path, arrays, match):
+    """What the training config checks from the .npy headers alone
+    (userdata.check_header) fails with the message the full read gives."""
+    path = _save(tmp_path, **arrays)
+    with pytest.raises(ValueError, match=match) as full:
+        userdata.read(path)
+    with pytest.raises(ValueError, match=match) as header:
+        userdata.check_header(path)
+    assert str(header.value) == str(full.value)
+
+
+def test_userdata_header_check_counts_and_leaves_values_to_read(tmp_path):
+    rng = np.random.RandomState(0)
+    assert userdata.check_header(_save(tmp_path, x=rng.randn(30, 2, 3), y=np.arange(30) % 2)) == (30, 6)
+    # values only a read can see: the headers pass, the read refuses
+    path = _save(tmp_path, x=np.full((20, 3), np.nan), y=np.linspace(0, 1, 20))
+    assert userdata.check_header(path) == (20, 3)
+    with pytest.raises(ValueError, match="y must hold integer class labels"):
+        userdata.read(path)
+
+
 def test_userdata_bad_files(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         userdata.read(str(tmp_path / "missing.npz"))

@@ -245,7 +245,8 @@ class Algorithm:
         for t, s in zip(floats, summed):
             t.copy_(s)
         self.engine.stats_counter.record(sent=sent, dense=0, compress_s=0.0, comm_s=time.perf_counter() - t0,
-                                         compressed=0, plain=0, tensor_bytes={}, end_of_step=False)
+                                         compressed=0, plain=0, tensor_bytes={}, end_of_step=False,
+                                         by_strategy={"uncompressed": sent})
         self._last["bytes"] += sent
 
     @torch.no_grad()

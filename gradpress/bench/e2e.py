@@ -12,8 +12,9 @@ that the CPU is shared as in the real runs) gives the ideal time
 
 where the link bytes are those of the busiest direction of the busiest node
 link during the measured steps (Ethernet frames, from the node's interface
-counters). ``ideal_payload_s`` uses the payload instead, times the wire
-factor of the strategy (allreduce 2(N-1)/N, allgather N-1, ring 1).
+counters). ``ideal_payload_s`` uses the payload instead, each strategy's
+bytes times its wire factor (allreduce and the plain allreduce of
+uncompressed tensors 2(N-1)/N, allgather N-1, ring 1).
 
 ``--train-to TARGET`` (default workload ``mnist1d-cnn``) measures instead the
 wall-clock time each configuration needs to reach a test metric.

@@ -15,11 +15,12 @@ __all__ = ["wire_factor"]
 
 def wire_factor(strategy: str | None, world: int) -> float | None:
     """Bytes one link direction carries per payload byte a worker hands to
-    a collective: ring allreduce 2(N-1)/N (reduce-scatter + allgather),
-    allgather N-1 (each worker receives every other worker's packet), the
-    compressed ring 1 (its counted bytes are the messages this rank sends);
-    None where no single figure holds (ps: roots receive more; mixed plans)."""
-    if strategy == "allreduce":
+    a collective: ring allreduce 2(N-1)/N (reduce-scatter + allgather; also
+    ``uncompressed``, the plain fused allreduce of the tensors a plan leaves
+    dense), allgather N-1 (each worker receives every other worker's
+    packet), the compressed ring 1 (its counted bytes are the messages this
+    rank sends); None where no single figure holds (ps: roots receive more)."""
+    if strategy in ("allreduce", "uncompressed"):
         return 2 * (world - 1) / world
     if strategy == "allgather":
         return float(world - 1)
@@ -67,19 +68,45 @@ def _step_row(cfg: RunConfig, res: Any, results: list[dict[str, Any] | None], tb
                                      row["link_bytes_per_step"] * 8 / rate)
         row["over_bound"] = row["median_step_s"] / row["overlap_bound_s"]
     strategy = row["strategy"]
+    link: float | None = None
+    payload = row["payload_bytes_per_step"]
     if cfg.kind == "gradpress":
         counts: dict[str, int] = {}
         for v in (r0.get("plan") or {}).values():
             counts[v[0]] = counts.get(v[0], 0) + 1
         row["plan_counts"] = dict(sorted(counts.items()))  # the planner's choice, per strategy (auto)
-        planned = {v[0] for v in (r0.get("plan") or {}).values() if v[0] != "uncompressed"}
-        strategy = planned.pop() if len(planned) == 1 else (None if planned else "allreduce")
-        row["strategy_used"] = strategy
-    factor = wire_factor(strategy, world)
-    row["wire_factor"] = factor
-    if factor is not None and row["payload_bytes_per_step"] is not None:
-        row["ideal_payload_s"] = compute_s + factor * row["payload_bytes_per_step"] * 8 / rate
+        planned = {v[0] for v in (r0.get("plan") or {}).values()}
+        compressed = planned - {"uncompressed"}
+        row["strategy_used"] = compressed.pop() if len(compressed) == 1 else (None if compressed else "allreduce")
+        # a mixed plan has no one factor without the breakdown; no plan: everything plainly allreduced
+        strategy = planned.pop() if len(planned) == 1 else (None if planned else "uncompressed")
+        row["strategy_bytes_per_step"] = r0.get("strategy_bytes_per_step")
+        if payload is not None and row["strategy_bytes_per_step"]:
+            link = _link_bytes(row["strategy_bytes_per_step"], payload, world)
+            total = sum(row["strategy_bytes_per_step"].values())
+            if link is not None and total > 0:  # the mean factor, weighted by bytes (over the breakdown's own sum)
+                row["wire_factor"] = link / total
+    if link is None and strategy is not None and payload is not None:
+        row["wire_factor"] = factor = wire_factor(strategy, world)
+        link = None if factor is None else factor * payload
+    if link is not None:
+        row["ideal_payload_s"] = compute_s + link * 8 / rate
     return row
+
+
+def _link_bytes(by_strategy: dict[str, float], payload: float, world: int) -> float | None:
+    """Bytes on the busiest link direction per step: each collective's bytes
+    (``by_strategy``: the engine's ``strategy_bytes`` per step, keyed by the
+    strategy that handed them over, ``uncompressed`` for the plain fused
+    allreduce) at its own :func:`wire_factor`. None when the breakdown does
+    not account for the whole payload (an algorithm's own exchanges) or a
+    strategy has no single factor."""
+    if abs(sum(by_strategy.values()) - payload) > 1e-6 * max(payload, 1.0):
+        return None
+    factors = {name: wire_factor(name, world) for name in by_strategy}
+    if any(f is None for f in factors.values()):
+        return None
+    return sum(factors[name] * nbytes for name, nbytes in by_strategy.items())  # type: ignore[operator]
 
 
 def _train_row(cfg: RunConfig, res: Any, results: list[dict[str, Any] | None], runner: _Runner,

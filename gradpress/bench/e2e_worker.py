@@ -302,6 +302,10 @@ def run_step(job: dict[str, Any]) -> dict[str, Any]:
             "comm_s_per_step": (s1["comm_s"] - stats0["comm_s"]) / steps,
             "compressed_tensors": s1["compressed_tensors"], "dense_tensors": s1["dense_tensors"],
             "strategy": gp.describe()["strategy"], "plan": _plan(gp),
+            # per strategy that handed them over (the plain allreduce of dense tensors: "uncompressed"), so that
+            # the report counts each at its own wire factor
+            "strategy_bytes_per_step": {name: (nbytes - stats0.get("strategy_bytes", {}).get(name, 0)) / steps
+                                        for name, nbytes in s1.get("strategy_bytes", {}).items()},
         })
         if "exchange_s" in s1 and "exposed_s" in s1:  # exchanges behind compute (comprex): their own clock
             busy = s1["exchange_s"] - stats0["exchange_s"]

@@ -75,7 +75,10 @@ class ExchangeResult:
     inside collectives. ``stopped``: the prelude's ``on_summed`` said stop.
     ``host_bytes``: the part of ``bytes_sent`` handed to collectives among
     the workers of one host (``hierarchical``'s dense reduce and broadcast),
-    which never crosses a link between hosts.
+    which never crosses a link between hosts. ``plain_bytes``: the part of
+    ``bytes_sent`` handed to a plain fused allreduce of the prelude (one too
+    large to ride inside the strategy's own collective), counted as
+    ``uncompressed`` in the stats' ``strategy_bytes``.
     """
 
     tensors: list[torch.Tensor]
@@ -86,6 +89,7 @@ class ExchangeResult:
     comm_s: float = 0.0
     stopped: bool = False
     host_bytes: int = 0
+    plain_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not self.tensor_bytes:

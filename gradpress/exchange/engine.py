@@ -220,8 +220,9 @@ class Synchronizer(EngineState):
             return self.guard.observe(bad, [keys[i] for i in range(len(keys))], step, _zero(tensors, flat))
 
         prelude = Prelude([*plain, local_flags(tensors, flat)], on_summed)
+        by_strategy: dict[str, int] = {}
         comp_s, comm_s, sent, comp_bytes, stopped, host = self._exchange(keys, tensors, comp_idx, decisions, step,
-                                                                          prelude, prepared)
+                                                                          prelude, prepared, by_strategy)
         tensor_bytes.update(comp_bytes)
         if not stopped:
             overflow = torch.stack([~all_finite(tensors[i]) for i in comp_idx]) & ~outcome["bad"][comp_idx]
@@ -236,7 +237,7 @@ class Synchronizer(EngineState):
         self.stats_counter.record(
             sent=sent, dense=dense_bytes, compress_s=0.0 if stopped else min(comp_s, total), comm_s=comm_s,
             compressed=0 if stopped else len(comp_idx), plain=len(dense_idx), tensor_bytes=tensor_bytes,
-            end_of_step=end_of_step, host=host,
+            end_of_step=end_of_step, host=host, by_strategy=by_strategy,
         )
 
     def _sync_dense(self, keys: list[str], tensors: list[torch.Tensor], step: int, flat: torch.Tensor | None,
@@ -261,7 +262,8 @@ class Synchronizer(EngineState):
         comm = time.perf_counter() - t
         self.guard.observe_dense(bad, keys, tensors, step, _zero(tensors, flat))
         self.stats_counter.record(sent=sent, dense=dense_bytes, compress_s=0.0, comm_s=comm, compressed=0,
-                                  plain=len(tensors), tensor_bytes=tensor_bytes, end_of_step=end_of_step)
+                                  plain=len(tensors), tensor_bytes=tensor_bytes, end_of_step=end_of_step,
+                                  by_strategy={"uncompressed": sent})
 
     def _decision(self, key: str, x: torch.Tensor) -> Decision:
         d = self.plan.decisions.get(key)
@@ -274,13 +276,20 @@ class Synchronizer(EngineState):
 
     def _exchange(
         self, keys: list[str], tensors: list[torch.Tensor], comp_idx: list[int], decisions: list[Decision],
-        step: int, prelude: Prelude, prepared: Encoded | None = None,
+        step: int, prelude: Prelude, prepared: Encoded | None = None, by_strategy: dict[str, int] | None = None,
     ) -> tuple[float, float, int, dict[str, int], bool, int]:
         """Compensate each tensor whole, cut it into its planned partitions,
         exchange each strategy's group (fixed order), reassemble, stage the
         residuals (``prepared``: encoded by :meth:`prepare`, residuals kept
         there). Returns (compress s, comm s, bytes, bytes per key, stopped, bytes
-        that stayed inside a host)."""
+        that stayed inside a host); ``by_strategy`` gets the bytes per
+        strategy that handed them over (``uncompressed``: the prelude's own
+        plain allreduce)."""
+        split = {} if by_strategy is None else by_strategy
+
+        def count(name: str, nbytes: int) -> None:
+            if nbytes:
+                split[name] = split.get(name, 0) + nbytes
         t0 = time.perf_counter()
         fb = self.feedback if self.error_feedback else None
         if prepared is not None:  # encoded (and its residuals kept) by prepare(): nothing to compensate or stage
@@ -307,6 +316,7 @@ class Synchronizer(EngineState):
             t = time.perf_counter()
             summed, sent = fused_allreduce(prelude.tensors, self.group)
             comm_s += time.perf_counter() - t
+            count("uncompressed", sent)
             if prelude.on_summed(summed):
                 return 0.0, comm_s, sent, {}, True, 0
             pending = None
@@ -324,6 +334,8 @@ class Synchronizer(EngineState):
             pending = None
             sent += result.bytes_sent
             host += result.host_bytes
+            count("uncompressed", result.plain_bytes)
+            count(name, result.bytes_sent - result.plain_bytes)
             comp_s += result.compress_s
             comm_s += max(0.0, time.perf_counter() - t1 - result.compress_s)
             if result.stopped:

@@ -34,6 +34,10 @@ STATS_KEYS: dict[str, str] = {
     "compressed_tensors": "number of tensors per step that go through the compressor",
     "dense_tensors": "number of tensors per step that go through the fused plain allreduce",
     "tensor_bytes": "payload bytes per tensor (parameter name) in the last step",
+    "strategy_bytes": "of bytes_sent, the bytes per strategy that handed them to collectives, all steps "
+                      "('uncompressed': the plain fused allreduce of the tensors left dense, where it ran on "
+                      "its own; a prelude riding inside a strategy's collective counts under that strategy); "
+                      "an algorithm's own exchanges are not in it",
     "nonfinite_steps": "steps in which some rank had a NaN/Inf gradient",
     "skipped_steps": "steps skipped on every rank because of a NaN/Inf gradient (nonfinite='skip')",
     "nothing_compressed": "True when the compressor is not the identity yet no tensor went through it in the last "
@@ -42,12 +46,15 @@ STATS_KEYS: dict[str, str] = {
 
 _COUNTERS = ("steps", "bytes_sent", "host_bytes", "dense_bytes", "last_step_bytes", "last_step_host_bytes",
              "last_step_dense_bytes", "compress_s",
-             "comm_s", "compressed_tensors", "dense_tensors", "tensor_bytes", "nonfinite_steps", "skipped_steps")
+             "comm_s", "compressed_tensors", "dense_tensors", "tensor_bytes", "nonfinite_steps", "skipped_steps",
+             "strategy_bytes")
+#: the counters that are mappings (per tensor, per strategy)
+_MAPPINGS = ("tensor_bytes", "strategy_bytes")
 
 
 def _zero(counter: str) -> Any:
-    """A counter's value before any call: {} per tensor, 0.0 seconds, 0 otherwise."""
-    return {} if counter == "tensor_bytes" else (0.0 if counter.endswith("_s") else 0)
+    """A counter's value before any call: {} per tensor or strategy, 0.0 seconds, 0 otherwise."""
+    return {} if counter in _MAPPINGS else (0.0 if counter.endswith("_s") else 0)
 
 
 def _fresh_step() -> dict[str, Any]:
@@ -66,12 +73,16 @@ class ExchangeStats:
         self._bad_steps: list[torch.Tensor] = []
 
     def record(self, *, sent: int, dense: int, compress_s: float, comm_s: float, compressed: int, plain: int,
-               tensor_bytes: Mapping[str, int], end_of_step: bool, host: int = 0) -> None:
+               tensor_bytes: Mapping[str, int], end_of_step: bool, host: int = 0,
+               by_strategy: Mapping[str, int] | None = None) -> None:
         """Account one call (one bucket); ``end_of_step`` closes the step;
-        ``host``: the part of ``sent`` that stayed inside a host."""
+        ``host``: the part of ``sent`` that stayed inside a host;
+        ``by_strategy``: ``sent`` per strategy that handed it over."""
         with self._lock:
             s, cur = self._totals, self._cur
             s["bytes_sent"] += sent
+            for name, nbytes in (by_strategy or {}).items():
+                s["strategy_bytes"][name] = s["strategy_bytes"].get(name, 0) + nbytes
             s["host_bytes"] += host
             s["dense_bytes"] += dense
             s["compress_s"] += compress_s
@@ -109,7 +120,8 @@ class ExchangeStats:
         with self._lock:
             self._fold()
             out = dict(self._totals)
-            out["tensor_bytes"] = dict(self._totals["tensor_bytes"])
+            for key in _MAPPINGS:
+                out[key] = dict(self._totals[key])
         out["ratio"] = out["dense_bytes"] / out["bytes_sent"] if out["bytes_sent"] else 1.0
         return out
 
@@ -123,4 +135,5 @@ class ExchangeStats:
         existed, e.g. ``host_bytes``) restarts at zero: it counts from the
         resume, never this object's earlier figure."""
         with self._lock:
-            self._totals.update({k: state[k] if k in state else _zero(k) for k in _COUNTERS})
+            self._totals.update({k: (dict(state[k]) if k in _MAPPINGS else state[k]) if k in state else _zero(k)
+                                 for k in _COUNTERS})

@@ -268,7 +268,8 @@ def _validate(cfg: TrainConfig) -> TrainConfig:
         cfg.tensorboard = str(cfg.tensorboard)
         require_tensorboard()  # fail before starting workers when the extra is missing
     if cfg.data is not None:
-        from gradpress.workloads.userdata import read
+        from gradpress.workloads.userdata import check_header
 
-        read(cfg.data)  # fail before starting workers
+        # fail before starting workers, from the headers: the launcher's preload reads the arrays, once
+        check_header(cfg.data)
     return cfg

@@ -2,8 +2,10 @@
 :mod:`gradpress.compress.bits`, where the codecs use it).
 
 * :func:`pack_packets` / :func:`unpack_packets`: the payload tensors of many
-  packets laid into one ``uint8`` buffer, grouped by element size (8-, 4-, 2-,
-  then 1-byte) so every slice is naturally aligned with no padding. Variable
+  packets laid into one ``uint8`` buffer, grouped by element size, largest
+  first (16-byte complex128, then 8-, 4-, 2-, 1-byte), so every slice is
+  naturally aligned with no padding: each group's bytes are a multiple of
+  every smaller power of two. Variable
   size packets append a header of int32 element counts (one per payload
   tensor) at the end; its bytes are counted like any other.
 
@@ -28,13 +30,20 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8)
 
 
-_SIZES = (8, 4, 2, 1)
-
-
 def buffer_layout(packets: list[Packet]) -> list[tuple[int, int]]:
-    """(packet index, tensor index) pairs in the order they sit in the buffer."""
+    """(packet index, tensor index) pairs in the order they sit in the
+    buffer: by element size, largest first, then packet by packet. Every
+    element size of the packets' tensors is laid out (a fixed list of sizes
+    once left complex128's 16 bytes out: packed into nothing); one that is
+    not a power of two could not stay aligned and is refused."""
+    sizes = sorted({t.element_size() for pk in packets for t in pk.tensors}, reverse=True)
+    for size in sizes:
+        if size & (size - 1):
+            dtype = next(t.dtype for pk in packets for t in pk.tensors if t.element_size() == size)
+            raise ValueError(f"wire: a packet tensor of dtype {dtype} has {size}-byte elements; allowed: element "
+                             "sizes that are powers of two (1, 2, 4, 8, 16 bytes), which keep every slice aligned")
     order = []
-    for size in _SIZES:
+    for size in sizes:
         for pi, pk in enumerate(packets):
             for ti, t in enumerate(pk.tensors):
                 if t.element_size() == size:

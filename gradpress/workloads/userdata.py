@@ -11,21 +11,90 @@ from __future__ import annotations
 
 import os
 import zipfile
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
+import numpy.lib.format as npformat
 import torch
 
 from gradpress.workloads.base import Workload, mlp, positive_int, split_cap
 
 
+def check_header(path: str) -> tuple[int, int]:
+    """Validate ``path`` from its archive's directory and the two ``.npy``
+    headers alone, without reading the arrays: ``(samples, features)``, or
+    the ValueError :func:`read` gives for the same problem. What a header
+    cannot show (NaN features, non-integer float labels, a single class, a
+    damaged member's data) is left to :func:`read`. The training config's
+    check uses this, so a huge file is not read before the launcher's own
+    read (docs/train.md)."""
+    def headers(f: Any) -> tuple[Any, Any]:
+        names = set(f.zip.namelist())
+        out = []
+        for key in ("x", "y"):
+            with f.zip.open(key if key in names else f"{key}.npy") as member:
+                if member.read(len(npformat.MAGIC_PREFIX)) != npformat.MAGIC_PREFIX:
+                    _not_npy(path, key)
+                member.seek(0)
+                version = npformat.read_magic(member)
+                read_header = npformat.read_array_header_1_0 if version == (1, 0) else npformat.read_array_header_2_0
+                shape, _, dtype = read_header(member)
+            if dtype.hasobject:  # what numpy says when it refuses to unpickle one
+                raise ValueError("Object arrays cannot be loaded when allow_pickle=False")
+            out.append(_Header(tuple(shape), dtype))
+        return out[0], out[1]
+
+    x, y = _open(path, headers, mmap_mode="r")
+    _check(path, x, y)
+    return x.shape[0], int(np.prod(x.shape[1:]))
+
+
 def read(path: str) -> tuple[np.ndarray, np.ndarray]:
     """Load and validate ``path``; ValueError naming the problem otherwise."""
+    def arrays(f: Any) -> tuple[Any, Any]:
+        x, y = f["x"], f["y"]
+        for key, arr in (("x", x), ("y", y)):
+            if not isinstance(arr, np.ndarray):  # numpy hands back the raw bytes of a non-.npy member
+                _not_npy(path, key)
+        return x, y
+
+    x, y = _open(path, arrays)
+    _check(path, x, y)
+    x = x.reshape(len(x), -1).astype(np.float32)
+    if not np.all(np.isfinite(x)):
+        raise ValueError(f"data file {str(path)!r}: x contains NaN or infinite values")
+    if len(np.unique(y)) < 2:
+        raise ValueError(f"data file {str(path)!r}: y must contain at least 2 classes, got {len(np.unique(y))}")
+    return x, y
+
+
+class _Header:
+    """The shape and dtype of a ``.npy`` member, from its header."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: np.dtype) -> None:
+        self.shape, self.dtype = shape, dtype
+        self.ndim, self.size = len(shape), int(np.prod(shape))
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+
+def _not_npy(path: str, key: str) -> None:
+    raise ValueError(f"data file {str(path)!r}: member '{key}' is not a .npy array; "
+                     "save arrays 'x' and 'y' with numpy.savez")
+
+
+def _open(path: str, members: Callable[[Any], tuple[Any, Any]], mmap_mode: str | None = None) -> tuple[Any, Any]:
+    """``members(npz)`` of the archive at ``path`` (its ``x`` and ``y``),
+    every failure to open or parse it as the ValueError naming the problem.
+    ``mmap_mode``: a single ``.npy`` file (refused) is mapped, not read."""
     if not isinstance(path, (str, os.PathLike)):
         raise ValueError(f"data must be a path to a .npz file, got {path!r}")
     if not os.path.isfile(path):
         raise ValueError(f"data file {str(path)!r} does not exist")
     try:
-        f = np.load(path, allow_pickle=False)
+        f = np.load(path, allow_pickle=False, mmap_mode=mmap_mode)
         if not hasattr(f, "files"):  # a plain array (numpy.save), not a context manager
             raise ValueError(f"data file {str(path)!r} is a single .npy array; expected a .npz with arrays 'x' and 'y'")
         with f:
@@ -33,11 +102,7 @@ def read(path: str) -> tuple[np.ndarray, np.ndarray]:
             if missing:
                 raise ValueError(f"data file {str(path)!r} lacks array(s) {', '.join(missing)}; "
                                  f"it has {', '.join(f.files) or 'none'}; expected 'x' (samples x features) and 'y' (labels)")
-            x, y = f["x"], f["y"]
-            for key, arr in (("x", x), ("y", y)):
-                if not isinstance(arr, np.ndarray):  # numpy hands back the raw bytes of a non-.npy member
-                    raise ValueError(f"data file {str(path)!r}: member '{key}' is not a .npy array; "
-                                     "save arrays 'x' and 'y' with numpy.savez")
+            return members(f)
     except ValueError as exc:
         if "data file" in str(exc):
             raise
@@ -50,6 +115,11 @@ def read(path: str) -> tuple[np.ndarray, np.ndarray]:
                          "arrays 'x' and 'y' with numpy.savez") from None
     except (OSError, zipfile.BadZipFile, EOFError) as exc:
         raise ValueError(f"data file {str(path)!r} is not a valid .npz archive: {exc}") from None
+
+
+def _check(path: str, x: Any, y: Any) -> None:
+    """The checks of ``x`` and ``y`` (arrays, or :class:`_Header` where only
+    the headers were read: then a float ``y``'s values are not checked)."""
     if not (np.issubdtype(x.dtype, np.number) or x.dtype == np.bool_):
         raise ValueError(f"data file {str(path)!r}: x must be numeric, got dtype {x.dtype}")
     if np.issubdtype(x.dtype, np.complexfloating):
@@ -61,7 +131,7 @@ def read(path: str) -> tuple[np.ndarray, np.ndarray]:
     if len(x) != len(y):
         raise ValueError(f"data file {str(path)!r}: x has {len(x)} samples but y has {len(y)}")
     if np.issubdtype(y.dtype, np.floating):
-        if not np.all(np.isfinite(y)) or not np.all(y == np.round(y)):
+        if isinstance(y, np.ndarray) and (not np.all(np.isfinite(y)) or not np.all(y == np.round(y))):
             raise ValueError(f"data file {str(path)!r}: y must hold integer class labels, got non-integer values")
     elif not np.issubdtype(y.dtype, np.integer):
         raise ValueError(f"data file {str(path)!r}: y must hold integer class labels, got dtype {y.dtype}")
@@ -70,12 +140,6 @@ def read(path: str) -> tuple[np.ndarray, np.ndarray]:
     if x.size == 0:
         raise ValueError(f"data file {str(path)!r}: x has no features (shape {x.shape}); "
                          "expected shape (samples, features...) with at least 1 feature")
-    x = x.reshape(len(x), -1).astype(np.float32)
-    if not np.all(np.isfinite(x)):
-        raise ValueError(f"data file {str(path)!r}: x contains NaN or infinite values")
-    if len(np.unique(y)) < 2:
-        raise ValueError(f"data file {str(path)!r}: y must contain at least 2 classes, got {len(np.unique(y))}")
-    return x, y
 
 
 def build(*, data: str | None = None, hidden: int | None = None, samples: int | None = None,

@@ -7,13 +7,16 @@ one pass instead of one eager pass each.
 
 Policy (``GRADPRESS_COMPILE``, read at every call):
 
-* ``auto`` (default): compile when the tensor has at least
+* ``auto`` (default; also the empty string): compile when the tensor has at least
   :data:`MIN_COMPILE_NUMEL` elements (16K: below that a compiled call's
   guards and launch cost about what the eager ops do); eager otherwise.
   One compile per kernel serves every larger size (dynamic shapes); the
   test suite sets ``GRADPRESS_COMPILE=0`` (tests/conftest.py).
-* ``1``/``on``: compile at every size (the dedicated tests).
-* ``0``/``off``: never compile (the eager fallback).
+* ``1``/``on``/``true``: compile at every size (the dedicated tests).
+* ``0``/``off``/``false``: never compile (the eager fallback).
+
+Any case, spaces around ignored (:data:`_MODES`); another value is a
+ValueError showing it as given and listing these.
 
 Each kernel is compiled with dynamic shapes, so one compile serves every
 size of one (kernel, dtype, device, static parameters) class; the compiled
@@ -78,10 +81,21 @@ def mode() -> str:
     ``GRADPRESS_COMPILE``; ValueError naming an unknown value."""
     if _forced:
         return _forced[-1]
-    raw = os.environ.get("GRADPRESS_COMPILE", "auto").strip().lower()
+    given = os.environ.get("GRADPRESS_COMPILE", "auto")
+    raw = given.strip().lower()
     if raw not in _MODES:
-        raise ValueError(f"GRADPRESS_COMPILE got {raw!r}; allowed: auto, 1/on, 0/off")
+        raise ValueError(f"GRADPRESS_COMPILE got {given!r}; allowed: {_allowed_modes()}")
     return _MODES[raw]
+
+
+def _allowed_modes() -> str:
+    """Every value :data:`_MODES` accepts, grouped by the mode it selects
+    (the error message's list: from the parser's own table)."""
+    groups: dict[str, list[str]] = {}
+    for value, m in _MODES.items():
+        groups.setdefault(m, []).append(repr(value))
+    return "; ".join(f"{', '.join(values)} ({m})" for m, values in groups.items()) + \
+        " (any case, spaces around ignored)"
 
 
 @contextlib.contextmanager

@@ -187,9 +187,9 @@ def elementwise(kernel: Callable[..., torch.Tensor], flat: torch.Tensor, chunk: 
     the key's lane table (:func:`gradpress.compress.kit.rng.element_index`);
     apart, from the lane table (TernGrad's choice: gradpress/compress/terngrad.py).
 
-    ``out`` (no ``pack``): a flat contiguous buffer of the result's size and
-    dtype that the compiled kernel writes straight into (decoders: no fresh
-    output, docs/bench.md "Decoding into a buffer"); the result is ``out``.
+    ``out`` (no ``pack``): a flat contiguous buffer of the result's size, dtype and device that the compiled
+    kernel writes straight into (decoders: no fresh output, docs/bench.md "Decoding into a buffer"); the result
+    is ``out``. Any other ``out`` is a ValueError naming both, on every path (never cast into).
     """
     parts = chunks(flat, max(chunk, 1))
     fuse = fuse_pack and pack in FUSED_WIDTHS and (chunk * pack) % 8 == 0
@@ -209,15 +209,15 @@ def elementwise(kernel: Callable[..., torch.Tensor], flat: torch.Tensor, chunk: 
         row += rows
     # whole chunks and tail in one buffer: codes a kernel does not pack itself then go through one stream
     # pack; a kernel that packs its rows writes them packed, and the tail's codes are packed behind them
-    if out is not None and (pack is not None or out.numel() != flat.numel() or not out.is_contiguous()):
-        raise ValueError(f"kit.elementwise: out is {tuple(out.shape)} x {out.dtype}; allowed: a contiguous tensor "
-                         f"of {flat.numel()} entries, and no pack")
+    _check_out(out, flat.numel(), None, flat.device, pack)
     if len(calls) == 2 and compiler.will_compile(kernel, calls[0][0].numel(), flat.device.type) \
             and compiler.will_compile(compiler.into(kernel), calls[0][0].numel(), flat.device.type):
         res = _whole_and_tail(kernel, calls, pack if fuse else None, out)
         return res if pack is None or fuse else streams.pack(res, pack)
-    if out is not None and len(calls) == 1:  # one view: the kernel writes into out (eager: a copy into it)
-        v, stats, kw, _ = calls[0]
+    if out is not None and len(calls) == 1 \
+            and compiler.will_compile(compiler.into(kernel), calls[0][0].numel(), flat.device.type):
+        v, stats, kw, _ = calls[0]  # one view: the compiled kernel writes into out, once its dtype is known
+        _check_out(out, flat.numel(), _probe(kernel, v, stats, kw).dtype, flat.device)
         compiler.run(compiler.into(kernel), v.numel(), out.view(v.shape), v, *stats, **kw)
         return out
     outs, codes = [], []
@@ -230,33 +230,50 @@ def elementwise(kernel: Callable[..., torch.Tensor], flat: torch.Tensor, chunk: 
         if not outs:
             return streams.pack(flat.new_zeros(0, dtype=torch.uint8), pack)
     elif not outs:
-        return kernel(flat.view(0, 1), *(s[:0, None] if s.dim() else s for s in per_chunk), key=key,
-                      drawn=None if drawn is None else drawn.view(0, 1), **static).reshape(-1)
-    if out is not None:
+        outs = [kernel(flat.view(0, 1), *(s[:0, None] if s.dim() else s for s in per_chunk), key=key,
+                       drawn=None if drawn is None else drawn.view(0, 1), **static).reshape(-1)]
+    if out is not None:  # eager: the result is known, and copied into out only where it is out's dtype
+        _check_out(out, sum(o.numel() for o in outs), outs[0].dtype, flat.device)
         return torch.cat(outs, out=out) if len(outs) > 1 else out.copy_(outs[0])
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
+def _check_out(out: torch.Tensor | None, numel: int, dtype: torch.dtype | None, device: torch.device,
+               pack: int | None = None) -> None:
+    """ValueError unless ``out`` (if any) is a flat contiguous tensor of ``numel`` entries of ``dtype``
+    (``None``: not known yet) on ``device``, and no ``pack``: the result is never cast into another dtype."""
+    if out is None or (pack is None and out.shape == (numel,) and out.is_contiguous() and out.device == device
+                       and dtype in (None, out.dtype)):
+        return
+    given = f"{tuple(out.shape)} x {out.dtype} on {out.device}{'' if out.is_contiguous() else ', not contiguous'}"
+    raise ValueError(f"kit.elementwise: out is {given}{'' if pack is None else f' with pack={pack}'}; the result is "
+                     f"({numel},) x {dtype or 'its dtype'} on {device}; allowed: a flat contiguous tensor of that "
+                     "size, dtype and device, and no pack")
+
+
+def _probe(kernel: Callable[..., torch.Tensor], v: torch.Tensor, stats: tuple, kw: dict) -> torch.Tensor:
+    """``kernel`` run eagerly on the first row of ``v``: its result's dtype and row width."""
+    one = {**kw, "drawn": None if kw["drawn"] is None else kw["drawn"][:1]}
+    return kernel(v[:1], *(s[:1] if s.dim() else s for s in stats), **one)
+
+
 def _whole_and_tail(kernel: Callable[..., torch.Tensor], calls: list, pack: int | None = None,
                     buffer: torch.Tensor | None = None) -> torch.Tensor:
-    """The result of the whole chunks and the short last chunk in one buffer
-    (``buffer`` where given, its size and dtype the result's):
-    the tail first (small), the whole chunks' shape and dtype from the kernel
-    run eagerly on one row, then the compiled kernel writes the whole chunks
-    straight into the buffer. Concatenating the two results instead (a fresh
-    copy of the whole output) cost three times the kernel at 25M entries
-    (23.6 ms against 7.5 ms, one thread). ``pack``: the whole rows pack
-    themselves (fused widths) and the tail's codes are packed here."""
+    """The result of the whole chunks and the short last chunk in one buffer (``buffer`` where given, its
+    size, dtype and device the result's): the whole chunks' shape and dtype from the kernel run eagerly on one
+    row, the tail (small), then the compiled kernel writes the whole chunks straight into the buffer.
+    Concatenating the two results instead (a fresh copy of the whole output) cost three times the kernel at 25M
+    entries (23.6 ms against 7.5 ms, one thread). ``pack``: the whole rows pack themselves (fused widths) and
+    the tail's codes are packed here."""
     (v, stats, kw, _), (tv, tstats, tkw, _) = calls
+    probe = _probe(kernel, v, stats, kw)
+    _check_out(buffer, 0 if buffer is None else buffer.numel(), probe.dtype, v.device)  # before anything compiled
     tail = compiler.run(kernel, tv.numel(), tv, *tstats, **tkw).reshape(-1)
     if pack is not None:  # the whole rows packed themselves; the short tail returned its codes
         tail = streams.pack(tail, pack)
-    one = {**kw, "drawn": None if kw["drawn"] is None else kw["drawn"][:1]}
-    probe = kernel(v[:1], *(s[:1] if s.dim() else s for s in stats), **one)
     width = probe.numel()
     size = v.shape[0] * width + tail.numel()
-    if buffer is not None and (buffer.numel() != size or buffer.dtype != probe.dtype):
-        raise ValueError(f"kit.elementwise: out is {buffer.numel()} x {buffer.dtype}; the kernel gives {size} x {probe.dtype}")
+    _check_out(buffer, size, probe.dtype, v.device)
     out = torch.empty(size, dtype=probe.dtype, device=v.device) if buffer is None else buffer
     compiler.run(compiler.into(kernel), v.numel(), out[: v.shape[0] * width].view(v.shape[0], width), v, *stats, **kw)
     out[v.shape[0] * width:] = tail

@@ -86,7 +86,7 @@ class Allgather(Strategy):
             summed, sent = fused_allreduce(prelude.tensors, self.group)
             comm = time.perf_counter() - t0
             if prelude.on_summed(summed):
-                return ExchangeResult([], sent, comm_s=comm, stopped=True)
+                return ExchangeResult([], sent, comm_s=comm, stopped=True, plain_bytes=sent)
             t0 = time.perf_counter()
         if encoded is None:
             encoded = self.encode(compressor, tensors, ctxs, feedback)
@@ -96,14 +96,15 @@ class Allgather(Strategy):
         variable = bool(compressor.variable_size)
         t1 = time.perf_counter()
         heads, buffers, nbytes = allgather_with_head(encoded.buffer, head, self.group, self.world_size, variable)
-        sent += nbytes
+        plain, sent = sent, sent + nbytes
         t2 = time.perf_counter()
         comm += t2 - t1
         if head is not None and prelude is not None and prelude.on_summed(_sum_preludes(heads, prelude.tensors)):
             return ExchangeResult([], sent, compress_s=t1 - t0, comm_s=comm, stopped=True)
         results = self.combine(compressor, encoded, buffers, out)
         compress_s = (t1 - t0) + (time.perf_counter() - t2)
-        return ExchangeResult(results, sent, residuals, [p.nbytes for p in encoded.packets], compress_s, comm)
+        return ExchangeResult(results, sent, residuals, [p.nbytes for p in encoded.packets], compress_s, comm,
+                              plain_bytes=plain)
 
     def move(self, compressor: Compressor, encoded: Encoded) -> tuple[list[torch.Tensor], int]:
         """The collective alone: every rank's packed buffer (in rank order)
