@@ -75,3 +75,15 @@ def test_accelerate_and_trainer_snippets_say_how_to_run_on_cpu() -> None:
     assert "use_cpu=True" in trainer
     readme = (ROOT / "README.md").read_text()
     assert "Accelerator(cpu=True)" in readme and "TrainingArguments(use_cpu=True)" in readme
+
+
+def test_cluster_help_gives_the_environment_of_several_workers_per_node() -> None:
+    """`gradpress cluster --help` said every rank runs with LOCAL_RANK=0,
+    LOCAL_WORLD_SIZE=1, which --workers-per-node K changes (docs/cluster.md:
+    rank r in node r // K, LOCAL_RANK r % K, LOCAL_WORLD_SIZE K)."""
+    from gradpress.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.__class__.__name__ == "_SubParsersAction")
+    text = " ".join(sub.choices["cluster"].format_help().split())
+    assert "LOCAL_RANK=r % K, LOCAL_WORLD_SIZE=K" in text, text
+    assert "LOCAL_RANK=0, LOCAL_WORLD_SIZE=1" not in text.replace("(default K=1: LOCAL_RANK=0, LOCAL_WORLD_SIZE=1)", "")
