@@ -1,9 +1,9 @@
 """gradpress from Hugging Face Accelerate and the Transformers ``Trainer``
 (``pip install gradpress[accelerate]``).
 
-Accelerate (launched by ``torchrun``, also on CPU, or ``accelerate launch
---multi_gpu`` on GPUs; ``accelerate launch --cpu`` starts one process
-unless MPI is configured)::
+Accelerate (launched by ``torchrun``, also on CPU with ``Accelerator(cpu=True)``, or
+``accelerate launch --multi_gpu`` on GPUs; ``accelerate launch --cpu`` starts one
+process unless MPI is configured)::
 
     model, optimizer, data = accelerator.prepare(model, optimizer, data)
     hook = gradpress.accelerate.register(accelerator, model, "topk:ratio=0.01")
@@ -53,13 +53,20 @@ __all__ = ["register", "log_stats", "CheckpointedHook", "attach_trainer", "train
 TRAINER_FILE = "gradpress.pt"
 
 
-def _ddp(model: Any, where: str, distributed_type: Any) -> torch.nn.parallel.DistributedDataParallel:
-    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        raise ValueError(f"{where}: the model is {type(model).__name__}, not DistributedDataParallel "
-                         f"(distributed type {distributed_type}); gradpress compresses DDP's gradients: launch 2 or "
-                         "more processes (torchrun --nproc_per_node N, also on CPU; accelerate launch --multi_gpu "
-                         "--num_processes N on GPUs)")
-    return model
+def _ddp(model: Any, where: str, distributed_type: Any, cpu_option: str) -> torch.nn.parallel.DistributedDataParallel:
+    """``model`` if it is the DDP model, else a ValueError saying how to get one. ``cpu_option`` is
+    the framework's switch to a multi-process CPU run (``Accelerator(cpu=True)``, ...): under
+    ``torchrun`` without it, Accelerate and the Trainer stay single-process on a machine without GPUs."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return model
+    head = (f"{where}: the model is {type(model).__name__}, not DistributedDataParallel (distributed type "
+            f"{distributed_type}); gradpress compresses DDP's gradients")
+    world = os.environ.get("WORLD_SIZE", "")
+    if world.isdigit() and int(world) > 1:
+        raise ValueError(f"{head}: this process is one of WORLD_SIZE={world}, but the framework did not start a "
+                         f"distributed run; on CPU create it with {cpu_option}")
+    raise ValueError(f"{head}: launch 2 or more processes (torchrun --nproc_per_node N, also on CPU with "
+                     f"{cpu_option}; accelerate launch --multi_gpu --num_processes N on GPUs)")
 
 
 class CheckpointedHook:
@@ -83,7 +90,8 @@ def register(accelerator: Any, model: Any, spec: Any = "none", **options: Any) -
     (collective: every process calls it, before the first backward) and its
     state for ``accelerator.save_state``/``load_state``. ``options``: those
     of :func:`gradpress.ddp.register`. Returns the hook (``stats``, ...)."""
-    ddp = _ddp(model, "gradpress.accelerate.register", getattr(accelerator, "distributed_type", "?"))
+    ddp = _ddp(model, "gradpress.accelerate.register", getattr(accelerator, "distributed_type", "?"),
+               "Accelerator(cpu=True)")
     hook = gradpress.ddp.register(ddp, spec, **options)
     accelerator.register_for_checkpointing(CheckpointedHook(hook))
     return hook
@@ -115,7 +123,8 @@ def _callback_class() -> type:
             if self.trainer is None:
                 raise ValueError("GradpressTrainerCallback needs its trainer: add it with "
                                  "gradpress.accelerate.attach_trainer(trainer, spec)")
-            ddp = _ddp(self.trainer.model_wrapped, "GradpressTrainerCallback", args.parallel_mode)
+            ddp = _ddp(self.trainer.model_wrapped, "GradpressTrainerCallback", args.parallel_mode,
+                       "TrainingArguments(use_cpu=True)")
             if ddp is not self._ddp:  # a new DDP wrapper (a new train() call): register on it
                 if self.hook is not None:
                     self.hook.close()

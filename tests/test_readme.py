@@ -33,3 +33,25 @@ def test_commands_shown_in_readme_exist() -> None:
     assert shown, "README shows no gradpress command"
     missing = shown - set(sub.choices)
     assert not missing, f"README shows commands that do not exist: {sorted(missing)}"
+
+
+def test_register_signature_shown_is_the_code_s() -> None:
+    """The README's `gradpress.ddp.register(...)` line lists every parameter,
+    in order, with its default (it had left out process_group and coalesce)."""
+    import inspect
+
+    import gradpress.ddp
+
+    shown = re.search(r"^`gradpress\.ddp\.register\((.*)\)`$", README, flags=re.M)
+    assert shown, "README shows no register signature line"
+    want = []
+    for p in inspect.signature(gradpress.ddp.register).parameters.values():
+        if p.kind is p.VAR_KEYWORD:
+            want.append("**compressor_params")
+        elif p.kind is p.KEYWORD_ONLY and "*" not in want:
+            want += ["*", f"{p.name}={p.default!r}".replace("'", '"')]
+        elif p.default is p.empty:
+            want.append(p.name)
+        else:
+            want.append(f"{p.name}={p.default!r}".replace("'", '"'))
+    assert [a.strip() for a in shown.group(1).split(",")] == want

@@ -15,10 +15,12 @@ EPILOG = """\
 how it works: a hub network namespace holds a Linux bridge (the switch); each
 node is a namespace joined to it by a veth pair. tc tbf shapes both directions
 of every link at RATE (node->switch on the node's eth0, switch->node on the
-switch port), so each node has its own full-duplex link. Rank i of COMMAND runs
-in node i with RANK, WORLD_SIZE, LOCAL_RANK=0, LOCAL_WORLD_SIZE=1, MASTER_ADDR
-(node 0), MASTER_PORT and GLOO_SOCKET_IFNAME=eth0 set. Rank 0's output goes to
-stdout; the others' to rank<i>.log under --logs (or a temp dir), shown on failure.
+switch port), so each node has its own full-duplex link. With --workers-per-node K,
+rank r of COMMAND runs in node r // K with RANK=r, WORLD_SIZE, LOCAL_RANK=r % K,
+LOCAL_WORLD_SIZE=K (default K=1: LOCAL_RANK=0, LOCAL_WORLD_SIZE=1), MASTER_ADDR
+(node 0), MASTER_PORT and GLOO_SOCKET_IFNAME=eth0 set; a node's K workers share its
+link. Rank 0's output goes to stdout; the others' to rank<i>.log under --logs (or a
+temp dir), shown on failure.
 
 limits: bandwidth only -- there is NO delay/latency emulation (netem is not
 available on these machines; --queue-latency only sizes the tbf queue). All
