@@ -7,7 +7,7 @@ compressor="topk:ratio=0.01")``; ``names()``, ``describe()`` list them
 here with a class decorated by :func:`register`.
 """
 
-from gradpress.algorithms.base import Algorithm
-from gradpress.algorithms.registry import create, describe, get_class, names, parse, register
+from gradpress.algorithms.base import Algorithm, Preflight
+from gradpress.algorithms.registry import create, describe, get_class, names, parse, preflight, register
 
-__all__ = ["Algorithm", "create", "describe", "get_class", "names", "parse", "register"]
+__all__ = ["Algorithm", "Preflight", "create", "describe", "get_class", "names", "parse", "preflight", "register"]

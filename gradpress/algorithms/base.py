@@ -31,6 +31,7 @@ import copy
 import datetime
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -45,9 +46,22 @@ from gradpress.transport.collectives import flat_by_dtype, fused_allreduce
 from gradpress.transport.groups import own_group
 from gradpress.transport.p2p import global_rank
 
-__all__ = ["Algorithm", "STATE_FORMAT"]
+__all__ = ["Algorithm", "Preflight", "STATE_FORMAT"]
 
 STATE_FORMAT = "gradpress-algorithm/1"
+
+
+@dataclass(frozen=True)
+class Preflight:
+    """What is known of a run before any worker starts (``gradpress
+    train``'s configuration), for :meth:`Algorithm.preflight`.
+    ``world_size`` is None where the launcher does not know it yet."""
+
+    optimizer: type[torch.optim.Optimizer]
+    compressor: Compressor
+    strategy: str
+    nonfinite: str
+    world_size: int | None
 
 
 class Algorithm:
@@ -136,6 +150,12 @@ class Algorithm:
         return self.name + (":" + ",".join(f"{k}={v}" for k, v in cfg.items()) if cfg else "")
 
     # ----------------------------------------------------------- subclassing
+    @classmethod
+    def preflight(cls, params: Mapping[str, Any], run: Preflight) -> None:
+        """Refuse, before any worker starts, what :meth:`setup` would refuse
+        knowing only ``params`` (every parameter, defaults included) and
+        ``run``: the same checks, so the same messages. Default: nothing."""
+
     def exchanged_params(self) -> list[tuple[str, torch.Size, torch.dtype]]:
         """The keyed tensors this algorithm averages through the engine
         (default: one per trainable parameter, keyed by its name)."""

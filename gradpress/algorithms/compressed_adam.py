@@ -74,7 +74,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradpress.algorithms.base import Algorithm
+from gradpress.algorithms.base import Algorithm, Preflight
 from gradpress.compress import Compressor, create
 from gradpress.compress.base import Param, all_finite
 from gradpress.exchange.nonfinite import nonfinite_gradient_error
@@ -85,6 +85,12 @@ __all__ = ["CompressedAdam", "BIAS_PARAM"]
 
 BIAS_PARAM = Param("bias_correction", bool, True, "true or false", None,
                    "torch's bias correction (false: DeepSpeed's uncorrected update)")
+
+
+def _require_adam(name: str, optimizer: type) -> None:
+    if not issubclass(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        raise ValueError(f"algorithm {name!r}: optimizer must be torch.optim.Adam or AdamW "
+                         f"(it supplies lr, betas, eps, weight_decay), got {optimizer.__name__}")
 
 
 class CompressedAdam(Algorithm):
@@ -110,11 +116,13 @@ class CompressedAdam(Algorithm):
                          process_group=process_group, timeout=timeout, **options)
 
     # ---------------------------------------------------------------- setup
+    @classmethod
+    def preflight(cls, params: Mapping[str, Any], run: Preflight) -> None:
+        _require_adam(cls.name, run.optimizer)
+
     def setup(self) -> None:
         opt = self.optimizer
-        if not isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
-            raise ValueError(f"algorithm {self.name!r}: optimizer must be torch.optim.Adam or AdamW "
-                             f"(it supplies lr, betas, eps, weight_decay), got {type(opt).__name__}")
+        _require_adam(self.name, type(opt))
         for i, group in enumerate(opt.param_groups):
             for flag in ("amsgrad", "maximize"):
                 if group.get(flag):

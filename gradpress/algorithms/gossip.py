@@ -33,13 +33,15 @@ public copies are the error feedback).
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from gradpress.algorithms.base import Algorithm
+from gradpress.algorithms.base import Algorithm, Preflight
 from gradpress.algorithms.gossip_codec import Codec, gossip_scale
+from gradpress.compress import Compressor
 from gradpress.transport.collectives import fused_allreduce
 from gradpress.transport.groups import timeout_of
 from gradpress.transport.p2p import global_rank, wire_device
@@ -141,19 +143,10 @@ class GossipAlgorithm(Algorithm):
     def setup(self) -> None:
         assert self.engine is not None
         opts = self._options
-        if opts["strategy"] not in ("auto", "collective"):
-            raise ValueError(f"algorithm {self.name!r}: strategy {opts['strategy']!r} does not apply: gossip sends "
-                             "point-to-point messages to graph neighbours; allowed: auto, collective (same meaning)")
-        if opts["nonfinite"] != "propagate":
-            raise ValueError(f"algorithm {self.name!r}: nonfinite={opts['nonfinite']!r} is not supported: skipping "
-                             "or failing a step on every rank needs a collective agreement gossip does not have; "
-                             "allowed: propagate")
+        comp = self.engine.compressor
+        self._check_run(opts["strategy"], opts["nonfinite"], comp)
         if opts["error_feedback"] is not None and not isinstance(opts["error_feedback"], bool):
             raise ValueError(f"error_feedback must be True, False or None, got {opts['error_feedback']!r}")
-        comp = self.engine.compressor
-        if not self.compresses and not comp.identity:
-            raise ValueError(f"algorithm {self.name!r} gossips exact parameters; compressor {comp.spec()!r} is "
-                             "not allowed (allowed: none); use choco or sgp for compressed gossip")
         if not comp.identity:  # refuse an unsound compressor even where the plan compresses nothing
             gossip_scale(comp, max([p.numel() for _, p in self.named] + [1]), self.name)
         if opts["error_feedback"] is False and not comp.identity:
@@ -167,6 +160,29 @@ class GossipAlgorithm(Algorithm):
         self.comm_device = wire_device(self.group, self.home_device)
         self.p2p_timeout = timeout_of(self.group, None)  # the group's: the caller's ``timeout`` or the base group's
         self.setup_gossip()
+
+    @classmethod
+    def _check_run(cls, strategy: str, nonfinite: str, comp: Compressor) -> None:
+        if strategy not in ("auto", "collective"):
+            raise ValueError(f"algorithm {cls.name!r}: strategy {strategy!r} does not apply: gossip sends "
+                             "point-to-point messages to graph neighbours; allowed: auto, collective (same meaning)")
+        if nonfinite != "propagate":
+            raise ValueError(f"algorithm {cls.name!r}: nonfinite={nonfinite!r} is not supported: skipping "
+                             "or failing a step on every rank needs a collective agreement gossip does not have; "
+                             "allowed: propagate")
+        if not cls.compresses and not comp.identity:
+            raise ValueError(f"algorithm {cls.name!r} gossips exact parameters; compressor {comp.spec()!r} is "
+                             "not allowed (allowed: none); use choco or sgp for compressed gossip")
+
+    @classmethod
+    def preflight(cls, params: Mapping[str, Any], run: Preflight) -> None:
+        cls._check_run(run.strategy, run.nonfinite, run.compressor)
+        if run.world_size is not None:
+            cls.check_graph(params, run.world_size)
+
+    @classmethod
+    def check_graph(cls, params: Mapping[str, Any], world_size: int) -> None:
+        """Validate the graph parameters for ``world_size`` workers (ValueError naming them)."""
 
     @property
     def variable(self) -> bool:

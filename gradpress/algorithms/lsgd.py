@@ -81,7 +81,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradpress.algorithms.base import Algorithm
+from gradpress.algorithms.base import Algorithm, Preflight
 from gradpress.algorithms.loss_probe import probe_class
 from gradpress.algorithms.registry import register
 from gradpress.compress.base import Param
@@ -119,20 +119,27 @@ class LSGD(Algorithm):
     summary = ("leader SGD: every tau steps the worker with the lowest running loss is the leader and "
                "every worker moves x <- (1 - c) x + c x_leader (optional local and global leaders)")
 
-    def setup(self) -> None:
-        groups = self.groups  # type: ignore[attr-defined]
-        if self.world_size % groups:
-            raise ValueError(f"algorithm {self.name!r}: parameter 'groups' got {groups}; allowed: a divisor "
-                             f"of the world size {self.world_size}")
-        self.compressed = not self.compressor.identity
-        if self.average:  # type: ignore[attr-defined]
+    @classmethod
+    def preflight(cls, params: Mapping[str, Any], run: Preflight) -> None:
+        groups = params["groups"]
+        if run.world_size is not None and run.world_size % groups:
+            raise ValueError(f"algorithm {cls.name!r}: parameter 'groups' got {groups}; allowed: a divisor "
+                             f"of the world size {run.world_size}")
+        if params["average"]:
             bad = [f"'groups' is {groups}" if groups > 1 else "",
-                   f"the compressor is {self.compressor.spec()!r}" if self.compressed else "",
-                   f"'prox' is {self.prox}" if self.prox > 0 else ""]  # type: ignore[attr-defined]
+                   f"the compressor is {run.compressor.spec()!r}" if not run.compressor.identity else "",
+                   f"'prox' is {params['prox']}" if params["prox"] > 0 else ""]
             bad = [b for b in bad if b]
             if bad:
-                raise ValueError(f"algorithm {self.name!r}: parameter 'average' is true but {', '.join(bad)}; "
+                raise ValueError(f"algorithm {cls.name!r}: parameter 'average' is true but {', '.join(bad)}; "
                                  "allowed: average=true with groups=1, no compressor and prox=0")
+
+    def setup(self) -> None:
+        self.preflight({p.name: getattr(self, p.name) for p in self.PARAMS},
+                       Preflight(type(self.optimizer), self.compressor, self.strategy_name, self.engine.nonfinite,
+                                 self.world_size))
+        groups = self.groups  # type: ignore[attr-defined]
+        self.compressed = not self.compressor.identity
         self._probe = probe_class(self.observe)
         #: losses seen in this step (sum, count) and step means since the election (sum, count);
         #: sums stay on the loss's device (no host sync per step)

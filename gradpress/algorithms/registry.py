@@ -14,7 +14,7 @@ import torch
 from gradpress.algorithms.base import Algorithm
 from gradpress.compress.spec import Registry, coerce_params, parse_stage
 
-__all__ = ["register", "create", "names", "get_class", "describe", "parse"]
+__all__ = ["register", "create", "names", "get_class", "describe", "parse", "preflight"]
 
 _REGISTRY: Registry[type[Algorithm]] = Registry("algorithm", "gradpress.algorithms", skip=("base", "registry"))
 
@@ -44,6 +44,14 @@ def parse(spec: str) -> tuple[type[Algorithm], dict[str, Any]]:
     name, raw = parse_stage(spec, kind="algorithm")
     cls = get_class(name)
     return cls, coerce_params(cls.PARAMS, raw, name, "algorithm", defaults=False)
+
+
+def preflight(spec: str, run: Any) -> None:
+    """Check ``spec`` against what a launcher knows of the run
+    (:class:`~gradpress.algorithms.base.Preflight`) before workers start;
+    ValueError as the algorithm's construction would raise it."""
+    cls, params = parse(spec)
+    cls.preflight({p.name: params.get(p.name, p.default) for p in cls.PARAMS}, run)
 
 
 def create(spec: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, **options: Any) -> Algorithm:

@@ -95,11 +95,15 @@ class SGP(GossipAlgorithm):
     summary = ("Stochastic Gradient Push (Assran et al. 2019): PushSum on the time-varying directed exponential "
                "graph, optional overlap and compressed pushes through per-edge public copies")
 
+    @classmethod
+    def check_graph(cls, params: Mapping[str, Any], world_size: int) -> None:
+        offs = exponential_offsets(world_size)
+        if world_size > 1 and params["peers"] > len(offs):
+            raise ValueError(f"algorithm 'sgp': parameter 'peers' got {params['peers']}; allowed: 1 <= peers <= "
+                             f"{len(offs)} on {world_size} workers (distinct offsets {offs})")
+
     def setup_gossip(self) -> None:
-        offs = exponential_offsets(self.world_size)
-        if self.world_size > 1 and self.peers > len(offs):  # type: ignore[attr-defined]
-            raise ValueError(f"algorithm 'sgp': parameter 'peers' got {self.peers}; allowed: 1 <= peers <= "  # type: ignore[attr-defined]
-                             f"{len(offs)} on {self.world_size} workers (distinct offsets {offs})")
+        self.check_graph({"peers": self.peers}, self.world_size)  # type: ignore[attr-defined]
 
     def init_state(self) -> None:
         with torch.no_grad():

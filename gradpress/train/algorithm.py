@@ -26,7 +26,7 @@ import torch
 from gradpress.torch_compat import ddp_kwargs
 
 __all__ = ["Algorithm", "DDPAlgorithm", "create", "check_spec", "default_compressor", "names", "describe",
-           "split_spec", "strategy_names"]
+           "preflight", "split_spec", "strategy_names"]
 
 
 class Algorithm(Protocol):
@@ -78,6 +78,14 @@ def check_spec(spec: Any) -> str:
     cls, values = _registry().parse(spec.strip())  # checks the parameters
     full = {p.name: values.get(p.name, p.default) for p in cls.PARAMS}
     return cls.name + (":" + ",".join(f"{k}={v}" for k, v in full.items()) if full else "")
+
+
+def preflight(spec: str, run: Any) -> None:
+    """What the algorithm would refuse at construction knowing only ``run``
+    (:class:`gradpress.algorithms.Preflight`), refused before any worker starts."""
+    registry = _registry()
+    if split_spec(spec)[0] != "ddp" and hasattr(registry, "preflight"):
+        registry.preflight(spec.strip(), run)
 
 
 def default_compressor(spec: str) -> str:

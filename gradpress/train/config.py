@@ -225,6 +225,14 @@ def _validate_exchange(cfg: TrainConfig) -> None:
     from gradpress.exchange.base import check_strategy
 
     cfg.strategy = check_strategy(cfg.strategy, create(cfg.compressor))  # a forced strategy that cannot carry it: now
+    if cfg.algorithm != "ddp":  # what the algorithm would refuse at construction, refused before workers start
+        from gradpress.algorithms.base import Preflight
+        from gradpress.train.optim import optimizer_class
+
+        env_world = os.environ.get("WORLD_SIZE", "")
+        world = cfg.nproc if cfg.nproc is not None else (int(env_world) if env_world.isdigit() else None)
+        algorithms.preflight(cfg.algorithm, Preflight(optimizer_class(cfg.optimizer), create(cfg.compressor),
+                                                      cfg.strategy, cfg.nonfinite, world))
     if cfg.plan_costs is not None:
         if cfg.strategy != "auto" or cfg.algorithm != "ddp":
             raise ValueError(f"plan_costs is used by --strategy auto with --algorithm ddp; this run has strategy "

@@ -7,19 +7,22 @@ from typing import Any
 
 import torch
 
-__all__ = ["OPTIMIZERS", "SCHEDULES", "make_optimizer", "set_lr"]
+__all__ = ["OPTIMIZERS", "SCHEDULES", "make_optimizer", "optimizer_class", "set_lr"]
 
 OPTIMIZERS = ("sgd", "momentum", "adam")
 SCHEDULES = ("constant", "cosine")
 
 
+def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
+    """The torch class behind ``name`` (what an algorithm is handed)."""
+    return torch.optim.Adam if name == "adam" else torch.optim.SGD
+
+
 def make_optimizer(name: str, params: Any, lr: float) -> torch.optim.Optimizer:
     """``sgd``, ``momentum`` (SGD, momentum 0.9) or ``adam``."""
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr)
     if name == "momentum":
         return torch.optim.SGD(params, lr=lr, momentum=0.9)
-    return torch.optim.Adam(params, lr=lr)
+    return optimizer_class(name)(params, lr=lr)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float, schedule: str, step: int, horizon: int) -> None:
