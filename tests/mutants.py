@@ -92,7 +92,7 @@ GROUPS: dict[str, tuple[list[str], list[str], int]] = {
                                                       "bits")]
                + ["gradpress/compress/kit/declare.py", "gradpress/compress/kit/primitives.py",
                   "gradpress/exchange/base.py"],
-               ["tests/test_decode_into.py", "tests/test_kit_primitives.py"], 50),
+               ["tests/test_decode_into.py", "tests/test_kit_primitives.py", "tests/test_mutants_decode.py"], 50),
 }
 #: where a group draws only from some functions of a module (its qualified names: ``Class.method``):
 #: module -> functions; a module a group lists without an entry here is drawn from whole
