@@ -10,7 +10,9 @@ code) and marks the rest skipped. Writes a markdown report (score per module
 and the diff of every survivor) to ``--report``.
 
 Usage: python tests/mutants.py [--report FILE] [--scale X] [--group NAME ...]
-``--scale`` multiplies every sample size (0.5 for a quicker look).
+``--scale`` multiplies every sample size (0.5 for a quicker look). A group
+named in ``FOCUS`` draws only from the functions listed there, each
+function's first mutant first.
 """
 
 from __future__ import annotations
@@ -92,7 +94,8 @@ GROUPS: dict[str, tuple[list[str], list[str], int]] = {
                                                       "bits")]
                + ["gradpress/compress/kit/declare.py", "gradpress/compress/kit/primitives.py",
                   "gradpress/exchange/base.py"],
-               ["tests/test_decode_into.py", "tests/test_kit_primitives.py", "tests/test_mutants_decode.py"], 50),
+               ["tests/test_decode_into.py", "tests/test_kit_primitives.py", "tests/test_mutants_decode.py",
+                "tests/test_compressors.py"], 30),
 }
 #: where a group draws only from some functions of a module (its qualified names: ``Class.method``):
 #: module -> functions; a module a group lists without an entry here is drawn from whole

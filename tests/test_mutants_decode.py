@@ -180,3 +180,25 @@ def test_a_declaration_that_repeats_a_field_name_is_refused() -> None:
     with pytest.raises(TypeError, match=r"Twice.FIELDS repeats a field name: \['codes', 'codes'\]"):
         class Twice(kit.KitCompressor):
             FIELDS = (kit.Field("codes", torch.uint8), kit.Field("codes", torch.uint8))
+
+
+def test_the_focused_functions_of_the_mutation_groups_exist() -> None:
+    """tests/mutants.py draws the ``decode`` group from named functions only:
+    each must still be defined in a module of its group (a rename would
+    otherwise leave it out of every sample), and a line belongs to the
+    innermost focused function (``Packet.aliases``, not ``Packet``)."""
+    import ast
+    from pathlib import Path
+
+    import mutants
+
+    root = Path(mutants.__file__).resolve().parent.parent
+    for name, modules in mutants.FOCUS.items():
+        assert set(modules) <= set(mutants.GROUPS[name][0]), name
+        lines = mutants.focus_lines(root, name)
+        for module, wanted in modules.items():
+            assert {v.split(":")[1] for v in lines[module].values()} == set(wanted), (name, module)
+    tree = ast.parse((root / "gradpress/compress/packet.py").read_text())
+    aliases = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "aliases")
+    assert mutants.focus_lines(root, "decode")["gradpress/compress/packet.py"][aliases.lineno + 1] == \
+        "gradpress/compress/packet.py:Packet.aliases"
