@@ -10,12 +10,15 @@ code) and marks the rest skipped. Writes a markdown report (score per module
 and the diff of every survivor) to ``--report``.
 
 Usage: python tests/mutants.py [--report FILE] [--scale X] [--group NAME ...]
-``--scale`` multiplies every sample size (0.5 for a quicker look).
+``--scale`` multiplies every sample size (0.5 for a quicker look). A group
+named in ``FOCUS`` draws only from the functions listed there, each
+function's first mutant first.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import random
@@ -26,6 +29,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTEST = f"{sys.executable} -m pytest -x -q -p no:cacheprovider -o addopts= --timeout=900"
@@ -85,6 +89,35 @@ GROUPS: dict[str, tuple[list[str], list[str], int]] = {
     "guards": ([f"gradpress/exchange/{m}.py" for m in ("agree", "nonfinite", "state", "background")],
                ["tests/test_exchange_hardening.py", "tests/test_config_fields.py", "tests/test_mutants_engine.py",
                 "tests/test_comprex_parts.py"], 8),
+    "decode": ([f"gradpress/compress/{m}.py" for m in ("packet", "base", "signs", "signsgd", "signum", "halfprec",
+                                                      "efsignsgd", "natural", "minmax8", "qsgd", "onebit", "terngrad",
+                                                      "bits")]
+               + ["gradpress/compress/kit/declare.py", "gradpress/compress/kit/primitives.py",
+                  "gradpress/exchange/base.py"],
+               ["tests/test_decode_into.py", "tests/test_kit_primitives.py", "tests/test_mutants_decode.py",
+                "tests/test_compressors.py"], 30),
+}
+#: where a group draws only from some functions of a module (its qualified names: ``Class.method``):
+#: module -> functions; a module a group lists without an entry here is drawn from whole
+FOCUS: dict[str, dict[str, list[str]]] = {
+    "decode": {
+        "gradpress/compress/packet.py": ["Packet", "Packet.nbytes", "Packet.numel", "Packet.aliases", "check_decode_out"],
+        "gradpress/compress/signs.py": ["unpack_signs", "unpack_two", "decode_signs"],
+        "gradpress/compress/base.py": ["Compressor.decode_into", "Compressor.residual"],
+        "gradpress/compress/signsgd.py": ["SignSGD.decode_into"],
+        "gradpress/compress/signum.py": ["Signum.decode_into"],
+        "gradpress/compress/halfprec.py": ["_Cast.decode", "_Cast.decode_into"],
+        "gradpress/compress/efsignsgd.py": ["EFSignSGD.decode_into", "EFSignSGD._decode"],
+        "gradpress/compress/natural.py": ["_values", "_sign_words", "Natural.decode_fields"],
+        "gradpress/compress/minmax8.py": ["MinMax8.decode_fields"],
+        "gradpress/compress/qsgd.py": ["QSGD.decode_fields"],
+        "gradpress/compress/onebit.py": ["OneBit.decode_fields"],
+        "gradpress/compress/terngrad.py": ["TernGrad.decode_fields"],
+        "gradpress/compress/bits.py": ["unpack_table"],
+        "gradpress/compress/kit/declare.py": ["KitCompressor.__init_subclass__", "KitCompressor.decode_into"],
+        "gradpress/compress/kit/primitives.py": ["_row_extremes", "_row_minmax", "elementwise", "_whole_and_tail"],
+        "gradpress/exchange/base.py": ["aggregate_packets", "aggregate"],
+    },
 }
 #: binary operators that never occur in these modules' arithmetic on tensors and floats: replacing
 #: ``+`` by ``<<`` or ``%`` only gives type errors (incompetent mutants), never a plausible bug
@@ -140,12 +173,52 @@ def compiles(module_path: str, operator_name: str, occurrence: int) -> bool:
     return True
 
 
-def sample(session: Path, keep: int, seed: str, work: Path) -> tuple[int, int, int]:
+def _definitions(tree: ast.AST, prefix: str = "") -> dict[str, ast.AST]:
+    """Every function and class under ``tree`` by qualified name (``Class.method``)."""
+    found: dict[str, ast.AST] = {}
+    for child in ast.iter_child_nodes(tree):
+        if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            found[prefix + child.name] = child
+            found.update(_definitions(child, prefix + child.name + "."))
+    return found
+
+
+def focus_lines(work: Path, name: str) -> dict[str, dict[int, str]]:
+    """Per focused module of group ``name`` (:data:`FOCUS`), each line of its focused functions
+    (decorators included) mapped to the innermost focused function holding it (``module:qualname``);
+    KeyError naming a function the module does not define."""
+    lines: dict[str, dict[int, str]] = {}
+    for module, wanted in FOCUS.get(name, {}).items():
+        found = _definitions(ast.parse((work / module).read_text()))
+        missing = [f for f in wanted if f not in found]
+        if missing:
+            raise KeyError(f"FOCUS[{name!r}][{module!r}]: {missing} not defined there; defined: {sorted(found)}")
+        spans = {f: range(min([found[f].lineno] + [d.lineno for d in getattr(found[f], "decorator_list", [])]),
+                          (found[f].end_lineno or found[f].lineno) + 1) for f in wanted}
+        lines[module] = {}
+        for f in sorted(wanted, key=lambda f: -len(spans[f])):  # the innermost function last: it wins
+            lines[module].update({n: f"{module}:{f}" for n in spans[f]})
+    return lines
+
+
+def _where(w: Any, focus: dict[str, dict[int, str]]) -> str | None:
+    """The focused function holding work item ``w``'s mutation; its module where that is drawn whole;
+    None outside the focus."""
+    m = w.mutations[0]
+    module = Path(m.module_path).as_posix()
+    if module not in focus:
+        return module
+    return focus[module].get(m.start_pos[0])
+
+
+def sample(session: Path, keep: int, seed: str, work: Path, focus: dict[str, dict[int, str]] | None = None) -> tuple[int, int, int]:
     """Mark all but ``keep`` pending work items (a seeded random choice) skipped.
 
     Invariant: the same code and seed give the same sample, and a larger ``keep`` gives a superset
     (``random.sample`` draws a prefix-consistent sequence); a drawn mutant that does not compile is
-    replaced by the next seeded draw and counted (third value returned), never run.
+    replaced by the next seeded draw and counted (third value returned), never run. ``focus``
+    (module -> lines, :func:`focus_lines`): mutants of those modules outside those lines are marked
+    skipped ("not in focus") before the draw, and the first value counts only the mutants drawn from.
     """
     from cosmic_ray.work_db import use_db
     from cosmic_ray.work_item import WorkerOutcome, WorkResult
@@ -154,9 +227,25 @@ def sample(session: Path, keep: int, seed: str, work: Path) -> tuple[int, int, i
         # job ids are random (uuid4): order by what the mutant is, so the same code gives the same sample
         pending = sorted(db.pending_work_items, key=lambda w: (str(w.mutations[0].module_path),
                                                                w.mutations[0].operator_name, w.mutations[0].occurrence))
+        focus = focus or {}
+        outside = [w for w in pending if _where(w, focus) is None]
+        for w in outside:
+            db.set_result(w.job_id, WorkResult(worker_outcome=WorkerOutcome.SKIPPED, output="not in focus"))
+        pending = [w for w in pending if _where(w, focus) is not None]
         rng = random.Random(seed)
-        drawn = rng.sample(pending, min(keep, len(pending)))
-        rest = [w for w in pending if w.job_id not in {d.job_id for d in drawn}]
+        if focus:
+            # each focused function's first mutant in a seeded shuffle, then the rest of the shuffle: a
+            # sample at least as large as the number of functions covers every one; still prefix-consistent
+            order = pending[:]
+            rng.shuffle(order)
+            seen: set[str | None] = set()
+            firsts = [w for w in order if _where(w, focus) not in seen and not seen.add(_where(w, focus))]
+            first_ids = {w.job_id for w in firsts}
+            order = firsts + [w for w in order if w.job_id not in first_ids]
+            drawn, rest = order[:keep], order[keep:]
+        else:
+            drawn = rng.sample(pending, min(keep, len(pending)))
+            rest = [w for w in pending if w.job_id not in {d.job_id for d in drawn}]
         chosen: set[str] = set()
         invalid = 0
         while drawn:
@@ -167,7 +256,7 @@ def sample(session: Path, keep: int, seed: str, work: Path) -> tuple[int, int, i
             else:
                 invalid += 1
                 if rest:
-                    drawn.append(rest.pop(rng.randrange(len(rest))))
+                    drawn.append(rest.pop(0) if focus else rest.pop(rng.randrange(len(rest))))
         for w in pending:
             if w.job_id not in chosen:
                 db.set_result(w.job_id, WorkResult(worker_outcome=WorkerOutcome.SKIPPED, output="not sampled"))
@@ -195,7 +284,7 @@ def run_group(work: Path, name: str, modules: list[str], tests: list[str], keep:
     env = dict(os.environ, PYTHONPATH=str(work))
     subprocess.run([tool("cosmic-ray"), "init", str(cfg), str(session), "--force"], cwd=work, check=True, env=env)
     subprocess.run([tool("cr-filter-operators"), str(session), str(cfg)], cwd=work, check=True, env=env)
-    total, chosen, invalid = sample(session, keep, seed=f"gradpress-{name}", work=work)
+    total, chosen, invalid = sample(session, keep, seed=f"gradpress-{name}", work=work, focus=focus_lines(work, name))
     t0 = time.time()
     subprocess.run([tool("cosmic-ray"), "exec", str(cfg), str(session)], cwd=work, check=True, env=env)
     meta = {"name": name, "modules": modules, "tests": tests, "candidates": total, "sampled": chosen,
@@ -207,7 +296,7 @@ def run_group(work: Path, name: str, modules: list[str], tests: list[str], keep:
 def load_group(work: Path, name: str) -> dict:
     """A finished group of ``work``: its metadata and every sampled mutant's outcome."""
     group = json.loads((work / f"mutants-{name}.json").read_text())
-    every = [r for r in results(work / f"mutants-{name}.sqlite") if r["note"] != "Filtered operator"]
+    every = [r for r in results(work / f"mutants-{name}.sqlite") if r["note"] not in ("Filtered operator", "not in focus")]
     group["per_module"] = {m: sum(1 for r in every if r["module"] == m) for m in {r["module"] for r in every}}
     group["rows"] = [r for r in every if r["worker"] != "skipped"]
     return group
