@@ -76,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gradpress.train", description="Train a workload with gradpress.")
     add_arguments(parser)
     args = parser.parse_args(argv)
+    from gradpress.train.launch import one_line_warnings
+
+    one_line_warnings()  # this process is a worker (torchrun started it)
     try:
         return run_cli(args)
     except ValueError as exc:

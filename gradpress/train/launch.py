@@ -19,6 +19,7 @@ import signal
 import socket
 import sys
 import uuid
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ import torch.distributed as dist
 from gradpress import workloads
 from gradpress.train.config import TrainConfig, make_config
 
-__all__ = ["run", "init_group", "free_port", "WorkerFailed", "describe_failures"]
+__all__ = ["run", "init_group", "free_port", "WorkerFailed", "describe_failures", "one_line_warnings"]
 
 
 class WorkerFailed(RuntimeError):
@@ -91,9 +92,24 @@ def run(config: Mapping[str, Any] | argparse.Namespace | TrainConfig | None = No
     return train(cfg)
 
 
+def one_line_warnings() -> None:
+    """A training worker's warnings as ``gradpress train: warning: MESSAGE``
+    lines on stderr (the CLI's own form), without the source line Python
+    prints under them (``return strategy_class(name)(group)`` says nothing
+    to a user)."""
+
+    def line(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+             text: str | None = None) -> str:
+        kind = "" if category is UserWarning else f"{category.__name__}: "
+        return f"gradpress train: warning: {kind}{message}\n"
+
+    warnings.formatwarning = line
+
+
 def _worker_entry(cfg_dict: dict[str, Any], env: dict[str, dict[str, str]] | None = None) -> dict[str, Any]:
     from gradpress.train.session import train
 
+    one_line_warnings()
     if env is not None:
         _launcher_environ(env["base"], env["now"])
     # a worker inherits the signal handlers of the process it was forked from (which raise in odd places

@@ -159,7 +159,7 @@ class Hierarchical(Strategy):
         if dist.is_initialized() and self.world_size > 1:
             self._agree(layout_error)
             self._build_groups()
-            if self.hosts == 1:
+            if self.hosts == 1 and self.rank == 0:  # the same layout on every rank (agreed): said once
                 warnings.warn(f"strategy 'hierarchical': all {self.world_size} ranks are on one host "
                               f"(workers_per_host={self.workers_per_host}): no slow link to compress for, so the "
                               "average is the exact dense one and the compressor is not used; set workers_per_host "
