@@ -93,15 +93,20 @@ def run_until_rank0_reports(entry: Callable[..., None], world: int, args: tuple,
                 time.sleep(0.1)
         finally:
             waited = time.monotonic() - start
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.terminate()
-            for p in ctx.processes:
-                p.join(timeout=10)
-                if p.is_alive():
-                    p.kill()
-                    p.join(timeout=5)
+            stop_processes(ctx.processes)
     return result, waited
+
+
+def stop_processes(processes: list[Any]) -> None:
+    """Terminate the workers still running, and kill those that do not exit."""
+    for p in processes:
+        if p.is_alive():
+            p.terminate()
+    for p in processes:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
 
 
 def fault_entry(rank: int, world: int, port: int, how: str, setup: Callable[..., Callable[[int], None]],

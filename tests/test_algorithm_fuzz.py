@@ -26,7 +26,8 @@ import warnings
 
 import pytest
 import torch
-from distributed import checkpoint, restore, run_workers
+from distributed import checkpoint, restore
+from fuzzing import check_cases
 from test_compressors import spec_for
 
 import gradpress.algorithms as algorithms
@@ -146,11 +147,7 @@ def problems(per_rank: list[dict]) -> list[str]:
 
 
 def _check(world: int, seeds: list[int]) -> None:
-    results = run_workers(_worker, world, seeds)
-    built = sum("refused" not in r for r in results[0])
-    assert built >= len(seeds) // 3, f"only {built} of {len(seeds)} cases built: the draw is broken"
-    report = [f"{per[0]['case']}: {p}" for per in zip(*results) for p in problems(list(per))]
-    assert not report, "\n".join(report[:20])
+    check_cases(_worker, problems, world, seeds, least=len(seeds) // 3, accepted=lambda r: "refused" not in r)
 
 
 @pytest.mark.parametrize("world,seeds", [(2, range(0, 24)), (3, range(1000, 1024))])

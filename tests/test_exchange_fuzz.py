@@ -30,7 +30,7 @@ import warnings
 
 import pytest
 import torch
-from distributed import run_workers
+from fuzzing import check_cases, same
 from test_compressors import spec_for
 
 from gradpress.compress import registry
@@ -114,11 +114,6 @@ def _worker(rank: int, world: int, seeds: list[int]) -> list[dict]:
     return out
 
 
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    nan = torch.isnan(a)
-    return torch.equal(nan, torch.isnan(b)) and torch.equal(a[~nan], b[~nan])
-
-
 def problems(per_rank: list[dict]) -> list[str]:
     """What is wrong with one case's results on every rank (empty: nothing)."""
     case = per_rank[0]["case"]
@@ -132,7 +127,7 @@ def problems(per_rank: list[dict]) -> list[str]:
         for i, (shape, dtype) in enumerate(case["tensors"]):
             avg = outs[0][i]
             where = f"step {step} tensor {i}"
-            if not all(_same(o[i], avg) for o in outs):
+            if not all(same(o[i], avg) for o in outs):
                 found.append(f"{where}: replicas differ")
             if tuple(avg.shape) != tuple(shape) or avg.dtype != dtype:
                 found.append(f"{where}: {tuple(avg.shape)} {avg.dtype}, input {tuple(shape)} {dtype}")
@@ -158,10 +153,7 @@ def problems(per_rank: list[dict]) -> list[str]:
 
 
 def _check(world: int, seeds: list[int]) -> None:
-    results = run_workers(_worker, world, seeds)
-    assert len(results[0]) >= len(seeds) // 2, "too few cases accepted: the draw is broken"
-    report = [f"{per_rank[0]['case']}: {p}" for per_rank in zip(*results) for p in problems(list(per_rank))]
-    assert not report, "\n".join(report[:20])
+    check_cases(_worker, problems, world, seeds, least=len(seeds) // 2)
 
 
 @pytest.mark.parametrize("world,seeds", [(3, range(0, 48)), (4, range(1000, 1048))])

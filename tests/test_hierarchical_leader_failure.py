@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from distributed import free_port
+from distributed import free_port, stop_processes
 
 WORLD, PER_HOST = 4, 2
 SHAPES = [(64, 48), (40, 33), (5000,)]
@@ -92,14 +92,7 @@ def _run(chunk: int, fail_at: int) -> tuple[list[dict | None], float]:
             waited = time.monotonic() - start
             results = [torch.load(p, weights_only=False) if os.path.exists(p) else None for p in paths]
         finally:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.terminate()
-            for p in ctx.processes:
-                p.join(timeout=10)
-                if p.is_alive():
-                    p.kill()
-                    p.join(timeout=5)
+            stop_processes(ctx.processes)
     return results, waited
 
 

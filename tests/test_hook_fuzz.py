@@ -29,7 +29,7 @@ import warnings
 
 import pytest
 import torch
-from distributed import run_workers
+from fuzzing import check_cases, same
 from test_compressors import spec_for
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -113,13 +113,6 @@ def _worker(rank: int, world: int, seeds: list[int]) -> list[dict]:
     return out
 
 
-def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
-    if a is None or b is None:
-        return a is None and b is None
-    nan = torch.isnan(a)
-    return torch.equal(nan, torch.isnan(b)) and torch.equal(a[~nan], b[~nan])
-
-
 def problems(per_rank: list[dict]) -> list[str]:
     errors = [r["error"] for r in per_rank if "error" in r]
     if errors:
@@ -128,7 +121,7 @@ def problems(per_rank: list[dict]) -> list[str]:
     for step in range(STEPS):
         for i, g in enumerate(per_rank[0]["grads"][step]):
             where = f"step {step} parameter {i}"
-            if not all(_same(r["grads"][step][i], g) for r in per_rank):
+            if not all(same(r["grads"][step][i], g) for r in per_rank):
                 found.append(f"{where}: replicas differ")
             if g is not None and not torch.isfinite(g).all():
                 found.append(f"{where}: non-finite gradient")
@@ -143,10 +136,7 @@ def problems(per_rank: list[dict]) -> list[str]:
 
 
 def _check(world: int, seeds: list[int]) -> None:
-    results = run_workers(_worker, world, seeds)
-    assert len(results[0]) >= len(seeds) // 2, "too few cases accepted: the draw is broken"
-    report = [f"{per[0]['case']}: {p}" for per in zip(*results) for p in problems(list(per))]
-    assert not report, "\n".join(report[:20])
+    check_cases(_worker, problems, world, seeds, least=len(seeds) // 2)
 
 
 def test_random_hook_configurations() -> None:
