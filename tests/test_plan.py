@@ -188,3 +188,29 @@ def test_intra_allreduce_is_optional_and_round_trips():
 def test_fit_refuses_unequal_or_empty_measurements(xs, ts):
     with pytest.raises(ValueError, match=f"need equally many sizes and times, got {len(xs)} and {len(ts)}"):
         Fit.least_squares(xs, ts)
+
+
+def test_a_strategy_with_the_documented_predict_signature_is_planned(monkeypatch):
+    """docs/architecture.md tells a strategy author to implement
+    ``predict(costs, numel, world_size, summable)``; the planner (which now
+    also gives ``elem_size`` to the strategies that take it) must still plan
+    with such a strategy, by its own prediction."""
+    from gradpress.exchange import planner as planner_module
+    from gradpress.exchange.base import _STRATEGIES, Strategy
+
+    calls = []
+
+    class DocStyle(Strategy):
+        name = "docstyle"
+
+        @classmethod
+        def predict(cls, costs, numel, world_size, summable):  # noqa: ANN001, ANN206 - the documented signature
+            calls.append((numel, world_size, summable))
+            return 1e-9 * numel, 1
+
+    monkeypatch.setitem(_STRATEGIES.classes, "docstyle", DocStyle)
+    monkeypatch.setattr(planner_module, "OPTIONS", (*OPTIONS, "docstyle"))
+    planner = Planner.from_costs(SLOW, 4, candidates=("allgather", "docstyle"))
+    costs = planner.option_costs(4_000_000, elem_size=2)
+    assert costs["docstyle"] == (pytest.approx(4e-3), 1) and calls == [(4_000_000, 4, False)]
+    assert planner.decide("big.weight", 4_000_000).strategy == "docstyle"

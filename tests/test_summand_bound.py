@@ -5,6 +5,7 @@ fp16 through allreduce/ring/auto averaged fp32 inputs near 1e37 to inf)."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -113,3 +114,74 @@ def test_fp16_averages_of_out_of_range_gradients_saturate(world: int) -> None:
         # entries in range: the float64 mean within fp16 rounding (the bound did not touch them)
         rest = avg[3:].double()
         assert torch.allclose(rest, mean[3:], rtol=2e-3, atol=2e-3), key
+
+
+def _bound_by_definition(target: torch.dtype, n: int) -> float:
+    """(M - (N + 1) h) / N, h half the spacing of the top binade (floored at M / 2 in total)."""
+    finfo = torch.finfo(target)
+    h = 2.0 ** (math.frexp(finfo.max)[1] - 1) * finfo.eps / 2  # the top binade starts at 2^emax
+    return max(finfo.max - (n + 1) * h, finfo.max / 2) / n
+
+
+@pytest.mark.parametrize("name", ["fp16", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("n", [2, 3, 8])
+def test_bounded_summand_keeps_the_input_dtype(name: str, dtype: torch.dtype, n: int) -> None:
+    """The bounded tensor (and so the packet, and the decoded average) has
+    the input's dtype, whether or not anything was beyond the bound: a rank
+    whose gradient reached the bound must not decode another dtype than
+    the ranks whose gradient did not (replicas differ in dtype otherwise),
+    and each entry stays within the bound."""
+    comp = create(name)
+    target = torch.float16 if name == "fp16" else torch.bfloat16
+    top = torch.finfo(dtype).max
+    x = torch.tensor([top, -top, float("inf"), float("-inf"), float("nan"), 1.0, -0.5], dtype=dtype)
+    out = comp.bound_summand(x, n)
+    assert out.dtype == dtype
+    limit = _bound_by_definition(target, n)
+    finite = out[torch.isfinite(out)].double()
+    assert finite.numel() == 6 and (finite.abs() <= limit).all(), (finite, limit)
+    assert float(out[5]) == 1.0 and float(out[6]) == -0.5 and torch.isnan(out[4])
+    packet = comp.encode(out, Context(key="w"))
+    assert packet.dtype == dtype and comp.decode(packet).dtype == dtype
+    # n such payloads added in the payload's dtype stay finite
+    payload = packet.tensors[0][:4]
+    total = payload.clone()
+    for _ in range(n - 1):
+        total = total + payload
+    assert torch.isfinite(total).all(), total
+
+
+def _dtype_worker(rank: int, world: int) -> dict:
+    out = {}
+    for name in ("fp16", "bf16"):
+        for dtype in (torch.float16, torch.bfloat16):
+            x = torch.linspace(-1, 1, 24, dtype=torch.float64).to(dtype).reshape(4, 6)
+            if rank == 0:  # only rank 0 reaches the bound
+                x[1, 2] = torch.finfo(dtype).max
+            for strategy in ("allreduce", "ring", "ps"):
+                ctx = Context(key="w", step=0, rank=rank, world_size=world, seed=3)
+                res = get_strategy(strategy, None).exchange(create(name), [x.clone()], [ctx], None)
+                out[(name, str(dtype), strategy)] = res.tensors[0]
+            out[(name, str(dtype), "x")] = x
+    return out
+
+
+def test_an_average_that_one_rank_bounded_is_the_same_tensor_on_every_rank() -> None:
+    results = run_workers(_dtype_worker, 2)
+    for key, avg in results[0].items():
+        if key[2] == "x":
+            continue
+        name, dtype, _ = key
+        assert all(r[key].dtype == avg.dtype for r in results), (key, [r[key].dtype for r in results])
+        assert str(avg.dtype) == dtype, key  # the input's dtype
+        assert all(torch.equal(r[key], avg) for r in results), key
+        assert torch.isfinite(avg).all(), key
+        mean = torch.stack([r[(name, dtype, "x")].double() for r in results]).mean(0)
+        rest = torch.ones_like(mean, dtype=torch.bool)
+        rest[1, 2] = False
+        assert torch.allclose(avg.double()[rest], mean[rest], rtol=2e-2, atol=2e-2), key
+        # saturated near the smaller of the two maxima over N = 2 (rank 0's max / 2 at least, had it fit)
+        top = min(torch.finfo(torch.float16 if name == "fp16" else torch.bfloat16).max,
+                  torch.finfo(getattr(torch, dtype.split(".")[1])).max)
+        assert top / 2 * 0.99 < avg[1, 2].double() <= top, key

@@ -22,6 +22,8 @@ the same way. NaN stays NaN; +-inf saturates to +-max.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from gradpress.compress.base import Compressor, Context, Packet, check_decode_out
@@ -50,16 +52,20 @@ class _Cast(Compressor):
 
     def bound_summand(self, x: torch.Tensor, summands: int) -> torch.Tensor:
         """Entries beyond :func:`~gradpress.compress.numerics.summand_limit`
-        clamped (in fp32, fp64 for fp64 inputs), so the sum of ``summands``
-        payloads saturates near the format's maximum instead of overflowing
-        to inf; ``x`` itself when nothing is beyond it (then the packet is
-        bit for bit the unbounded one)."""
+        clamped, so the sum of ``summands`` payloads saturates near the
+        format's maximum instead of overflowing to inf; ``x`` itself when
+        nothing is beyond it (then the packet is bit for bit the unbounded
+        one). Clamped in ``x``'s own dtype (exact), at the limit rounded
+        toward zero in that dtype: the packet, and so the decoded average,
+        keeps the input's dtype on a rank that was bounded as on one that
+        was not."""
         if summands <= 1:
             return x
         limit = summand_limit(self.target, summands)
         if not self._may_overflow(x.reshape(-1), limit):
             return x
-        return x.to(compute_dtype(x.dtype)).clamp(-limit, limit)
+        bound = _toward_zero(limit, x.dtype)
+        return x.clamp(-bound, bound)
 
     @staticmethod
     def _may_overflow(flat: torch.Tensor, limit: float) -> bool:
@@ -79,6 +85,16 @@ class _Cast(Compressor):
         check_decode_out(packet, out)
         out.view(-1).copy_(packet.tensors[0])
         return out
+
+
+@functools.lru_cache(maxsize=64)
+def _toward_zero(limit: float, dtype: torch.dtype) -> float:
+    """The largest value of ``dtype`` not above ``limit`` (> 0, finite)."""
+    value = torch.tensor(limit, dtype=torch.float64).to(dtype)
+    if float(value) > limit:  # rounded up: one step toward zero (the next smaller positive value)
+        ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[value.element_size()]
+        value = (value.view(ints) - 1).view(dtype)
+    return float(value)
 
 
 @register

@@ -54,6 +54,7 @@ time.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -68,6 +69,15 @@ log = logging.getLogger("gradpress.plan")
 
 #: decision names, in tie-break order: uncompressed, then every strategy in exchange order
 OPTIONS = ("uncompressed", *strategy_names())
+
+
+def _takes_elem_size(predict: Any) -> bool:
+    """Whether a strategy's ``predict`` accepts ``elem_size`` (by name or ``**kwargs``)."""
+    try:
+        params = inspect.signature(predict).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "elem_size" or p.kind is p.VAR_KEYWORD for p in params)
 
 
 @dataclass(frozen=True)
@@ -196,8 +206,10 @@ class Planner:
         ``Strategy.predict`` for the others."""
         out: dict[str, tuple[float, int]] = {"uncompressed": (self.costs.allreduce(elem_size * float(numel)), 1)}
         for opt in self.candidates:
-            out[opt] = strategy_class(opt).predict(self.costs, numel, self.world_size, self.summable,
-                                                   elem_size=elem_size)
+            predict = strategy_class(opt).predict
+            # elem_size only to a predict that takes it (the documented signature has four arguments)
+            extra = {"elem_size": elem_size} if _takes_elem_size(predict) else {}
+            out[opt] = predict(self.costs, numel, self.world_size, self.summable, **extra)
         return out
 
     def decide(self, key: str, numel: int, elem_size: int = 4, eligible: bool = True, reason: str = "") -> Decision:
