@@ -33,10 +33,11 @@ import gradpress.algorithms as algorithms
 WORLD = 2
 STEPS = 8
 #: 0-based steps on which no rank uses the side head / rank 1 does not
-NONE_EVERYWHERE = {1, 4, 5}
+NONE_EVERYWHERE = {1, 4, 5, 7}
 NONE_ON_RANK1 = {2, 6}
 #: 0/1 Adam: exact steps t = 1, 2, then local steps; H = 1 at t = 3, then 2: synchronizations at t = 3, 4, 6, 8.
-#: t = 5 and 6 (the interval closed at t = 6) have no side gradient on any rank
+#: t = 5 and 6 (the interval closed at t = 6) have no side gradient on any rank; in the last interval only
+#: rank 0 has one, at t = 7 (not at t = 8: the synchronization must remember it)
 LOCAL = ("zeroone_adam:var_update_scaler=1000,var_freeze_step=2,local_step_scaler=1,"
          "local_step_clipper=2")
 SYNCED = (3, 4, 6, 8)
@@ -187,8 +188,9 @@ def test_zeroone_synchronization_leaves_a_parameter_no_rank_stepped_alone(result
         for k in before["side_res"]:
             assert torch.equal(after["side_res"][k], before["side_res"][k]), k
         assert not torch.equal(after["params"][:side.start], before["params"][:side.start])
-        # t = 7: rank 1 has no side gradient, rank 0 steps it; the synchronization at t = 8 moves it everywhere
+        # t = 7: only rank 0 steps the side head (t = 8: no rank); the synchronization at t = 8 moves it everywhere
         assert not torch.equal(run[7]["params"][side], run[5]["params"][side])
+        assert not torch.equal(run[7]["side_res"]["side.weight"], run[5]["side_res"]["side.weight"])
     for t in SYNCED:
         a, b = results[0]["local"][t - 1], results[1]["local"][t - 1]
         assert torch.equal(a["params"], b["params"]) and torch.equal(a["m"], b["m"]), t
