@@ -25,7 +25,7 @@ share one (the table says which) unless ``--lr-sweep`` picks one per method
 own files are in ``out/<n>-<compressor>/`` (``out/<n>-<algorithm>-<compressor>/``
 for algorithms other than ``ddp``).
 
-Strategy: unless one is given, each compressor runs on its general
+Strategy: unless one is given (option or ``--config`` file), each compressor runs on its general
 strategy (``collective``: allreduce if summable, else allgather),
 not ``auto``, whose planner may decide that compressing does not pay on a
 fast link and leave every tensor dense.
@@ -295,9 +295,10 @@ def _plan_runs(compressors: str | Iterable[str] | None, algorithms: str | Iterab
         for spec in specs:
             per_run = dict(opts)
             if per_run.get("strategy") is None:
-                # every eligible tensor through the compressor (allreduce if summable, else
-                # allgather): "auto" may plan compression away on a fast link
-                per_run["strategy"] = "collective"
+                # the --config file's strategy, else train's default "collective" (every eligible tensor
+                # through the compressor; "auto" may plan compression away on a fast link). Filling in
+                # "collective" here replaced a strategy the file gave.
+                per_run.pop("strategy", None)
             cfg = train.make_config(per_run, algorithm=algo, compressor=spec)
             name = _slug(cfg.compressor) if cfg.algorithm == "ddp" else f"{_slug(cfg.algorithm)}-{_slug(cfg.compressor)}"
             cfg.out = str(root / f"{len(configs)}-{name}")

@@ -254,3 +254,28 @@ def test_out_and_resume_in_a_config_file(tmp_path, monkeypatch, capsys):
     assert calls == [] and not (tmp_path / "r").exists()
     toml.write_text('workload = "digits-mlp"\nsteps = 4\nresume = false\n')
     assert cli([*base, "--out", str(tmp_path / "f")]) == 0
+
+
+def test_a_strategy_in_a_config_file_is_honoured(tmp_path, monkeypatch):
+    """(rev2) compare filled in `collective` for every run whose options named
+    no strategy, before the --config file was merged: a `strategy` in the
+    file was silently replaced (`out` and `steps` from it were honoured). The
+    file's strategy runs; a --strategy flag overrides it; neither: train's
+    default, `collective`."""
+    strategies = []
+    monkeypatch.setattr(train, "run", lambda cfg: strategies.append(cfg.strategy) or _summary(cfg, 0.5))
+    toml = tmp_path / "cmp.toml"
+    toml.write_text('workload = "digits-mlp"\nsteps = 4\nstrategy = "allgather"\n')
+    assert cli(["compare", "--compressors", "fp16,topk", "--config", str(toml), "--out", str(tmp_path / "a")]) == 0
+    assert strategies == ["allgather", "allgather"]
+    strategies.clear()
+    assert cli(["compare", "--compressors", "fp16", "--config", str(toml), "--strategy", "ring",
+                "--out", str(tmp_path / "b")]) == 0
+    assert strategies == ["ring"]
+    strategies.clear()
+    toml.write_text('workload = "digits-mlp"\nsteps = 4\n')
+    assert cli(["compare", "--compressors", "fp16", "--config", str(toml), "--out", str(tmp_path / "c")]) == 0
+    from gradpress import compare
+
+    compare.run("fp16", {"workload": "digits-mlp", "steps": 4, "strategy": None}, out=str(tmp_path / "d"))
+    assert strategies == ["collective", "collective"]

@@ -49,10 +49,14 @@ every gradpress exchange.
 A parameter whose ``.grad`` is None: torch's Adam skips it (the
 parameter, ``m``, ``v`` and its step count stay). These optimizers decide
 on what every rank agrees on, with DDP's rule: the ranks exchange one flag
-per parameter (inside the gradient's allreduce on exact steps, a small
-allreduce of its own before a compressed exchange; one host read). Missing
-on every rank: skipped as torch does (not exchanged, so its residuals stay
-too). Missing on some ranks only: a zero gradient there (DDP's average),
+per parameter inside a collective the step makes anyway (the gradient's
+allreduce on exact steps; on a compressed exchange a 1-D tensor under
+:data:`PRESENT_KEY`, in the engine's plain allreduce); a rank that has
+every gradient reads nothing back, one that lacks some reads the flags.
+Missing on every rank: skipped as torch does (``p``, ``m``, ``v``, its
+counts and residuals stay; a compressed exchange carried it, every rank
+issuing the same collectives, and its residuals and ``m`` are put back).
+Missing on some ranks only: a zero gradient there (DDP's average),
 and every rank steps it. Bias correction counts each parameter's own steps
 (``steps``) and variance updates (``v_steps``), as torch's per-parameter
 ``step`` does. 0/1 Adam's local steps exchange nothing per step: there a
@@ -81,7 +85,10 @@ from gradpress.exchange.nonfinite import nonfinite_gradient_error
 from gradpress.exchange.planner import Decision, Plan
 from gradpress.exchange.strategies.recompress import unsupported_reason
 
-__all__ = ["CompressedAdam", "BIAS_PARAM"]
+__all__ = ["CompressedAdam", "BIAS_PARAM", "PRESENT_KEY"]
+
+#: the key under which a compressed exchange carries the per-parameter "has a gradient" flags (1-D: uncompressed)
+PRESENT_KEY = "gradpress/present"
 
 BIAS_PARAM = Param("bias_correction", bool, True, "true or false", None,
                    "torch's bias correction (false: DeepSpeed's uncorrected update)")
@@ -91,6 +98,13 @@ def _require_adam(name: str, optimizer: type) -> None:
     if not issubclass(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
         raise ValueError(f"algorithm {name!r}: optimizer must be torch.optim.Adam or AdamW "
                          f"(it supplies lr, betas, eps, weight_decay), got {optimizer.__name__}")
+
+
+def _owner(key: str) -> str:
+    """The parameter name a residual store key belongs to: the key without
+    its namespace (``root/``, ``ring/``...) and partition suffixes (``#k``, ``#k#ps``)."""
+    tail = key.split("/", 1)[1] if "/" in key else key
+    return tail.split("#", 1)[0]
 
 
 class CompressedAdam(Algorithm):
@@ -164,32 +178,68 @@ class CompressedAdam(Algorithm):
         decoupled = isinstance(self.optimizer, torch.optim.AdamW) or bool(g.get("decoupled_weight_decay", False))
         return float(g["lr"]), float(b1), float(b2), float(g["eps"]), float(g["weight_decay"]), decoupled
 
-    def _has_grad(self, like: torch.Tensor) -> torch.Tensor:
-        """1 where this rank's parameter has a ``.grad``, else 0 (``like``'s dtype and device)."""
-        return torch.tensor([float(p.grad is not None) for _, p in self.named], dtype=like.dtype, device=like.device)
+    def _flags(self, mine: list[bool], like: torch.Tensor) -> torch.Tensor:
+        """``mine`` as a 1-D tensor of 1s and 0s (``like``'s dtype and device), to be summed over ranks."""
+        return torch.tensor([float(b) for b in mine], dtype=like.dtype).to(like.device, non_blocking=True)
 
-    def agree_present(self) -> list[bool]:
-        """Per parameter: whether some rank has its gradient (one small
-        allreduce, one host read); the same list on every rank."""
-        if not self.named:
+    @staticmethod
+    def _agreed(mine: list[bool], summed: torch.Tensor | None) -> list[bool]:
+        """Per parameter: whether some rank has it, from this rank's
+        ``mine`` and the flags ``summed`` over ranks. A rank that has every
+        parameter knows the answer (all) and reads nothing back; one that
+        lacks some reads the flags (one host read, that case only)."""
+        if all(mine) or summed is None:
+            return [True] * len(mine)
+        return (summed > 0).tolist()
+
+    def _sync_agreeing(self, tensors: list[torch.Tensor], mine: list[bool]) -> list[bool] | None:
+        """Average ``tensors`` (one per parameter) through the engine, with
+        ``mine`` (whether this rank has each parameter's contribution) summed
+        over ranks in the same call: a 1-D tensor under :data:`PRESENT_KEY`,
+        which travels in the engine's plain allreduce (no collective of its
+        own). Returns which parameters some rank has (the same list on every
+        rank), or None when the engine dropped the call (``nonfinite='skip'``).
+        A parameter no rank has was exchanged too (every rank must issue the
+        same collectives before it knows); its residuals (worker and
+        strategies': every key of the parameter) are put back as they were
+        and the caller leaves the rest of it alone, so for it the call
+        changed nothing but the compressor's own state (e.g. PowerSGD's
+        warm start) and the bytes counted."""
+        engine, names = self.engine, [n for n, _ in self.named]
+        assert engine is not None
+        if not tensors:
             return []
-        flags = self._has_grad(self.named[0][1])
-        if self.world_size > 1:
-            self.average_plain([flags])
-        return (flags > 0).tolist()
+        fb = engine.feedback
+        kept = {}
+        if not all(mine) and fb is not None:  # what the call may change for a parameter that no rank has
+            lacking = {n for n, ok in zip(names, mine) if not ok}
+            kept = {k: v.clone() for k, v in fb.residuals.items() if k in lacking or _owner(k) in lacking}
+        flags = self._flags(mine, tensors[0])
+        self.sync([*tensors, flags], keys=[*names, PRESENT_KEY])
+        if engine.last_step_skipped:
+            return None
+        present = self._agreed(mine, flags)
+        gone = {n for n, ok in zip(names, present) if not ok}
+        if gone and fb is not None:
+            for k in [k for k in fb.residuals if k in gone or _owner(k) in gone]:
+                del fb.residuals[k]
+            fb.residuals.update(kept)
+        return present
 
     def _exact_average(self, grads: list[torch.Tensor]) -> list[bool] | None:
         """Average ``grads`` uncompressed, in place (DDP's reduction; a
         missing gradient counts as zeros), with the engine's NaN/Inf
         protocol: a non-finite gradient on any rank makes the sums
         non-finite on every rank, so every rank decides the same. Returns
-        :meth:`agree_present`'s list (its flags ride in the same allreduce),
-        or None: drop this step (``nonfinite='skip'``); ``raise`` raises
-        ``FloatingPointError`` naming the tensors; ``propagate`` never drops."""
-        flags = self._has_grad(grads[0]) if grads else None
+        which parameters some rank has a gradient for (:meth:`_agreed`: the
+        flags ride in the same allreduce), or None: drop this step
+        (``nonfinite='skip'``); ``raise`` raises ``FloatingPointError``
+        naming the tensors; ``propagate`` never drops."""
+        mine = [p.grad is not None for _, p in self.named]
+        flags = self._flags(mine, grads[0]) if grads else None
         self.average_plain([*grads, flags] if flags is not None else grads)
         self._exchanges += 1
-        present = (flags > 0).tolist() if flags is not None else []
+        present = self._agreed(mine, flags)
         assert self.engine is not None
         if self.engine.nonfinite == "propagate":
             return present

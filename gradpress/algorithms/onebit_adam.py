@@ -90,18 +90,23 @@ class OneBitAdam(CompressedAdam):
                 return
             self._moments(grads, update_v=True, present=present)
         else:
-            present = self.agree_present()  # a parameter no rank has a gradient for is not exchanged
-            idx = [i for i, ok in enumerate(present) if ok]
-            self._moments(grads, update_v=False, present=present)
-            if idx:
-                self.sync([self.exp_avg[i] for i in idx], keys=[self.named[i][0] for i in idx])
-                self._mask_unseen([self.exp_avg[i] for i in idx], idx)
-            if skip and idx and self.engine is not None and self.engine.last_step_skipped:
+            # DDP's rule before the exchange (a missing gradient is a zero one); the flags ride in the exchange,
+            # and a parameter no rank has gets its m back (kept by the ranks that lack it: then every rank)
+            mine = [p.grad is not None for _, p in self.named]
+            kept = {i: self.exp_avg[i].clone() for i, ok in enumerate(mine) if not ok}
+            self._moments(grads, update_v=False, present=[True] * len(mine))
+            agreed = self._sync_agreeing(self.exp_avg, mine)
+            if agreed is None:  # nonfinite='skip': every rank drops the step
                 assert saved is not None
                 for m, s in zip(self.exp_avg, saved):
                     m.copy_(s)
                 self.t -= 1
                 return
+            present = agreed
+            self._mask_unseen(self.exp_avg)
+            for i, m in kept.items():
+                if not present[i]:
+                    self.exp_avg[i].copy_(m)
         self._apply(present)
 
     def phase_state(self) -> dict[str, Any]:

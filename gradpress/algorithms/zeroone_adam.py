@@ -27,8 +27,11 @@ Training via 0/1 Adam" (ICLR 2023); the schedule follows DeepSpeed's
   gradient errors, and now hold momentum errors), as DeepSpeed does.
 
 A missing gradient (``.grad`` is None) on a local step skips that
-parameter on that rank alone (no exchange to agree on); elsewhere the
-agreed rule of :mod:`gradpress.algorithms.compressed_adam` holds.
+parameter on that rank alone (no exchange to agree on); a synchronization
+leaves alone a parameter no rank stepped since the previous one
+(``stepped``, in the state; the flags ride in the synchronization's
+exchange); elsewhere the agreed rule of
+:mod:`gradpress.algorithms.compressed_adam` holds.
 
 Bias correction and the exchange: :mod:`gradpress.algorithms.compressed_adam`
 (``s``, the count of variance updates, is what corrects ``v``). Between
@@ -80,6 +83,8 @@ class ZeroOneAdam(CompressedAdam):
         self.local_interval, self.local_counter = 1, 0
         self.lrs = [0.0] * len(self.named)  # summed lr since the last synchronization, per parameter
         self.anchor: list[torch.Tensor] = []  # the parameters at the last synchronization (local phase)
+        #: per parameter: whether this rank stepped it since the last synchronization (local phase)
+        self.stepped = [False] * len(self.named)
         self._synced = True
 
     @property
@@ -106,19 +111,18 @@ class ZeroOneAdam(CompressedAdam):
             if self.var_counter == self.var_update_scaler:  # type: ignore[attr-defined]
                 self.var_counter, self.var_interval = 0, self.var_interval * 2
         else:
-            present = self.agree_present()  # a parameter no rank has a gradient for is not exchanged
-            idx = [i for i, ok in enumerate(present) if ok]
-            if idx:
-                self.sync([grads[i] for i in idx], keys=[self.named[i][0] for i in idx])
-            if idx and self.engine is not None and self.engine.last_step_skipped:  # nonfinite='skip': all drop it
+            agreed = self._sync_agreeing(grads, [p.grad is not None for _, p in self.named])
+            if agreed is None:  # nonfinite='skip': every rank drops it
                 self.t -= 1
                 return
-            self._mask_unseen([grads[i] for i in idx], idx)
+            present = agreed
+            self._mask_unseen(grads)
             self._moments(grads, update_v=False, present=present)
         self._apply(present)
         if self.frozen:  # the next step is local: the residuals change meaning
             self.engine.feedback.residuals.clear()  # type: ignore[union-attr]
             self.anchor = [p.detach().clone() for _, p in self.named]
+            self.stepped = [False] * len(self.named)
 
     @torch.no_grad()
     def _local_step(self) -> None:
@@ -130,6 +134,7 @@ class ZeroOneAdam(CompressedAdam):
         mine = [p.grad is not None for _, p in self.named]
         self._moments(self.gradients(), update_v=False, present=mine)
         self._apply(mine, count=[True] * len(self.named))
+        self.stepped = [a or b for a, b in zip(self.stepped, mine)]
         for i in range(len(self.named)):
             self.lrs[i] += self._hyper(i)[0]
         self._synced = False
@@ -148,19 +153,25 @@ class ZeroOneAdam(CompressedAdam):
         by rounding."""
         denoms = [self._denom(i) for i in range(len(self.named))]
         change = [(p - a).mul_(d) for (_, p), a, d in zip(self.named, self.anchor, denoms)]
-        self.sync(change)
+        present = self._sync_agreeing(change, self.stepped)
+        if present is None:  # nonfinite='skip': the engine zeroed every change (the replicas go back to the anchor)
+            present = [True] * len(self.named)
         self._mask_unseen(change)
         for i, ((_, p), a, u, d) in enumerate(zip(self.named, self.anchor, change, denoms)):
+            if not present[i]:  # no rank stepped it since the last synchronization: p, m, residuals stay
+                self.lrs[i] = 0.0
+                continue
             if self.lrs[i] > 0:
                 self.exp_avg[i].copy_(u).mul_(-self._bc1(i) / self.lrs[i])
             a.add_(u / d)
             p.copy_(a)
             self.lrs[i] = 0.0
+        self.stepped = [False] * len(self.named)
         self._synced = True
 
     def phase_state(self) -> dict[str, Any]:
         return {**{k: getattr(self, k) for k in _COUNTERS}, "lrs": list(self.lrs),
-                "anchor": [a.clone() for a in self.anchor], "synced": self._synced}
+                "anchor": [a.clone() for a in self.anchor], "synced": self._synced, "stepped": list(self.stepped)}
 
     def load_phase_state(self, state: Mapping[str, Any]) -> None:
         for k in _COUNTERS:
@@ -172,3 +183,9 @@ class ZeroOneAdam(CompressedAdam):
         self.lrs = [float(v) for v in state["lrs"]]
         self.anchor = [s.to(p.device, p.dtype).clone() for (_, p), s in zip(self.named, anchor)]
         self._synced = bool(state["synced"])
+        # a state saved before these flags: every parameter counts as stepped (exchanged, as that code did)
+        stepped = [bool(b) for b in state.get("stepped", [True] * len(self.named))]
+        if len(stepped) != len(self.named):
+            raise ValueError(f"{self.name} state: 'stepped' has {len(stepped)} flags, the model has "
+                             f"{len(self.named)} parameters")
+        self.stepped = stepped
