@@ -17,7 +17,7 @@ import torch
 
 from gradpress.compress import Context, kit
 from gradpress.compress.base import Param
-from gradpress.compress.registry import _REGISTRY, create, names, register
+from gradpress.compress.registry import _REGISTRY, register
 
 X = torch.randn(100, generator=torch.Generator().manual_seed(0))
 
@@ -128,6 +128,10 @@ def test_a_scale_field_of_the_wrong_dtype_points_at_pack_scale() -> None:
     with pytest.raises(RuntimeError, match="field 's' is 1 x torch.float64; the declared layout says 4 bytes of "
                                            "torch.int32 .*kit.pack_scale"):
         decl().encode(X.double())
+    short = _plain(fields=(kit.Field("s", "scale", 1),), encode_fields=lambda self, flat, dtype, ctx: {
+        "s": kit.pack_scale(flat.abs().amax().reshape(1)[:0], dtype)})
+    with pytest.raises(RuntimeError, match=r"is 0 x torch.float32; the declared layout says 4 bytes of torch.float32$"):
+        short().encode(X)  # the right dtype, a wrong count: no pointer at pack_scale
 
 
 @pytest.mark.parametrize("result, needle", [

@@ -7,13 +7,16 @@ A declaration is a subclass that states, besides the usual ``name``,
 * ``RANDOM``: ``"private"`` (independent per rank), ``"shared"`` (equal on
   every rank) or None (a pure function of x);
 * ``encode_fields(flat, dtype, ctx) -> {field: tensor}`` and
-  ``decode_fields(fields, numel, dtype) -> flat tensor``, written with the
+  ``decode_fields(fields, numel, dtype) -> flat tensor`` (``numel`` entries
+  of ``dtype``, checked), written with the
   primitives of :mod:`gradpress.compress.kit.primitives` (``flat`` is the
   input in its compute dtype, fp32 or fp64; ``dtype`` the input's own).
   A ``decode_fields`` that also takes ``out`` (a flat contiguous tensor of
   ``numel`` entries of ``dtype``, or None) may write its result there and
   return it: :meth:`KitCompressor.decode_into` then decodes without a fresh
-  output (what it returns elsewhere is copied into ``out``).
+  output (what it returns elsewhere is copied into ``out``). One that takes
+  ``seed`` (``RANDOM = "shared"`` only) gets the encoder's shared seed, kept
+  in ``packet.meta``, for :meth:`KitCompressor.decode_randomness`.
 
 From that the kit derives: the wire layout and the exact byte count for an
 input (:meth:`KitCompressor.layout`, :meth:`wire_bytes`, checked against
@@ -182,7 +185,8 @@ class KitCompressor(Compressor):
                                 "allowed: a torch.Tensor")
             t = t.reshape(-1).contiguous()
             if t.dtype != want.dtype or (want.count is not None and t.numel() * t.element_size() != want.nbytes):
-                hint = " (write a 'scale' field with kit.pack_scale(t, dtype))" if decl.dtype == "scale" else ""
+                hint = " (write a 'scale' field with kit.pack_scale(t, dtype))" \
+                    if decl.dtype == "scale" and t.dtype != want.dtype else ""
                 raise RuntimeError(f"compressor {self.name!r}: field {want.name!r} is {t.numel()} x {t.dtype}; "
                                    f"the declared layout says {want.nbytes} bytes of {want.dtype}{hint}")
             tensors.append(t)
