@@ -21,8 +21,39 @@ _REGISTRY: Registry[type[Compressor]] = Registry("compressor", "gradpress.compre
 
 
 def register(cls: type[Compressor]) -> type[Compressor]:
-    """Class decorator: add ``cls`` to the registry under ``cls.name``."""
+    """Class decorator: add ``cls`` to the registry under ``cls.name``, once
+    its declaration holds: a name a spec can spell, distinct parameter names
+    that hide no attribute of the compressor, every default allowed by its
+    own parameter, and (kit declarations) both hooks defined. ValueError or
+    TypeError naming what is wrong."""
+    check_params(cls)
+    check = getattr(cls, "_check_declaration", None)
+    if check is not None:
+        check()
     return _REGISTRY.register(cls)
+
+
+def check_params(cls: type[Compressor]) -> None:
+    """ValueError unless ``cls.PARAMS`` have distinct names, none hiding an
+    attribute of :class:`Compressor` or of ``cls``'s bases (``seed``, which
+    ``__init__`` sets after the parameters, or a method), and each default
+    passes its own check."""
+    owner = cls.name or cls.__name__
+    seen: set[str] = set()
+    for p in cls.PARAMS:
+        if p.name in seen:
+            raise ValueError(f"compressor {owner!r}: declares parameter {p.name!r} twice")
+        seen.add(p.name)
+        for base in cls.__mro__[1:]:
+            if p.name in vars(base) or (base is Compressor and p.name in ("seed", "_calls")):
+                raise ValueError(f"compressor {owner!r}: parameter {p.name!r} would hide {base.__name__}'s attribute "
+                                 f"{p.name!r}; allowed: another name")
+        if p.default is not None:
+            try:
+                p.coerce(p.default, owner)
+            except ValueError as exc:
+                raise ValueError(f"compressor {owner!r}: parameter {p.name!r}: default {p.default!r} is refused by "
+                                 f"its own declaration ({exc})") from None
 
 
 def names() -> list[str]:

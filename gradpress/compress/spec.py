@@ -14,10 +14,14 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any, Generic, TypeVar
 
-__all__ = ["parse_stage", "coerce_params", "Registry"]
+__all__ = ["NAME_PATTERN", "parse_stage", "coerce_params", "Registry"]
+
+#: what a registered name may be: spec strings (``name:key=value>name``) and comma-separated lists must spell it
+NAME_PATTERN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
 
 T = TypeVar("T", bound=type)
 
@@ -54,10 +58,17 @@ class Registry(Generic[T]):
         self._loaded = False
 
     def register(self, cls: T) -> T:
-        """Class decorator: add ``cls`` under ``cls.name``."""
+        """Class decorator: add ``cls`` under ``cls.name``. A class from
+        outside the package loads the package's own classes first, so a name
+        it would take from one of them is refused here, naming both."""
         name = getattr(cls, "name", "")
         if not name:
             raise ValueError(f"{cls.__name__} has no registry name")
+        if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
+            raise ValueError(f"{self.kind} name {name!r} ({cls.__name__}) cannot be written in a spec; allowed: "
+                             "letters, digits, '_', '-' and '.' (not first), e.g. 'my_method'")
+        if not self._loaded and not cls.__module__.startswith(self.package + "."):
+            self.load()
         existing = self.classes.get(name)
         if existing is not None and existing is not cls:
             raise ValueError(f"{self.kind} name {name!r} is already registered by {existing.__name__}")
@@ -65,14 +76,19 @@ class Registry(Generic[T]):
         return cls
 
     def load(self) -> None:
-        """Import every module of the package once (each registers its classes)."""
+        """Import every module of the package once (each registers its classes);
+        a module that fails to import leaves the registry to load again."""
         if self._loaded:
             return
         self._loaded = True
-        pkg = importlib.import_module(self.package)
-        for mod in pkgutil.iter_modules(pkg.__path__):
-            if mod.name not in self.skip:
-                importlib.import_module(f"{self.package}.{mod.name}")
+        try:
+            pkg = importlib.import_module(self.package)
+            for mod in pkgutil.iter_modules(pkg.__path__):
+                if mod.name not in self.skip:
+                    importlib.import_module(f"{self.package}.{mod.name}")
+        except BaseException:
+            self._loaded = False
+            raise
 
     def names(self) -> list[str]:
         """Every registered name, sorted."""

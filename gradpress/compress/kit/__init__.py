@@ -40,11 +40,12 @@ from gradpress.compress.kit.primitives import (
     unpack_table,
 )
 from gradpress.compress.kit.rng import counter_bits, counter_uniform, seed_words
+from gradpress.compress.numerics import pack_scale, unpack_scale
 
 __all__ = [
     "Field", "FieldSize", "KitCompressor", "byte_table", "chunks", "compiler", "counter_bits", "counter_uniform",
-    "elementwise", "extremes", "gather", "pack", "pack_rows", "pack_signs", "packed_nbytes", "random_bits", "reduce", "scatter", "seed_words",
-    "select_mask", "select_topk", "std", "uniform", "unpack", "unpack_table",
+    "elementwise", "extremes", "gather", "pack", "pack_rows", "pack_scale", "pack_signs", "packed_nbytes", "random_bits", "reduce",
+    "scatter", "seed_words", "select_mask", "select_topk", "std", "uniform", "unpack", "unpack_scale", "unpack_table",
 ]
 
 

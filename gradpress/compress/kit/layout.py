@@ -31,7 +31,10 @@ import torch
 from gradpress.compress.kit.packing import packed_nbytes
 from gradpress.compress.numerics import compute_dtype
 
-__all__ = ["Field", "FieldSize", "resolve_dtype", "sizes", "nbytes"]
+__all__ = ["MAX_BITS", "Field", "FieldSize", "resolve_dtype", "sizes", "nbytes"]
+
+#: widest packed code (``kit.pack``)
+MAX_BITS = 24
 
 
 @dataclass(frozen=True)
@@ -45,12 +48,26 @@ class Field:
     doc: str = ""
 
     def __post_init__(self) -> None:
-        if isinstance(self.dtype, str) and self.dtype not in ("scale", "input", "compute"):
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"kit.Field: name got {self.name!r}; allowed: a non-empty str")
+        if not isinstance(self.dtype, (str, torch.dtype)) or (
+                isinstance(self.dtype, str) and self.dtype not in ("scale", "input", "compute")):
             raise ValueError(f"kit.Field {self.name!r}: dtype got {self.dtype!r}; "
                              "allowed: a torch dtype, 'scale', 'input', 'compute'")
-        if isinstance(self.count, str) and self.count not in ("numel", "chunks"):
-            raise ValueError(f"kit.Field {self.name!r}: count got {self.count!r}; "
-                             "allowed: 'numel', 'chunks', an int, a callable or None")
+        c = self.count
+        if (isinstance(c, str) and c not in ("numel", "chunks")) or isinstance(c, bool) or (
+                isinstance(c, int) and c < 0) or not (c is None or isinstance(c, (str, int)) or callable(c)):
+            raise ValueError(f"kit.Field {self.name!r}: count got {c!r}; "
+                             "allowed: 'numel', 'chunks', an int >= 0, a callable (comp, d) -> int or None")
+        b = self.bits
+        if b is None:
+            return
+        if not (isinstance(b, str) and b) and not (isinstance(b, int) and not isinstance(b, bool) and 1 <= b <= MAX_BITS):
+            raise ValueError(f"kit.Field {self.name!r}: bits got {b!r}; allowed: an int 1..{MAX_BITS}, "
+                             "the name of a parameter or attribute holding one, or None")
+        if self.dtype != torch.uint8:
+            raise ValueError(f"kit.Field {self.name!r}: bits={b!r} packs codes into uint8 bytes, but dtype is "
+                             f"{self.dtype!r}; allowed: dtype=torch.uint8")
 
 
 @dataclass(frozen=True)
@@ -85,10 +102,28 @@ def _count(field: Field, comp: Any, d: int) -> int | None:
     if c == "numel":
         return d
     if c == "chunks":
-        return -(-d // comp.chunk_size(d))
+        size = comp.chunk_size(d)
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"compressor {comp.name!r}: chunk_size({d}) got {size!r}; allowed: an int >= 1")
+        return -(-d // size)
     if isinstance(c, int):
         return c
-    return int(c(comp, d))
+    n = c(comp, d)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"compressor {comp.name!r}: field {field.name!r} count for {d} elements got {n!r}; "
+                         "allowed: an int >= 0")
+    return n
+
+
+def _bits(field: Field, comp: Any) -> int | None:
+    b = field.bits
+    if not isinstance(b, str):
+        return b
+    value = getattr(comp, b)
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_BITS:
+        raise ValueError(f"compressor {comp.name!r}: field {field.name!r} has bits = {b} = {value!r}; "
+                         f"allowed: an int 1..{MAX_BITS}")
+    return value
 
 
 def sizes(fields: tuple[Field, ...], comp: Any, d: int, dtype: torch.dtype) -> list[FieldSize]:
@@ -96,12 +131,12 @@ def sizes(fields: tuple[Field, ...], comp: Any, d: int, dtype: torch.dtype) -> l
     out = []
     for f in fields:
         count = _count(f, comp, d)
-        bits = getattr(comp, f.bits) if isinstance(f.bits, str) else f.bits
+        bits = _bits(f, comp)
         wire = resolve_dtype(f, dtype)
         if count is None:
             n = None
         elif bits is not None:
-            n = packed_nbytes(count, int(bits))
+            n = packed_nbytes(count, bits)
         else:
             n = count * torch.empty((), dtype=wire).element_size()
         out.append(FieldSize(f.name, wire, count, bits, n))

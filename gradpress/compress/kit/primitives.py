@@ -29,7 +29,7 @@ import torch
 
 from gradpress.compress.bits import unpack_table
 from gradpress.compress.kit import compiler, packing, rng, streams
-from gradpress.compress.kit.rng import counter_bits, counter_uniform
+from gradpress.compress.kit.rng import random_bits, uniform
 from gradpress.compress.numerics import centered_std, chunks, row_norms
 from gradpress.compress.sparse import topk_magnitude
 
@@ -351,24 +351,6 @@ def pack_signs(flat: torch.Tensor, mask: str = "signbit") -> torch.Tensor:
         torch.arange(8, dtype=torch.int32, device=flat.device))  # 1, 2, ..., 128 (no host-to-device copy)
     bits = compiler.run(kernel, whole, flat[:whole], weights)
     return torch.cat([bits, streams.pack(predicate(flat[whole:]), 1)]) if whole < n else bits
-
-
-def uniform(v: torch.Tensor, key: torch.Tensor | None, drawn: torch.Tensor | None) -> torch.Tensor:
-    """Inside a kernel: uniform [0, 1) draws shaped like ``v`` in its dtype,
-    counter-based from ``key`` or the pre-drawn ``drawn``."""
-    if drawn is not None:
-        return drawn
-    assert key is not None, "kit.uniform: the kernel was given neither a key nor drawn values"
-    return counter_uniform(key, rng.element_index(v, key), v.dtype)
-
-
-def random_bits(v: torch.Tensor, key: torch.Tensor | None, drawn: torch.Tensor | None, bits: int) -> torch.Tensor:
-    """Inside a kernel: uniform integers in [0, 2^bits) (int32, bits <= 31)
-    shaped like ``v``, counter-based from ``key`` or the pre-drawn ``drawn``."""
-    if drawn is not None:
-        return drawn
-    assert key is not None, "kit.random_bits: the kernel was given neither a key nor drawn values"
-    return (counter_bits(key, rng.element_index(v, key)) >> (32 - bits)) & ((1 << bits) - 1)
 
 
 def select_topk(flat: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

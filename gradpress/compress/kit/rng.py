@@ -32,14 +32,16 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["LANES", "seed_words", "offset_key", "element_index", "counter_bits", "counter_uniform"]
+__all__ = ["LANES", "seed_words", "offset_key", "element_index", "counter_bits", "counter_uniform", "uniform",
+           "random_bits", "signed32"]
 
 _M1 = 0x7FEB352D
 _M2 = 0x846CA68B - (1 << 32)  # the same 32-bit pattern as a signed int32 constant
 MAX_NUMEL = (1 << 31) - 1
 
 
-def _signed32(v: int) -> int:
+def signed32(v: int) -> int:
+    """The low 32 bits of ``v`` as a signed int32 value."""
     v &= 0xFFFFFFFF
     return v - (1 << 32) if v >= 1 << 31 else v
 
@@ -58,7 +60,7 @@ def seed_words(seed: int, device: torch.device | str = "cpu", salt: int = 0) -> 
     both hash rounds, see :func:`element_index`); ``salt`` derives an
     independent second stream."""
     seed = int(seed) ^ (salt * 0x9E3779B97F4A7C15)
-    return torch.tensor([_signed32(seed), _signed32(seed >> 32), 0, *range(LANES)], dtype=torch.int32, device=device)
+    return torch.tensor([signed32(seed), signed32(seed >> 32), 0, *range(LANES)], dtype=torch.int32, device=device)
 
 
 def offset_key(key: torch.Tensor, start: int, lanes: bool = True) -> torch.Tensor:
@@ -120,3 +122,40 @@ def counter_uniform(key: torch.Tensor, index: torch.Tensor, dtype: torch.dtype) 
     if dtype == torch.float64:
         return hi + (h & 0xFF).to(dtype) * (2.0 ** -32)
     return hi
+
+
+def _stream_key(key: torch.Tensor | None, drawn: torch.Tensor | None, stream: int, what: str) -> torch.Tensor:
+    """``key`` for independent stream ``stream`` (0: ``key`` itself): its
+    seed words xor'ed with those of ``stream * 0x9E3779B97F4A7C15``, which is
+    the key :func:`gradpress.compress.kit.rng.seed_words` gives for
+    ``salt=stream``; chunk offset and lane table kept."""
+    if stream and drawn is not None:
+        raise ValueError(f"kit.{what}: stream={stream} needs the counter stream; random_stream='torch' pre-draws "
+                         "one stream only (allowed there: stream=0)")
+    assert key is not None, f"kit.{what}: the kernel was given neither a key nor drawn values"
+    if not stream:
+        return key
+    salt = (stream * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    return torch.cat([key[:1] ^ signed32(salt), key[1:2] ^ signed32(salt >> 32), key[2:]])
+
+
+def uniform(v: torch.Tensor, key: torch.Tensor | None, drawn: torch.Tensor | None, stream: int = 0) -> torch.Tensor:
+    """Inside a kernel: uniform [0, 1) draws shaped like ``v`` in its dtype,
+    counter-based from ``key`` or the pre-drawn ``drawn``. ``stream``: an
+    independent stream of the same key (the draws ``salt=stream`` gives),
+    e.g. a random sign and a rounding in one kernel; counter stream only."""
+    if drawn is not None and not stream:
+        return drawn
+    key = _stream_key(key, drawn, stream, "uniform")
+    return counter_uniform(key, element_index(v, key), v.dtype)
+
+
+def random_bits(v: torch.Tensor, key: torch.Tensor | None, drawn: torch.Tensor | None, bits: int,
+                stream: int = 0) -> torch.Tensor:
+    """Inside a kernel: uniform integers in [0, 2^bits) (int32, bits <= 31)
+    shaped like ``v``, counter-based from ``key`` or the pre-drawn ``drawn``;
+    ``stream`` as in :func:`uniform`."""
+    if drawn is not None and not stream:
+        return drawn
+    key = _stream_key(key, drawn, stream, "random_bits")
+    return (counter_bits(key, element_index(v, key)) >> (32 - bits)) & ((1 << bits) - 1)
