@@ -187,6 +187,23 @@ def test_parse_seeds_and_rates_reject():
             compare_stats.parse_lr_grid(bad, None)
 
 
+def test_parse_seeds_refuses_out_of_range_and_huge_counts():
+    """A count was expanded without a bound (``--seeds 99999999999`` allocated a list of 1e11 ints) and seeds
+    past 2**32 - 1, which ``gradpress train`` refuses, passed here and failed only at that seed's run."""
+    from gradpress import compare_stats
+
+    with pytest.raises(ValueError, match=r"^seeds: the count must be from 1 to 1000, got 5000"):
+        compare_stats.parse_seeds("5000")
+    with pytest.raises(ValueError, match=r"^seeds: 2 seeds from --seed 4294967295 go up to 4294967296"):
+        compare_stats.parse_seeds("2", 2**32 - 1)
+    with pytest.raises(ValueError, match=r"^seeds: must be from 0 to 4294967295, got \[0, 4294967296\]"):
+        compare_stats.parse_seeds("0,4294967296")
+    with pytest.raises(ValueError, match=r"^seeds: 1001 seeds listed; allowed: at most 1000"):
+        compare_stats.parse_seeds(",".join(map(str, range(1001))))
+    assert compare_stats.parse_seeds("1000") == list(range(1000))
+    assert compare_stats.parse_seeds("1", 2**32 - 1) == [2**32 - 1]
+
+
 def test_best_lr_rule():
     from gradpress import compare_stats
 

@@ -112,27 +112,27 @@ def _int(name: str, value: Any, low: int | None = None, optional: bool = False, 
     return int(value)
 
 
-def check_out(out: str) -> None:
+def check_out(out: str, field: str = "out") -> None:
     """Fail (ValueError, one line) unless ``out`` is a directory this process
     can create and write in: checked before any data, model or worker. Nothing
     is created: a probe file is written and removed in ``out``, or in its
-    nearest existing ancestor."""
+    nearest existing ancestor. ``field`` names the option in the message."""
     import tempfile
 
     path = os.path.abspath(out)
     if os.path.exists(path) and not os.path.isdir(path):
-        raise ValueError(f"out: {out!r} exists and is not a directory")
+        raise ValueError(f"{field}: {out!r} exists and is not a directory")
     existing = path
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
-        raise ValueError(f"out: cannot create {out!r}: {existing!r} is a file, not a directory")
+        raise ValueError(f"{field}: cannot create {out!r}: {existing!r} is a file, not a directory")
     try:
         fd, probe = tempfile.mkstemp(dir=existing, prefix=".gradpress-probe-")
         os.close(fd)
         os.remove(probe)
     except OSError as exc:
-        raise ValueError(f"out: cannot write to {out!r}: {exc.strerror or exc} (in {existing!r})") from None
+        raise ValueError(f"{field}: cannot write to {out!r}: {exc.strerror or exc} (in {existing!r})") from None
 
 
 def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
