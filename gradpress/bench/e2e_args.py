@@ -80,6 +80,8 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
 
         parse_seeds(args.seeds, args.seed)
     cpus = os.cpu_count() or 1
+    if args.threads is not None and args.threads > cpus:
+        raise ValueError(f"--threads got {args.threads}; allowed: an integer >= 1 and <= {cpus} (this machine's cores)")
     return {
         "mode": mode, "workload": workload, "params": params, "hidden": args.hidden, "rate": rate,
         "batch_size": args.batch_size or defaults["batch_size"], "lr": float(lr),

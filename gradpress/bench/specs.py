@@ -100,6 +100,8 @@ def parse_compressors(text: str) -> list[str]:
                 specs[-1] += "," + token  # continuation of the previous parameter list
             else:
                 specs.append(token)
+    if not specs:
+        raise ValueError(f"--compressors got {text!r}; allowed: 'all' or at least one compressor spec")
     for spec in specs:
         try:
             create(spec)
