@@ -89,7 +89,7 @@ from gradpress.transport.collectives import flat_by_dtype, fused_allreduce
 from gradpress.transport.groups import timeout_of
 from gradpress.transport.p2p import swap_bytes
 
-__all__ = ["Hierarchical", "HOST", "OUTER", "workers_per_host_from_env"]
+__all__ = ["Hierarchical", "HOST", "OUTER", "workers_per_host_from_env", "check_divides"]
 
 #: the leaders' residuals of the host sums in the engine's feedback store
 HOST = namespace("host")
@@ -114,6 +114,13 @@ def workers_per_host_from_env() -> int:
                 raise ValueError(f"environment {var}={text!r}: allowed: a positive integer (workers per host)")
             return value
     return 1
+
+
+def check_divides(world: int, per: int) -> None:
+    """The ranks' refusal of a host size that does not divide the world (also run before workers start)."""
+    if world % per:
+        raise ValueError(f"strategy 'hierarchical': workers_per_host={per} does not divide the group's "
+                         f"{world} ranks; allowed: a divisor of {world}")
 
 
 @register_strategy("hierarchical")
@@ -171,9 +178,7 @@ class Hierarchical(Strategy):
     # ------------------------------------------------------------ construction
     def _check_layout(self) -> None:
         n, per = self.world_size, self.workers_per_host
-        if n % per:
-            raise ValueError(f"strategy 'hierarchical': workers_per_host={per} does not divide the group's "
-                             f"{n} ranks; allowed: a divisor of {n}")
+        check_divides(n, per)
         local = os.environ.get("LOCAL_RANK", "").strip()
         if local.isdigit() and dist.is_initialized() and os.environ.get("LOCAL_WORLD_SIZE", "").strip() == str(per) \
                 and int(local) != self.rank % per:
