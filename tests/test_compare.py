@@ -204,6 +204,21 @@ def test_parse_seeds_refuses_out_of_range_and_huge_counts():
     assert compare_stats.parse_seeds("1", 2**32 - 1) == [2**32 - 1]
 
 
+def test_a_parameter_after_a_spec_without_parameters_is_named():
+    """``fp16,ratio=0.1`` was glued into one spec and refused as ``unknown compressor 'fp16,ratio=0.1'``."""
+    for bad, first in (("fp16,ratio=0.1", "fp16"), ("none,topk:ratio=0.1>natural,bucket=4", "topk:ratio=0.1>natural")):
+        with pytest.raises(ValueError) as exc:
+            compare.split_specs(bad)
+        msg = str(exc.value)
+        assert msg.startswith("compressors: ") and f"{first!r} has no parameter list" in msg, msg
+    assert compare.split_specs("qsgd:levels=4,bucket=512,fp16") == ["qsgd:levels=4,bucket=512", "fp16"]
+    assert compare.split_specs("topk:ratio=0.1>natural:x=1,y=2") == ["topk:ratio=0.1>natural:x=1,y=2"]
+    from gradpress.bench.specs import parse_compressors
+
+    with pytest.raises(ValueError, match="--compressors: .*'fp16' has no parameter list"):
+        parse_compressors("fp16,ratio=0.1")
+
+
 def test_best_lr_rule():
     from gradpress import compare_stats
 
