@@ -206,6 +206,9 @@ def no_cluster(monkeypatch):
     (["--train-to", "0.5", "--seeds", "2", "--seed", "4294967295"], ["seeds", "4294967296", "4294967295"]),
     (["--train-to", "0.5", "--seeds", "5000"], ["seeds", "5000", "1000"]),
     (["--threads", str(100 * (os.cpu_count() or 1))], ["--threads got", f"<= {os.cpu_count() or 1}"]),
+    (["--workload", ""], ["--workload got ''", "wide-mlp"]),  # empty: was the default, silently
+    (["--optimizer", ""], ["--optimizer got ''", "momentum"]),
+    (["--params", ""], ["--params", "''"]),
 ])
 def test_cli_refuses_out_of_range_values_before_any_namespace(argv, words, tmp_path, capsys, no_cluster):
     code = cli_main(["bench", "e2e", *argv, "--out", str(tmp_path / "out")])

@@ -42,14 +42,15 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
             raise ValueError("--intra-bandwidth shapes traffic between a host's own workers; it needs --workers-per-node >= 2")
     world = args.nodes * per
     mode = "train" if args.train_to is not None else "step"
-    workload = args.workload or ("mnist1d-cnn" if mode == "train" else "wide-mlp")
+    default = "mnist1d-cnn" if mode == "train" else "wide-mlp"
+    workload = default if args.workload is None else args.workload  # "" is refused, not the default
     if workload not in workloads.names():
         raise ValueError(f"--workload got {workload!r}; allowed: {', '.join(workloads.names())}")
     params = args.params
     if workload == "wide-mlp":
         from gradpress.workloads.wide import parse_count
 
-        params = params or "10M"
+        params = "10M" if params is None else params
         parse_count(params, "--params")
     elif params is not None:
         raise ValueError(f"--params sets the size of 'wide-mlp' only; --workload is {workload!r}")
@@ -59,7 +60,8 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--lr got {args.lr!r}; allowed: a positive finite number")
     from gradpress.train.optim import OPTIMIZERS
 
-    optimizer = getattr(args, "optimizer", None) or defaults["optimizer"]
+    optimizer = getattr(args, "optimizer", None)
+    optimizer = defaults["optimizer"] if optimizer is None else optimizer
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"--optimizer got {optimizer!r}; allowed: {', '.join(OPTIMIZERS)}")
     for flag, value in (("--timeout", args.timeout), ("--time-limit", args.time_limit)):
