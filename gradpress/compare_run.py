@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from gradpress import compare, compare_report, compare_stats, train, workloads
-from gradpress.train.config import load_toml
-from gradpress.train.launch import WorkerFailed
+from gradpress.train.config import check_out, load_toml
+from gradpress.train.launch import WorkerFailed, check_data
 
 __all__ = ["run", "sweep", "OUTPUTS", "RunsFailed", "failure", "DEFAULT_OUT"]
 
@@ -130,6 +130,7 @@ def run(compressors: str | Iterable[str] | None, options: Mapping[str, Any] | No
         if key in opts:
             raise ValueError(f"{key}: not a compare option (compare sets it per run)")
     out = _config_file(opts, out)
+    check_out(out)  # the runs' directories are set below it after their own checks
     if not compressors and not algorithms:
         raise ValueError("compressors: give at least one compressor or algorithm spec, e.g. "
                          "--compressors none,fp16,topk:ratio=0.01 or --algorithms ddp,localsgd:period=8")
@@ -156,6 +157,9 @@ def run(compressors: str | Iterable[str] | None, options: Mapping[str, Any] | No
     for cfg in configs:
         if cfg.lr != shared_lr and rates is None:
             shared_lr = None  # e.g. an algorithm with its own default lr
+    # a batch the data cannot fill: refused now (an option error), not by every run in turn
+    env_world = os.environ.get("WORLD_SIZE", "")
+    check_data(configs[0], configs[0].nproc or (int(env_world) if env_world.isdigit() else 1))
     for name in OUTPUTS:  # a reused directory: no file of an earlier compare is left to pass for this one's
         (root / name).unlink(missing_ok=True)
     record = None
