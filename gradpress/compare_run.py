@@ -55,9 +55,14 @@ def failure(cfg: Any, seed: int, out: str, exc: BaseException, sweep: bool = Fal
 def _config_file(opts: Mapping[str, Any], out: str | None) -> str:
     """Where the compare writes: ``out``, else the ``--config`` file's
     ``out``, else :data:`DEFAULT_OUT`. The file may not set ``resume``:
-    compare starts every run afresh in its own directory."""
+    compare starts every run afresh in its own directory; nor ``algorithm``
+    or ``compressor``: compare sets them per run."""
     path = opts.get("config")
     given = load_toml(str(path)) if path else {}
+    for key in ("algorithm", "compressor"):  # compare sets them per run: the file's would be ignored
+        if key in given:
+            raise ValueError(f"{key}: not a compare option (config file {str(path)!r} sets {key} = {given[key]!r}); "
+                             f"compare sets it per run from --compressors and --algorithms: remove it from the file")
     if given.get("resume", False) is not False:
         raise ValueError(f"resume: not a compare option (config file {str(path)!r} sets resume = "
                          f"{str(given['resume']).lower()}); compare starts every run afresh: remove it from the file")

@@ -284,3 +284,18 @@ def test_a_batch_the_data_cannot_fill_is_refused_before_any_run(tmp_path, capsys
     assert err.strip() == ("gradpress compare: error: batch_size 32 x 1 workers exceeds the 3 training samples of "
                            "'digits-mlp'; use a smaller --batch-size"), err
     assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize("line", ['compressor = "topk:ratio=0.01"', "compressor = 5", 'algorithm = ["ddp"]',
+                                  'algorithm = "localsgd"'])
+def test_algorithm_or_compressor_in_a_config_file_is_refused(tmp_path, capsys, no_runs, line):
+    """Compare sets both per run: the file's value (even a malformed one, compressor = 5) was ignored
+    silently and the compare ran."""
+    toml = tmp_path / "cmp.toml"
+    toml.write_text(f'workload = "digits-mlp"\nsteps = 4\n{line}\n')
+    assert cli(["compare", "--compressors", "none", "--config", str(toml), "--out", str(tmp_path / "c")]) == 2
+    err = capsys.readouterr().err
+    key = line.split(" ")[0]
+    assert err.startswith(f"gradpress compare: error: {key}: not a compare option (config file {str(toml)!r} sets "
+                          f"{key} = "), err
+    assert "--compressors" in err and "--algorithms" in err and len(err.strip().splitlines()) == 1, err
