@@ -39,8 +39,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except ValueError as exc:
-        print(f"gradpress {args.command}: error: {exc}", file=sys.stderr)
+        print(f"{command_name(args)}: error: {exc}", file=sys.stderr)
         return 2
+
+
+def command_name(args: argparse.Namespace) -> str:
+    """``gradpress train``, ``gradpress bench e2e``: the command an error line names."""
+    words = [args.command, getattr(args, "bench_command", None)]
+    return " ".join(["gradpress", *(w for w in words if w)])
 
 
 if __name__ == "__main__":

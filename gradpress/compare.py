@@ -71,6 +71,9 @@ def split_specs(values: str | Iterable[str], what: str = "compressors") -> list[
                 piece = piece.strip()
                 head = piece.split(">", 1)[0]
                 if current and "=" in head and ":" not in head:
+                    if ":" not in current[-1].rsplit(">", 1)[-1]:
+                        raise ValueError(f"{what}: {piece!r} in {item!r} is a parameter, but {current[-1]!r} has no "
+                                         f"parameter list; allowed: NAME:key=value,key=value")
                     current[-1] += "," + piece
                 elif piece:
                     current.append(piece)

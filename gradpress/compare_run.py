@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from gradpress import compare, compare_report, compare_stats, train, workloads
-from gradpress.train.config import load_toml
-from gradpress.train.launch import WorkerFailed
+from gradpress.train.config import check_out, load_toml
+from gradpress.train.launch import WorkerFailed, check_data
 
 __all__ = ["run", "sweep", "OUTPUTS", "RunsFailed", "failure", "DEFAULT_OUT"]
 
@@ -55,9 +55,14 @@ def failure(cfg: Any, seed: int, out: str, exc: BaseException, sweep: bool = Fal
 def _config_file(opts: Mapping[str, Any], out: str | None) -> str:
     """Where the compare writes: ``out``, else the ``--config`` file's
     ``out``, else :data:`DEFAULT_OUT`. The file may not set ``resume``:
-    compare starts every run afresh in its own directory."""
+    compare starts every run afresh in its own directory; nor ``algorithm``
+    or ``compressor``: compare sets them per run."""
     path = opts.get("config")
     given = load_toml(str(path)) if path else {}
+    for key in ("algorithm", "compressor"):  # compare sets them per run: the file's would be ignored
+        if key in given:
+            raise ValueError(f"{key}: not a compare option (config file {str(path)!r} sets {key} = {given[key]!r}); "
+                             f"compare sets it per run from --compressors and --algorithms: remove it from the file")
     if given.get("resume", False) is not False:
         raise ValueError(f"resume: not a compare option (config file {str(path)!r} sets resume = "
                          f"{str(given['resume']).lower()}); compare starts every run afresh: remove it from the file")
@@ -130,6 +135,7 @@ def run(compressors: str | Iterable[str] | None, options: Mapping[str, Any] | No
         if key in opts:
             raise ValueError(f"{key}: not a compare option (compare sets it per run)")
     out = _config_file(opts, out)
+    check_out(out)  # the runs' directories are set below it after their own checks
     if not compressors and not algorithms:
         raise ValueError("compressors: give at least one compressor or algorithm spec, e.g. "
                          "--compressors none,fp16,topk:ratio=0.01 or --algorithms ddp,localsgd:period=8")
@@ -156,6 +162,9 @@ def run(compressors: str | Iterable[str] | None, options: Mapping[str, Any] | No
     for cfg in configs:
         if cfg.lr != shared_lr and rates is None:
             shared_lr = None  # e.g. an algorithm with its own default lr
+    # a batch the data cannot fill: refused now (an option error), not by every run in turn
+    env_world = os.environ.get("WORLD_SIZE", "")
+    check_data(configs[0], configs[0].nproc or (int(env_world) if env_world.isdigit() else 1))
     for name in OUTPUTS:  # a reused directory: no file of an earlier compare is left to pass for this one's
         (root / name).unlink(missing_ok=True)
     record = None

@@ -20,7 +20,13 @@ import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["parse_seeds", "parse_lr_grid", "stat", "fmt", "group", "best_lr", "BEST_LR_RULE"]
+__all__ = ["parse_seeds", "parse_lr_grid", "stat", "fmt", "group", "best_lr", "BEST_LR_RULE", "MAX_SEEDS"]
+
+#: the most seeds one ``--seeds`` may ask for (a count is expanded to a list up front: a typo such as
+#: ``--seeds 99999999999`` must be refused, not allocated)
+MAX_SEEDS = 1000
+#: the largest seed (``gradpress train --seed``: numpy's global generator takes 32-bit seeds)
+SEED_MAX = 2**32 - 1
 
 BEST_LR_RULE = ("best final validation metric after the sweep budget, mean over the sweep seeds "
                 "(ties, within 1e-9, go to the smaller lr)")
@@ -45,11 +51,16 @@ def parse_seeds(value: str | int | Sequence[int] | None, base: int = 0) -> list[
     else:
         items, count = [int(v) for v in value], 0
     if items is None:
-        if count < 1:
-            raise ValueError(f"seeds: the count must be at least 1, got {count}")
+        if not 1 <= count <= MAX_SEEDS:
+            raise ValueError(f"seeds: the count must be from 1 to {MAX_SEEDS}, got {count}")
+        if base + count - 1 > SEED_MAX:
+            raise ValueError(f"seeds: {count} seeds from --seed {base} go up to {base + count - 1}; allowed: seeds "
+                             f"from 0 to {SEED_MAX}")
         items = list(range(base, base + count))
-    if any(s < 0 for s in items):
-        raise ValueError(f"seeds: must be >= 0, got {items}")
+    if len(items) > MAX_SEEDS:
+        raise ValueError(f"seeds: {len(items)} seeds listed; allowed: at most {MAX_SEEDS}")
+    if any(s < 0 or s > SEED_MAX for s in items):
+        raise ValueError(f"seeds: must be from 0 to {SEED_MAX}, got {items}")
     if len(set(items)) != len(items):
         raise ValueError(f"seeds: {items} lists a seed more than once")
     return items

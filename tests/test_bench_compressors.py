@@ -146,6 +146,46 @@ def test_bad_flags_are_rejected_by_the_parser(capsys, argv, message):
     assert message in capsys.readouterr().err
 
 
+@pytest.fixture
+def no_benchmark(monkeypatch):
+    """Running the benchmark fails the test: the arguments must be refused before."""
+    import gradpress.bench.compressors as cmd
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the benchmark ran for arguments that should have been refused")
+
+    monkeypatch.setattr(cmd, "run_benchmark", refused)
+
+
+def test_outputs_it_cannot_write_are_refused_before_measuring(tmp_path, capsys, no_benchmark):
+    """An --out or --json that could not be written raised (FileNotFoundError, FileExistsError) after the
+    whole benchmark; an empty --json or --compressors list ran and exited 0."""
+    (tmp_path / "file").write_text("x")
+    base = ["bench", "compressors", "--sizes", "1K", "--compressors", "none"]
+    cases = [(["--json", str(tmp_path / "file" / "b.json")], "--json got", "is a file, not a directory"),
+             (["--json", str(tmp_path / "missing" / "b.json")], "--json: directory", "does not exist"),
+             (["--json", ""], "--json got ''", "a file path"),
+             (["--out", str(tmp_path / "file" / "out")], "--out: cannot create", "is a file, not a directory"),
+             (["--compressors", ","], "--compressors got ','", "at least one")]
+    if __import__("os").path.isdir("/proc/self"):
+        cases += [(["--json", "/proc/self/b.json"], "--json: cannot write", "/proc/self"),
+                  (["--out", "/proc/self/out"], "--out: cannot write", "/proc/self")]
+    for argv, first, then in cases:
+        rc = main([*base, "--out", str(tmp_path / "out"), *argv])
+        err = capsys.readouterr().err
+        assert rc == 2 and err.startswith(f"gradpress bench compressors: error: {first}") and then in err, err
+        assert len(err.strip().splitlines()) == 1, err
+
+
+def test_threads_beyond_the_cores_are_refused(tmp_path, capsys, no_benchmark):
+    """--threads 100000 reached torch.set_num_threads and the process died of SIGSEGV."""
+    import os
+
+    rc = main(["bench", "compressors", "--out", str(tmp_path), "--threads", str(100 * (os.cpu_count() or 1))])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--threads got" in err and f"<= {os.cpu_count()}" in err, err
+
+
 def test_cuda_request_without_cuda(tmp_path, capsys):
     rc = main(["bench", "compressors", "--device", "cuda", "--sizes", "1K", "--compressors", "none",
                "--out", str(tmp_path)])

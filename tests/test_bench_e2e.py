@@ -176,6 +176,57 @@ def test_cli_rejects_bad_arguments_before_building_a_cluster(argv, words, tmp_pa
     assert not out.exists()  # nothing ran
 
 
+@pytest.fixture
+def no_cluster(monkeypatch):
+    """Any emulated cluster (check_support's probe included) fails the test: the arguments must be refused
+    before a namespace is created."""
+    import gradpress.cluster as cluster
+    import gradpress.cluster.netns as netns
+
+    class Refused:
+        def __init__(self, *args, **kwargs):
+            raise AssertionError("an emulated cluster was built for arguments that should have been refused")
+
+    monkeypatch.setattr(netns, "EmulatedCluster", Refused)
+    monkeypatch.setattr(cluster, "EmulatedCluster", Refused)
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--nodes", "251"], ["--nodes got 251", "<= 250"]),
+    (["--nodes", "2", "--workers-per-node", "65"], ["--workers-per-node got 65", "<= 64"]),
+    (["--bandwidth", "1e400mbit"], ["--bandwidth", "1e400mbit", "out of range"]),
+    (["--seed=-1"], ["--seed got -1", "0 to 4294967295"]),
+    (["--seed", "4294967296"], ["--seed got 4294967296", "0 to 4294967295"]),
+    (["--timeout", "nan"], ["--timeout got nan", "finite"]),
+    (["--timeout", "inf"], ["--timeout got inf", "finite"]),
+    (["--train-to", "0.5", "--time-limit", "nan"], ["--time-limit got nan", "finite"]),
+    (["--train-to", "nan"], ["--train-to got nan", "finite"]),
+    (["--train-to", "2"], ["--train-to got 2", "<= 1", "accuracy"]),
+    (["--train-to", "0"], ["--train-to got 0", "> 0"]),
+    (["--train-to", "0.5", "--seeds", "2", "--seed", "4294967295"], ["seeds", "4294967296", "4294967295"]),
+    (["--train-to", "0.5", "--seeds", "5000"], ["seeds", "5000", "1000"]),
+    (["--threads", str(100 * (os.cpu_count() or 1))], ["--threads got", f"<= {os.cpu_count() or 1}"]),
+    (["--workload", ""], ["--workload got ''", "wide-mlp"]),  # empty: was the default, silently
+    (["--optimizer", ""], ["--optimizer got ''", "momentum"]),
+    (["--params", ""], ["--params", "''"]),
+])
+def test_cli_refuses_out_of_range_values_before_any_namespace(argv, words, tmp_path, capsys, no_cluster):
+    code = cli_main(["bench", "e2e", *argv, "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith("gradpress bench e2e: error: ") and len(err.strip().splitlines()) == 1, err
+    for w in words:
+        assert w in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_refuses_an_out_it_cannot_create_before_any_namespace(tmp_path, capsys, no_cluster):
+    (tmp_path / "file").write_text("x")
+    code = cli_main(["bench", "e2e", "--out", str(tmp_path / "file" / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and "--out" in err and "is a file, not a directory" in err, err
+
+
 def test_wire_factor_and_command_line():
     assert wire_factor("allreduce", 4) == 1.5 and wire_factor("allgather", 4) == 3 and wire_factor("ring", 4) == 1
     assert wire_factor("ps", 4) is None and wire_factor(None, 4) is None
@@ -442,7 +493,7 @@ def test_seeds_need_train_to(tmp_path, capsys):
     assert cli_main(["bench", "e2e", "--seeds", "2", "--out", str(tmp_path / "s")]) == 2
     assert "--seeds: only with --train-to" in capsys.readouterr().err
     assert cli_main(["bench", "e2e", "--seeds", "0", "--train-to", "0.5", "--out", str(tmp_path / "s")]) == 2
-    assert "seeds: the count must be at least 1" in capsys.readouterr().err
+    assert "seeds: the count must be from 1 to 1000, got 0" in capsys.readouterr().err
 
 
 def test_profile_phases_of_the_allgather_step():

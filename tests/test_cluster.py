@@ -64,6 +64,16 @@ def test_parse_rate_rejects_with_field_and_forms(bad):
     assert "bandwidth" in str(e.value) and "mbit" in str(e.value)
 
 
+@pytest.mark.parametrize("text", ["1e400mbit", "1e999", "9e308gbit", "1e-400mbit"])
+def test_parse_rate_size_time_refuse_huge_exponents(text):
+    """1e400 overflowed ``10.0 ** 400`` (OverflowError, a traceback from the CLI) instead of a ValueError."""
+    for parse, field in ((parse_rate, "bandwidth"), (parse_size, "burst"), (parse_time, "queue_latency")):
+        with pytest.raises(ValueError, match=field):
+            parse(text.replace("mbit", "").replace("gbit", ""), field)
+    with pytest.raises(ValueError, match="bandwidth"):
+        parse_rate(text, "bandwidth")
+
+
 def test_parse_size_and_time():
     assert parse_size("32kb") == 32 * 1024 and parse_size("1514") == 1514 and parse_size("1mb") == 1024**2
     assert parse_time("50ms") == pytest.approx(0.05) and parse_time("1s") == 1.0 and parse_time("500") == pytest.approx(5e-4)

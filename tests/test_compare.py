@@ -187,6 +187,38 @@ def test_parse_seeds_and_rates_reject():
             compare_stats.parse_lr_grid(bad, None)
 
 
+def test_parse_seeds_refuses_out_of_range_and_huge_counts():
+    """A count was expanded without a bound (``--seeds 99999999999`` allocated a list of 1e11 ints) and seeds
+    past 2**32 - 1, which ``gradpress train`` refuses, passed here and failed only at that seed's run."""
+    from gradpress import compare_stats
+
+    with pytest.raises(ValueError, match=r"^seeds: the count must be from 1 to 1000, got 5000"):
+        compare_stats.parse_seeds("5000")
+    with pytest.raises(ValueError, match=r"^seeds: 2 seeds from --seed 4294967295 go up to 4294967296"):
+        compare_stats.parse_seeds("2", 2**32 - 1)
+    with pytest.raises(ValueError, match=r"^seeds: must be from 0 to 4294967295, got \[0, 4294967296\]"):
+        compare_stats.parse_seeds("0,4294967296")
+    with pytest.raises(ValueError, match=r"^seeds: 1001 seeds listed; allowed: at most 1000"):
+        compare_stats.parse_seeds(",".join(map(str, range(1001))))
+    assert compare_stats.parse_seeds("1000") == list(range(1000))
+    assert compare_stats.parse_seeds("1", 2**32 - 1) == [2**32 - 1]
+
+
+def test_a_parameter_after_a_spec_without_parameters_is_named():
+    """``fp16,ratio=0.1`` was glued into one spec and refused as ``unknown compressor 'fp16,ratio=0.1'``."""
+    for bad, first in (("fp16,ratio=0.1", "fp16"), ("none,topk:ratio=0.1>natural,bucket=4", "topk:ratio=0.1>natural")):
+        with pytest.raises(ValueError) as exc:
+            compare.split_specs(bad)
+        msg = str(exc.value)
+        assert msg.startswith("compressors: ") and f"{first!r} has no parameter list" in msg, msg
+    assert compare.split_specs("qsgd:levels=4,bucket=512,fp16") == ["qsgd:levels=4,bucket=512", "fp16"]
+    assert compare.split_specs("topk:ratio=0.1>natural:x=1,y=2") == ["topk:ratio=0.1>natural:x=1,y=2"]
+    from gradpress.bench.specs import parse_compressors
+
+    with pytest.raises(ValueError, match="--compressors: .*'fp16' has no parameter list"):
+        parse_compressors("fp16,ratio=0.1")
+
+
 def test_best_lr_rule():
     from gradpress import compare_stats
 

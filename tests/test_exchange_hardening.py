@@ -232,3 +232,63 @@ def test_bench_plan_writes_a_cost_file_register_reuses(tmp_path) -> None:  # noq
     assert data["compressor"] == "topk:ratio=0.1" and data["world_size"] == 2 and set(data["fits"]) == set(FIELDS)
     assert load_costs(out, compressor="topk:ratio=0.1", world_size=2).fits() == data["fits"]
     assert cli(["bench", "plan", "--compressor", "topk:ratio=7", "--out", str(out)]) == 2  # bad spec: one line, exit 2
+
+
+@pytest.fixture
+def no_workers(monkeypatch):
+    """Starting workers fails the test: the arguments must be refused before."""
+    import torch.distributed.launcher.api as launcher
+
+    def refused(*args, **kwargs):
+        raise AssertionError("workers were started for arguments that should have been refused")
+
+    monkeypatch.setattr(launcher, "elastic_launch", refused)
+
+
+def test_bench_plan_refuses_an_out_it_cannot_write_before_workers(tmp_path, capsys, no_workers) -> None:  # noqa: ANN001
+    """A directory as --out measured, then failed with IsADirectoryError renaming DIR.tmp onto it (leaving
+    DIR.tmp behind); a file as its parent was called a missing directory."""
+    from gradpress.cli import main as cli
+
+    (tmp_path / "file").write_text("x")
+    cases = [(tmp_path, "which is a directory; allowed: a file path"),
+             (tmp_path / "file" / "costs.json", "is a file, not a directory"),
+             (tmp_path / "missing" / "costs.json", "does not exist")]
+    if __import__("os").path.isdir("/proc/self"):
+        cases.append(("/proc/self/costs.json", "cannot write"))
+    for out, words in cases:
+        assert cli(["bench", "plan", "--nproc", "1", "--reps", "1", "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("gradpress bench plan: error: --out") and words in err, err
+        assert len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path.parent / (tmp_path.name + ".tmp")).exists()
+
+
+def test_bench_plan_refuses_cuda_without_cuda_before_workers(tmp_path, capsys, no_workers, monkeypatch) -> None:  # noqa: ANN001
+    """--device cuda on a machine without CUDA failed in the workers, with the launcher's traceback."""
+    from gradpress.cli import main as cli
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli(["bench", "plan", "--nproc", "1", "--device", "cuda", "--out", str(tmp_path / "c.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("gradpress bench plan: error: --device got 'cuda'") and "allowed here: cpu" in err, err
+
+
+def test_bench_plan_reports_a_failed_worker_in_one_line(tmp_path, capsys, monkeypatch) -> None:  # noqa: ANN001
+    """A worker that fails is named in one line (exit 1), not the elastic launcher's traceback."""
+    import torch.distributed.launcher.api as launcher
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from gradpress.cli import main as cli
+
+    def failing(config, entry):
+        def call(*args):
+            failure = ProcessFailure(local_rank=0, pid=4242, exitcode=1, error_file=str(tmp_path / "none"))
+            failure.message = "RuntimeError: boom"
+            raise ChildFailedError("_worker", {0: failure})
+        return call
+
+    monkeypatch.setattr(launcher, "elastic_launch", failing)
+    assert cli(["bench", "plan", "--nproc", "1", "--out", str(tmp_path / "c.json")]) == 1
+    err = capsys.readouterr().err
+    assert err.strip() == "gradpress bench plan: error: worker rank 0 failed with exit code 1: RuntimeError: boom", err

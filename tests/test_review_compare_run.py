@@ -279,3 +279,48 @@ def test_a_strategy_in_a_config_file_is_honoured(tmp_path, monkeypatch):
 
     compare.run("fp16", {"workload": "digits-mlp", "steps": 4, "strategy": None}, out=str(tmp_path / "d"))
     assert strategies == ["collective", "collective"]
+
+
+@pytest.fixture
+def no_runs(monkeypatch):
+    """Any training run fails the test: the options must be refused before the first."""
+    def refused(cfg):
+        raise AssertionError("a run started for options that should have been refused")
+
+    monkeypatch.setattr(train, "run", refused)
+
+
+def test_an_out_that_cannot_be_written_is_refused_before_any_run(tmp_path, capsys, no_runs):
+    """The runs' own directories were checked as runs/train (compare sets them after the check): a file as
+    --out, or under it, raised NotADirectoryError from removing old outputs, a traceback with exit 1."""
+    (tmp_path / "file").write_text("x")
+    for out in (tmp_path / "file", tmp_path / "file" / "cmp"):
+        assert cli(_args(out)) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("gradpress compare: error: out: ") and str(out) in err, err
+        assert len(err.strip().splitlines()) == 1, err
+
+
+def test_a_batch_the_data_cannot_fill_is_refused_before_any_run(tmp_path, capsys, no_runs):
+    """Each run refused it in turn (recorded as failed runs, '1 of 1 runs failed', exit 1): it is an option
+    error, exit 2, before anything trains."""
+    assert cli([*_args(tmp_path / "c"), "--samples", "3", "--nproc", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == ("gradpress compare: error: batch_size 32 x 1 workers exceeds the 3 training samples of "
+                           "'digits-mlp'; use a smaller --batch-size"), err
+    assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize("line", ['compressor = "topk:ratio=0.01"', "compressor = 5", 'algorithm = ["ddp"]',
+                                  'algorithm = "localsgd"'])
+def test_algorithm_or_compressor_in_a_config_file_is_refused(tmp_path, capsys, no_runs, line):
+    """Compare sets both per run: the file's value (even a malformed one, compressor = 5) was ignored
+    silently and the compare ran."""
+    toml = tmp_path / "cmp.toml"
+    toml.write_text(f'workload = "digits-mlp"\nsteps = 4\n{line}\n')
+    assert cli(["compare", "--compressors", "none", "--config", str(toml), "--out", str(tmp_path / "c")]) == 2
+    err = capsys.readouterr().err
+    key = line.split(" ")[0]
+    assert err.startswith(f"gradpress compare: error: {key}: not a compare option (config file {str(toml)!r} sets "
+                          f"{key} = "), err
+    assert "--compressors" in err and "--algorithms" in err and len(err.strip().splitlines()) == 1, err

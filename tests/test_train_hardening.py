@@ -59,6 +59,58 @@ def test_bad_out_fails_before_any_worker_in_one_line(tmp_path, capsys, make):
     assert not (tmp_path / "a_file").is_dir()
 
 
+@pytest.fixture
+def no_workers(monkeypatch):
+    """Starting workers fails the test: the options must be refused before."""
+    import gradpress.train.launch as launch
+
+    def refused(cfg):
+        raise AssertionError("workers were started for options that should have been refused")
+
+    monkeypatch.setattr(launch, "_launch", refused)
+
+
+def test_config_file_key_given_twice_in_two_spellings_is_refused(tmp_path, capsys, no_workers):
+    """``log-every`` and ``log_every`` are one option: the file set it twice and the last one silently won."""
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('log-every = 3\nlog_every = 4\n')
+    assert cli(["train", "--nproc", "1", *TINY, "--config", str(cfg), "--out", str(tmp_path / "r")]) == 2
+    line = _one_line_error(capsys.readouterr().err)
+    assert line.startswith("gradpress train: error: config file") and "'log-every'" in line and "'log_every'" in line
+    assert "same option" in line, line
+    with pytest.raises(ValueError, match="'log-every' and 'log_every'"):
+        train.make_config({"config": str(cfg)})
+
+
+def test_unwritable_tensorboard_dir_fails_before_any_worker(tmp_path, capsys, no_workers):
+    """The workers opened it: exit 1 with a FileNotFoundError, seconds after the start."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    pytest.importorskip("tensorboard")
+    assert cli(["train", "--nproc", "1", *TINY, "--out", str(tmp_path / "r"), "--tensorboard", str(blocker / "tb")]) == 2
+    line = _one_line_error(capsys.readouterr().err)
+    assert "tensorboard: cannot create" in line and "is a file, not a directory" in line, line
+
+
+def test_hierarchical_layout_that_cannot_divide_nproc_fails_before_any_worker(tmp_path, capsys, no_workers):
+    """Every worker refused it at registration (exit 2 after the start); --nproc gives the world size now."""
+    assert cli(["train", "--nproc", "2", *TINY, "--out", str(tmp_path / "r"),
+                "--strategy", "hierarchical:workers_per_host=3"]) == 2
+    line = _one_line_error(capsys.readouterr().err)
+    assert line == ("gradpress train: error: strategy 'hierarchical': workers_per_host=3 does not divide the group's "
+                    "2 ranks; allowed: a divisor of 2"), line
+    train.make_config(workload="digits-mlp", nproc=4, strategy="hierarchical:workers_per_host=2")  # divides: fine
+    train.make_config(workload="digits-mlp", nproc=1, strategy="hierarchical:workers_per_host=3")  # one rank: one host
+
+
+@pytest.mark.parametrize("workload,option,value", [("wide-mlp", "hidden", 8), ("digits-mlp", "text_bytes", 20000),
+                                                   ("mnist1d-cnn", "text_bytes", 5000)])
+def test_workload_options_the_workload_ignores_are_refused(workload, option, value):
+    """--hidden on wide-mlp and --text-bytes off the charlm workloads were dropped silently."""
+    with pytest.raises(ValueError, match=f"^{option} .*workload is {workload!r}"):
+        train.make_config(workload=workload, **{option: value})
+
+
 def test_bad_out_from_python_raises_value_error_naming_out(tmp_path):
     (tmp_path / "f").write_text("x")
     with pytest.raises(ValueError, match="out: cannot create .* is a file, not a directory"):

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 
 
 def positive_int(name: str) -> Callable[[str], int]:
@@ -19,3 +22,23 @@ def positive_int(name: str) -> Callable[[str], int]:
         return value
 
     return parse
+
+
+def check_file_path(path: str | os.PathLike, flag: str) -> None:
+    """Refuse (ValueError naming ``flag``) a path the command could not write its file to: a directory, a
+    parent that is missing or a file, a parent this process cannot write in. For checks before any work:
+    nothing is created (a probe file is written and removed in the parent)."""
+    out = Path(path)
+    parent = out.parent
+    if out.is_dir():
+        raise ValueError(f"{flag} got {str(out)!r}, which is a directory; allowed: a file path")
+    if not parent.exists():
+        raise ValueError(f"{flag}: directory {str(parent)!r} does not exist")
+    if not parent.is_dir():
+        raise ValueError(f"{flag} got {str(out)!r}: {str(parent)!r} is a file, not a directory")
+    try:
+        fd, probe = tempfile.mkstemp(dir=parent, prefix=".gradpress-probe-")
+        os.close(fd)
+        os.remove(probe)
+    except OSError as exc:
+        raise ValueError(f"{flag}: cannot write to {str(out)!r}: {exc.strerror or exc} (in {str(parent)!r})") from None

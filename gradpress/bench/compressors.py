@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
 import torch
 
-from gradpress.bench.args import positive_int
+from gradpress.bench.args import check_file_path, positive_int
 from gradpress.bench.compressors_report import _json_safe, format_table
 from gradpress.bench.compressors_rows import ROW_FIELDS, VARIANTS, bench_method, bench_reference
 from gradpress.bench.compressors_sweep import evaluate_targets, run_benchmark
@@ -69,13 +70,21 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--variants got {args.variants!r}; allowed: comma-separated {', '.join(VARIANTS)}")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device got 'cuda' but CUDA is not available on this machine; allowed here: cpu")
-    if args.json:
+    if args.threads is not None and args.threads > (os.cpu_count() or 1):
+        raise ValueError(f"--threads got {args.threads}; allowed: an integer >= 1 and <= {os.cpu_count() or 1} "
+                         "(this machine's cores)")
+    # the files it writes: refused now, not after the whole benchmark
+    if args.json is not None:
+        if not args.json:
+            raise ValueError("--json got ''; allowed: a file path")
         json_path = Path(args.json)
-        if json_path.is_dir():
-            raise ValueError(f"--json got {args.json!r}, which is a directory; allowed: a file path")
+        check_file_path(json_path, "--json")
     out_dir = Path(args.out)
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"--out got {args.out!r}, which is a file; allowed: a directory")
+    from gradpress.train.config import check_out
+
+    check_out(str(out_dir), "--out")
 
     all_threads = torch.get_num_threads()  # torch's default, before --threads: the all-thread roofline
     if args.threads is not None:

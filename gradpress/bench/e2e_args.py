@@ -9,6 +9,7 @@ is built.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shlex
 from pathlib import Path
@@ -24,25 +25,32 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
     settings shared by every run."""
     from gradpress import workloads
     from gradpress.cluster import parse_rate
+    from gradpress.cluster.netns import MAX_NODES, MAX_WORKERS_PER_NODE
+    from gradpress.train.config import SEED_MAX, check_out
 
-    if args.nodes < 2:
-        raise ValueError(f"--nodes got {args.nodes}; allowed: an integer >= 2")
+    if not 2 <= args.nodes <= MAX_NODES:
+        raise ValueError(f"--nodes got {args.nodes}; allowed: an integer >= 2 and <= {MAX_NODES}")
     rate = parse_rate(args.bandwidth, "--bandwidth")
     per = getattr(args, "workers_per_node", 1) or 1
+    if not 1 <= per <= MAX_WORKERS_PER_NODE:
+        raise ValueError(f"--workers-per-node got {per}; allowed: an integer >= 1 and <= {MAX_WORKERS_PER_NODE}")
+    if not 0 <= args.seed <= SEED_MAX:
+        raise ValueError(f"--seed got {args.seed}; allowed: an integer from 0 to {SEED_MAX}")
     if getattr(args, "intra_bandwidth", None) is not None:
         parse_rate(args.intra_bandwidth, "--intra-bandwidth")
         if per == 1:
             raise ValueError("--intra-bandwidth shapes traffic between a host's own workers; it needs --workers-per-node >= 2")
     world = args.nodes * per
     mode = "train" if args.train_to is not None else "step"
-    workload = args.workload or ("mnist1d-cnn" if mode == "train" else "wide-mlp")
+    default = "mnist1d-cnn" if mode == "train" else "wide-mlp"
+    workload = default if args.workload is None else args.workload  # "" is refused, not the default
     if workload not in workloads.names():
         raise ValueError(f"--workload got {workload!r}; allowed: {', '.join(workloads.names())}")
     params = args.params
     if workload == "wide-mlp":
         from gradpress.workloads.wide import parse_count
 
-        params = params or "10M"
+        params = "10M" if params is None else params
         parse_count(params, "--params")
     elif params is not None:
         raise ValueError(f"--params sets the size of 'wide-mlp' only; --workload is {workload!r}")
@@ -52,18 +60,30 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--lr got {args.lr!r}; allowed: a positive finite number")
     from gradpress.train.optim import OPTIMIZERS
 
-    optimizer = getattr(args, "optimizer", None) or defaults["optimizer"]
+    optimizer = getattr(args, "optimizer", None)
+    optimizer = defaults["optimizer"] if optimizer is None else optimizer
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"--optimizer got {optimizer!r}; allowed: {', '.join(OPTIMIZERS)}")
-    if args.timeout <= 0:
-        raise ValueError(f"--timeout got {args.timeout!r}; allowed: seconds > 0")
-    if args.time_limit is not None and args.time_limit <= 0:
-        raise ValueError(f"--time-limit got {args.time_limit!r}; allowed: seconds > 0")
+    for flag, value in (("--timeout", args.timeout), ("--time-limit", args.time_limit)):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{flag} got {value!r}; allowed: a finite number of seconds > 0")
+    if args.train_to is not None:
+        accuracy = workloads.get(workload).metric == "accuracy"
+        if not (math.isfinite(args.train_to) and args.train_to > 0 and (args.train_to <= 1 or not accuracy)):
+            raise ValueError(f"--train-to got {args.train_to!r}; allowed: a finite metric value > 0"
+                             + (f", and <= 1 for an accuracy (workload {workload!r})" if accuracy else ""))
     configs = parse_baselines(args.baselines) + parse_configs(args.configs)
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out got {args.out!r}, which is a file; allowed: a directory")
+    check_out(str(out), "--out")  # one it cannot create or write in: now, not after the cluster's probe
+    if getattr(args, "seeds", None) is not None and args.train_to is not None:
+        from gradpress.compare_stats import parse_seeds
+
+        parse_seeds(args.seeds, args.seed)
     cpus = os.cpu_count() or 1
+    if args.threads is not None and args.threads > cpus:
+        raise ValueError(f"--threads got {args.threads}; allowed: an integer >= 1 and <= {cpus} (this machine's cores)")
     return {
         "mode": mode, "workload": workload, "params": params, "hidden": args.hidden, "rate": rate,
         "batch_size": args.batch_size or defaults["batch_size"], "lr": float(lr),

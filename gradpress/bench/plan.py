@@ -21,9 +21,12 @@ import datetime
 import json
 import os
 import socket
+import sys
 import uuid
 from pathlib import Path
 from typing import Any
+
+from gradpress.bench.args import check_file_path
 
 __all__ = ["register_bench", "measure_costs"]
 
@@ -74,9 +77,13 @@ def main(args: argparse.Namespace) -> int:
     create(args.compressor)  # a bad spec fails here, before any worker starts
     if args.nproc < 1 or args.reps < 1:
         raise ValueError(f"--nproc and --reps must be integers >= 1, got {args.nproc} and {args.reps}")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("--device got 'cuda' but CUDA is not available on this machine; allowed here: cpu")
     out = Path(args.out)
-    if out.parent and not out.parent.is_dir():
-        raise ValueError(f"--out: directory {str(out.parent)!r} does not exist")
+    check_file_path(out, "--out")
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         result = _worker(args.compressor, args.device, args.reps)
         if int(os.environ["RANK"]) != 0:
@@ -89,7 +96,18 @@ def main(args: argparse.Namespace) -> int:
         launch = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=args.nproc, run_id=f"plan-{uuid.uuid4().hex[:8]}",
                               rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0,
                               monitor_interval=0.1, start_method="spawn", local_addr="127.0.0.1")
-        results = elastic_launch(launch, _worker)(args.compressor, args.device, args.reps)
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+        from gradpress.train.launch import describe_failures
+
+        try:
+            results = elastic_launch(launch, _worker)(args.compressor, args.device, args.reps)
+        except ChildFailedError as exc:
+            from torch.distributed import default_pg_timeout  # the group's timeout (init_group sets none)
+
+            why = describe_failures(exc.failures, args.nproc, default_pg_timeout.total_seconds())
+            print(f"gradpress bench plan: error: {why}", file=sys.stderr)
+            return 1
         result = results[min(results)]
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text(json.dumps(result, indent=2) + "\n")

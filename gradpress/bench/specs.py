@@ -97,9 +97,14 @@ def parse_compressors(text: str) -> list[str]:
                 continue
             head = token.split(">", 1)[0]
             if specs and "=" in head and ":" not in head:
+                if ":" not in specs[-1].rsplit(">", 1)[-1]:
+                    raise ValueError(f"--compressors: {token!r} in {text!r} is a parameter, but {specs[-1]!r} has "
+                                     "no parameter list; allowed: NAME:key=value,key=value")
                 specs[-1] += "," + token  # continuation of the previous parameter list
             else:
                 specs.append(token)
+    if not specs:
+        raise ValueError(f"--compressors got {text!r}; allowed: 'all' or at least one compressor spec")
     for spec in specs:
         try:
             create(spec)

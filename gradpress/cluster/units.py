@@ -60,7 +60,9 @@ def _split(value: object, field: str, forms: str) -> tuple[float, str]:
     m = _NUMBER.match(text)
     if not m:
         raise ValueError(f"{field}={value!r} is not allowed: expected {forms}")
-    number = float(m.group(1)) * (10.0 ** int(m.group(2)) if m.group(2) else 1.0)
+    # float() of the whole literal: 1e400 is inf (refused by the caller's range check), where 10.0 ** 400
+    # raised OverflowError
+    number = float(m.group(1) + (f"e{m.group(2)}" if m.group(2) else ""))
     return number, m.group(3).lower()
 
 

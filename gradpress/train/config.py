@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import math
 import os
 import sys
@@ -91,10 +92,15 @@ def load_toml(path: str) -> dict[str, Any]:
     except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"config file {path!r} is not valid TOML: {exc}") from None
     out: dict[str, Any] = {}
+    spelled: dict[str, str] = {}
     for key, value in raw.items():
         name = key.replace("-", "_")
         if name not in FIELDS or name == "config":
             raise ValueError(f"config file {path!r}: unknown key {key!r}; allowed: {', '.join(FIELDS)}")
+        if name in spelled:  # log-every and log_every: TOML sees two keys, the option is one
+            raise ValueError(f"config file {path!r}: keys {spelled[name]!r} and {key!r} set the same option "
+                             f"{name!r}; allowed: one of them")
+        spelled[name] = key
         out[name] = value
     return out
 
@@ -112,27 +118,27 @@ def _int(name: str, value: Any, low: int | None = None, optional: bool = False, 
     return int(value)
 
 
-def check_out(out: str) -> None:
+def check_out(out: str, field: str = "out") -> None:
     """Fail (ValueError, one line) unless ``out`` is a directory this process
     can create and write in: checked before any data, model or worker. Nothing
     is created: a probe file is written and removed in ``out``, or in its
-    nearest existing ancestor."""
+    nearest existing ancestor. ``field`` names the option in the message."""
     import tempfile
 
     path = os.path.abspath(out)
     if os.path.exists(path) and not os.path.isdir(path):
-        raise ValueError(f"out: {out!r} exists and is not a directory")
+        raise ValueError(f"{field}: {out!r} exists and is not a directory")
     existing = path
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
-        raise ValueError(f"out: cannot create {out!r}: {existing!r} is a file, not a directory")
+        raise ValueError(f"{field}: cannot create {out!r}: {existing!r} is a file, not a directory")
     try:
         fd, probe = tempfile.mkstemp(dir=existing, prefix=".gradpress-probe-")
         os.close(fd)
         os.remove(probe)
     except OSError as exc:
-        raise ValueError(f"out: cannot write to {out!r}: {exc.strerror or exc} (in {existing!r})") from None
+        raise ValueError(f"{field}: cannot write to {out!r}: {exc.strerror or exc} (in {existing!r})") from None
 
 
 def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
@@ -184,6 +190,12 @@ def _validate_workload(cfg: TrainConfig) -> None:
     for key, value in workloads.defaults(cfg.workload).items():
         if getattr(cfg, key) is None:
             setattr(cfg, key, value)
+    takes = inspect.signature(workloads.get(cfg.workload).build).parameters
+    for key in ("hidden", "text_bytes"):  # params: checked with its parser below
+        if getattr(cfg, key) is not None and key not in takes:
+            users = [n for n in workloads.names() if key in inspect.signature(workloads.get(n).build).parameters]
+            raise ValueError(f"{key} sets the model or data of {', '.join(map(repr, users))} only; workload is "
+                             f"{cfg.workload!r}")
 
 
 def _validate_numbers(cfg: TrainConfig) -> None:
@@ -207,6 +219,25 @@ def _validate_numbers(cfg: TrainConfig) -> None:
     cfg.timeout = float(cfg.timeout)
 
 
+def _check_host_layout(spec: str, world: int) -> None:
+    """Refuse a ``hierarchical`` strategy whose ``workers_per_host`` (given,
+    or ``GRADPRESS_WORKERS_PER_HOST``) does not divide ``world``, as every
+    rank would at registration. A world of one is one host; ``LOCAL_WORLD_SIZE``
+    is the workers' (the launcher sets it)."""
+    from gradpress.compress.spec import coerce_params
+    from gradpress.exchange.base import parse_strategy
+    from gradpress.exchange.strategies import hierarchical
+
+    name, params = parse_strategy(spec)
+    if name != "hierarchical" or world <= 1:
+        return
+    per = int(coerce_params(hierarchical.Hierarchical.PARAMS, params, "hierarchical", "strategy")["workers_per_host"])
+    if not per and os.environ.get(hierarchical.ENV_VARS[0], "").strip():
+        per = hierarchical.workers_per_host_from_env()
+    if per:
+        hierarchical.check_divides(world, per)
+
+
 def _validate_exchange(cfg: TrainConfig) -> None:
     """Algorithm, compressor (resolved to the algorithm's default when left
     out), strategy, error feedback, NaN/Inf mode."""
@@ -225,12 +256,14 @@ def _validate_exchange(cfg: TrainConfig) -> None:
     from gradpress.exchange.base import check_strategy
 
     cfg.strategy = check_strategy(cfg.strategy, create(cfg.compressor))  # a forced strategy that cannot carry it: now
+    env_world = os.environ.get("WORLD_SIZE", "")
+    world = cfg.nproc if cfg.nproc is not None else (int(env_world) if env_world.isdigit() else None)
+    if world is not None:  # a host layout the world size cannot have: the workers' own refusal, now
+        _check_host_layout(cfg.strategy, world)
     if cfg.algorithm != "ddp":  # what the algorithm would refuse at construction, refused before workers start
         from gradpress.algorithms.base import Preflight
         from gradpress.train.optim import optimizer_class
 
-        env_world = os.environ.get("WORLD_SIZE", "")
-        world = cfg.nproc if cfg.nproc is not None else (int(env_world) if env_world.isdigit() else None)
         algorithms.preflight(cfg.algorithm, Preflight(optimizer_class(cfg.optimizer), create(cfg.compressor),
                                                       cfg.strategy, cfg.nonfinite, world))
     if cfg.plan_costs is not None:
@@ -275,6 +308,7 @@ def _validate(cfg: TrainConfig) -> TrainConfig:
 
         cfg.tensorboard = str(cfg.tensorboard)
         require_tensorboard()  # fail before starting workers when the extra is missing
+        check_out(cfg.tensorboard, "tensorboard")  # the workers would create it: one they cannot, now
     if cfg.data is not None:
         from gradpress.workloads.userdata import check_header
 

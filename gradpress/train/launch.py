@@ -29,7 +29,7 @@ import torch.distributed as dist
 from gradpress import workloads
 from gradpress.train.config import TrainConfig, make_config
 
-__all__ = ["run", "init_group", "free_port", "WorkerFailed", "describe_failures", "one_line_warnings"]
+__all__ = ["run", "init_group", "free_port", "WorkerFailed", "describe_failures", "check_data", "one_line_warnings"]
 
 
 class WorkerFailed(RuntimeError):
@@ -180,12 +180,19 @@ def _preload(cfg: TrainConfig) -> None:
     any worker starts). The workers' imports happen in the fork server
     (:data:`FORKSERVER_PRELOAD`) or in each spawned worker, not here: the
     launcher itself does not train."""
+    assert cfg.nproc is not None
+    check_data(cfg, cfg.nproc)
+
+
+def check_data(cfg: TrainConfig, world: int) -> None:
+    """Build ``cfg``'s data (generated data land in the cache) and refuse
+    (ValueError) a batch size that leaves a worker of ``world`` no full batch."""
     from gradpress.train.loop import steps_per_epoch
 
     wl = workloads.build(cfg.workload, data=cfg.data, hidden=cfg.hidden, params=cfg.params,
                          samples=cfg.samples, text_bytes=cfg.text_bytes)
-    assert cfg.nproc is not None and cfg.batch_size is not None
-    steps_per_epoch(len(wl.train[1]), cfg.nproc, cfg.batch_size, cfg.workload)
+    assert cfg.batch_size is not None
+    steps_per_epoch(len(wl.train[1]), world, cfg.batch_size, cfg.workload)
 
 
 def _exit_codes(exc: BaseException) -> dict[int, tuple[int, int | None]]:

@@ -84,12 +84,13 @@ from gradpress.exchange.pieces import Piece, cut
 from gradpress.exchange.strategies.allgather import Allgather
 from gradpress.exchange.strategies.hierarchical_abort import is_marked, leader_failed, mark_failed
 from gradpress.exchange.strategies.hierarchical_costs import predict_seconds
+from gradpress.exchange.strategies.hierarchical_layout import check_divides, workers_per_host_from_env
 from gradpress.exchange.strategies.hierarchical_pipeline import pipelined
 from gradpress.transport.collectives import flat_by_dtype, fused_allreduce
 from gradpress.transport.groups import timeout_of
 from gradpress.transport.p2p import swap_bytes
 
-__all__ = ["Hierarchical", "HOST", "OUTER", "workers_per_host_from_env"]
+__all__ = ["Hierarchical", "HOST", "OUTER", "workers_per_host_from_env", "check_divides"]
 
 #: the leaders' residuals of the host sums in the engine's feedback store
 HOST = namespace("host")
@@ -98,24 +99,6 @@ HOST = namespace("host")
 CHUNK = 1 << 18
 #: strategies the leaders may use between hosts
 OUTER = ("collective", "allreduce", "allgather", "ring")
-ENV_VARS = ("GRADPRESS_WORKERS_PER_HOST", "LOCAL_WORLD_SIZE")
-
-
-def workers_per_host_from_env() -> int:
-    """L from ``GRADPRESS_WORKERS_PER_HOST``, else ``LOCAL_WORLD_SIZE``, else 1."""
-    for var in ENV_VARS:
-        text = os.environ.get(var, "").strip()
-        if text:
-            try:
-                value = int(text)
-            except ValueError:
-                raise ValueError(f"environment {var}={text!r}: allowed: a positive integer (workers per host)") from None
-            if value < 1:
-                raise ValueError(f"environment {var}={text!r}: allowed: a positive integer (workers per host)")
-            return value
-    return 1
-
-
 @register_strategy("hierarchical")
 class Hierarchical(Strategy):
     """Dense reduce in the host, compressed exchange between leaders, broadcast
@@ -171,9 +154,7 @@ class Hierarchical(Strategy):
     # ------------------------------------------------------------ construction
     def _check_layout(self) -> None:
         n, per = self.world_size, self.workers_per_host
-        if n % per:
-            raise ValueError(f"strategy 'hierarchical': workers_per_host={per} does not divide the group's "
-                             f"{n} ranks; allowed: a divisor of {n}")
+        check_divides(n, per)
         local = os.environ.get("LOCAL_RANK", "").strip()
         if local.isdigit() and dist.is_initialized() and os.environ.get("LOCAL_WORLD_SIZE", "").strip() == str(per) \
                 and int(local) != self.rank % per:
