@@ -226,16 +226,16 @@ def _check_host_layout(spec: str, world: int) -> None:
     is the workers' (the launcher sets it)."""
     from gradpress.compress.spec import coerce_params
     from gradpress.exchange.base import parse_strategy
-    from gradpress.exchange.strategies import hierarchical
+    from gradpress.exchange.strategies import hierarchical, hierarchical_layout
 
     name, params = parse_strategy(spec)
     if name != "hierarchical" or world <= 1:
         return
     per = int(coerce_params(hierarchical.Hierarchical.PARAMS, params, "hierarchical", "strategy")["workers_per_host"])
-    if not per and os.environ.get(hierarchical.ENV_VARS[0], "").strip():
-        per = hierarchical.workers_per_host_from_env()
+    if not per and os.environ.get(hierarchical_layout.ENV_VARS[0], "").strip():
+        per = hierarchical_layout.workers_per_host_from_env()
     if per:
-        hierarchical.check_divides(world, per)
+        hierarchical_layout.check_divides(world, per)
 
 
 def _validate_exchange(cfg: TrainConfig) -> None:
