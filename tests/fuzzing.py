@@ -4,10 +4,16 @@ compare results NaN for NaN."""
 
 from __future__ import annotations
 
+import random
+import warnings
 from collections.abc import Callable
 
 import torch
 from distributed import run_workers
+from test_compressors import spec_for
+
+from gradpress.compress import registry
+from gradpress.exchange.base import check_strategy
 
 
 def same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
@@ -30,3 +36,24 @@ def check_cases(worker: Callable[..., list[dict]], problems: Callable[[list[dict
     assert taken >= least, f"only {taken} of {len(seeds)} cases were accepted: the draw is broken"
     report = [f"{per[0]['case']}: {p}" for per in zip(*results) for p in problems(list(per))]
     assert not report, "\n".join(report[:20])
+
+
+def draw_pair(rnd: random.Random, strategies: list[str], adjust: Callable[[str], str] = lambda s: s
+              ) -> tuple[str, str] | None:
+    """A registered compressor (its small test spec) and a strategy drawn
+    from ``strategies`` (``adjust``-ed), or None when the strategy refuses it."""
+    spec = spec_for(rnd.choice(registry.names()))
+    strategy = adjust(rnd.choice(strategies))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            check_strategy(strategy, registry.create(spec))
+    except ValueError:
+        return None
+    return spec, strategy
+
+
+def raised(per_rank: list[dict]) -> list[str]:
+    """The first rank's error, if a case raised on any rank."""
+    errors = [r["error"] for r in per_rank if "error" in r]
+    return [f"raised: {errors[0]}"] if errors else []

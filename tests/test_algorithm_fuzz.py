@@ -27,7 +27,7 @@ import warnings
 import pytest
 import torch
 from distributed import checkpoint, restore
-from fuzzing import check_cases
+from fuzzing import check_cases, raised
 from test_compressors import spec_for
 
 import gradpress.algorithms as algorithms
@@ -130,9 +130,8 @@ def _worker(rank: int, world: int, seeds: list[int]) -> list[dict]:
 
 
 def problems(per_rank: list[dict]) -> list[str]:
-    errors = [r["error"] for r in per_rank if "error" in r]
-    if errors:
-        return [f"raised: {errors[0]}"]
+    if raised(per_rank):
+        return raised(per_rank)
     refused = ["refused" in r for r in per_rank]
     if any(refused):
         return [] if all(refused) else ["refused on some ranks only"]

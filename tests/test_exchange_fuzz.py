@@ -30,11 +30,8 @@ import warnings
 
 import pytest
 import torch
-from fuzzing import check_cases, same
-from test_compressors import spec_for
+from fuzzing import check_cases, draw_pair, raised, same
 
-from gradpress.compress import registry
-from gradpress.exchange.base import check_strategy
 from gradpress.exchange.engine import Synchronizer
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
@@ -71,16 +68,10 @@ def draw_case(seed: int, world: int) -> dict | None:
     """The configuration of case ``seed`` (the same on every rank), or None
     when the drawn strategy refuses the drawn compressor."""
     rnd = random.Random(seed)
-    spec = spec_for(rnd.choice(registry.names()))
-    strategy = rnd.choice(STRATEGIES)
-    if "workers_per_host=2" in strategy and world % 2:
-        strategy = "hierarchical:workers_per_host=1"
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            check_strategy(strategy, registry.create(spec))
-    except ValueError:
+    pair = draw_pair(rnd, STRATEGIES, lambda s: "hierarchical:workers_per_host=1" if "=2" in s and world % 2 else s)
+    if pair is None:
         return None
+    spec, strategy = pair
     tensors = [(rnd.choice(SHAPES), rnd.choice(DTYPES) if rnd.random() < 0.5 else torch.float32)
                for _ in range(rnd.randint(1, 4))]
     return {"seed": seed, "spec": spec, "strategy": strategy, "tensors": tensors, "kind": rnd.choice(KINDS),
@@ -117,9 +108,8 @@ def _worker(rank: int, world: int, seeds: list[int]) -> list[dict]:
 def problems(per_rank: list[dict]) -> list[str]:
     """What is wrong with one case's results on every rank (empty: nothing)."""
     case = per_rank[0]["case"]
-    errors = [r["error"] for r in per_rank if "error" in r]
-    if errors:
-        return [f"raised: {errors[0]}"]
+    if raised(per_rank):
+        return raised(per_rank)
     found = []
     for step in range(STEPS):
         outs = [r["steps"][step][1] for r in per_rank]

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
+
+from gradpress.train.config import probe_writable
 
 
 def positive_int(name: str) -> Callable[[str], int]:
@@ -36,9 +37,4 @@ def check_file_path(path: str | os.PathLike, flag: str) -> None:
         raise ValueError(f"{flag}: directory {str(parent)!r} does not exist")
     if not parent.is_dir():
         raise ValueError(f"{flag} got {str(out)!r}: {str(parent)!r} is a file, not a directory")
-    try:
-        fd, probe = tempfile.mkstemp(dir=parent, prefix=".gradpress-probe-")
-        os.close(fd)
-        os.remove(probe)
-    except OSError as exc:
-        raise ValueError(f"{flag}: cannot write to {str(out)!r}: {exc.strerror or exc} (in {str(parent)!r})") from None
+    probe_writable(str(parent), flag, repr(str(out)))

@@ -123,8 +123,6 @@ def check_out(out: str, field: str = "out") -> None:
     can create and write in: checked before any data, model or worker. Nothing
     is created: a probe file is written and removed in ``out``, or in its
     nearest existing ancestor. ``field`` names the option in the message."""
-    import tempfile
-
     path = os.path.abspath(out)
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"{field}: {out!r} exists and is not a directory")
@@ -133,12 +131,21 @@ def check_out(out: str, field: str = "out") -> None:
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
         raise ValueError(f"{field}: cannot create {out!r}: {existing!r} is a file, not a directory")
+    probe_writable(existing, field, repr(out))
+
+
+def probe_writable(directory: str, field: str, shown: str) -> None:
+    """ValueError naming ``field`` unless a file can be created in
+    ``directory`` (a probe file, written and removed: permissions, a
+    read-only mount, a full disk all show)."""
+    import tempfile
+
     try:
-        fd, probe = tempfile.mkstemp(dir=existing, prefix=".gradpress-probe-")
+        fd, probe = tempfile.mkstemp(dir=directory, prefix=".gradpress-probe-")
         os.close(fd)
         os.remove(probe)
     except OSError as exc:
-        raise ValueError(f"{field}: cannot write to {out!r}: {exc.strerror or exc} (in {existing!r})") from None
+        raise ValueError(f"{field}: cannot write to {shown}: {exc.strerror or exc} (in {directory!r})") from None
 
 
 def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
