@@ -276,17 +276,6 @@ class CompressedAdam(Algorithm):
         return 1 - b1 ** self.steps[i] if self.bias_correction else 1.0  # type: ignore[attr-defined]
 
     @torch.no_grad()
-    def _delta(self, i: int) -> torch.Tensor:
-        """The Adam change of parameter ``i`` at this step: ``-lr wd p``
-        (decoupled) ``- lr / (1 - b1^t) * m / denom``."""
-        lr, _, _, _, wd, decoupled = self._hyper(i)
-        p = self.named[i][1]
-        delta = self.exp_avg[i] / self._denom(i) * (-lr / self._bc1(i))
-        if wd and decoupled:
-            delta.add_(p, alpha=-lr * wd)
-        return delta
-
-    @torch.no_grad()
     def _apply(self, present: list[bool], count: list[bool] | None = None) -> None:
         """The Adam update of the parameters ``present`` says (torch's order:
         decay, then the step); ``steps`` counts one for those ``count`` says
