@@ -5,6 +5,7 @@ compare results NaN for NaN."""
 from __future__ import annotations
 
 import random
+import traceback
 import warnings
 from collections.abc import Callable
 
@@ -57,3 +58,22 @@ def raised(per_rank: list[dict]) -> list[str]:
     """The first rank's error, if a case raised on any rank."""
     errors = [r["error"] for r in per_rank if "error" in r]
     return [f"raised: {errors[0]}"] if errors else []
+
+
+def run_cases(seeds: list[int], draw: Callable[[int], dict | None], run: Callable[[dict, dict], None]) -> list[dict]:
+    """This rank's results: for each seed, ``draw(seed)`` (None: skipped),
+    then ``run(case, result)`` filling ``result``; an exception is kept as
+    ``result["error"]`` (every rank goes on to the next case)."""
+    warnings.simplefilter("ignore")
+    out = []
+    for seed in seeds:
+        case = draw(seed)
+        if case is None:
+            continue
+        res: dict = {"case": case}
+        try:
+            run(case, res)
+        except Exception as exc:  # noqa: BLE001
+            res["error"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-2000:]}"
+        out.append(res)
+    return out

@@ -21,13 +21,11 @@ The suite runs 2 x 24 seeded cases; ``-m long`` runs 400 more.
 from __future__ import annotations
 
 import random
-import traceback
-import warnings
 
 import pytest
 import torch
 from distributed import checkpoint, restore
-from fuzzing import check_cases, raised
+from fuzzing import check_cases, raised, run_cases
 from test_compressors import spec_for
 
 import gradpress.algorithms as algorithms
@@ -103,30 +101,23 @@ def train(rank: int, model, opt, algo, start: int, stop: int, seed: int) -> torc
 
 
 def _worker(rank: int, world: int, seeds: list[int]) -> list[dict]:
-    warnings.simplefilter("ignore")
-    out = []
-    for seed in seeds:
-        case = draw_case(seed)
-        res: dict = {"case": case}
+    def run(case: dict, res: dict) -> None:
+        seed = case["seed"]
         try:
             model, opt, algo = build(rank, case)
         except ValueError as exc:
             res["refused"] = str(exc)
-            out.append(res)
-            continue
-        try:
-            train(rank, model, opt, algo, 0, CUT, seed)
-            saved = checkpoint(algo=algo, model=model, opt=opt)
-            res["straight"] = train(rank, model, opt, algo, CUT, STEPS, seed)
-            algo.close()
-            model, opt, algo = build(rank, case)
-            restore(saved, model=model, opt=opt, algo=algo)
-            res["again"] = train(rank, model, opt, algo, CUT, STEPS, seed)
-            algo.close()
-        except Exception:  # noqa: BLE001
-            res["error"] = traceback.format_exc()[-2000:]
-        out.append(res)
-    return out
+            return
+        train(rank, model, opt, algo, 0, CUT, seed)
+        saved = checkpoint(algo=algo, model=model, opt=opt)
+        res["straight"] = train(rank, model, opt, algo, CUT, STEPS, seed)
+        algo.close()
+        model, opt, algo = build(rank, case)
+        restore(saved, model=model, opt=opt, algo=algo)
+        res["again"] = train(rank, model, opt, algo, CUT, STEPS, seed)
+        algo.close()
+
+    return run_cases(seeds, draw_case, run)
 
 
 def problems(per_rank: list[dict]) -> list[str]:

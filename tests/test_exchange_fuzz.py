@@ -25,12 +25,10 @@ from __future__ import annotations
 
 import math
 import random
-import traceback
-import warnings
 
 import pytest
 import torch
-from fuzzing import check_cases, draw_pair, raised, same
+from fuzzing import check_cases, draw_pair, raised, run_cases, same
 
 from gradpress.exchange.engine import Synchronizer
 
@@ -80,29 +78,21 @@ def draw_case(seed: int, world: int) -> dict | None:
 
 
 def _worker(rank: int, world: int, seeds: list[int]) -> list[dict]:
-    warnings.simplefilter("ignore")
-    out = []
-    for seed in seeds:
-        case = draw_case(seed, world)
-        if case is None:
-            continue
-        res: dict = {"case": case, "steps": []}
-        try:
-            params = [(f"t{i}", shape, dtype) for i, (shape, dtype) in enumerate(case["tensors"])]
-            engine = Synchronizer(case["spec"], params=params, strategy=case["strategy"], error_feedback=case["ef"],
-                                  nonfinite=case["nonfinite"], min_numel=case["min_numel"], seed=7)
-            for step in range(STEPS):
-                ts = [values(case["kind"], shape, dtype, 1000 * seed + 10 * step + 101 * rank + i)
-                      for i, (shape, dtype) in enumerate(case["tensors"])]
-                if case["nan"] and step == 1 and rank == world - 1:
-                    ts[0].view(-1)[0] = float("nan")
-                inputs = [t.clone() for t in ts]
-                engine.sync([k for k, _, _ in params], ts, step=step)
-                res["steps"].append((inputs, ts))
-        except Exception as exc:  # noqa: BLE001
-            res["error"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-2000:]}"
-        out.append(res)
-    return out
+    def run(case: dict, res: dict) -> None:
+        res["steps"] = []
+        params = [(f"t{i}", shape, dtype) for i, (shape, dtype) in enumerate(case["tensors"])]
+        engine = Synchronizer(case["spec"], params=params, strategy=case["strategy"], error_feedback=case["ef"],
+                              nonfinite=case["nonfinite"], min_numel=case["min_numel"], seed=7)
+        for step in range(STEPS):
+            ts = [values(case["kind"], shape, dtype, 1000 * case["seed"] + 10 * step + 101 * rank + i)
+                  for i, (shape, dtype) in enumerate(case["tensors"])]
+            if case["nan"] and step == 1 and rank == world - 1:
+                ts[0].view(-1)[0] = float("nan")
+            inputs = [t.clone() for t in ts]
+            engine.sync([k for k, _, _ in params], ts, step=step)
+            res["steps"].append((inputs, ts))
+
+    return run_cases(seeds, lambda seed: draw_case(seed, world), run)
 
 
 def problems(per_rank: list[dict]) -> list[str]:

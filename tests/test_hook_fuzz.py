@@ -24,12 +24,10 @@ resumes). The suite runs 24 cases; ``-m long`` runs 200 more.
 from __future__ import annotations
 
 import random
-import traceback
-import warnings
 
 import pytest
 import torch
-from fuzzing import check_cases, draw_pair, raised, same
+from fuzzing import check_cases, draw_pair, raised, run_cases, same
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradpress.ddp
@@ -89,21 +87,12 @@ def gradients(rank: int, case: dict, hooked: bool) -> list[list[torch.Tensor | N
 
 
 def _worker(rank: int, world: int, seeds: list[int]) -> list[dict]:
-    warnings.simplefilter("ignore")
-    out = []
-    for seed in seeds:
-        case = draw_case(seed)
-        if case is None:
-            continue
-        res: dict = {"case": case}
-        try:
-            res["grads"] = gradients(rank, case, hooked=True)
-            if case["spec"] == "none":
-                res["plain"] = gradients(rank, case, hooked=False)
-        except Exception:  # noqa: BLE001
-            res["error"] = traceback.format_exc()[-2000:]
-        out.append(res)
-    return out
+    def run(case: dict, res: dict) -> None:
+        res["grads"] = gradients(rank, case, hooked=True)
+        if case["spec"] == "none":
+            res["plain"] = gradients(rank, case, hooked=False)
+
+    return run_cases(seeds, draw_case, run)
 
 
 def problems(per_rank: list[dict]) -> list[str]:
