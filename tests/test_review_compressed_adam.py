@@ -136,3 +136,44 @@ def test_zeroone_skip_drops_a_nonfinite_compressed_variance_phase_step() -> None
         assert torch.equal(m_skip, m_before)
         assert torch.equal(p_skip, p_before)
         assert torch.isfinite(p_next).all() and not torch.equal(p_next, p_skip)
+
+
+def _local_nan_worker(rank: int, world: int, nan_step: int, steps: int) -> dict:
+    """0/1 Adam past its variance freeze (t = 1, 2 exact; then local steps,
+    synchronized at t = 3, 4, 6, 8: H = 1, then 2). Rank 1's gradient is NaN
+    at the 0-based ``nan_step``."""
+    model = make_model()
+    opt = torch.optim.Adam(model.parameters(), lr=LR, betas=(B1, B2), eps=EPS)
+    algo = algorithms.create("zeroone_adam:var_freeze_step=2,local_step_scaler=1,local_step_clipper=2", model, opt,
+                             compressor="none", nonfinite="skip", min_numel=64)
+    history = []
+    for step in range(steps):
+        opt.zero_grad()
+        x, y = batch(rank, step)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        if step == nan_step and rank == 1:
+            model[0].weight.grad[0, 0] = float("nan")
+        algo.step()
+        history.append((torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+                        torch.cat([m.reshape(-1) for m in algo.exp_avg]), algo._synced))
+    return {"history": history}
+
+
+def test_zeroone_skip_returns_a_local_phase_to_the_last_synchronization() -> None:
+    """A NaN gradient on one rank during a local step (t = 5) reaches the
+    synchronization at t = 6 as a NaN change; under ``nonfinite='skip'``
+    the engine drops it on every rank, and the docs promise that every
+    replica returns to the parameters of the previous synchronization
+    (t = 4) with a zero momentum, identical on both ranks; training then
+    goes on finite (t = 7 local, t = 8 synchronized)."""
+    runs = run_workers(_local_nan_worker, 2, 4, 8)
+    for res in runs:
+        hist = res["history"]
+        assert [h[2] for h in hist] == [True, True, True, True, False, True, False, True]
+        (p_sync, _, _), (p_local, _, _), (p_skip, m_skip, _) = hist[3], hist[4], hist[5]
+        assert torch.equal(p_skip, p_sync), "the dropped synchronization did not return to the previous one"
+        assert torch.equal(m_skip, torch.zeros_like(m_skip))
+        assert not torch.equal(p_local, p_sync)  # the local step had moved it
+        assert torch.isfinite(hist[7][0]).all() and not torch.equal(hist[7][0], p_skip)
+    assert torch.equal(runs[0]["history"][5][0], runs[1]["history"][5][0])
+    assert torch.equal(runs[0]["history"][7][0], runs[1]["history"][7][0])
