@@ -194,6 +194,8 @@ def no_cluster(monkeypatch):
 @pytest.mark.parametrize("argv,words", [
     (["--nodes", "251"], ["--nodes got 251", "<= 250"]),
     (["--nodes", "2", "--workers-per-node", "65"], ["--workers-per-node got 65", "<= 64"]),
+    (["--nodes", "250", "--workers-per-node", "64"],  # 16000 local workers: more than the cap of --nproc
+     ["--nodes x --workers-per-node must be an integer from 1 to", "got 16000", "8 x"]),
     (["--bandwidth", "1e400mbit"], ["--bandwidth", "1e400mbit", "out of range"]),
     (["--seed=-1"], ["--seed must be an integer from 0 to 4294967295, got -1"]),
     (["--seed", "4294967296"], ["--seed must be an integer from 0 to 4294967295, got 4294967296"]),
