@@ -140,6 +140,38 @@ def test_bad_config_spec_names_the_field(text, words):
         assert w in str(exc.value), str(exc.value)
 
 
+def test_malformed_lists_are_described_in_the_current_syntax():
+    """The splitter's own errors: an empty list was 'allowed: a comma-separated list of configurations' (the
+    configuration form and ';' unsaid); a key=value after a piece with no parameter list was glued to it and
+    refused as an unknown compressor 'fp16,ratio=0.1' or strategy 'ring,bucket=3' (compare and bench compressors
+    name it since 38973f7)."""
+    form = "[ALGORITHM/]SPEC[@STRATEGY][+ef|+noef][+lr=X]"
+    for text in (",", " ; ", ";,"):
+        with pytest.raises(ValueError) as exc:
+            parse_configs(text)
+        assert str(exc.value) == (f"--configs got {text!r}; allowed: configurations {form} separated by ',' or "
+                                  "';'"), str(exc.value)
+        with pytest.raises(ValueError) as exc:
+            parse_baselines(text)
+        assert str(exc.value) == (f"--baselines got {text!r}; allowed: baselines ddp, fp16, "
+                                  "powersgd:rank=R[,start=I], each [+lr=X], separated by ',' or ';'"), str(exc.value)
+    for text, token, piece in (("fp16,ratio=0.1", "ratio=0.1", "fp16"),
+                               ("topk:ratio=0.01@ring,bucket=3", "bucket=3", "ring"),
+                               ("localsgd:period=8/fp16,ratio=2", "ratio=2", "fp16"),
+                               ("none;topk:ratio=0.1>natural,bucket=4", "bucket=4", "natural")):
+        with pytest.raises(ValueError) as exc:
+            parse_configs(text)
+        assert str(exc.value) == (f"--configs: {token!r} in {text!r} is a parameter, but {piece!r} has no parameter "
+                                  "list; allowed: NAME:key=value,key=value"), str(exc.value)
+    with pytest.raises(ValueError, match="--baselines: 'rank=2' in 'fp16,rank=2' is a parameter, but 'fp16' has no"):
+        parse_baselines("fp16,rank=2")
+    # parameter lists still continue across commas: the compressor's, the algorithm's, the strategy's
+    cfgs = parse_configs("localsgd:period=8,optimizer_state=local/qsgd:levels=4,bucket=512@hierarchical:chunk=8,"
+                         "outer=allgather,fp16")
+    assert [(c.algorithm, c.spec, c.strategy) for c in cfgs][1] == ("ddp", "fp16", "collective")
+    assert cfgs[0].spec == "qsgd:levels=4,bucket=512" and cfgs[0].strategy == "hierarchical:chunk=8,outer=allgather"
+
+
 @pytest.mark.parametrize("text,words", [
     ("bf16", ["--baselines", "bf16", "ddp, fp16, powersgd"]),
     ("powersgd:rnk=2", ["--baselines", "rnk", "rank, start"]),
