@@ -210,7 +210,8 @@ def elementwise(kernel: Callable[..., torch.Tensor], flat: torch.Tensor, chunk: 
     is ``out``. Any other ``out`` is a ValueError naming both, on every path (never cast into).
     """
     parts = chunks(flat, max(chunk, 1))
-    fuse = fuse_pack and pack in FUSED_WIDTHS and (chunk * pack) % 8 == 0
+    # GRADPRESS_KIT_CHECK: every code stream is packed apart (the same bytes), where its codes are checked
+    fuse = fuse_pack and pack in FUSED_WIDTHS and (chunk * pack) % 8 == 0 and not streams.checking()
     calls = []
     start = row = 0
     for v in parts:
