@@ -18,8 +18,9 @@ the eager :func:`gradpress.compress.bits.pack_bits` /
 Invariant: the same bytes (and codes) as the eager functions for every
 width 1..24 and length, for codes below ``2**bits`` (the contract of a
 pack; a larger or negative code may spill into its neighbours
-differently, unless ``GRADPRESS_KIT_CHECK=1`` refuses it: :func:`checking`); a group ends on a byte boundary (C * bits is a multiple of
-32), so the tail's bytes simply follow. At 25M codes, one
+differently, unless ``GRADPRESS_KIT_CHECK=1`` refuses it: :func:`checking`);
+a group ends on a byte boundary (C * bits is a multiple of 32), so the
+tail's bytes simply follow. At 25M codes, one
 thread, compiled against eager (docs/bench.md, "Word-wide packs"): packing
 3, 5, 6 and 7 bits 5.5-6.5 ms against 31-48 ms, 12 bits 7.8 against 180;
 unpacking 12 bits 54 ms against 203.
