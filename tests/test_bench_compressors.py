@@ -309,3 +309,26 @@ def test_fractions_use_the_better_roofline_before_or_after_the_rows(monkeypatch,
     assert target["value"] == rows[0]["encode_gbps"] / best
     assert f"%roof uses {best:.2f} GB/s" in format_table(result)
     assert f"the better of {before:.2f} before the rows and {after:.2f} after" in format_table(result)
+
+
+@pytest.mark.parametrize("bench,runner", [("compressors", "gradpress.bench.compressors.run_benchmark"),
+                                          ("estimators", "gradpress.bench.estimators.run_estimators"),
+                                          ("e2e", "gradpress.bench.e2e.run_e2e")])
+@pytest.mark.parametrize("seed", ["-1", "4294967296"])
+def test_every_bench_seed_follows_trains_rule(tmp_path, capsys, monkeypatch, bench, runner, seed):
+    """`bench compressors --seed -1` (and estimators') ran with it; train refuses it. Every bench --seed is
+    checked by train's own rule (gradpress.train.config.check_seed), with its message, before any work."""
+    module, name = runner.rsplit(".", 1)
+
+    def refused(*args, **kwargs):
+        raise AssertionError(f"bench {bench} ran with --seed {seed}")
+
+    monkeypatch.setattr(__import__(module, fromlist=[name]), name, refused)
+    rc = main(["bench", bench, "--seed", seed, "--out" if bench != "estimators" else "--json",
+               str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert err == f"gradpress bench {bench}: error: --seed must be an integer from 0 to 4294967295, got {seed}\n"
+    train_rc = main(["train", "--seed", seed, "--out", str(tmp_path / "train")])
+    assert train_rc == 2
+    assert f"seed must be an integer from 0 to 4294967295, got {seed}" in capsys.readouterr().err

@@ -140,6 +140,38 @@ def test_bad_config_spec_names_the_field(text, words):
         assert w in str(exc.value), str(exc.value)
 
 
+def test_malformed_lists_are_described_in_the_current_syntax():
+    """The splitter's own errors: an empty list was 'allowed: a comma-separated list of configurations' (the
+    configuration form and ';' unsaid); a key=value after a piece with no parameter list was glued to it and
+    refused as an unknown compressor 'fp16,ratio=0.1' or strategy 'ring,bucket=3' (compare and bench compressors
+    name it since 38973f7)."""
+    form = "[ALGORITHM/]SPEC[@STRATEGY][+ef|+noef][+lr=X]"
+    for text in (",", " ; ", ";,"):
+        with pytest.raises(ValueError) as exc:
+            parse_configs(text)
+        assert str(exc.value) == (f"--configs got {text!r}; allowed: configurations {form} separated by ',' or "
+                                  "';'"), str(exc.value)
+        with pytest.raises(ValueError) as exc:
+            parse_baselines(text)
+        assert str(exc.value) == (f"--baselines got {text!r}; allowed: baselines ddp, fp16, "
+                                  "powersgd:rank=R[,start=I], each [+lr=X], separated by ',' or ';'"), str(exc.value)
+    for text, token, piece in (("fp16,ratio=0.1", "ratio=0.1", "fp16"),
+                               ("topk:ratio=0.01@ring,bucket=3", "bucket=3", "ring"),
+                               ("localsgd:period=8/fp16,ratio=2", "ratio=2", "fp16"),
+                               ("none;topk:ratio=0.1>natural,bucket=4", "bucket=4", "natural")):
+        with pytest.raises(ValueError) as exc:
+            parse_configs(text)
+        assert str(exc.value) == (f"--configs: {token!r} in {text!r} is a parameter, but {piece!r} has no parameter "
+                                  "list; allowed: NAME:key=value,key=value"), str(exc.value)
+    with pytest.raises(ValueError, match="--baselines: 'rank=2' in 'fp16,rank=2' is a parameter, but 'fp16' has no"):
+        parse_baselines("fp16,rank=2")
+    # parameter lists still continue across commas: the compressor's, the algorithm's, the strategy's
+    cfgs = parse_configs("localsgd:period=8,optimizer_state=local/qsgd:levels=4,bucket=512@hierarchical:chunk=8,"
+                         "outer=allgather,fp16")
+    assert [(c.algorithm, c.spec, c.strategy) for c in cfgs][1] == ("ddp", "fp16", "collective")
+    assert cfgs[0].spec == "qsgd:levels=4,bucket=512" and cfgs[0].strategy == "hierarchical:chunk=8,outer=allgather"
+
+
 @pytest.mark.parametrize("text,words", [
     ("bf16", ["--baselines", "bf16", "ddp, fp16, powersgd"]),
     ("powersgd:rnk=2", ["--baselines", "rnk", "rank, start"]),
@@ -194,9 +226,11 @@ def no_cluster(monkeypatch):
 @pytest.mark.parametrize("argv,words", [
     (["--nodes", "251"], ["--nodes got 251", "<= 250"]),
     (["--nodes", "2", "--workers-per-node", "65"], ["--workers-per-node got 65", "<= 64"]),
+    (["--nodes", "250", "--workers-per-node", "64"],  # 16000 local workers: more than the cap of --nproc
+     ["--nodes x --workers-per-node must be an integer from 1 to", "got 16000", "8 x"]),
     (["--bandwidth", "1e400mbit"], ["--bandwidth", "1e400mbit", "out of range"]),
-    (["--seed=-1"], ["--seed got -1", "0 to 4294967295"]),
-    (["--seed", "4294967296"], ["--seed got 4294967296", "0 to 4294967295"]),
+    (["--seed=-1"], ["--seed must be an integer from 0 to 4294967295, got -1"]),
+    (["--seed", "4294967296"], ["--seed must be an integer from 0 to 4294967295, got 4294967296"]),
     (["--timeout", "nan"], ["--timeout got nan", "finite"]),
     (["--timeout", "inf"], ["--timeout got inf", "finite"]),
     (["--train-to", "0.5", "--time-limit", "nan"], ["--time-limit got nan", "finite"]),

@@ -67,3 +67,19 @@ def test_table_and_errors(capsys: pytest.CaptureFixture) -> None:
     assert "unknown compressor 'bogus'" in capsys.readouterr().err
     with pytest.raises(ValueError, match="qsgd"):
         describe_strategies("qsgd:levels=0")
+
+
+def test_listing_commands_refuse_two_output_formats_at_once(capsys: pytest.CaptureFixture) -> None:
+    """`gradpress compressors --json --markdown` printed JSON and ignored --markdown; two formats at once are
+    refused (exit 2) naming both flags. algorithms and strategies have one format flag (--json) only."""
+    formats = ("--json", "--markdown")
+    for command in ("compressors", "algorithms", "strategies"):
+        sub = cli.build_parser()._subparsers._group_actions[0].choices[command]
+        flags = [f for f in formats if f in sub._option_string_actions]
+        assert flags == (list(formats) if command == "compressors" else ["--json"]), (command, flags)
+        if len(flags) < 2:
+            continue
+        with pytest.raises(SystemExit) as exc:
+            cli.main([command, *flags])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and all(f in err.splitlines()[-1] for f in flags), err

@@ -264,6 +264,23 @@ def test_bench_plan_refuses_an_out_it_cannot_write_before_workers(tmp_path, caps
     assert not (tmp_path.parent / (tmp_path.name + ".tmp")).exists()
 
 
+def test_bench_plan_refuses_nproc_above_the_cap_before_workers(tmp_path, capsys, no_workers) -> None:  # noqa: ANN001
+    """--nproc 4000 went to the elastic launcher (4000 forked workers); the cap is train's,
+    max(64, 8 x cores) local workers."""
+    import os
+
+    from gradpress.cli import main as cli
+
+    cap = max(64, 8 * (os.cpu_count() or 1))
+    for nproc in (str(cap + 1), "4000"):
+        assert cli(["bench", "plan", "--nproc", nproc, "--reps", "1", "--out", str(tmp_path / "c.json")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"gradpress bench plan: error: --nproc must be an integer from 1 to {cap}"), err
+        assert err.strip().endswith(f"got {nproc}") and len(err.strip().splitlines()) == 1, err
+    assert cli(["bench", "plan", "--nproc", "2", "--reps", "0", "--out", str(tmp_path / "c.json")]) == 2
+    assert "--reps must be an integer >= 1, got 0" in capsys.readouterr().err
+
+
 def test_bench_plan_refuses_cuda_without_cuda_before_workers(tmp_path, capsys, no_workers, monkeypatch) -> None:  # noqa: ANN001
     """--device cuda on a machine without CUDA failed in the workers, with the launcher's traceback."""
     from gradpress.cli import main as cli

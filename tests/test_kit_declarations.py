@@ -8,6 +8,7 @@ AssertionError deep in the layout, a silently wrong byte count or value)."""
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -305,3 +306,93 @@ def test_a_decoder_cannot_ask_for_a_private_seed() -> None:
     with pytest.raises(TypeError, match="_Private.decode_fields takes the encoder's seed, which needs RANDOM = "
                                         "'shared'.*got 'private'"):
         type("_Private", (_Flip,), {"RANDOM": "private"})
+
+
+# ----------------------------------------------------------------------------- code widths (GRADPRESS_KIT_CHECK)
+def _spilling(kernel_pack: bool) -> kit.KitCompressor:
+    """A declaration of 2-bit codes whose encode packs a 5 (3 bits) among zeros: by kit.pack, or by a kernel
+    that packs its own rows (the fused pack of widths 1, 2, 4)."""
+    def codes_of(v, *, key, drawn, bits, fuse):
+        c = torch.where(v > 2.5, torch.full_like(v, 5), torch.zeros_like(v)).to(torch.uint8)
+        return kit.pack_rows(c, bits, fuse)
+
+    def encode(self, flat, dtype, ctx):
+        if kernel_pack:
+            return {"codes": kit.elementwise(codes_of, flat, 8, pack=2)}
+        return {"codes": kit.pack(torch.where(flat > 2.5, 5, 0).to(torch.uint8), 2)}
+
+    decl = _plain(fields=(kit.Field("codes", torch.uint8, "numel", bits=2),), encode_fields=encode,
+                  decode_fields=lambda self, fields, numel, dtype: kit.unpack(fields["codes"], 2, numel).to(dtype))
+    return decl()
+
+
+@pytest.mark.parametrize("kernel_pack", [False, True])
+def test_codes_wider_than_the_declared_bits_are_named_under_kit_check(monkeypatch, kernel_pack: bool) -> None:
+    """A 5 packed into 2 bits spilled into its neighbour's code, silently: decode gave 1 there and 1 beside it.
+    GRADPRESS_KIT_CHECK=1 checks every pack (kit.pack, and a kernel's own row packs, which it packs apart:
+    the same bytes) and names the field, its width and the offending code."""
+    x = torch.zeros(32)
+    x[9] = 3.0  # code 5 at entry 9; entry 10's code is 0
+    comp = _spilling(kernel_pack)
+    monkeypatch.delenv("GRADPRESS_KIT_CHECK", raising=False)
+    spilled = comp.decode(comp.encode(x))  # unchecked: the pack is not paid for by default (documented)
+    assert spilled[9] == 1 and spilled[10] == 1
+    monkeypatch.setenv("GRADPRESS_KIT_CHECK", "1")
+    with pytest.raises(ValueError) as exc:
+        comp.encode(x)
+    assert str(exc.value) == ("compressor 'wk': field 'codes' declares 2 bits, but encode_fields packed a code of 5; "
+                              "allowed: codes 0..3 (checked by GRADPRESS_KIT_CHECK=1)"), str(exc.value)
+    ok = torch.zeros(32)
+    monkeypatch.setenv("GRADPRESS_KIT_CHECK", "0")
+    assert torch.equal(comp.decode(comp.encode(ok)), ok)
+
+
+def test_kit_pack_checks_its_codes_under_kit_check(monkeypatch) -> None:
+    monkeypatch.setenv("GRADPRESS_KIT_CHECK", "1")
+    for codes, bits, bad in ((torch.tensor([0, 4, 1]), 2, 4), (torch.tensor([3, -1], dtype=torch.int32), 2, -1),
+                             (torch.full((100,), 4096, dtype=torch.int32), 12, 4096)):
+        with pytest.raises(ValueError, match=rf"kit.pack: a code of {bad} does not fit {bits} bits; allowed: codes "
+                                             rf"0..{2 ** bits - 1}"):
+            kit.pack(codes, bits)
+    assert torch.equal(kit.unpack(kit.pack(torch.tensor([0, 3, 1]), 2), 2, 3), torch.tensor([0, 3, 1], dtype=torch.uint8))
+    monkeypatch.setenv("GRADPRESS_KIT_CHECK", "yes")
+    with pytest.raises(ValueError, match=r"GRADPRESS_KIT_CHECK got 'yes'; allowed: 0, 1 \(or unset\)"):
+        kit.pack(torch.tensor([1]), 2)
+
+
+#: every registered kit declaration at its default, and parameterizations that change a code width
+_WIDTH_SPECS = ["qsgd:levels=1", "qsgd:levels=3,bucket=7", "qsgd:levels=127,bucket=0", "qsgd:levels=1000",
+                "terngrad:clip=0", "minmax8:chunk=64,stochastic=true"]
+
+
+def _width_inputs(dtype: torch.dtype) -> list[torch.Tensor]:
+    """Random and extreme inputs: Gaussian at several sizes (fused rows and ragged tails), constants, zeros,
+    the dtype's largest and smallest magnitudes, mixed magnitudes, NaN and Inf among finite entries."""
+    gen = torch.Generator().manual_seed(7)
+    fin = torch.finfo(dtype)
+    out = [torch.randn(n, generator=gen, dtype=torch.float64).to(dtype) for n in (1, 7, 64, 1000, 4099)]
+    out += [torch.zeros(100, dtype=dtype), torch.full((100,), 3.0, dtype=dtype), torch.full((100,), -fin.max, dtype=dtype),
+            torch.full((100,), fin.tiny, dtype=dtype)]
+    mixed = torch.randn(1000, generator=gen, dtype=torch.float64) * torch.logspace(-30, 30, 1000, dtype=torch.float64)
+    out.append(mixed.clamp(-fin.max, fin.max).to(dtype))
+    for bad in (math.nan, math.inf, -math.inf):
+        x = torch.randn(1000, generator=gen, dtype=torch.float64).to(dtype)
+        x[::97] = bad
+        out.append(x)
+    return out
+
+
+def test_every_kit_declaration_packs_codes_within_their_declared_widths(monkeypatch) -> None:
+    """The generic check behind GRADPRESS_KIT_CHECK: every registered kit declaration, on random and extreme
+    inputs of every dtype, packs only codes that fit their fields' declared widths (a wider one spills into
+    its neighbour). A new declaration in gradpress/compress/ is checked here once registered."""
+    from gradpress.compress import create, names
+
+    monkeypatch.setenv("GRADPRESS_KIT_CHECK", "1")
+    specs = [n for n in names() if isinstance(create(n), kit.KitCompressor)] + _WIDTH_SPECS
+    assert {"qsgd", "terngrad", "natural", "onebit", "minmax8", "topk"} <= set(specs)
+    for spec in specs:
+        comp = create(spec)
+        for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+            for i, x in enumerate(_width_inputs(dtype)):
+                comp.encode(x, Context(key=f"w{i}", step=i, rank=0, world_size=1, seed=3))

@@ -46,6 +46,53 @@ def test_reduce_per_chunk_with_the_short_last_one(n: int, chunk: int) -> None:
         kit.reduce(x, "mean", chunk)
 
 
+def _sum_reference(row: torch.Tensor, dtype: torch.dtype) -> float:
+    """The exact sum of ``row`` (rational arithmetic), rounded to float64 and then to ``dtype`` (inf beyond
+    its range)."""
+    from fractions import Fraction
+
+    exact = sum((Fraction(v) for v in row.double().tolist()), Fraction(0))
+    try:
+        rounded = float(exact)
+    except OverflowError:  # beyond float64 (fp64 entries only)
+        return math.inf if exact > 0 else -math.inf
+    return float(torch.tensor(rounded, dtype=torch.float64).to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_reduce_sum_is_range_safe(dtype: torch.dtype) -> None:
+    """kit.reduce(x, "sum") summed in the input's dtype: two bf16 or fp32 entries near the largest finite value
+    gave inf (NaN once a negative one followed) where the true sum is finite; fp16 (accumulated in fp32 by torch)
+    did not. Now a finite row gives its sum rounded to the dtype where that is finite, inf with its sign only
+    where the true sum exceeds the dtype, in the input's dtype; error at most the rounding to the dtype plus
+    the fp64 accumulation's n 2^-52 sum|x|."""
+    big = torch.finfo(dtype).max
+    gen = torch.Generator().manual_seed(5)
+    rows = [
+        [big, big, -big, -big / 2, 1.0, 0.0, 0.0],  # partial sums beyond the dtype, the sum within it
+        [big / 2] * 3 + [-big / 2] * 3 + [torch.finfo(dtype).tiny],  # cancels to the smallest normal
+        [big] * 4 + [-big] * 2 + [0.0],  # true sum 2 max: beyond the dtype, +inf
+        [-big] * 3 + [big / 4] * 4,  # -2 max: -inf
+        (torch.randn(7, generator=gen, dtype=torch.float64) * (big / 8)).tolist(),
+        [big / 2, big / 2, big / 8, -big / 8, 3.0, -3.0, 0.5],  # just below the largest finite value
+    ]
+    x = torch.tensor(rows, dtype=torch.float64).to(dtype).reshape(-1)  # the entries as the dtype holds them
+    got = kit.reduce(x, "sum", 7)
+    assert got.dtype == dtype and got.shape == (len(rows),)
+    eps = 2.0 ** -52
+    for i, (value, row) in enumerate(zip(got.tolist(), _rows(x, 7))):
+        want = _sum_reference(row, dtype)
+        assert math.isinf(value) == math.isinf(want), (dtype, i, value, want)
+        if math.isinf(want):
+            assert value == want, (dtype, i, value, want)
+            continue
+        ulp = float(torch.finfo(dtype).eps) * max(abs(want), float(torch.finfo(dtype).tiny))
+        bound = ulp + 7 * eps * float(row.double().abs().sum())  # inf for fp64 rows whose |x| sum overflows
+        assert abs(value - want) <= bound, (dtype, i, value, want, bound)
+    assert math.isnan(kit.reduce(torch.tensor([big, -big, float("nan")], dtype=dtype), "sum", 3)[0])
+    assert kit.reduce(torch.tensor([big, float("inf")], dtype=dtype), "sum", 2).tolist() == [math.inf]
+
+
 def _scaled(v: torch.Tensor, a: torch.Tensor, *, key: torch.Tensor | None, drawn: torch.Tensor | None,
             shift: float) -> torch.Tensor:
     return v * a + shift

@@ -118,3 +118,41 @@ def test_a_resumed_run_accepts_the_strategy_with_its_defaults_spelled_out(tmp_pa
     first = train.run(dict(common, epochs=1, strategy="hierarchical"))
     resumed = train.run(dict(common, epochs=2, strategy=f"hierarchical:outer=collective,chunk={CHUNK}", resume=True))
     assert resumed["steps"] == 2 * first["steps"]
+
+
+@pytest.mark.parametrize("saved,given,env", [
+    ("hierarchical:workers_per_host=2", "hierarchical", {"GRADPRESS_WORKERS_PER_HOST": "2"}),
+    ("hierarchical:workers_per_host=2", "hierarchical", {"LOCAL_WORLD_SIZE": "2"}),
+    ("hierarchical", "hierarchical:workers_per_host=2,outer=collective", {"LOCAL_WORLD_SIZE": "2"}),
+])
+def test_resume_compares_the_resolved_host_layout(tmp_path, monkeypatch, saved, given, env):
+    """`hierarchical:workers_per_host=2` and `hierarchical` with the environment saying 2 ranks per host run one
+    layout; the resume compared workers_per_host=2 with 0 and refused. Another layout is still refused."""
+    from gradpress.exchange.strategies.hierarchical_layout import ENV_VARS
+
+    for var in ENV_VARS:
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    ck = train.make_config({"workload": "digits-mlp", "out": str(tmp_path), "strategy": saved})
+    cfg = train.make_config({"workload": "digits-mlp", "out": str(tmp_path), "strategy": given})
+    checkpoint.check_resume({"format": checkpoint.FORMAT, "config": checkpoint.compat(ck, 4)}, cfg, 4)
+    checkpoint.check_resume({"format": checkpoint.FORMAT, "config": checkpoint.compat(cfg, 4)}, ck, 4)
+    other = train.make_config({"workload": "digits-mlp", "out": str(tmp_path), "strategy": "hierarchical:workers_per_host=4"})
+    with pytest.raises(ValueError, match=r"strategy: checkpoint has 'hierarchical:workers_per_host=4'"):
+        checkpoint.check_resume({"format": checkpoint.FORMAT, "config": checkpoint.compat(other, 4)}, cfg, 4)
+
+
+def test_a_resumed_local_run_takes_the_layout_its_workers_will_have(tmp_path, monkeypatch):
+    """End to end: `train --nproc 2 --strategy hierarchical:workers_per_host=2`, then `--resume --strategy
+    hierarchical`, whose workers get LOCAL_WORLD_SIZE=2 from the launcher: the same layout, so the run continues
+    (the launcher refused it before any worker started)."""
+    from gradpress.exchange.strategies.hierarchical_layout import ENV_VARS
+
+    for var in ENV_VARS:
+        monkeypatch.delenv(var, raising=False)
+    common = dict(workload="digits-mlp", hidden=8, samples=64, batch_size=16, optimizer="sgd", lr=0.1,
+                  log_every=1, progress=False, nproc=2, out=str(tmp_path), timeout=60.0)
+    first = train.run(dict(common, epochs=1, strategy="hierarchical:workers_per_host=2"))
+    resumed = train.run(dict(common, epochs=2, strategy="hierarchical", resume=True))
+    assert resumed["steps"] == 2 * first["steps"]

@@ -349,6 +349,31 @@ def test_huge_seed_names_the_field(tmp_path, capsys, seed):
     assert "seed must be an integer from 0 to 4294967295" in line
 
 
+NPROC_CAP = max(64, 8 * (os.cpu_count() or 1))  # the documented cap on local workers (docs/train.md)
+
+
+def test_nproc_above_the_cap_is_refused_before_any_worker(tmp_path, capsys, no_workers):
+    """--nproc 4000 (a typo) went to the elastic launcher, which forks that many workers: train, compare and
+    the demo (compare's options) refuse more than max(64, 8 x cores) local workers, naming the cap."""
+    too_many = str(NPROC_CAP + 1)
+    words = f"nproc must be an integer from 1 to {NPROC_CAP}"
+    assert cli(["train", *TINY, "--out", str(tmp_path / "t"), "--nproc", too_many]) == 2
+    line = _one_line_error(capsys.readouterr().err)
+    assert line.startswith(f"gradpress train: error: {words}") and line.endswith(f"got {too_many}"), line
+    assert f"max(64, 8 x {os.cpu_count() or 1} cores)" in line, line
+    assert cli(["compare", *TINY, "--compressors", "none", "--out", str(tmp_path / "c"), "--nproc", "4000"]) == 2
+    line = _one_line_error(capsys.readouterr().err)
+    assert line.startswith(f"gradpress compare: error: {words}") and line.endswith("got 4000"), line
+    from gradpress import demo
+
+    with pytest.raises(ValueError, match=words):
+        demo.main(["--out", str(tmp_path / "d"), "--nproc", "4000"])
+    assert train.make_config(workload="digits-mlp", nproc=NPROC_CAP, out=str(tmp_path / "ok")).nproc == NPROC_CAP
+    with pytest.raises(ValueError, match=words):
+        train.make_config(workload="digits-mlp", nproc=NPROC_CAP + 1, out=str(tmp_path / "ok"))
+    assert not any((tmp_path / d).exists() for d in ("t", "c", "d"))
+
+
 def _malformed_states_leave_the_hook_untouched(rank: int, world: int) -> None:
     import copy
 

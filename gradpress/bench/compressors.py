@@ -26,6 +26,7 @@ from gradpress.bench.compressors_rows import ROW_FIELDS, VARIANTS, bench_method,
 from gradpress.bench.compressors_sweep import evaluate_targets, run_benchmark
 from gradpress.bench.data import DATA_KINDS
 from gradpress.bench.specs import parse_compressors, parse_sizes
+from gradpress.train.config import check_seed
 
 __all__ = ["register_bench", "run_benchmark", "evaluate_targets", "ROW_FIELDS",
            "bench_method", "bench_reference", "format_table"]
@@ -62,6 +63,7 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    check_seed(args.seed, "--seed")
     specs = parse_compressors(args.compressors)
     sizes = parse_sizes(args.sizes)
     variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())

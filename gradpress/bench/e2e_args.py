@@ -26,7 +26,7 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
     from gradpress import workloads
     from gradpress.cluster import parse_rate
     from gradpress.cluster.netns import MAX_NODES, MAX_WORKERS_PER_NODE
-    from gradpress.train.config import SEED_MAX, check_out
+    from gradpress.train.config import check_nproc, check_out, check_seed
 
     if not 2 <= args.nodes <= MAX_NODES:
         raise ValueError(f"--nodes got {args.nodes}; allowed: an integer >= 2 and <= {MAX_NODES}")
@@ -34,13 +34,13 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
     per = getattr(args, "workers_per_node", 1) or 1
     if not 1 <= per <= MAX_WORKERS_PER_NODE:
         raise ValueError(f"--workers-per-node got {per}; allowed: an integer >= 1 and <= {MAX_WORKERS_PER_NODE}")
-    if not 0 <= args.seed <= SEED_MAX:
-        raise ValueError(f"--seed got {args.seed}; allowed: an integer from 0 to {SEED_MAX}")
+    check_seed(args.seed, "--seed")
     if getattr(args, "intra_bandwidth", None) is not None:
         parse_rate(args.intra_bandwidth, "--intra-bandwidth")
         if per == 1:
             raise ValueError("--intra-bandwidth shapes traffic between a host's own workers; it needs --workers-per-node >= 2")
     world = args.nodes * per
+    check_nproc(world, "--nodes x --workers-per-node")  # every worker is a local process, as --nproc's
     mode = "train" if args.train_to is not None else "step"
     default = "mnist1d-cnn" if mode == "train" else "wide-mlp"
     workload = default if args.workload is None else args.workload  # "" is refused, not the default

@@ -80,7 +80,14 @@ class RunConfig:
         return RunConfig(**d)
 
 
+#: what each option's list holds, for the splitter's errors
+_LISTS = {"--configs": "configurations [ALGORITHM/]SPEC[@STRATEGY][+ef|+noef][+lr=X]",
+          "--baselines": "baselines ddp, fp16, powersgd:rank=R[,start=I], each [+lr=X],"}
+
+
 def _split_specs(text: str, option: str) -> list[str]:
+    """The configurations of a list separated by ``,`` or ``;``: a ``key=value`` token continues the
+    parameter list of the piece before it (the compressor's, the algorithm's or the strategy's)."""
     tokens: list[str] = []
     for part in text.split(";"):
         for token in part.split(","):
@@ -89,11 +96,16 @@ def _split_specs(text: str, option: str) -> list[str]:
                 continue
             head = token.split("/", 1)[0].split("@", 1)[0].split(">", 1)[0]
             if tokens and "=" in head and ":" not in head:
+                piece = re.split(r"[/@>]", tokens[-1])[-1]
+                if ":" not in piece:
+                    raise ValueError(f"{option}: {token!r} in {text!r} is a parameter, but {piece or tokens[-1]!r} "
+                                     "has no parameter list; allowed: NAME:key=value,key=value")
                 tokens[-1] += "," + token  # continuation of the previous parameter list
             else:
                 tokens.append(token)
     if not tokens:
-        raise ValueError(f"{option} got {text!r}; allowed: a comma-separated list of configurations")
+        what = _LISTS.get(option, "configurations")
+        raise ValueError(f"{option} got {text!r}; allowed: {what} separated by ',' or ';'")
     return tokens
 
 

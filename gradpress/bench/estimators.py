@@ -42,6 +42,7 @@ import torch
 from gradpress.bench.args import positive_int
 from gradpress.bench.measure import sync
 from gradpress.bench.specs import parse_compressors, parse_sizes
+from gradpress.train.config import check_seed
 
 __all__ = ["DEFAULT_METHODS", "DATA", "register_bench", "run_estimators", "format_table", "format_wide",
            "workload_gradients", "synthetic_draws", "with_correction"]
@@ -121,6 +122,7 @@ def with_correction(spec: str, correction: str) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
+    check_seed(args.seed, "--seed")
     methods = list(DEFAULT_METHODS) if args.methods.strip() == "default" else parse_compressors(args.methods)
     for spec in methods:
         if "ratio=" in spec:

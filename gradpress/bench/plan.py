@@ -75,8 +75,11 @@ def main(args: argparse.Namespace) -> int:
     from gradpress.compress import create
 
     create(args.compressor)  # a bad spec fails here, before any worker starts
-    if args.nproc < 1 or args.reps < 1:
-        raise ValueError(f"--nproc and --reps must be integers >= 1, got {args.nproc} and {args.reps}")
+    from gradpress.train.config import check_nproc
+
+    check_nproc(args.nproc, "--nproc")  # 4000 forked 4000 workers
+    if args.reps < 1:
+        raise ValueError(f"--reps must be an integer >= 1, got {args.reps}")
     if args.device == "cuda":
         import torch
 

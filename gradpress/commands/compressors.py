@@ -17,8 +17,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "on by default. Build one with a spec such as 'qsgd:levels=16,bucket=512' or "
                     "'topk:ratio=0.01>natural'.",
     )
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.add_argument("--markdown", action="store_true", help="print the README's Markdown table")
+    fmt = p.add_mutually_exclusive_group()  # one output format: --json --markdown is refused (exit 2)
+    fmt.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    fmt.add_argument("--markdown", action="store_true", help="print the README's Markdown table")
     p.set_defaults(func=run)
 
 

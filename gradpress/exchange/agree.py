@@ -16,23 +16,28 @@ import torch.distributed as dist
 __all__ = ["agree", "config_diff", "same_config"]
 
 
-def _same_field(field: str, theirs: Any, mine: Any) -> bool:
+def _same_field(field: str, theirs: Any, mine: Any, world: Any = None) -> bool:
     """The strategy compares by what it runs (an earlier version named a
-    strategy with parameters by the spec as given, defaults included)."""
+    strategy with parameters by the spec as given, defaults included; a host
+    layout given or from the environment: resolved on this run's ``world``)."""
     from gradpress.exchange.base import same_strategy
 
-    return same_strategy(theirs, mine) if field == "strategy" else theirs == mine
+    if field != "strategy":
+        return theirs == mine
+    return same_strategy(theirs, mine, world if isinstance(world, int) and not isinstance(world, bool) else None)
 
 
 def same_config(theirs: dict[str, Any], mine: dict[str, Any]) -> bool:
     """Whether a saved configuration (a state dict's) is this one."""
-    return all(_same_field(f, theirs.get(f), mine.get(f)) for f in set(theirs) | set(mine))
+    world = mine.get("world_size")
+    return all(_same_field(f, theirs.get(f), mine.get(f), world) for f in set(theirs) | set(mine))
 
 
 def config_diff(theirs: dict[str, Any], mine: dict[str, Any], theirs_name: str = "checkpoint",
                 mine_name: str = "this run") -> str:
     """``field: <theirs_name> has X, <mine_name> has Y; ...`` for every field that differs."""
-    fields = [f for f in sorted(set(theirs) | set(mine)) if not _same_field(f, theirs.get(f), mine.get(f))]
+    fields = [f for f in sorted(set(theirs) | set(mine))
+              if not _same_field(f, theirs.get(f), mine.get(f), mine.get("world_size"))]
     return "; ".join(
         f"{f}: {theirs_name} has {theirs.get(f)!r}, {mine_name} has {mine.get(f)!r}" for f in fields if f != "parameters"
     ) or "parameters: names or shapes differ"

@@ -31,8 +31,8 @@ from gradpress.exchange.feedback import Feedback
 
 __all__ = [
     "ExchangeResult", "Prelude", "Strategy", "aggregate", "aggregate_packets", "available", "canonical_strategy",
-    "check_strategy", "encode_local", "get_strategy", "parse_strategy", "register_strategy", "same_strategy",
-    "strategy_class", "strategy_key", "strategy_names",
+    "check_strategy", "encode_local", "get_strategy", "parse_strategy", "register_strategy", "resolved_strategy",
+    "same_strategy", "strategy_class", "strategy_key", "strategy_names",
 ]
 
 
@@ -217,6 +217,13 @@ class Strategy:
         achieves it."""
         raise NotImplementedError
 
+    @classmethod
+    def resolve_params(cls, values: dict[str, Any], world: int, local_world: int | None = None) -> dict[str, Any]:
+        """``values`` (every declared parameter, coerced) with those this strategy takes from its
+        environment written as a group of ``world`` ranks would resolve them (``local_world``: the
+        ``LOCAL_WORLD_SIZE`` of workers about to start, in place of this process's). Default: as given."""
+        return values
+
     def state_dict(self) -> dict[str, Any]:
         """What this strategy keeps besides residuals (those live in the
         engine's feedback store). Every strategy has this contract."""
@@ -320,14 +327,37 @@ def strategy_key(spec: str) -> str:
     return name + (":" + ",".join(f"{k}={values[k]}" for k in changed) if changed else "")
 
 
-def same_strategy(theirs: Any, mine: Any) -> bool:
+def resolved_strategy(spec: str, world: int, local_world: int | None = None) -> str:
+    """:func:`canonical_strategy` with the parameters a strategy takes from its environment written as a group
+    of ``world`` ranks resolves them (:meth:`Strategy.resolve_params`): ``hierarchical`` under
+    ``GRADPRESS_WORKERS_PER_HOST=2`` (or ``LOCAL_WORLD_SIZE=2``) on 4 ranks ->
+    ``hierarchical:workers_per_host=2,outer=collective,chunk=262144``, as ``hierarchical:workers_per_host=2``.
+    ``local_world``: the ``LOCAL_WORLD_SIZE`` of workers about to start (a launcher's check). ValueError as
+    :func:`parse_strategy`, or for an environment that gives no layout."""
+    from gradpress.compress.spec import coerce_params
+
+    name, params = parse_strategy(spec)
+    declared = () if name in PSEUDO else getattr(strategy_class(name), "PARAMS", ())
+    if not declared:
+        return name
+    values = strategy_class(name).resolve_params(coerce_params(declared, params, name, "strategy"), world, local_world)
+    return name + ":" + ",".join(f"{k}={v}" for k, v in values.items())
+
+
+def same_strategy(theirs: Any, mine: Any, world: int | None = None, local_world: int | None = None) -> bool:
     """Whether two engine strategy names (:func:`strategy_key`, or a spec as
     an earlier version named it: parameters as given, defaults included) run
-    the same strategy."""
+    the same strategy; given ``world``, also compared in their
+    :func:`resolved_strategy` forms (one host layout given or from the environment)."""
     if theirs == mine:
         return True
+    if not (isinstance(theirs, str) and isinstance(mine, str)):
+        return False
     try:
-        return isinstance(theirs, str) and isinstance(mine, str) and strategy_key(theirs) == strategy_key(mine)
+        if strategy_key(theirs) == strategy_key(mine):
+            return True
+        return world is not None and resolved_strategy(theirs, world, local_world) == resolved_strategy(
+            mine, world, local_world)
     except ValueError:
         return False
 

@@ -92,7 +92,7 @@ class EngineState:
             self.compressor.load_state_dict(state["compressor"])
             for name, st in state.get("strategies", {}).items():
                 # an earlier version's name for the same strategy (its defaults written out)
-                name = next((n for n in self.strategies if same_strategy(name, n)), name)
+                name = next((n for n in self.strategies if same_strategy(name, n, self.world_size)), name)
                 if name in self.strategies:
                     part = f"strategies[{name!r}]"
                     self.strategies[name].load_state_dict(st)

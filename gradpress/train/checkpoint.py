@@ -125,28 +125,41 @@ def load(path: Path) -> dict[str, Any]:
     return state
 
 
-def check_resume(state: Any, cfg: TrainConfig, world: int) -> None:
+def check_resume(state: Any, cfg: TrainConfig, world: int, local_world: int | None = None) -> None:
+    """Refuse a checkpoint of another configuration (:data:`RESUME_FIXED`, the world size), naming every
+    setting that differs. ``local_world``: the ``LOCAL_WORLD_SIZE`` of the workers a launcher is about to
+    start (a host layout from the environment resolves as theirs will)."""
     if not isinstance(state, Mapping) or state.get("format") != FORMAT:
         found = state.get("format") if isinstance(state, Mapping) else None
         raise ValueError(f"resume: {cfg.out}/{CHECKPOINT} is not a gradpress training checkpoint "
                          f"(format {found!r}; allowed: {FORMAT!r}, {_LEGACY!r})")
     theirs, mine = state["config"], compat(cfg, world)
     diffs = [f"{k}: checkpoint has {theirs.get(k)!r}, this run has {mine[k]!r}" for k in mine
-             if not _same(k, theirs.get(k), mine[k])]
+             if not _same(k, theirs.get(k), mine[k], world, local_world)]
     if diffs:
         raise ValueError("resume: the checkpoint is from a different configuration (" + "; ".join(diffs) + ")")
 
 
-def _same(key: str, theirs: Any, mine: Any) -> bool:
+def _same(key: str, theirs: Any, mine: Any, world: int | None = None, local_world: int | None = None) -> bool:
     """Whether a checkpoint's setting ``key`` is this run's. Compressor and
     strategy specs compare in their canonical form (``topk`` is
     ``topk:ratio=0.01``, ``hierarchical`` is
     ``hierarchical:workers_per_host=0,outer=collective,chunk=262144``): the
-    same compressor or strategy spelled another way continues the same run."""
+    same compressor or strategy spelled another way continues the same run.
+    A strategy also compares with its host layout resolved on ``world`` ranks
+    (``hierarchical`` under ``GRADPRESS_WORKERS_PER_HOST=2`` is
+    ``hierarchical:workers_per_host=2``; the layout the checkpoint's residuals
+    were kept for is checked again when the strategy's state loads)."""
     if key in _CANONICAL and isinstance(theirs, str) and isinstance(mine, str) and theirs != mine:
         canonical = _CANONICAL[key]()
         try:
-            return canonical(theirs) == canonical(mine)
+            if canonical(theirs) == canonical(mine):
+                return True
+            if key == "strategy" and world is not None:
+                from gradpress.exchange.base import resolved_strategy
+
+                return resolved_strategy(theirs, world, local_world) == resolved_strategy(mine, world, local_world)
+            return False
         except ValueError:
             return False
     return theirs == mine

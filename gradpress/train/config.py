@@ -25,7 +25,7 @@ import gradpress.train.algorithm as algorithms
 from gradpress import workloads
 from gradpress.train.optim import OPTIMIZERS, SCHEDULES
 
-__all__ = ["TrainConfig", "FIELDS", "RESUME_FIXED", "NONFINITE", "SEED_MAX", "make_config", "check_out", "load_toml"]
+__all__ = ["TrainConfig", "FIELDS", "RESUME_FIXED", "NONFINITE", "SEED_MAX", "make_config", "check_out", "check_seed", "check_nproc", "nproc_max", "load_toml"]
 
 #: what a step does when a rank's gradient has a NaN/Inf (``gradpress.ddp.NONFINITE_MODES``)
 NONFINITE = ("propagate", "skip", "raise")
@@ -116,6 +116,29 @@ def _int(name: str, value: Any, low: int | None = None, optional: bool = False, 
     if (low is not None and value < low) or (high is not None and value > high):
         raise ValueError(f"{name} must be an integer{allowed}, got {value!r}")
     return int(value)
+
+
+def nproc_max() -> int:
+    """The most local workers one command starts on this machine: max(64, 8 x its cores). More is a typo
+    (``--nproc 4000`` forked 4000 workers), not a run anyone wants on one machine."""
+    return max(64, 8 * (os.cpu_count() or 1))
+
+
+def check_nproc(value: Any, name: str = "nproc") -> int:
+    """The rule of every count of local workers (train and compare ``--nproc``, ``bench plan --nproc``, bench
+    e2e's nodes x workers per node): an integer from 1 to :func:`nproc_max`; ValueError naming ``name``."""
+    n = _int(name, value, 1)
+    cap = nproc_max()
+    if n > cap:
+        raise ValueError(f"{name} must be an integer from 1 to {cap} (local workers on one machine: at most "
+                         f"max(64, 8 x {os.cpu_count() or 1} cores)), got {n}")
+    return n
+
+
+def check_seed(value: Any, name: str = "seed") -> int:
+    """The rule every ``--seed`` follows (train, compare, every bench): an integer from 0 to
+    :data:`SEED_MAX`; ValueError naming ``name``, the value and the range otherwise."""
+    return _int(name, value, 0, high=SEED_MAX)
 
 
 def check_out(out: str, field: str = "out") -> None:
@@ -209,10 +232,10 @@ def _validate_numbers(cfg: TrainConfig) -> None:
     cfg.epochs = _int("epochs", cfg.epochs, 1)
     cfg.steps = _int("steps", cfg.steps, 1, optional=True)
     cfg.batch_size = _int("batch_size", cfg.batch_size, 1)
-    cfg.seed = _int("seed", cfg.seed, 0, high=SEED_MAX)
+    cfg.seed = check_seed(cfg.seed)
     cfg.log_every = _int("log_every", cfg.log_every, 1)
     cfg.eval_every = _int("eval_every", cfg.eval_every, 0)
-    cfg.nproc = _int("nproc", cfg.nproc, 1, optional=True)
+    cfg.nproc = None if cfg.nproc is None else check_nproc(cfg.nproc)
     cfg.min_numel = _int("min_numel", cfg.min_numel, 0)
     cfg.hidden = _int("hidden", cfg.hidden, 1, optional=True)
     cfg.samples = _int("samples", cfg.samples, 1, optional=True)

@@ -86,7 +86,7 @@ def run(config: Mapping[str, Any] | argparse.Namespace | TrainConfig | None = No
             from gradpress.train import checkpoint
 
             state = checkpoint.load(Path(cfg.out) / checkpoint.CHECKPOINT)
-            checkpoint.check_resume(state, cfg, cfg.nproc)
+            checkpoint.check_resume(state, cfg, cfg.nproc, local_world=cfg.nproc)  # the workers' LOCAL_WORLD_SIZE
             del state
         return _launch(cfg)
     return train(cfg)

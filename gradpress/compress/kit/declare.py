@@ -40,6 +40,7 @@ import torch
 from gradpress.compress.base import Compressor, Context, Packet, check_decode_out, generator_for
 from gradpress.compress.kit.layout import Field, FieldSize, nbytes, sizes
 from gradpress.compress.kit.rng import MAX_NUMEL, seed_words
+from gradpress.compress.kit.streams import CodeWidthError
 from gradpress.compress.numerics import compute_dtype
 
 __all__ = ["KitCompressor"]
@@ -163,6 +164,11 @@ class KitCompressor(Compressor):
             flat = flat.to(compute_dtype(x.dtype))
         try:
             fields = self.encode_fields(flat, x.dtype, ctx)
+        except CodeWidthError as exc:  # GRADPRESS_KIT_CHECK: which declared field that width packs
+            named = " or ".join(repr(f.name) for f in self.layout(x.numel(), x.dtype) if f.bits == exc.bits)
+            field = f"field {named} declares" if named else "no field declares"
+            raise CodeWidthError(exc.code, exc.bits, f"compressor {self.name!r}: {field} {exc.bits} bits, but "
+                                 f"encode_fields packed a code of {exc.code}") from None
         except Exception as exc:
             if hasattr(exc, "add_note"):  # Python 3.11+: the author's traceback, plus which declaration and input
                 exc.add_note(f"in compressor {self.name!r} ({type(self).__name__}.encode_fields) on a "

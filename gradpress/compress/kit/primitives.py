@@ -21,6 +21,7 @@ is over at most two views (the whole chunks and the short last one).
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -30,7 +31,7 @@ import torch
 from gradpress.compress.bits import unpack_table
 from gradpress.compress.kit import compiler, packing, rng, streams
 from gradpress.compress.kit.rng import random_bits, uniform
-from gradpress.compress.numerics import centered_std, chunks, row_norms
+from gradpress.compress.numerics import centered_std, chunks, host_reads, row_norms
 from gradpress.compress.sparse import topk_magnitude
 
 __all__ = ["FUSED_WIDTHS", "chunks", "reduce", "elementwise", "pack_rows", "pack_signs", "std", "extremes", "uniform", "random_bits", "select_topk", "select_mask",
@@ -69,18 +70,35 @@ def _row_minmax(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return lo, hi
 
 
+def _row_sums(rows: torch.Tensor) -> torch.Tensor:
+    """Row sums in ``rows``' dtype, inf only where the true sum exceeds it. fp16, bf16 and fp32 accumulate in
+    fp64 (no partial sum of theirs overflows it; in bf16 or fp32, two entries near the largest gave inf) and
+    round once; fp64 rows that overflowed with finite entries are summed again scaled by 2^-ceil(log2(len))."""
+    if rows.dtype in (torch.float16, torch.bfloat16, torch.float32):
+        return rows.sum(dim=1, dtype=torch.float64).to(rows.dtype)
+    sums = rows.sum(dim=1)
+    if not rows.is_floating_point() or rows.numel() == 0:
+        return sums
+    redo = ~torch.isfinite(sums) & torch.isfinite(rows).all(dim=1)
+    if host_reads(rows) and not bool(redo.any()):
+        return sums
+    scale = 2.0 ** math.ceil(math.log2(max(rows.shape[1], 2)))
+    return torch.where(redo, (rows / scale).sum(dim=1) * scale, sums)
+
+
 _REDUCERS: dict[str, Callable[[torch.Tensor], Any]] = {
     "norm": row_norms,
     "absmax": lambda r: r.abs().amax(dim=1),
     "minmax": _row_minmax,
-    "sum": lambda r: r.sum(dim=1),
+    "sum": _row_sums,
 }
 
 
 def reduce(flat: torch.Tensor, op: str, chunk: int) -> Any:
     """Per-chunk ``op`` of ``flat`` (one entry per chunk, the short last
     chunk included): ``norm`` (L2, no overflow or underflow), ``absmax``,
-    ``sum``, or ``minmax`` (a ``(mins, maxs)`` pair)."""
+    ``sum`` (no overflow of partial sums: accumulated in fp64, rounded once
+    to the input's dtype), or ``minmax`` (a ``(mins, maxs)`` pair)."""
     if op not in _REDUCERS:
         raise ValueError(f"kit.reduce: op got {op!r}; allowed: {', '.join(_REDUCERS)}")
     parts = [_REDUCERS[op](r) for r in chunks(flat, max(chunk, 1))]
@@ -192,7 +210,8 @@ def elementwise(kernel: Callable[..., torch.Tensor], flat: torch.Tensor, chunk: 
     is ``out``. Any other ``out`` is a ValueError naming both, on every path (never cast into).
     """
     parts = chunks(flat, max(chunk, 1))
-    fuse = fuse_pack and pack in FUSED_WIDTHS and (chunk * pack) % 8 == 0
+    # GRADPRESS_KIT_CHECK: every code stream is packed apart (the same bytes), where its codes are checked
+    fuse = fuse_pack and pack in FUSED_WIDTHS and (chunk * pack) % 8 == 0 and not streams.checking()
     calls = []
     start = row = 0
     for v in parts:

@@ -18,8 +18,9 @@ the eager :func:`gradpress.compress.bits.pack_bits` /
 Invariant: the same bytes (and codes) as the eager functions for every
 width 1..24 and length, for codes below ``2**bits`` (the contract of a
 pack; a larger or negative code may spill into its neighbours
-differently); a group ends on a byte boundary (C * bits is a multiple of
-32), so the tail's bytes simply follow. At 25M codes, one
+differently, unless ``GRADPRESS_KIT_CHECK=1`` refuses it: :func:`checking`);
+a group ends on a byte boundary (C * bits is a multiple of 32), so the
+tail's bytes simply follow. At 25M codes, one
 thread, compiled against eager (docs/bench.md, "Word-wide packs"): packing
 3, 5, 6 and 7 bits 5.5-6.5 ms against 31-48 ms, 12 bits 7.8 against 180;
 unpacking 12 bits 54 ms against 203.
@@ -27,6 +28,7 @@ unpacking 12 bits 54 ms against 203.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 
@@ -35,7 +37,7 @@ import torch
 from gradpress.compress.bits import pack_bits, packed_nbytes, unpack_bits
 from gradpress.compress.kit import compiler, packing
 
-__all__ = ["pack", "unpack"]
+__all__ = ["CHECK_ENV", "CodeWidthError", "checking", "check_codes", "pack", "unpack"]
 
 
 #: widths whose word groups are compiled (25M codes, one thread, docs/bench.md): packing every width but 1
@@ -80,10 +82,47 @@ def _whole(numel: int, bits: int, device: torch.device, kind: str) -> int:
     return whole if whole and compiler.will_compile(_kernel(kind, bits), whole, device.type) else 0
 
 
+#: the opt-in debug mode: every pack checks that its codes fit their width (one more pass over the codes)
+CHECK_ENV = "GRADPRESS_KIT_CHECK"
+
+
+class CodeWidthError(ValueError):
+    """A code that does not fit the width it is packed at (under :data:`CHECK_ENV`)."""
+
+    def __init__(self, code: int, bits: int, what: str | None = None) -> None:
+        what = what or f"kit.pack: a code of {code} does not fit {bits} bits"
+        super().__init__(f"{what}; allowed: codes 0..{2 ** bits - 1} (checked by {CHECK_ENV}=1)")
+        self.code, self.bits = code, bits
+
+
+def checking() -> bool:
+    """Whether ``GRADPRESS_KIT_CHECK=1``: packs check their codes (off by default: a check is a pass over the
+    codes); ValueError naming the variable for a value other than 0, 1 or unset."""
+    given = os.environ.get(CHECK_ENV, "")
+    if given.strip() not in ("", "0", "1"):
+        raise ValueError(f"{CHECK_ENV} got {given!r}; allowed: 0, 1 (or unset)")
+    return given.strip() == "1"
+
+
+def check_codes(codes: torch.Tensor, bits: int) -> None:
+    """CodeWidthError naming the largest code above ``2**bits - 1`` (or the most negative one)."""
+    if not codes.numel():
+        return
+    hi, lo = int(codes.max()), int(codes.min())
+    if hi >= 1 << bits:
+        raise CodeWidthError(hi, bits)
+    if lo < 0:
+        raise CodeWidthError(lo, bits)
+
+
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """uint8 LSB-first stream of the flat unsigned ``codes`` (each < 2**bits,
-    ``bits`` in 1..24): ``ceil(n * bits / 8)`` bytes."""
+    ``bits`` in 1..24): ``ceil(n * bits / 8)`` bytes. A wider code spills into
+    its neighbours unless ``GRADPRESS_KIT_CHECK=1`` (:func:`checking`), which
+    refuses it (:class:`CodeWidthError`)."""
     codes = codes.reshape(-1)
+    if checking():
+        check_codes(codes, bits)
     n = codes.numel()
     whole = _whole(n, bits, codes.device, "pack")
     if not whole:

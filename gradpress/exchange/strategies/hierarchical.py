@@ -84,7 +84,11 @@ from gradpress.exchange.pieces import Piece, cut
 from gradpress.exchange.strategies.allgather import Allgather
 from gradpress.exchange.strategies.hierarchical_abort import is_marked, leader_failed, mark_failed
 from gradpress.exchange.strategies.hierarchical_costs import predict_seconds
-from gradpress.exchange.strategies.hierarchical_layout import check_divides, workers_per_host_from_env
+from gradpress.exchange.strategies.hierarchical_layout import (
+    check_divides,
+    resolved_workers_per_host,
+    workers_per_host_from_env,
+)
 from gradpress.exchange.strategies.hierarchical_pipeline import pipelined
 from gradpress.transport.collectives import flat_by_dtype, fused_allreduce
 from gradpress.transport.groups import timeout_of
@@ -126,7 +130,7 @@ class Hierarchical(Strategy):
             self.workers_per_host = 1
         else:
             try:
-                self.workers_per_host = given or workers_per_host_from_env()
+                self.workers_per_host = resolved_workers_per_host(given, self.world_size)
                 self._check_layout()
             except ValueError as exc:
                 self.workers_per_host, layout_error = 1, str(exc)
@@ -222,6 +226,12 @@ class Hierarchical(Strategy):
         except ValueError:
             per = 1
         return predict_seconds(costs, numel, world_size, summable, per, elem_size), 1
+
+    @classmethod
+    def resolve_params(cls, values: dict[str, Any], world: int, local_world: int | None = None) -> dict[str, Any]:
+        """``workers_per_host`` as the group builds it (0: from the environment; 1 on a world of one)."""
+        return dict(values, workers_per_host=resolved_workers_per_host(int(values["workers_per_host"]), world,
+                                                                      local_world))
 
     def state_dict(self) -> dict[str, Any]:
         """The host layout the ``host/`` residuals were kept for."""

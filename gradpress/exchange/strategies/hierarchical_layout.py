@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["ENV_VARS", "check_divides", "workers_per_host_from_env"]
+__all__ = ["ENV_VARS", "check_divides", "resolved_workers_per_host", "workers_per_host_from_env"]
 
 ENV_VARS = ("GRADPRESS_WORKERS_PER_HOST", "LOCAL_WORLD_SIZE")
 
 
-def workers_per_host_from_env() -> int:
-    """L from ``GRADPRESS_WORKERS_PER_HOST``, else ``LOCAL_WORLD_SIZE``, else 1."""
+def workers_per_host_from_env(local_world: int | None = None) -> int:
+    """L from ``GRADPRESS_WORKERS_PER_HOST``, else ``LOCAL_WORLD_SIZE``, else 1. ``local_world``: the
+    ``LOCAL_WORLD_SIZE`` of workers about to start, in place of this process's (a launcher's check)."""
     for var in ENV_VARS:
+        if var == "LOCAL_WORLD_SIZE" and local_world is not None:
+            return local_world
         text = os.environ.get(var, "").strip()
         if text:
             try:
@@ -25,6 +28,15 @@ def workers_per_host_from_env() -> int:
                 raise ValueError(f"environment {var}={text!r}: allowed: a positive integer (workers per host)")
             return value
     return 1
+
+
+def resolved_workers_per_host(given: int, world: int, local_world: int | None = None) -> int:
+    """The ranks per host a group of ``world`` ranks builds for ``workers_per_host=given``, as
+    ``Hierarchical`` does: one host for a world of one, else ``given``, else the environment's
+    (:func:`workers_per_host_from_env`)."""
+    if world <= 1:
+        return 1
+    return given or workers_per_host_from_env(local_world)
 
 
 def check_divides(world: int, per: int) -> None:
