@@ -96,6 +96,16 @@ GROUPS: dict[str, tuple[list[str], list[str], int]] = {
                   "gradpress/exchange/base.py"],
                ["tests/test_decode_into.py", "tests/test_kit_primitives.py", "tests/test_mutants_decode.py",
                 "tests/test_compressors.py"], 30),
+    "state": (["gradpress/train/checkpoint.py", "gradpress/ddp/state_format.py", "gradpress/algorithms/base.py",
+               "gradpress/train/optim.py"],
+              ["tests/test_mutants_state.py", "tests/test_torch_compat.py", "tests/test_review_resume.py",
+               "tests/test_exchange_hardening.py::test_version_one_hook_state_loads",
+               "tests/test_review_ddp_names.py",
+               "tests/test_train_hardening.py::test_hook_state_dict_loads_with_weights_only",
+               "tests/test_train_hardening.py::test_damaged_tensor_bytes_are_refused_on_load",
+               "tests/test_train_hardening.py::test_bad_checkpoint_is_one_line_and_exit_2",
+               "tests/test_train_hardening.py::test_malformed_load_state_dict_raises_value_error_and_changes_nothing",
+               "tests/test_train.py", "tests/test_algorithms.py"], 20),
 }
 #: where a group draws only from some functions of a module (its qualified names: ``Class.method``):
 #: module -> functions; a module a group lists without an entry here is drawn from whole
@@ -117,6 +127,10 @@ FOCUS: dict[str, dict[str, list[str]]] = {
         "gradpress/compress/kit/declare.py": ["KitCompressor.__init_subclass__", "KitCompressor.decode_into"],
         "gradpress/compress/kit/primitives.py": ["_row_extremes", "_row_minmax", "elementwise", "_whole_and_tail"],
         "gradpress/exchange/base.py": ["aggregate_packets", "aggregate"],
+    },
+    "state": {  # the algorithm's configuration, state dict and stats (its exchange helpers: no group yet)
+        "gradpress/algorithms/base.py": ["Algorithm.spec", "Algorithm.config", "Algorithm.state_dict",
+                                         "Algorithm.load_state_dict", "Algorithm.stats"],
     },
 }
 #: binary operators that never occur in these modules' arithmetic on tensors and floats: replacing

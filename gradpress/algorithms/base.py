@@ -335,7 +335,8 @@ class Algorithm:
         """Restore from :meth:`state_dict`; refuses another configuration."""
         assert self.engine is not None
         if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
-            raise ValueError(f"not a gradpress algorithm state dict (missing format {STATE_FORMAT!r})")
+            found = repr(state.get("format")) if isinstance(state, Mapping) else f"a {type(state).__name__}"
+            raise ValueError(f"not a gradpress algorithm state dict (format {found}; allowed: {STATE_FORMAT!r})")
         if not same_config(state["config"], self.config()):
             raise ValueError(f"algorithm state dict is from a different configuration "
                              f"({config_diff(state['config'], self.config())})")

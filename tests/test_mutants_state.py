@@ -1,0 +1,79 @@
+"""Checkpoint and state-dict details that the end-to-end resume tests do not
+reach: written for survivors of ``make mutants`` (``state`` group:
+train/checkpoint.py, ddp/state_format.py, algorithms/base.py,
+train/optim.py). Single process, no workers: each test is a fraction of a
+second.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gradpress.train import checkpoint
+
+pytestmark = pytest.mark.mutants
+
+
+# ------------------------------------------------------------------ RNG state
+@pytest.mark.parametrize("device,restored", [("cpu", False), ("cuda", True)])
+def test_cuda_rng_state_is_restored_exactly_on_cuda(monkeypatch, device, restored):
+    """Invariant (checkpoint module doc): a CUDA run restores its CUDA RNG
+    state; a run on CPU resuming a checkpoint written on CUDA ignores it
+    (and never touches CUDA). ``torch.cuda.set_rng_state`` is replaced by a
+    recorder, so this runs without a GPU."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, dev: calls.append((state, dev)))
+    cuda_state = torch.arange(16, dtype=torch.uint8)
+    state = {**checkpoint.rng_state(torch.device("cpu")), "cuda": cuda_state}
+    dev = torch.device(device)
+    checkpoint.set_rng_state(state, dev)
+    if restored:
+        assert len(calls) == 1 and torch.equal(calls[0][0], cuda_state) and calls[0][1] == dev
+    else:
+        assert calls == []
+
+
+# ------------------------------------------------------- algorithm state dicts
+def _format_refusals(rank: int, world: int) -> dict:
+    import gradpress.algorithms as algorithms
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    algo = algorithms.create("localsgd:period=2", model, torch.optim.SGD(model.parameters(), lr=0.1))
+    model(torch.ones(4, 3)).sum().backward()
+    algo.step()
+    good = algo.state_dict()
+    refused = {}
+    for name, state in {"later format": {**good, "format": "gradpress-algorithm/2"},
+                        "other format": {**good, "format": "zzz/1"},
+                        "no format": {k: v for k, v in good.items() if k != "format"},
+                        "not a mapping": [good]}.items():
+        try:
+            algo.load_state_dict({**state, "steps": 99} if isinstance(state, dict) else state)
+        except ValueError as exc:
+            refused[name] = str(exc)
+        except Exception as exc:  # noqa: BLE001 - reported: the test wants a ValueError
+            refused[name] = f"not a ValueError: {type(exc).__name__}: {exc}"
+    steps_after = algo.state_dict()["steps"]
+    algo.load_state_dict({**good, "steps": 5})
+    return {"refused": refused, "steps_after": steps_after, "steps_good": good["steps"],
+            "reloaded": algo.state_dict()["steps"], "format": good["format"]}
+
+
+def test_algorithm_state_of_another_format_is_refused_naming_it():
+    """Invariant (``Algorithm.load_state_dict``): only a state dict of format
+    ``gradpress-algorithm/1`` loads; any other format (a later one included),
+    none, or not a mapping is a ValueError naming what was found and what is
+    allowed, and the algorithm's state is left as it was."""
+    from distributed import run_workers
+
+    res = run_workers(_format_refusals, 1)[0]
+    assert res["format"] == "gradpress-algorithm/1"
+    found = {"later format": "'gradpress-algorithm/2'", "other format": "'zzz/1'", "no format": "None",
+             "not a mapping": "a list"}
+    assert set(res["refused"]) == set(found), res["refused"]
+    for name, message in res["refused"].items():
+        assert message.startswith("not a gradpress algorithm state dict"), (name, message)
+        assert found[name] in message and "allowed: 'gradpress-algorithm/1'" in message, (name, message)
+    assert res["steps_after"] == res["steps_good"] == 1 and res["reloaded"] == 5
