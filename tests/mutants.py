@@ -296,6 +296,7 @@ def run_group(work: Path, name: str, modules: list[str], tests: list[str], keep:
     cfg, session = work / f"mutants-{name}.toml", work / f"mutants-{name}.sqlite"
     write_config(cfg, modules, tests)
     env = dict(os.environ, PYTHONPATH=str(work))
+    _pristine(work, modules, restore=False)
     subprocess.run([tool("cosmic-ray"), "init", str(cfg), str(session), "--force"], cwd=work, check=True, env=env)
     subprocess.run([tool("cr-filter-operators"), str(session), str(cfg)], cwd=work, check=True, env=env)
     total, chosen, invalid = sample(session, keep, seed=f"gradpress-{name}", work=work, focus=focus_lines(work, name))
@@ -316,10 +317,30 @@ def load_group(work: Path, name: str) -> dict:
     return group
 
 
+def _pristine(work: Path, modules: list[str], restore: bool) -> None:
+    """Keep a copy of each of ``modules`` as copied into ``work`` (under
+    ``.pristine/``: ``restore`` False, when the group runs), or write the
+    kept copy back (``restore`` True, before a recheck): an interrupted
+    ``cosmic-ray exec`` leaves the module it was testing mutated."""
+    for m in modules:
+        kept = work / ".pristine" / m
+        if restore:
+            if kept.is_file():
+                shutil.copy2(kept, work / m)
+        else:
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(work / m, kept)
+
+
 def recheck(work: Path, name: str) -> list[dict]:
     """Run the survivors of a kept group again, against the tests as they are now
     (the test files are copied over the kept tree; the mutated modules are not):
-    a survivor that got a test must now be killed. Returns the survivors' new rows."""
+    a survivor that got a test must now be killed. Returns the survivors' new rows.
+
+    The survivors' jobs are written to ``mutants-NAME-recheck.json`` before
+    their rows are cleared, and read back by a later recheck, so an
+    interrupted recheck can be run again; the group's modules are first
+    restored from the copy kept when the group ran (:func:`_pristine`)."""
     for f in subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z", "tests"], cwd=ROOT, check=True,
                             capture_output=True).stdout.decode().split("\0"):
         if f and (ROOT / f).is_file():
@@ -328,7 +349,11 @@ def recheck(work: Path, name: str) -> list[dict]:
     modules, tests, _ = GROUPS[name]
     cfg, session = work / f"mutants-{name}.toml", work / f"mutants-{name}.sqlite"
     write_config(cfg, modules, tests)
-    jobs = [r["job"] for r in results(session) if r["test"] == "survived"]
+    _pristine(work, modules, restore=True)
+    pending = work / f"mutants-{name}-recheck.json"  # a recheck's jobs, whatever their rows say now
+    earlier = json.loads(pending.read_text()) if pending.is_file() else []
+    jobs = sorted({r["job"] for r in results(session) if r["test"] == "survived"} | set(earlier))
+    pending.write_text(json.dumps(jobs))
     con = sqlite3.connect(session)
     con.executemany("DELETE FROM work_results WHERE job_id = ?", [(j,) for j in jobs])
     con.commit()
