@@ -55,10 +55,20 @@ def _format_refusals(rank: int, world: int) -> dict:
             refused[name] = str(exc)
         except Exception as exc:  # noqa: BLE001 - reported: the test wants a ValueError
             refused[name] = f"not a ValueError: {type(exc).__name__}: {exc}"
+    engine_good = algo.engine.state_dict()
+    engine_refused = {}
+    for name, state in {"later format": {**engine_good, "format": "gradpress-exchange/9"},
+                        "no format": {k: v for k, v in engine_good.items() if k != "format"},
+                        "not a mapping": [engine_good]}.items():
+        try:
+            algo.engine.load_state_dict(state)
+        except ValueError as exc:
+            engine_refused[name] = str(exc)
     steps_after = algo.state_dict()["steps"]
     algo.load_state_dict({**good, "steps": 5})
     return {"refused": refused, "steps_after": steps_after, "steps_good": good["steps"],
-            "reloaded": algo.state_dict()["steps"], "format": good["format"]}
+            "reloaded": algo.state_dict()["steps"], "format": good["format"], "engine_refused": engine_refused,
+            "engine_format": engine_good["format"]}
 
 
 def test_algorithm_state_of_another_format_is_refused_naming_it():
@@ -77,3 +87,8 @@ def test_algorithm_state_of_another_format_is_refused_naming_it():
         assert message.startswith("not a gradpress algorithm state dict"), (name, message)
         assert found[name] in message and "allowed: 'gradpress-algorithm/1'" in message, (name, message)
     assert res["steps_after"] == res["steps_good"] == 1 and res["reloaded"] == 5
+    engine = {"later format": "'gradpress-exchange/9'", "no format": "None", "not a mapping": "a list"}
+    assert set(res["engine_refused"]) == set(engine), res["engine_refused"]
+    for name, message in res["engine_refused"].items():
+        assert message.startswith("not a gradpress exchange state dict"), (name, message)
+        assert engine[name] in message and f"allowed: {res['engine_format']!r}" in message, (name, message)

@@ -79,7 +79,8 @@ class EngineState:
         from gradpress.exchange.base import same_strategy
 
         if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
-            raise ValueError(f"not a gradpress exchange state dict (missing format {STATE_FORMAT!r})")
+            found = repr(state.get("format")) if isinstance(state, Mapping) else f"a {type(state).__name__}"
+            raise ValueError(f"not a gradpress exchange state dict (format {found}; allowed: {STATE_FORMAT!r})")
         _check_state(state)
         theirs, mine = state["config"], self.config()
         if not same_config(theirs, mine):
