@@ -96,6 +96,9 @@ GROUPS: dict[str, tuple[list[str], list[str], int]] = {
                   "gradpress/exchange/base.py"],
                ["tests/test_decode_into.py", "tests/test_kit_primitives.py", "tests/test_mutants_decode.py",
                 "tests/test_compressors.py"], 30),
+    "numerics": ([f"gradpress/compress/{m}.py" for m in ("numerics", "spans", "sampling", "_density")],
+                 ["tests/test_mutants_numerics.py", "tests/test_efsignsgd_chunk.py", "tests/test_summand_bound.py",
+                  "tests/test_extreme.py", "tests/test_estimators.py"], 20),
 }
 #: where a group draws only from some functions of a module (its qualified names: ``Class.method``):
 #: module -> functions; a module a group lists without an entry here is drawn from whole
