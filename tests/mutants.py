@@ -106,6 +106,9 @@ GROUPS: dict[str, tuple[list[str], list[str], int]] = {
                "tests/test_train_hardening.py::test_bad_checkpoint_is_one_line_and_exit_2",
                "tests/test_train_hardening.py::test_malformed_load_state_dict_raises_value_error_and_changes_nothing",
                "tests/test_train.py", "tests/test_algorithms.py"], 20),
+    "numerics": ([f"gradpress/compress/{m}.py" for m in ("numerics", "spans", "sampling", "_density")],
+                 ["tests/test_mutants_numerics.py", "tests/test_efsignsgd_chunk.py", "tests/test_summand_bound.py",
+                  "tests/test_extreme.py", "tests/test_estimators.py"], 20),
 }
 #: where a group draws only from some functions of a module (its qualified names: ``Class.method``):
 #: module -> functions; a module a group lists without an entry here is drawn from whole
