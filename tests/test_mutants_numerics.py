@@ -183,3 +183,19 @@ def test_saturate_clamps_only_into_a_narrower_range(source: torch.dtype, target:
     got = t.double().tolist()
     assert [math.isnan(g) for g in got] == [math.isnan(w) for w in want]
     assert [g for g in got if not math.isnan(g)] == [w for w in want if not math.isnan(w)]
+
+
+@pytest.mark.parametrize("source,target", [(torch.bfloat16, torch.float16)])
+def test_saturate_limit_rounds_toward_zero_in_a_coarser_grid(source: torch.dtype, target: torch.dtype) -> None:
+    """A source grid that cannot hold the target's maximum (bf16 has no
+    65504: it rounds to 65536) clamps at the largest source value not above
+    it, so the cast that follows stays finite (reference: the largest
+    bf16 value <= 65504, found by stepping bf16's grid in float64)."""
+    big = torch.finfo(target).max
+    grid = torch.tensor(big, dtype=torch.float64).to(source)
+    while float(grid) > big:
+        grid = torch.nextafter(grid, torch.zeros_like(grid))
+    t = torch.tensor([math.inf, -math.inf, 1e10, -1e10, 1.5], dtype=source)
+    saturate_(t, target)
+    assert t.double().tolist() == [float(grid), -float(grid), float(grid), -float(grid), 1.5]
+    assert torch.isfinite(t.to(target)).all()

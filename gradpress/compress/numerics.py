@@ -298,8 +298,13 @@ def round_up_to(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def saturate_(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Clamp ``t`` in place to +-(largest finite value of ``dtype``) when
     ``dtype`` cannot hold ``t.dtype``'s range (NaN stays NaN; +-inf become
-    +-max); then the cast to ``dtype`` cannot overflow."""
+    +-max); then the cast to ``dtype`` cannot overflow. The bound is taken
+    in ``t``'s grid rounded toward zero (bf16 has no 65504, fp16's maximum:
+    it clamps at 65280, not at 65536)."""
     big = torch.finfo(dtype).max
     if big < torch.finfo(t.dtype).max:
-        t.clamp_(-big, big)
+        lim = torch.tensor(big, dtype=torch.float64).to(t.dtype)
+        if float(lim) > big:
+            lim = torch.nextafter(lim, torch.zeros_like(lim))
+        t.clamp_(-float(lim), float(lim))
     return t
