@@ -96,6 +96,10 @@ GROUPS: dict[str, tuple[list[str], list[str], int]] = {
                   "gradpress/exchange/base.py"],
                ["tests/test_decode_into.py", "tests/test_kit_primitives.py", "tests/test_mutants_decode.py",
                 "tests/test_compressors.py"], 30),
+    "codecs": ([f"gradpress/compress/{m}.py" for m in ("adacomp", "compose", "fft", "rangefloat")]
+               + ["gradpress/compress/kit/streams.py"],
+               ["tests/test_mutants_codecs.py", "tests/test_compressors.py", "tests/test_compressor_traits.py",
+                "tests/test_literature.py", "tests/test_kit_streams.py", "tests/test_extreme.py"], 20),
 }
 #: where a group draws only from some functions of a module (its qualified names: ``Class.method``):
 #: module -> functions; a module a group lists without an entry here is drawn from whole
