@@ -109,6 +109,10 @@ GROUPS: dict[str, tuple[list[str], list[str], int]] = {
     "numerics": ([f"gradpress/compress/{m}.py" for m in ("numerics", "spans", "sampling", "_density")],
                  ["tests/test_mutants_numerics.py", "tests/test_efsignsgd_chunk.py", "tests/test_summand_bound.py",
                   "tests/test_extreme.py", "tests/test_estimators.py"], 20),
+    "codecs": ([f"gradpress/compress/{m}.py" for m in ("adacomp", "compose", "fft", "rangefloat")]
+               + ["gradpress/compress/kit/streams.py"],
+               ["tests/test_mutants_codecs.py", "tests/test_compressors.py", "tests/test_compressor_traits.py",
+                "tests/test_literature.py", "tests/test_kit_streams.py", "tests/test_extreme.py"], 20),
 }
 #: where a group draws only from some functions of a module (its qualified names: ``Class.method``):
 #: module -> functions; a module a group lists without an entry here is drawn from whole

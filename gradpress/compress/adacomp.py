@@ -60,16 +60,6 @@ def auto_bin_size(shape: torch.Size) -> int:
     return CONV_BIN if len(shape) == 4 else DEFAULT_BIN
 
 
-def bin_max(values: torch.Tensor, size: int) -> torch.Tensor:
-    """Per element, the max of ``values`` (>= 0) over its bin of ``size``."""
-    d = values.numel()
-    nbins = -(-d // size)
-    padded = torch.zeros(nbins * size, dtype=values.dtype, device=values.device)
-    padded[:d] = values
-    gmax = padded.view(nbins, size).amax(dim=1)
-    return gmax.repeat_interleave(size)[:d]
-
-
 def _select(g: torch.Tensor, dw: torch.Tensor, size: int) -> torch.Tensor:
     """int64 flat indices k (increasing) with ``|g_k + dw_k| >= max |g|`` over
     k's bin and ``g_k != 0``. Spans of whole bins are processed one at a
