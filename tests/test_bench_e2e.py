@@ -172,6 +172,22 @@ def test_malformed_lists_are_described_in_the_current_syntax():
     assert cfgs[0].spec == "qsgd:levels=4,bucket=512" and cfgs[0].strategy == "hierarchical:chunk=8,outer=allgather"
 
 
+def test_a_rate_after_a_spec_without_parameters_starts_a_new_configuration():
+    """``+lr=X`` is a configuration's option, not a parameter: the splitter took ``fp16+lr=0.03`` (an ``=`` and no
+    ``:`` before the first ``/``, ``@`` or ``>``) for a ``key=value`` continuing the piece before it, so
+    ``ddp,fp16+lr=0.03`` was refused ('fp16+lr=0.03' ... is a parameter, but 'ddp' has no parameter list) and
+    ``topk:ratio=0.01,signsgd+lr=0.001`` was glued into one spec ``topk:ratio=0.01,signsgd``."""
+    base = parse_baselines("ddp,fp16+lr=0.03")
+    assert [(c.kind, c.lr) for c in base] == [("ddp", None), ("torch-fp16", 0.03)]
+    base = parse_baselines("powersgd:rank=2,start=3,fp16+lr=0.05")
+    assert [(c.kind, c.lr) for c in base] == [("ddp", None), ("torch-powersgd", None), ("torch-fp16", 0.05)]
+    assert (base[1].rank, base[1].start) == (2, 3)
+    cfgs = parse_configs("topk:ratio=0.01,signsgd+lr=0.001;qsgd:levels=4,bucket=512+lr=0.2,fp16+noef+lr=0.1")
+    assert [(c.spec, c.lr) for c in cfgs] == [("topk:ratio=0.01", None), ("signsgd", 0.001),
+                                              ("qsgd:levels=4,bucket=512", 0.2), ("fp16", 0.1)]
+    assert cfgs[3].error_feedback is False
+
+
 @pytest.mark.parametrize("text,words", [
     ("bf16", ["--baselines", "bf16", "ddp, fp16, powersgd"]),
     ("powersgd:rnk=2", ["--baselines", "rnk", "rank, start"]),

@@ -87,14 +87,17 @@ _LISTS = {"--configs": "configurations [ALGORITHM/]SPEC[@STRATEGY][+ef|+noef][+l
 
 def _split_specs(text: str, option: str) -> list[str]:
     """The configurations of a list separated by ``,`` or ``;``: a ``key=value`` token continues the
-    parameter list of the piece before it (the compressor's, the algorithm's or the strategy's)."""
+    parameter list of the piece before it (the compressor's, the algorithm's or the strategy's); a token
+    whose first piece is a name, ``fp16+lr=0.03`` included, starts a configuration."""
     tokens: list[str] = []
     for part in text.split(";"):
         for token in part.split(","):
             token = token.strip()
             if not token:
                 continue
-            head = token.split("/", 1)[0].split("@", 1)[0].split(">", 1)[0]
+            # the token's first piece, before an algorithm's '/', a strategy, a next stage or a +option
+            # (fp16+lr=0.03 is a configuration with its rate, not a parameter)
+            head = re.split(r"[/@>+]", token, maxsplit=1)[0]
             if tokens and "=" in head and ":" not in head:
                 piece = re.split(r"[/@>]", tokens[-1])[-1]
                 if ":" not in piece:
