@@ -120,6 +120,30 @@ def test_help_says_no_delay_emulation():
     assert "netem" in text and "delay" in text
 
 
+def test_cli_refuses_more_ranks_than_the_local_worker_cap(monkeypatch, capsys):
+    """Every rank of ``gradpress cluster`` is a local process, as a worker of ``gradpress train --nproc`` and of
+    ``bench e2e`` (nodes x workers per node), which refuse more than max(64, 8 x cores) since 77166c9;
+    ``gradpress cluster --nodes N --workers-per-node 64 -- COMMAND`` built the namespaces and forked N x 64.
+    Refused before any namespace, naming both options, the product and the cap; without a command (--keep,
+    --measure: two processes) the nodes' limit is theirs alone."""
+    from gradpress import cluster as cluster_pkg
+    from gradpress.cli import main as cli_main
+
+    cap = max(64, 8 * (os.cpu_count() or 1))
+    nodes = cap // 64 + 1
+    assert nodes <= netns_mod.MAX_NODES  # any machine under ~2000 cores
+
+    def built(*args, **kwargs):
+        raise AssertionError("an EmulatedCluster was built")
+
+    monkeypatch.setattr(cluster_pkg, "EmulatedCluster", built)
+    code = cli_main(["cluster", "--nodes", str(nodes), "--workers-per-node", "64", "--bandwidth", "1gbit", "--", "true"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert err == (f"gradpress cluster: error: --nodes x --workers-per-node must be an integer from 1 to {cap} (local "
+                   f"workers on one machine: at most max(64, 8 x {os.cpu_count() or 1} cores)), got {nodes * 64}"), err
+
+
 # -- real clusters (root) -------------------------------------------------------------------------
 def _veth_count() -> int:
     return len(subprocess.run(["ip", "-o", "link", "show", "type", "veth"], capture_output=True, text=True).stdout.splitlines())

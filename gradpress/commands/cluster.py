@@ -46,7 +46,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         usage="gradpress cluster --nodes N --bandwidth RATE [options] -- COMMAND [ARG ...]\n"
               "       gradpress cluster --check | --cleanup [--prefix NAME]",
     )
-    p.add_argument("--nodes", type=int, metavar="N", help="number of emulated hosts (1..250)")
+    p.add_argument("--nodes", type=int, metavar="N", help="number of emulated hosts (1..250; with a COMMAND, nodes x K ranks: at most "
+                   "max(64, 8 x cores) local processes, as train --nproc)")
     p.add_argument("--bandwidth", metavar="RATE",
                    help="link rate per direction, tc syntax: 500kbit, 50mbit, 100mbit, 1gbit, 10mibit, 12mbps")
     p.add_argument("--workers-per-node", dest="workers_per_node", type=int, default=1, metavar="K",
@@ -105,6 +106,11 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"nodes={args.nodes} is not allowed with --measure: expected >= 2")
         if not command and not args.keep and not args.measure:
             raise ValueError("COMMAND is missing: expected `gradpress cluster --nodes N --bandwidth RATE -- COMMAND ...`")
+        if command and args.nodes >= 1 and args.workers_per_node >= 1:  # out of their own ranges: named below
+            from gradpress.train.config import check_nproc
+
+            # every rank is a local process, as a worker of train --nproc and bench e2e: the same cap
+            check_nproc(args.nodes * args.workers_per_node, "--nodes x --workers-per-node")
         cluster = EmulatedCluster(args.nodes, args.bandwidth, burst=args.burst, queue_latency=args.queue_latency,
                                   workers_per_node=args.workers_per_node, intra_bandwidth=args.intra_bandwidth,
                                   prefix=prefix, master_port=args.master_port, logs=args.logs, keep=args.keep)
