@@ -72,7 +72,8 @@ GROUPS: dict[str, tuple[list[str], list[str], int]] = {
                  ["tests/test_topology.py", "tests/test_gossip.py", "tests/test_gossip_state.py"], 8),
     "hierarchical": ([f"gradpress/exchange/strategies/{m}.py" for m in ("hierarchical", "hierarchical_pipeline")],
                      ["tests/test_hierarchical.py"], 8),
-    "kit": ([f"gradpress/compress/kit/{m}.py" for m in ("declare", "layout", "packing", "rng", "primitives")],
+    "kit": ([f"gradpress/compress/kit/{m}.py" for m in ("declare", "layout", "packing", "rng", "primitives",
+                                                                    "reductions")],
             ["tests/test_kit_primitives.py", "tests/test_kit_rng.py", "tests/test_kit_authoring.py",
              "tests/test_wire.py", "tests/test_compressors.py", "tests/test_kit_identity.py"], 10),
     "sparsifiers": ([f"gradpress/compress/{m}.py" for m in ("topk", "sparse", "threshold", "dgc", "dgc_threshold", "sidco",
@@ -93,6 +94,7 @@ GROUPS: dict[str, tuple[list[str], list[str], int]] = {
                                                       "efsignsgd", "natural", "minmax8", "qsgd", "onebit", "terngrad",
                                                       "bits")]
                + ["gradpress/compress/kit/declare.py", "gradpress/compress/kit/primitives.py",
+                  "gradpress/compress/kit/reductions.py",
                   "gradpress/exchange/base.py"],
                ["tests/test_decode_into.py", "tests/test_kit_primitives.py", "tests/test_mutants_decode.py",
                 "tests/test_compressors.py"], 30),
@@ -132,7 +134,8 @@ FOCUS: dict[str, dict[str, list[str]]] = {
         "gradpress/compress/terngrad.py": ["TernGrad.decode_fields"],
         "gradpress/compress/bits.py": ["unpack_table"],
         "gradpress/compress/kit/declare.py": ["KitCompressor.__init_subclass__", "KitCompressor.decode_into"],
-        "gradpress/compress/kit/primitives.py": ["_row_extremes", "_row_minmax", "elementwise", "_whole_and_tail"],
+        "gradpress/compress/kit/primitives.py": ["elementwise", "_whole_and_tail"],
+        "gradpress/compress/kit/reductions.py": ["_row_extremes", "_row_minmax"],
         "gradpress/exchange/base.py": ["aggregate_packets", "aggregate"],
     },
     "state": {  # the algorithm's configuration, state dict and stats (its exchange helpers: no group yet)
