@@ -78,24 +78,29 @@ def _adam_reference(batches: list[int]) -> torch.Tensor:
     return torch.cat([p.reshape(-1) for p in params])
 
 
-def _nonfinite_worker(rank: int, world: int, spec: str, mode: str, steps: int, compressor: str = "none") -> dict:
+def _nonfinite_worker(rank: int, world: int, spec: str, mode: str, steps: int, compressor: str = "none",
+                      nan_step: int = NAN_STEP) -> dict:
+    """Rank 1's gradient is NaN at the 0-based ``nan_step``; per step the
+    parameters and momenta (``history``) and whether the replicas were
+    synchronized (``synced``)."""
     model = make_model()
     opt = torch.optim.Adam(model.parameters(), lr=LR, betas=(B1, B2), eps=EPS)
     algo = algorithms.create(spec, model, opt, compressor=compressor, nonfinite=mode, min_numel=64)
-    history = []
+    history, synced = [], []
     try:
         for step in range(steps):
             opt.zero_grad()
             x, y = batch(rank, step)
             torch.nn.functional.mse_loss(model(x), y).backward()
-            if step == NAN_STEP and rank == 1:
+            if step == nan_step and rank == 1:
                 model[0].weight.grad[0, 0] = float("nan")
             algo.step()
             history.append((torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
                             torch.cat([m.reshape(-1) for m in algo.exp_avg])))
+            synced.append(getattr(algo, "_synced", True))  # 0/1 Adam only: every other step synchronizes
     except FloatingPointError as exc:
         return {"raised": str(exc)}
-    return {"params": history[-1][0], "history": history, "raised": None}
+    return {"params": history[-1][0], "history": history, "synced": synced, "raised": None}
 
 
 #: both run exact Adam on the averaged gradient on these steps (1-bit Adam's warm-up, 0/1 Adam's T_v steps)
@@ -138,25 +143,8 @@ def test_zeroone_skip_drops_a_nonfinite_compressed_variance_phase_step() -> None
         assert torch.isfinite(p_next).all() and not torch.equal(p_next, p_skip)
 
 
-def _local_nan_worker(rank: int, world: int, nan_step: int, steps: int) -> dict:
-    """0/1 Adam past its variance freeze (t = 1, 2 exact; then local steps,
-    synchronized at t = 3, 4, 6, 8: H = 1, then 2). Rank 1's gradient is NaN
-    at the 0-based ``nan_step``."""
-    model = make_model()
-    opt = torch.optim.Adam(model.parameters(), lr=LR, betas=(B1, B2), eps=EPS)
-    algo = algorithms.create("zeroone_adam:var_freeze_step=2,local_step_scaler=1,local_step_clipper=2", model, opt,
-                             compressor="none", nonfinite="skip", min_numel=64)
-    history = []
-    for step in range(steps):
-        opt.zero_grad()
-        x, y = batch(rank, step)
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        if step == nan_step and rank == 1:
-            model[0].weight.grad[0, 0] = float("nan")
-        algo.step()
-        history.append((torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
-                        torch.cat([m.reshape(-1) for m in algo.exp_avg]), algo._synced))
-    return {"history": history}
+#: 0/1 Adam past its variance freeze: t = 1, 2 exact, then local steps synchronized at t = 3, 4, 6, 8 (H = 1, then 2)
+LOCAL_SPEC = "zeroone_adam:var_freeze_step=2,local_step_scaler=1,local_step_clipper=2"
 
 
 def test_zeroone_skip_returns_a_local_phase_to_the_last_synchronization() -> None:
@@ -166,11 +154,11 @@ def test_zeroone_skip_returns_a_local_phase_to_the_last_synchronization() -> Non
     replica returns to the parameters of the previous synchronization
     (t = 4) with a zero momentum, identical on both ranks; training then
     goes on finite (t = 7 local, t = 8 synchronized)."""
-    runs = run_workers(_local_nan_worker, 2, 4, 8)
+    runs = run_workers(_nonfinite_worker, 2, LOCAL_SPEC, "skip", 8, "none", 4)
     for res in runs:
         hist = res["history"]
-        assert [h[2] for h in hist] == [True, True, True, True, False, True, False, True]
-        (p_sync, _, _), (p_local, _, _), (p_skip, m_skip, _) = hist[3], hist[4], hist[5]
+        assert res["synced"] == [True, True, True, True, False, True, False, True]
+        (p_sync, _), (p_local, _), (p_skip, m_skip) = hist[3], hist[4], hist[5]
         assert torch.equal(p_skip, p_sync), "the dropped synchronization did not return to the previous one"
         assert torch.equal(m_skip, torch.zeros_like(m_skip))
         assert not torch.equal(p_local, p_sync)  # the local step had moved it
