@@ -40,8 +40,14 @@ def _worker(rank: int, world: int) -> dict:
     out["fresh"] = algo.stats
     _step(model, opt, algo, 1)
     out["local"] = algo.stats
+    saved = algo.state_dict()
     _step(model, opt, algo, 2)
     out["synced"] = algo.stats
+    # a resume after the local step: the same counts before its first step as the run it continues
+    model = _model()
+    resumed = algorithms.create("localsgd:period=2", model, torch.optim.SGD(model.parameters(), lr=0.1))
+    resumed.load_state_dict(saved)
+    out["resumed"] = resumed.stats
 
     # strategy=auto: the construction measures the group (once) and plans per tensor; the measurement is
     # the real one with a constant clock and small sizes (the planner's input, not its speed, is tested)
@@ -102,3 +108,17 @@ def test_auto_strategy_measures_the_group_and_plans_at_construction(results: dic
     assert auto["reasons"] == {"weight": "cost model", "bias": "1-D or below min_numel"}, auto
     assert forced["measured"] == [] and forced["source"] == "forced", forced
 
+
+def test_a_resumed_run_reports_the_dense_bytes_of_its_last_step(results: dict) -> None:
+    """Invariant (the hook's vocabulary): ``last_step_dense_bytes`` is the
+    dense bytes of the last completed step, and every step of an algorithm
+    is one of DDP's (``dense_bytes == steps x`` every parameter's gradient):
+    a run resumed after its first step reports, before any step of its own,
+    that step's 832 bytes, as the run it continues did (the hook restores
+    its figures from the state dict). It reported 0 (the constructor's
+    value), as if no step had completed, beside ``steps == 1``."""
+    dense = sum(4 * torch.Size(s).numel() for s in SHAPES)
+    resumed = results["resumed"]
+    assert resumed["steps"] == 1 and resumed["dense_bytes"] == dense, resumed
+    assert resumed["last_step_dense_bytes"] == results["local"]["last_step_dense_bytes"] == dense, resumed
+    assert (resumed["last_step_bytes"], resumed["last_step_host_bytes"]) == (0, 0), resumed  # a local step: nothing sent
