@@ -115,6 +115,9 @@ GROUPS: dict[str, tuple[list[str], list[str], int]] = {
                + ["gradpress/compress/kit/streams.py"],
                ["tests/test_mutants_codecs.py", "tests/test_compressors.py", "tests/test_compressor_traits.py",
                 "tests/test_literature.py", "tests/test_kit_streams.py", "tests/test_extreme.py"], 20),
+    "algobase": (["gradpress/algorithms/base.py", "gradpress/algorithms/loss_probe.py", "gradpress/algorithms/registry.py"],
+                 ["tests/test_mutants_algobase.py", "tests/test_algorithms.py", "tests/test_review_sync_skip.py",
+                  "tests/test_algorithms_lsgd.py"], 20),
 }
 #: where a group draws only from some functions of a module (its qualified names: ``Class.method``):
 #: module -> functions; a module a group lists without an entry here is drawn from whole
@@ -138,9 +141,15 @@ FOCUS: dict[str, dict[str, list[str]]] = {
         "gradpress/compress/kit/reductions.py": ["_row_extremes", "_row_minmax"],
         "gradpress/exchange/base.py": ["aggregate_packets", "aggregate"],
     },
-    "state": {  # the algorithm's configuration, state dict and stats (its exchange helpers: no group yet)
+    "state": {  # the algorithm's configuration, state dict and stats (its exchange helpers: the algobase group)
         "gradpress/algorithms/base.py": ["Algorithm.spec", "Algorithm.config", "Algorithm.state_dict",
                                          "Algorithm.load_state_dict", "Algorithm.stats"],
+    },
+    "algobase": {  # the algorithm's exchange helpers (its configuration and state: the state group)
+        "gradpress/algorithms/base.py": ["Algorithm.__init__", "Algorithm.exchanged_params", "Algorithm.gradients",
+                                         "Algorithm.local_step", "Algorithm._reset_last", "Algorithm.ddp_step",
+                                         "Algorithm.sync", "Algorithm.average_plain", "Algorithm.broadcast_model",
+                                         "Algorithm.consensus_model"],
     },
 }
 #: binary operators that never occur in these modules' arithmetic on tensors and floats: replacing

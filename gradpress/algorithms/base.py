@@ -104,7 +104,7 @@ class Algorithm:
         self.rank = dist.get_rank(self.group)
         self._steps = 0
         self._exchanges = 0
-        self._last = {"bytes": 0, "dense": 0, "host": 0}
+        self._last = {"bytes": 0, "host": 0}
         self._consensus: torch.nn.Module | None = None
         self.engine: Synchronizer | None = None
         try:  # everything a rank can get wrong alone, before the agreement every rank reaches
@@ -212,7 +212,7 @@ class Algorithm:
 
     def _reset_last(self) -> None:
         """Start the per-step counts of a new step (what ``stats`` reports as the last step)."""
-        self._last = {"bytes": 0, "dense": self._dense_per_step, "host": 0}
+        self._last = {"bytes": 0, "host": 0}
 
     def gradients(self) -> list[torch.Tensor]:
         """Each parameter's local gradient (zeros where ``.grad`` is None, so
@@ -294,7 +294,8 @@ class Algorithm:
         out["dense_bytes"] = self._steps * self._dense_per_step
         out["last_step_bytes"] = self._last["bytes"]
         out["last_step_host_bytes"] = self._last["host"]
-        out["last_step_dense_bytes"] = self._last["dense"] if self._steps else 0
+        # every step is one of DDP's: also the step before a resume (the sent bytes are this process's)
+        out["last_step_dense_bytes"] = self._dense_per_step if self._steps else 0
         out["ratio"] = out["dense_bytes"] / out["bytes_sent"] if out["bytes_sent"] else 1.0
         return out
 
