@@ -114,7 +114,7 @@ GROUPS: dict[str, tuple[list[str], list[str], int]] = {
                ["tests/test_mutants_codecs.py", "tests/test_compressors.py", "tests/test_compressor_traits.py",
                 "tests/test_literature.py", "tests/test_kit_streams.py", "tests/test_extreme.py"], 20),
     "compiler": (["gradpress/compress/kit/compiler.py", "gradpress/compress/spans.py", "gradpress/compress/params.py"],
-                 ["tests/test_kit_compile.py", "tests/test_review_kit.py",
+                 ["tests/test_mutants_compiler.py", "tests/test_kit_compile.py", "tests/test_review_kit.py",
                   "tests/test_kit_fused.py::test_each_signature_compiles_apart_and_past_its_recompile_limit_only_new_"
                   "shapes_run_eagerly",
                   "tests/test_kit_fused.py::test_a_kernel_with_a_graph_break_falls_back_to_eager_with_a_warning",
