@@ -108,7 +108,7 @@ GROUPS: dict[str, tuple[list[str], list[str], int]] = {
                "tests/test_train_hardening.py::test_bad_checkpoint_is_one_line_and_exit_2",
                "tests/test_train_hardening.py::test_malformed_load_state_dict_raises_value_error_and_changes_nothing",
                "tests/test_train.py", "tests/test_algorithms.py"], 20),
-    "numerics": ([f"gradpress/compress/{m}.py" for m in ("numerics", "spans", "sampling", "_density")],
+    "numerics": ([f"gradpress/compress/{m}.py" for m in ("numerics", "sampling", "_density")],
                  ["tests/test_mutants_numerics.py", "tests/test_efsignsgd_chunk.py", "tests/test_summand_bound.py",
                   "tests/test_extreme.py", "tests/test_estimators.py"], 20),
     "codecs": ([f"gradpress/compress/{m}.py" for m in ("adacomp", "compose", "fft", "rangefloat")]
@@ -118,6 +118,15 @@ GROUPS: dict[str, tuple[list[str], list[str], int]] = {
     "algobase": (["gradpress/algorithms/base.py", "gradpress/algorithms/loss_probe.py", "gradpress/algorithms/registry.py"],
                  ["tests/test_mutants_algobase.py", "tests/test_algorithms.py", "tests/test_review_sync_skip.py",
                   "tests/test_algorithms_lsgd.py"], 20),
+    "compiler": (["gradpress/compress/kit/compiler.py", "gradpress/compress/spans.py", "gradpress/compress/params.py"],
+                 ["tests/test_mutants_compiler.py", "tests/test_kit_compile.py", "tests/test_review_kit.py",
+                  "tests/test_kit_fused.py::test_each_signature_compiles_apart_and_past_its_recompile_limit_only_new_"
+                  "shapes_run_eagerly",
+                  "tests/test_kit_fused.py::test_a_kernel_with_a_graph_break_falls_back_to_eager_with_a_warning",
+                  "tests/test_kit_fused.py::test_whole_tensor_reductions_compile_on_cpu_only_under_auto",
+                  "tests/test_kit_fused.py::test_a_number_handed_to_a_kernel_every_call_does_not_compile_a_variant_"
+                  "per_value",
+                  "tests/test_compressors.py", "tests/test_mutants_codecs.py"], 20),
 }
 #: where a group draws only from some functions of a module (its qualified names: ``Class.method``):
 #: module -> functions; a module a group lists without an entry here is drawn from whole

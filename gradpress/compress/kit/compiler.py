@@ -139,8 +139,10 @@ def compiled_count() -> int:
 
 
 def is_compiled(kernel: Callable[..., Any]) -> bool:
-    """Whether some signature of ``kernel`` has been compiled in this process."""
-    return any(k is kernel for k, _ in _cache)
+    """Whether some signature of ``kernel`` has been compiled in this process
+    (kernels compare equal, as the cache's keys do: each ``obj.method`` is a
+    new bound-method object, equal to the one cached, never identical)."""
+    return any(k == kernel for k, _ in _cache)
 
 
 def _numeric(v: Any) -> bool:
@@ -273,7 +275,7 @@ def run(kernel: Callable[..., Any], numel: int, *args: Any, **kwargs: Any) -> An
             return kernel(*args, **kwargs)
         base = _BASE.get(kernel, kernel)  # a kernel and its ``into`` variant fail together: one warning
         _failed.add(base)
-        for k in [k for k in _cache if _BASE.get(k[0], k[0]) is base]:
+        for k in [k for k in _cache if _BASE.get(k[0], k[0]) == base]:  # equal, as in _failed (bound methods)
             del _cache[k]
         warnings.warn(f"gradpress kit: compiling {kernel.__qualname__} failed ({type(exc).__name__}: {exc}); "
                       "running it eagerly from now on", RuntimeWarning, stacklevel=2)
