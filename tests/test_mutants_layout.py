@@ -19,8 +19,8 @@ the code's output. One process; the groups are a 1-rank gloo group.
   ``LOCAL_WORLD_SIZE``, ``local_world`` in place of the latter only; a bad
   value names the variable.
 * ``timeout_of``/``own_group``: the caller's timeout, else the base group's
-  (the default group's too when ``group`` is None); the new group has the
-  base group's ranks.
+  (the default group's too when ``group`` is None; an NCCL group's read
+  from its CUDA backend); the new group has the base group's ranks.
 * ``measure``: probes the documented sizes (1 KB-1 MB of bytes, 1 K-512 K
   elements), 5 repetitions each; ``wire`` is the compressor's packet bytes,
   fitted exactly (no overhead).
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import datetime
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -244,6 +245,21 @@ def test_own_group_takes_the_callers_timeout_else_the_base_groups(one_rank: dist
     assert error and "got -1" in error and timeout_of(group, None) == GROUP_TIMEOUT
     inner, error = own_group(group, None)
     assert error is None and timeout_of(inner, None) == GROUP_TIMEOUT
+
+
+def test_an_nccl_groups_timeout_is_read_from_its_cuda_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An NCCL group has a backend for CUDA only (torch's backend config ``cuda:nccl``; a CPU read
+    raises), while gloo answers for both: a stand-in NCCL group, so the check needs no GPU."""
+    timeout = datetime.timedelta(seconds=41)
+
+    class Nccl:
+        def _get_backend(self, device: torch.device) -> SimpleNamespace:
+            if device.type != "cuda":
+                raise RuntimeError(f"No backend type associated with device type {device.type}")
+            return SimpleNamespace(options=SimpleNamespace(_timeout=timeout))
+
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    assert timeout_of(Nccl(), None) == timeout  # type: ignore[arg-type]
 
 
 def test_own_group_before_init_process_group_says_so() -> None:
