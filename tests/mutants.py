@@ -127,6 +127,12 @@ GROUPS: dict[str, tuple[list[str], list[str], int]] = {
                   "tests/test_kit_fused.py::test_a_number_handed_to_a_kernel_every_call_does_not_compile_a_variant_"
                   "per_value",
                   "tests/test_compressors.py", "tests/test_mutants_codecs.py"], 20),
+    "layout": ([f"gradpress/exchange/strategies/{m}.py" for m in ("hierarchical_abort", "hierarchical_costs",
+                                                                  "hierarchical_layout")]
+               + ["gradpress/transport/groups.py", "gradpress/exchange/catalog.py", "gradpress/exchange/probe.py"],
+               ["tests/test_mutants_layout.py", "tests/test_hierarchical_costs.py", "tests/test_plan.py",
+                "tests/test_cli_strategies.py", "tests/test_review_groups.py",
+                "tests/test_exchange_hardening.py::test_measurement_fits_the_slowest_rank_on_every_rank"], 24),
 }
 #: where a group draws only from some functions of a module (its qualified names: ``Class.method``):
 #: module -> functions; a module a group lists without an entry here is drawn from whole

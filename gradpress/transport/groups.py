@@ -29,7 +29,8 @@ def device_of(group: dist.ProcessGroup | None) -> torch.device:
 def timeout_of(group: dist.ProcessGroup | None, timeout: float | datetime.timedelta | None) -> datetime.timedelta | None:
     """``timeout`` as a timedelta (validated: an invalid one, infinite or
     beyond what a timedelta holds included, raises ValueError, never another
-    error), else the timeout of ``group`` (None where torch does not say)."""
+    error), else the timeout of ``group`` (None: the default group, as
+    everywhere in torch; None where torch does not say)."""
     if timeout is not None:
         if isinstance(timeout, datetime.timedelta):
             return timeout
@@ -42,7 +43,8 @@ def timeout_of(group: dist.ProcessGroup | None, timeout: float | datetime.timede
                              f"{datetime.timedelta.max.total_seconds():.0f} seconds, got {timeout!r}") from None
     try:
         device = torch.device("cuda") if dist.get_backend(group) == "nccl" else torch.device("cpu")
-        return group._get_backend(device).options._timeout  # type: ignore[union-attr]
+        base = group if group is not None else dist.group.WORLD  # None: the default group
+        return base._get_backend(device).options._timeout  # type: ignore[union-attr]
     except Exception:  # noqa: BLE001 - private API; fall back to torch's default
         return None
 
