@@ -156,3 +156,18 @@ def test_a_resumed_local_run_takes_the_layout_its_workers_will_have(tmp_path, mo
     first = train.run(dict(common, epochs=1, strategy="hierarchical:workers_per_host=2"))
     resumed = train.run(dict(common, epochs=2, strategy="hierarchical", resume=True))
     assert resumed["steps"] == 2 * first["steps"]
+
+
+def test_a_bad_host_layout_environment_on_resume_is_named(tmp_path, monkeypatch):
+    """A resume whose environment gives no host layout (`GRADPRESS_WORKERS_PER_HOST=two`) is refused
+    naming the variable and what is allowed, not as a checkpoint of a different configuration (the
+    comparison swallowed the environment's error and reported 'strategy: checkpoint has ...')."""
+    from gradpress.exchange.strategies.hierarchical_layout import ENV_VARS
+
+    for var in ENV_VARS:
+        monkeypatch.delenv(var, raising=False)
+    ck = train.make_config({"workload": "digits-mlp", "out": str(tmp_path), "strategy": "hierarchical:workers_per_host=2"})
+    cfg = train.make_config({"workload": "digits-mlp", "out": str(tmp_path), "strategy": "hierarchical"})
+    monkeypatch.setenv("GRADPRESS_WORKERS_PER_HOST", "two")
+    with pytest.raises(ValueError, match=r"GRADPRESS_WORKERS_PER_HOST='two': allowed: a positive integer"):
+        checkpoint.check_resume({"format": checkpoint.FORMAT, "config": checkpoint.compat(ck, 4)}, cfg, 4)

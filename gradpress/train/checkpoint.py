@@ -155,11 +155,16 @@ def _same(key: str, theirs: Any, mine: Any, world: int | None = None, local_worl
         try:
             if canonical(theirs) == canonical(mine):
                 return True
-            if key == "strategy" and world is not None:
-                from gradpress.exchange.base import resolved_strategy
-
-                return resolved_strategy(theirs, world, local_world) == resolved_strategy(mine, world, local_world)
+        except ValueError:
             return False
+        if key != "strategy" or world is None:
+            return False
+        from gradpress.exchange.base import resolved_strategy
+
+        # this run's own layout first, outside the try: an environment that gives none is its error, named
+        ours = resolved_strategy(mine, world, local_world)
+        try:
+            return resolved_strategy(theirs, world, local_world) == ours
         except ValueError:
             return False
     return theirs == mine
