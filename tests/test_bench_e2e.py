@@ -578,3 +578,16 @@ def test_the_target_line_says_which_way_the_metric_reaches_it():
     from gradpress.bench.e2e_seeds import markdown as seeds_markdown
 
     assert "Target: bpc <= 2.5 " in seeds_markdown(combine([res, res], [0, 1], "gradpress bench e2e --seeds 2"))
+
+
+def test_a_parameter_after_an_option_is_refused_naming_both():
+    """``topk:ratio=0.01+lr=0.1,bucket=3``: the parameter was glued onto the +option and refused as
+    '+lr got '0.1,bucket=3''; it is refused as a parameter written after the configuration's +options."""
+    for text, option, parse in (("topk:ratio=0.01+lr=0.1,bucket=3", "--configs", parse_configs),
+                                ("powersgd:rank=2+lr=0.1,start=3", "--baselines", parse_baselines),
+                                ("qsgd:levels=4@ring+ef,bucket=512", "--configs", parse_configs)):
+        with pytest.raises(ValueError) as exc:
+            parse(text)
+        token = text.rsplit(",", 1)[1]
+        assert str(exc.value) == (f"{option}: {token!r} in {text!r} is a parameter written after the options of "
+                                  f"{text.rsplit(',', 1)[0]!r}; allowed: NAME:key=value,key=value+option"), str(exc.value)

@@ -100,6 +100,9 @@ def _split_specs(text: str, option: str) -> list[str]:
             head = re.split(r"[/@>+]", token, maxsplit=1)[0]
             if tokens and "=" in head and ":" not in head:
                 piece = re.split(r"[/@>]", tokens[-1])[-1]
+                if "+" in piece:  # the options end a configuration: its parameters come before them
+                    raise ValueError(f"{option}: {token!r} in {text!r} is a parameter written after the options of "
+                                     f"{tokens[-1]!r}; allowed: NAME:key=value,key=value+option")
                 if ":" not in piece:
                     raise ValueError(f"{option}: {token!r} in {text!r} is a parameter, but {piece or tokens[-1]!r} "
                                      "has no parameter list; allowed: NAME:key=value,key=value")
