@@ -133,6 +133,9 @@ GROUPS: dict[str, tuple[list[str], list[str], int]] = {
                ["tests/test_mutants_layout.py", "tests/test_hierarchical_costs.py", "tests/test_plan.py",
                 "tests/test_cli_strategies.py", "tests/test_review_groups.py",
                 "tests/test_exchange_hardening.py::test_measurement_fits_the_slowest_rank_on_every_rank"], 24),
+    "workloads": ([f"gradpress/workloads/{m}.py" for m in ("base", "mnist1d", "wide", "digits", "charlm", "userdata")],
+                  ["tests/test_mutants_workloads.py", "tests/test_workloads.py", "tests/test_review_workloads.py",
+                   "tests/test_train_hardening.py::test_truncated_cache_file_is_regenerated"], 15),
 }
 #: where a group draws only from some functions of a module (its qualified names: ``Class.method``):
 #: module -> functions; a module a group lists without an entry here is drawn from whole
