@@ -136,6 +136,19 @@ GROUPS: dict[str, tuple[list[str], list[str], int]] = {
     "workloads": ([f"gradpress/workloads/{m}.py" for m in ("base", "mnist1d", "wide", "digits", "charlm", "userdata")],
                   ["tests/test_mutants_workloads.py", "tests/test_workloads.py", "tests/test_review_workloads.py",
                    "tests/test_train_hardening.py::test_truncated_cache_file_is_regenerated"], 15),
+    "train": ([f"gradpress/train/{m}.py" for m in ("loop", "session", "evaluate", "algorithm", "report")],
+              ["tests/test_mutants_train.py", "tests/test_mutants_train_session.py",
+               "tests/test_tensorboard.py::test_a_resumed_run_purges_the_events_the_interrupted_run_wrote_past_its_"
+               "checkpoint",
+               "tests/test_train.py::test_data_order_is_sharded_and_deterministic",
+               "tests/test_train.py::test_loop_drives_any_algorithm_through_the_interface",
+               "tests/test_train.py::test_algorithms_command_lists_ddp_and_the_registry",
+               "tests/test_train.py::test_a_registered_algorithm_is_validated_listed_and_trained",
+               "tests/test_train.py::test_ddp_adapter_skips_the_optimizer_step_the_hook_dropped",
+               "tests/test_train.py::test_each_workload_trains",
+               "tests/test_review_resume.py::test_resume_keeps_the_step_the_loss_first_became_non_finite",
+               "tests/test_review_resume.py::test_resume_keeps_the_metrics_lines_before_a_torn_last_line",
+               "tests/test_train_hardening.py::test_divergence_writes_null_names_the_step_and_fails"], 15),
 }
 #: where a group draws only from some functions of a module (its qualified names: ``Class.method``):
 #: module -> functions; a module a group lists without an entry here is drawn from whole
