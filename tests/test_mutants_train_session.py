@@ -13,6 +13,7 @@ import re
 
 import pytest
 import torch
+from stub_algorithm import CountingAlgorithm
 
 from gradpress import train
 from gradpress.train import algorithm
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.mutants
 LRS: list[float] = []
 
 
-class _Counting:
+class _Counting(CountingAlgorithm):
     """Local steps only; ``stub:nan_at=K`` fills the parameters with NaN after step K."""
 
     name = "stub"
@@ -43,26 +44,8 @@ class _Counting:
                 for p in self.model.parameters():
                     p.fill_(math.nan)
 
-    def eval_model(self):
-        return self.model
-
-    @property
-    def stats(self):
-        from gradpress.ddp import STATS_KEYS
-
-        out = dict.fromkeys(STATS_KEYS, 0)
-        out.update(steps=self.counter, bytes_sent=10 * self.counter, dense_bytes=40 * self.counter,
-                   consensus_distance=0.5 * self.counter)
-        return out
-
-    def state_dict(self):
-        return {"counter": torch.tensor(self.counter)}
-
-    def load_state_dict(self, state):
-        self.counter = int(state["counter"])
-
-    def close(self):
-        pass
+    def extra_stats(self):
+        return {"consensus_distance": 0.5 * self.counter}
 
     def describe(self):
         return {"algorithm": self.spec, "compressor": "none", "strategy": "allreduce", "error_feedback": False}

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from distributed import run_workers
+from stub_algorithm import CountingAlgorithm
 
 from gradpress import torch_compat, train
 from gradpress.cli import main as cli
@@ -377,7 +378,7 @@ def test_loop_drives_any_algorithm_through_the_interface():
     assert train.evaluate(wl, algo.eval_model()) != before and wl.model.training
 
 
-class _Plain:
+class _Plain(CountingAlgorithm):
     """A stand-in for a registered algorithm: local steps, no exchange (world
     size 1), stats in the hook's vocabulary, state that must survive resume."""
 
@@ -394,26 +395,6 @@ class _Plain:
     def step(self):
         self.optimizer.step()
         self.counter += 1
-
-    def eval_model(self):
-        return self.model
-
-    @property
-    def stats(self):
-        from gradpress.ddp import STATS_KEYS
-
-        out = dict.fromkeys(STATS_KEYS, 0)
-        out.update(steps=self.counter, bytes_sent=10 * self.counter, dense_bytes=40 * self.counter)
-        return out
-
-    def state_dict(self):
-        return {"counter": torch.tensor(self.counter)}
-
-    def load_state_dict(self, state):
-        self.counter = int(state["counter"])
-
-    def close(self):
-        pass
 
     def describe(self):
         return {"algorithm": self.spec, "compressor": self.compressor, "strategy": "allreduce",
