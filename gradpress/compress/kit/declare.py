@@ -33,6 +33,7 @@ Registration is the ordinary ``@register`` of the compressor registry.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -141,9 +142,7 @@ class KitCompressor(Compressor):
         if self.RANDOM is None:
             raise TypeError(f"compressor {self.name!r} declares RANDOM = None but asked for random numbers")
         seed = ctx.private_seed if self.RANDOM == "private" else ctx.shared_seed
-        if self._stream == "torch":
-            return {"key": None, "drawn": self.torch_draw(generator_for(flat.device, seed), flat)}
-        return {"key": seed_words(seed, flat.device, salt), "drawn": None}
+        return self._draws(seed, flat.device, salt, lambda: flat)
 
     def decode_randomness(self, seed: int, numel: int, dtype: torch.dtype, device: torch.device | str,
                           salt: int = 0) -> dict[str, torch.Tensor | None]:
@@ -151,10 +150,18 @@ class KitCompressor(Compressor):
         :meth:`randomness` gave the encoder (``salt`` alike) for an input of
         ``numel`` elements of ``dtype``, so the decoder regenerates its draws
         (random signs, rotations, indices)."""
-        like = torch.empty(numel, dtype=compute_dtype(dtype) if self.CONVERT else dtype, device=device)
+        return self._draws(seed, device, salt, lambda: torch.empty(
+            numel, dtype=compute_dtype(dtype) if self.CONVERT else dtype, device=device))
+
+    def _draws(self, seed: int, device: torch.device | str, salt: int,
+               like: Callable[[], torch.Tensor]) -> dict[str, torch.Tensor | None]:
+        """``{"key", "drawn"}`` of ``seed``: the counter key (``salt``'s
+        stream), or the torch generator's draws for the tensor ``like()``
+        gives (built only for that stream)."""
         if self._stream == "torch":
-            return {"key": None, "drawn": self.torch_draw(generator_for(like.device, seed), like)}
-        return {"key": seed_words(seed, like.device, salt), "drawn": None}
+            flat = like()
+            return {"key": None, "drawn": self.torch_draw(generator_for(flat.device, seed), flat)}
+        return {"key": seed_words(seed, device, salt), "drawn": None}
 
     def _encode(self, x: torch.Tensor, ctx: Context) -> Packet:
         if x.numel() > MAX_NUMEL:
