@@ -29,6 +29,7 @@ the hot path has no host sync. ``SYNC_FREE`` forces the latter path (tests).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -301,10 +302,18 @@ def saturate_(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     +-max); then the cast to ``dtype`` cannot overflow. The bound is taken
     in ``t``'s grid rounded toward zero (bf16 has no 65504, fp16's maximum:
     it clamps at 65280, not at 65536)."""
-    big = torch.finfo(dtype).max
-    if big < torch.finfo(t.dtype).max:
-        lim = torch.tensor(big, dtype=torch.float64).to(t.dtype)
-        if float(lim) > big:
-            lim = torch.nextafter(lim, torch.zeros_like(lim))
-        t.clamp_(-float(lim), float(lim))
+    if torch.finfo(dtype).max < torch.finfo(t.dtype).max:
+        lim = _saturation_bound(t.dtype, dtype)
+        t.clamp_(-lim, lim)
     return t
+
+
+@functools.cache
+def _saturation_bound(grid: torch.dtype, dtype: torch.dtype) -> float:
+    """The largest value of ``grid`` not above ``dtype``'s maximum (computed
+    once per pair: :func:`saturate_` runs on every scale a codec packs)."""
+    big = torch.finfo(dtype).max
+    lim = torch.tensor(big, dtype=torch.float64).to(grid)
+    if float(lim) > big:
+        lim = torch.nextafter(lim, torch.zeros_like(lim))
+    return float(lim)
