@@ -20,13 +20,13 @@ import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from gradpress.train.config import SEED_MAX  # the largest seed, train's rule
+
 __all__ = ["parse_seeds", "parse_lr_grid", "stat", "fmt", "group", "best_lr", "BEST_LR_RULE", "MAX_SEEDS"]
 
 #: the most seeds one ``--seeds`` may ask for (a count is expanded to a list up front: a typo such as
 #: ``--seeds 99999999999`` must be refused, not allocated)
 MAX_SEEDS = 1000
-#: the largest seed (``gradpress train --seed``: numpy's global generator takes 32-bit seeds)
-SEED_MAX = 2**32 - 1
 
 BEST_LR_RULE = ("best final validation metric after the sweep budget, mean over the sweep seeds "
                 "(ties, within 1e-9, go to the smaller lr)")
