@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from gradpress import train
+from gradpress.compress.spec import append_piece
 
 __all__ = ["split_specs", "run", "table", "target_for", "plot", "annotate", "label"]
 
@@ -69,16 +70,9 @@ def split_specs(values: str | Iterable[str], what: str = "compressors") -> list[
             current: list[str] = []
             for piece in group.split(","):
                 piece = piece.strip()
-                head = piece.split(">", 1)[0]
-                if current and "=" in head and ":" not in head:
-                    if ":" not in current[-1].rsplit(">", 1)[-1]:
-                        raise ValueError(f"{what}: {piece!r} in {item!r} is a parameter, but {current[-1]!r} has no "
-                                         f"parameter list; allowed: NAME:key=value,key=value")
-                    current[-1] += "," + piece
-                elif piece:
-                    current.append(piece)
-                else:
+                if not piece:
                     raise ValueError(f"{what}: empty entry in {item!r}")
+                append_piece(current, piece, what, item)
             specs.extend(current)
     if not specs:
         example = "none,fp16,topk:ratio=0.01" if what == "compressors" else "ddp,localsgd:period=8"

@@ -16,6 +16,7 @@ import re
 
 from gradpress.compress.base import Compressor
 from gradpress.compress.registry import create, names
+from gradpress.compress.spec import append_piece
 
 __all__ = [
     "BENCH_SPECS",
@@ -93,16 +94,8 @@ def parse_compressors(text: str) -> list[str]:
     for part in text.split(";"):
         for token in part.split(","):
             token = token.strip()
-            if not token:
-                continue
-            head = token.split(">", 1)[0]
-            if specs and "=" in head and ":" not in head:
-                if ":" not in specs[-1].rsplit(">", 1)[-1]:
-                    raise ValueError(f"--compressors: {token!r} in {text!r} is a parameter, but {specs[-1]!r} has "
-                                     "no parameter list; allowed: NAME:key=value,key=value")
-                specs[-1] += "," + token  # continuation of the previous parameter list
-            else:
-                specs.append(token)
+            if token:
+                append_piece(specs, token, "--compressors", text)
     if not specs:
         raise ValueError(f"--compressors got {text!r}; allowed: 'all' or at least one compressor spec")
     for spec in specs:

@@ -18,7 +18,7 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any, Generic, TypeVar
 
-__all__ = ["NAME_PATTERN", "parse_stage", "coerce_params", "Registry"]
+__all__ = ["NAME_PATTERN", "parse_stage", "coerce_params", "append_piece", "Registry"]
 
 #: what a registered name may be: spec strings (``name:key=value>name``) and comma-separated lists must spell it
 NAME_PATTERN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
@@ -101,6 +101,23 @@ class Registry(Generic[T]):
         if name not in self.classes:
             raise ValueError(f"unknown {self.kind} {name!r}; allowed: {', '.join(sorted(self.classes))}")
         return self.classes[name]
+
+
+def append_piece(specs: list[str], piece: str, what: str, text: str) -> None:
+    """Add ``piece`` (one comma-separated item of the list ``text``) to
+    ``specs``: a ``key=value`` (``=`` and no ``:`` before its first ``>``)
+    continues the parameter list of the spec before it, so that
+    ``qsgd:levels=4,bucket=512,topk`` is two specs; anything else starts a
+    spec. ValueError naming ``what`` for a parameter after a spec (or last
+    stage) with no parameter list (``fp16,ratio=0.1``)."""
+    head = piece.split(">", 1)[0]
+    if specs and "=" in head and ":" not in head:
+        if ":" not in specs[-1].rsplit(">", 1)[-1]:
+            raise ValueError(f"{what}: {piece!r} in {text!r} is a parameter, but {specs[-1]!r} has no parameter "
+                             "list; allowed: NAME:key=value,key=value")
+        specs[-1] += "," + piece
+    else:
+        specs.append(piece)
 
 
 def parse_stage(text: str, kind: str = "compressor") -> tuple[str, dict[str, str]]:
