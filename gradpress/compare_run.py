@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from gradpress import compare, compare_report, compare_stats, train, workloads
-from gradpress.train.config import check_out, load_toml
+from gradpress.train.config import check_out, load_toml, planned_world
 from gradpress.train.launch import WorkerFailed, check_data
 
 __all__ = ["run", "sweep", "OUTPUTS", "RunsFailed", "failure", "DEFAULT_OUT"]
@@ -163,8 +163,7 @@ def run(compressors: str | Iterable[str] | None, options: Mapping[str, Any] | No
         if cfg.lr != shared_lr and rates is None:
             shared_lr = None  # e.g. an algorithm with its own default lr
     # a batch the data cannot fill: refused now (an option error), not by every run in turn
-    env_world = os.environ.get("WORLD_SIZE", "")
-    check_data(configs[0], configs[0].nproc or (int(env_world) if env_world.isdigit() else 1))
+    check_data(configs[0], planned_world(configs[0].nproc) or 1)
     for name in OUTPUTS:  # a reused directory: no file of an earlier compare is left to pass for this one's
         (root / name).unlink(missing_ok=True)
     record = None

@@ -26,7 +26,7 @@ from gradpress.bench.compressors_rows import ROW_FIELDS, VARIANTS, bench_method,
 from gradpress.bench.compressors_sweep import evaluate_targets, run_benchmark
 from gradpress.bench.data import DATA_KINDS
 from gradpress.bench.specs import parse_compressors, parse_sizes
-from gradpress.train.config import check_seed
+from gradpress.train.config import check_out, check_seed
 
 __all__ = ["register_bench", "run_benchmark", "evaluate_targets", "ROW_FIELDS",
            "bench_method", "bench_reference", "format_table"]
@@ -84,8 +84,6 @@ def main(args: argparse.Namespace) -> int:
     out_dir = Path(args.out)
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"--out got {args.out!r}, which is a file; allowed: a directory")
-    from gradpress.train.config import check_out
-
     check_out(str(out_dir), "--out")
 
     all_threads = torch.get_num_threads()  # torch's default, before --threads: the all-thread roofline

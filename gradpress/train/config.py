@@ -25,7 +25,8 @@ import gradpress.train.algorithm as algorithms
 from gradpress import workloads
 from gradpress.train.optim import OPTIMIZERS, SCHEDULES
 
-__all__ = ["TrainConfig", "FIELDS", "RESUME_FIXED", "NONFINITE", "SEED_MAX", "make_config", "check_out", "check_seed", "check_nproc", "nproc_max", "load_toml"]
+__all__ = ["TrainConfig", "FIELDS", "RESUME_FIXED", "NONFINITE", "SEED_MAX", "make_config", "check_out", "check_seed", "check_nproc", "nproc_max", "planned_world",
+           "load_toml"]
 
 #: what a step does when a rank's gradient has a NaN/Inf (``gradpress.ddp.NONFINITE_MODES``)
 NONFINITE = ("propagate", "skip", "raise")
@@ -133,6 +134,15 @@ def check_nproc(value: Any, name: str = "nproc") -> int:
         raise ValueError(f"{name} must be an integer from 1 to {cap} (local workers on one machine: at most "
                          f"max(64, 8 x {os.cpu_count() or 1} cores)), got {n}")
     return n
+
+
+def planned_world(nproc: int | None) -> int | None:
+    """The number of workers a run will have: ``nproc`` (local workers), else
+    the ``WORLD_SIZE`` of a launcher such as torchrun, else None (unknown)."""
+    if nproc is not None:
+        return nproc
+    env_world = os.environ.get("WORLD_SIZE", "")
+    return int(env_world) if env_world.isdigit() else None
 
 
 def check_seed(value: Any, name: str = "seed") -> int:
@@ -286,8 +296,7 @@ def _validate_exchange(cfg: TrainConfig) -> None:
     from gradpress.exchange.base import check_strategy
 
     cfg.strategy = check_strategy(cfg.strategy, create(cfg.compressor))  # a forced strategy that cannot carry it: now
-    env_world = os.environ.get("WORLD_SIZE", "")
-    world = cfg.nproc if cfg.nproc is not None else (int(env_world) if env_world.isdigit() else None)
+    world = planned_world(cfg.nproc)
     if world is not None:  # a host layout the world size cannot have: the workers' own refusal, now
         _check_host_layout(cfg.strategy, world)
     if cfg.algorithm != "ddp":  # what the algorithm would refuse at construction, refused before workers start
