@@ -121,6 +121,30 @@ GROUPS: dict[str, tuple[list[str], list[str], int]] = {
                "tests/test_review_resume.py::test_resume_keeps_the_step_the_loss_first_became_non_finite",
                "tests/test_review_resume.py::test_resume_keeps_the_metrics_lines_before_a_torn_last_line",
                "tests/test_train_hardening.py::test_divergence_writes_null_names_the_step_and_fails"], 15),
+    "config": ([f"gradpress/train/{m}.py" for m in ("config", "args", "launch")],
+               ["tests/test_mutants_config.py",
+                "tests/test_train.py::test_bad_arguments_exit_2", "tests/test_train.py::test_bad_config_files",
+                "tests/test_train.py::test_bad_data_files", "tests/test_train.py::test_resume_without_checkpoint",
+                "tests/test_train.py::test_config_precedence",
+                "tests/test_launch_port.py",
+                "tests/test_launch_start.py::test_workers_are_never_forked_from_the_launcher",
+                "tests/test_launch_start.py::test_a_worker_gets_the_launchers_environment_of_this_launch",
+                "tests/test_preflight.py::test_refused_before_workers_start",
+                "tests/test_preflight.py::test_world_size_checks_wait_for_a_known_world",
+                "tests/test_preflight.py::test_defaults_pass",
+                "tests/test_train_warnings.py::test_the_one_line_form",
+                "tests/test_train_plan.py::test_plan_costs_are_checked_before_workers_start",
+                "tests/test_train_hardening.py::test_bad_out_fails_before_any_worker_in_one_line",
+                "tests/test_train_hardening.py::test_config_file_key_given_twice_in_two_spellings_is_refused",
+                "tests/test_train_hardening.py::test_unwritable_tensorboard_dir_fails_before_any_worker",
+                "tests/test_train_hardening.py::test_hierarchical_layout_that_cannot_divide_nproc_fails_before_any_"
+                "worker",
+                "tests/test_train_hardening.py::test_workload_options_the_workload_ignores_are_refused",
+                "tests/test_train_hardening.py::test_bad_out_from_python_raises_value_error_naming_out",
+                "tests/test_train_hardening.py::test_describe_failures_names_the_killed_worker_first",
+                "tests/test_train_hardening.py::test_timeout_flag_is_validated_and_reaches_the_config",
+                "tests/test_train_hardening.py::test_huge_seed_names_the_field",
+                "tests/test_train_hardening.py::test_nproc_above_the_cap_is_refused_before_any_worker"], 20),
 }
 #: where a group draws only from some functions of a module (its qualified names: ``Class.method``):
 #: module -> functions; a module a group lists without an entry here is drawn from whole
@@ -153,5 +177,10 @@ FOCUS: dict[str, dict[str, list[str]]] = {
                                          "Algorithm.local_step", "Algorithm._reset_last", "Algorithm.ddp_step",
                                          "Algorithm.sync", "Algorithm.average_plain", "Algorithm.broadcast_model",
                                          "Algorithm.consensus_model"],
+    },
+    "config": {  # the launcher's world and environment resolution, testable in one process (not init_group,
+        # _worker_entry, _start_forkserver: they start a group or a process)
+        "gradpress/train/launch.py": ["free_port", "_in_group_env", "run", "_launcher_environ", "_start_method",
+                                      "launch_config", "describe_failures"],
     },
 }
