@@ -1,0 +1,145 @@
+"""Every ``gradpress`` command line that README.md and docs/*.md show in a
+shell block parses with today's CLI (option names, choices, value types), so
+a renamed or removed option cannot leave the docs showing a command that
+fails. Placeholders written in capitals (``--seed S``, ``--out DIR``) get a
+value of the option's type; optional parts in brackets (``[--compressor C]``)
+are dropped."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from gradpress.cli import build_parser as _build_parser
+from gradpress.train.config import make_config
+
+#: one parser for the module (building one costs ~0.7 s; parsing leaves it unchanged)
+build_parser = functools.cache(_build_parser)
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+SHELL = {"", "bash", "sh", "shell", "console"}
+#: a value of the right type for an option whose value the docs leave as a placeholder
+PLACEHOLDER_VALUES = {"--seed": "0", "--lr": "0.1", "--seeds": "3", "--nproc": "2", "--steps": "10",
+                      "--algorithm": "ddp", "--compressor": "fp16", "--out": "out"}
+_COMMAND = re.compile(r"(?:^|\s|&&\s*|;\s*)(?:gradpress|python3? -m gradpress(?:\.cli)?)\s+(.*)$")
+
+
+def shell_lines(text: str) -> list[tuple[int, str]]:
+    """(line number, command) for each line of the fenced shell blocks,
+    backslash continuations joined."""
+    out, in_block, lang, pending, start = [], False, "", "", 0
+    for no, line in enumerate(text.splitlines(), 1):
+        fence = re.match(r"^\s*```(\w*)\s*$", line)
+        if fence:
+            in_block, lang = not in_block, fence.group(1)
+            continue
+        if not in_block or lang not in SHELL:
+            continue
+        start = start if pending else no
+        joined = f"{pending} {line.strip()}" if pending else line.rstrip()
+        if joined.endswith("\\"):
+            pending = joined[:-1]
+            continue
+        pending = ""
+        out.append((start, joined.strip().removeprefix("$ ")))
+    return out
+
+
+def gradpress_argv(line: str) -> list[str] | None:
+    """The arguments after ``gradpress`` on ``line`` (a pipe, redirection,
+    ``&&`` or comment ends them), placeholders filled in; None when the line
+    runs no gradpress command or shows an elided one (``...``, ``<...>``)."""
+    found = _COMMAND.search(line)
+    if not found:
+        return None
+    rest = re.split(r"\s(?:&&|\|\||\||;|>|2>|#)\s", f" {found.group(1)} ")[0]
+    rest = re.sub(r"\[[^\]]*\]", " ", rest)  # optional parts
+    argv = shlex.split(rest)
+    if any("..." in a or "<" in a for a in argv):
+        return None
+    for i, arg in enumerate(argv):
+        if re.fullmatch(r"[A-Z][A-Z0-9_]*", arg) and i and argv[i - 1].startswith("--"):
+            argv[i] = PLACEHOLDER_VALUES.get(argv[i - 1], "placeholder")
+    return argv
+
+
+def expand_variables(lines: list[tuple[int, str]]) -> list[tuple[int, str]]:
+    """Lines with ``$NAME`` / ``${NAME}`` replaced by the value a plain
+    ``NAME="..."`` line before them assigned (as the shell would, unquoted)."""
+    values: dict[str, str] = {}
+    out = []
+    for no, line in lines:
+        assign = re.fullmatch(r"([A-Za-z_]\w*)=(.*)", line)
+        if assign:
+            values[assign.group(1)] = " ".join(shlex.split(assign.group(2)))
+            continue
+        out.append((no, re.sub(r"\$\{?([A-Za-z_]\w*)\}?", lambda m: values.get(m.group(1), m.group(0)), line)))
+    return out
+
+
+def _commands() -> list[tuple[str, int, list[str]]]:
+    found = []
+    for doc in DOCS:
+        for no, line in expand_variables(shell_lines(doc.read_text())):
+            argv = gradpress_argv(line)
+            if argv:
+                found.append((doc.name, no, argv))
+    return found
+
+
+COMMANDS = _commands()
+
+
+def test_the_docs_show_commands_of_every_kind() -> None:
+    shown = {argv[0] for _, _, argv in COMMANDS}
+    assert {"train", "compare", "bench", "compressors", "cluster"} <= shown, shown
+    assert len(COMMANDS) >= 50, len(COMMANDS)
+
+
+@pytest.mark.parametrize("doc, line, argv", COMMANDS, ids=[f"{d}:{n}" for d, n, _ in COMMANDS])
+def test_every_command_the_docs_show_parses(doc: str, line: int, argv: list[str]) -> None:
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            build_parser().parse_args(argv)
+        except SystemExit as exc:
+            if exc.code:
+                pytest.fail(f"{doc}:{line}: `gradpress {shlex.join(argv)}` does not parse: "
+                            f"{err.getvalue().strip().splitlines()[-1]}")
+
+
+TRAIN = [c for c in COMMANDS if c[2][0] == "train"]
+
+
+@pytest.mark.parametrize("doc, line, argv", TRAIN, ids=[f"{d}:{n}" for d, n, _ in TRAIN])
+def test_every_train_command_the_docs_show_passes_the_configuration_checks(doc: str, line: int, argv: list[str],
+                                                                         tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Beyond parsing: workload, algorithm and compressor specs, strategy,
+    numbers and their combinations, as ``gradpress train`` checks them before
+    any worker starts (in a scratch directory, where ``--out`` is writable)."""
+    monkeypatch.chdir(tmp_path)
+    try:
+        make_config(build_parser().parse_args(argv))
+    except ValueError as exc:
+        pytest.fail(f"{doc}:{line}: `gradpress {shlex.join(argv)}` is refused: {exc}")
+
+
+def test_a_stale_option_in_a_doc_block_is_caught() -> None:
+    """The extraction itself: a block with a removed option, a continuation
+    and a placeholder yields the argv that then fails to parse."""
+    text = ('```bash\nW="--workload  mnist1d-cnn"\n$ gradpress train --nproc 2 $W \\\n'
+            '    --seed S --no-such-option 3 | tee log\n```\n')
+    (no, line), = expand_variables(shell_lines(text))
+    argv = gradpress_argv(line)
+    assert (no, argv) == (3, ["train", "--nproc", "2", "--workload", "mnist1d-cnn", "--seed", "0",
+                              "--no-such-option", "3"])
+    with contextlib.redirect_stderr(io.StringIO()), pytest.raises(SystemExit):
+        build_parser().parse_args(argv)
