@@ -15,6 +15,7 @@ import shlex
 from pathlib import Path
 
 import pytest
+from test_kit_authoring import tbq  # noqa: F401 - the worked example's compressor, registered for its page's lines
 
 from gradpress.cli import build_parser as _build_parser
 from gradpress.train.config import make_config
@@ -130,6 +131,30 @@ def test_every_train_command_the_docs_show_passes_the_configuration_checks(doc: 
         make_config(build_parser().parse_args(argv))
     except ValueError as exc:
         pytest.fail(f"{doc}:{line}: `gradpress {shlex.join(argv)}` is refused: {exc}")
+
+
+COMPARE = [c for c in COMMANDS if c[2][0] == "compare"]
+
+
+@pytest.mark.parametrize("doc, line, argv", COMPARE, ids=[f"{d}:{n}" for d, n, _ in COMPARE])
+def test_every_compare_command_the_docs_show_plans_valid_runs(doc: str, line: int, argv: list[str],
+                                                            tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    """Every (algorithm, compressor) pair of a ``compare`` line is a
+    configuration ``train`` accepts (compare's own planning step, no run);
+    docs/authoring.md's lines with its worked example registered, as the
+    page tells the reader to save it."""
+    from gradpress import compare, train
+
+    if doc == "authoring.md":
+        request.getfixturevalue("tbq")
+    args = build_parser().parse_args(argv)
+    opts = {k: v for k, v in vars(args).items() if k in train.FIELDS or k == "config"}
+    opts.pop("out", None)
+    try:
+        runs = compare._plan_runs(args.compressors, args.algorithms, opts, tmp_path)
+    except ValueError as exc:
+        pytest.fail(f"{doc}:{line}: `gradpress {shlex.join(argv)}` is refused: {exc}")
+    assert runs
 
 
 def test_a_stale_option_in_a_doc_block_is_caught() -> None:
