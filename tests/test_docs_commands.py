@@ -1,5 +1,5 @@
 """Every ``gradpress`` command line that README.md and docs/*.md show in a
-shell block parses with today's CLI (option names, choices, value types), so
+shell block or a whole-command inline span parses with today's CLI (option names, choices, value types), so
 a renamed or removed option cannot leave the docs showing a command that
 fails. Placeholders written in capitals (``--seed S``, ``--out DIR``) get a
 value of the option's type; optional parts in brackets (``[--compressor C]``)
@@ -28,7 +28,8 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SHELL = {"", "bash", "sh", "shell", "console"}
 #: a value of the right type for an option whose value the docs leave as a placeholder
 PLACEHOLDER_VALUES = {"--seed": "0", "--lr": "0.1", "--seeds": "3", "--nproc": "2", "--steps": "10",
-                      "--algorithm": "ddp", "--compressor": "fp16", "--out": "out"}
+                      "--algorithm": "ddp", "--compressor": "fp16", "--out": "out", "--threads": "1", "--nodes": "2",
+                      "--bandwidth": "100mbit"}
 _COMMAND = re.compile(r"(?:^|\s|&&\s*|;\s*)(?:gradpress|python3? -m gradpress(?:\.cli)?)\s+(.*)$")
 
 
@@ -85,17 +86,40 @@ def expand_variables(lines: list[tuple[int, str]]) -> list[tuple[int, str]]:
     return out
 
 
+def inline_commands(text: str) -> list[tuple[int, list[str]]]:
+    """(line number, argv) of the inline code spans that show a whole command
+    (`` `gradpress bench compressors --sizes 25M ...` ``, also behind
+    ``flock LOCK``): the span starts with it and gives at least one value, so
+    prose that names an option (`` `gradpress train --seed` ``) is left out."""
+    found = []
+    for span in re.finditer(r"`((?:flock \S+ )?gradpress [^`\n]*)`", text):
+        argv = gradpress_argv(span.group(1))
+        words = [a for a in (argv or [])[1:] if a not in ("compressors", "e2e", "estimators", "plan")]
+        placeholder = any(re.search(r"\b[A-Z]{2,}\b", a) for a in words)  # SUBCOMMAND, NAME:k=v
+        if argv and not placeholder and any(not a.startswith("-") for a in words):
+            found.append((text.count("\n", 0, span.start()) + 1, argv))
+    return found
+
+
 def _commands() -> list[tuple[str, int, list[str]]]:
     found = []
     for doc in DOCS:
-        for no, line in expand_variables(shell_lines(doc.read_text())):
+        text = doc.read_text()
+        for no, line in expand_variables(shell_lines(text)):
             argv = gradpress_argv(line)
             if argv:
                 found.append((doc.name, no, argv))
     return found
 
 
+def _inline() -> list[tuple[str, int, list[str]]]:
+    return [(doc.name, no, argv) for doc in DOCS for no, argv in inline_commands(doc.read_text())]
+
+
+#: shell blocks' commands: parsed and checked as far as train, compare and bench e2e check before running
 COMMANDS = _commands()
+#: inline spans' commands: parsed only (prose examples of options, e.g. a costs file or --device cuda)
+INLINE = _inline()
 
 
 def test_the_docs_show_commands_of_every_kind() -> None:
@@ -104,7 +128,7 @@ def test_the_docs_show_commands_of_every_kind() -> None:
     assert len(COMMANDS) >= 50, len(COMMANDS)
 
 
-@pytest.mark.parametrize("doc, line, argv", COMMANDS, ids=[f"{d}:{n}" for d, n, _ in COMMANDS])
+@pytest.mark.parametrize("doc, line, argv", COMMANDS + INLINE, ids=[f"{d}:{n}" for d, n, _ in COMMANDS + INLINE])
 def test_every_command_the_docs_show_parses(doc: str, line: int, argv: list[str]) -> None:
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
@@ -155,6 +179,26 @@ def test_every_compare_command_the_docs_show_plans_valid_runs(doc: str, line: in
     except ValueError as exc:
         pytest.fail(f"{doc}:{line}: `gradpress {shlex.join(argv)}` is refused: {exc}")
     assert runs
+
+
+E2E = [c for c in COMMANDS if c[2][:2] == ["bench", "e2e"]]
+
+
+@pytest.mark.parametrize("doc, line, argv", E2E, ids=[f"{d}:{n}" for d, n, _ in E2E])
+def test_every_bench_e2e_command_the_docs_show_passes_its_checks(doc: str, line: int, argv: list[str],
+                                                               tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``bench e2e``'s checks before any cluster is built: sizes, rates,
+    workload, configurations (strategy, compressor and algorithm specs),
+    seeds; in a scratch directory, where ``--out`` is writable."""
+    from gradpress.bench import e2e, e2e_args
+
+    monkeypatch.chdir(tmp_path)
+    args = build_parser().parse_args(argv)
+    try:
+        e2e_args._resolve(args)
+        e2e._seeds(args)
+    except ValueError as exc:
+        pytest.fail(f"{doc}:{line}: `gradpress {shlex.join(argv)}` is refused: {exc}")
 
 
 def test_a_stale_option_in_a_doc_block_is_caught() -> None:
