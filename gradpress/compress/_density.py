@@ -99,7 +99,10 @@ def refine(count_at: Callable[[torch.Tensor], int], thr: torch.Tensor, count: in
     at least one entry, or lower by a doubling factor);
     once one point with too many and one with too few are known, the step is
     the secant between them, kept inside the middle 80% of the bracket
-    (bisection in u when the too-few side counted zero).
+    (bisection in u when the too-few side counted zero). A step beyond the
+    dtype's max keeps nothing, which is known without a count: it counts as
+    a zero (one pass of the budget), so data near the max is searched as the
+    same data at any other scale.
     """
     dtype = thr.dtype
     spent = 0
@@ -157,9 +160,15 @@ def refine(count_at: Callable[[torch.Tensor], int], thr: torch.Tensor, count: in
         u = u_new
         try:
             nxt = torch.tensor(math.exp(u), dtype=torch.float64).to(dtype=dtype, device=thr.device)
-        except OverflowError:  # e^u beyond every float (fp64 data near its maximum): no count there
-            break
-        if not bool(torch.isfinite(nxt)) or float(nxt) <= 0:
+        except OverflowError:  # e^u beyond every float (fp64 data near its maximum)
+            nxt = torch.tensor(math.inf, dtype=dtype, device=thr.device)
+        if not bool(torch.isfinite(nxt)):
+            # above the dtype's max, so above every finite |x|: it keeps nothing, known without a count
+            # (stopping here left data near the max with the count it had, not the one at any other scale)
+            count = 0
+            spent += 1
+            continue
+        if float(nxt) <= 0:
             break
         thr = nxt
         count = count_at(thr)

@@ -17,6 +17,9 @@ section 5, which compares estimators by the achieved/target density ratio).
   its estimate when ``correction=adaptive``: a per-key scale learned from
   the previous calls and an in-call search when the count misses
   ``[0.8 k, 1.25 k]`` (``last_passes`` counts its extra counting passes).
+  An estimate that overflows the work dtype (a threshold above its max, on
+  data near the max) is computed again on the data times 2^-16 (exact), so
+  the correction starts from a finite estimate, as at any other scale.
 
 Packet: ``[values (input dtype), indices (int32)]``, variable size
 (``variable_size=True``), ``values_index=0`` so a quantizer can follow
@@ -60,6 +63,11 @@ def select_above(flat: torch.Tensor, a: torch.Tensor | None, thr: torch.Tensor |
     else:
         idx = torch.nonzero(select_mask(a, thr), as_tuple=False).reshape(-1)
     return flat[idx], idx.to(torch.int32)
+
+
+#: factor on data whose threshold estimate overflowed (a power of two: exact; room for a threshold 2^16 times
+#: the data's max, far above any estimator's |mu| + z sigma or fitted tail at densities >= 2^-31)
+RESCUE = 2.0 ** -16
 
 
 class BlockMax:
@@ -232,6 +240,8 @@ class ThresholdSparsifier(QualityMixin, Compressor):
             try:
                 estimate = self._threshold(xw, a, k, ctx)
                 if self.corrected:
+                    if not bool(torch.isfinite(estimate)):  # rare: data near the dtype's max (one host read)
+                        xw, a, blocks, estimate = self._rescaled(xw, a, blocks, estimate, k, ctx)
                     values, idx = self._corrected_select(flat, xw, a, blocks, estimate, k, ctx.key)
                 else:
                     values, idx = select_above(flat, a, estimate, blocks)
@@ -239,6 +249,28 @@ class ThresholdSparsifier(QualityMixin, Compressor):
                 self._blocks = None
         self._meter.update(idx.numel(), k)
         return Packet([values, idx], x.shape, x.dtype)
+
+    def _rescaled(self, xw: torch.Tensor, a: torch.Tensor | None, blocks: BlockMax | None, estimate: torch.Tensor,
+                  k: int, ctx: Context) -> tuple[torch.Tensor, torch.Tensor | None, BlockMax | None, torch.Tensor]:
+        """The work tensors and the estimate for the data times ``RESCUE``
+        when the estimate overflowed the work dtype (a threshold above its
+        max: data near the max, e.g. ``gaussiank``'s ``|mu| + z sigma``).
+        The estimators are scale equivariant and the scale is a power of two
+        (exact), so the density correction then starts from a finite
+        estimate, and its per-key scale learns as on the data at any other
+        scale, instead of searching again from max |x| on every call.
+        Selection indices come from the scaled copy, values from the input.
+        Unchanged when the scaled estimate is still not finite (non-finite
+        data): the correction's restart from max |x| handles that."""
+        xs = xw * RESCUE
+        blocks_s = BlockMax(xs) if blocks is not None else None
+        a_s = xs.abs() if a is not None else None
+        self._blocks = blocks_s
+        estimate_s = self._threshold(xs, a_s, k, ctx)
+        if bool(torch.isfinite(estimate_s)):
+            return xs, a_s, blocks_s, estimate_s
+        self._blocks = blocks
+        return xw, a, blocks, estimate
 
     def _corrected_select(self, flat: torch.Tensor, xw: torch.Tensor, a: torch.Tensor | None,
                           blocks: BlockMax | None, estimate: torch.Tensor, k: int,
