@@ -145,6 +145,36 @@ GROUPS: dict[str, tuple[list[str], list[str], int]] = {
                 "tests/test_train_hardening.py::test_timeout_flag_is_validated_and_reaches_the_config",
                 "tests/test_train_hardening.py::test_huge_seed_names_the_field",
                 "tests/test_train_hardening.py::test_nproc_above_the_cap_is_refused_before_any_worker"], 20),
+    "compare": (["gradpress/compare.py", "gradpress/compare_run.py", "gradpress/compare_report.py"]
+                + [f"gradpress/commands/{m}.py" for m in ("algorithms", "bench", "cluster", "compare", "compressors",
+                                                          "strategies", "train")],
+                ["tests/test_mutants_compare.py", "tests/test_review_compare_nan.py", "tests/test_cli_strategies.py"]
+                + [f"tests/test_compare.py::{t}" for t in (
+                    "test_split_specs", "test_split_specs_rejects",
+                    "test_reference_prefers_ddp_none_and_labels_name_the_algorithm", "test_target_and_steps_to_target",
+                    "test_compare_bad_spec_trains_nothing", "test_runs_are_the_cross_product_of_algorithms_and_compressors",
+                    "test_seed_aggregate_reports_missed_targets", "test_parse_seeds", "test_parse_seeds_and_rates_reject",
+                    "test_parse_seeds_refuses_out_of_range_and_huge_counts",
+                    "test_a_parameter_after_a_spec_without_parameters_is_named", "test_best_lr_rule",
+                    "test_lr_sweep_picks_each_methods_best_rate")]
+                + [f"tests/test_review_compare_run.py::{t}" for t in (
+                    "test_lr_sweep_never_picks_a_rate_whose_run_diverged",
+                    "test_a_reused_directory_keeps_no_files_of_an_earlier_compare",
+                    "test_a_failed_run_is_recorded_and_the_others_go_on",
+                    "test_every_run_failed_writes_the_failures_and_exits_1",
+                    "test_a_failed_sweep_run_counts_as_no_metric_and_fails_the_compare",
+                    "test_ctrl_c_still_exits_130_keeping_the_finished_and_failed_runs",
+                    "test_a_diverged_seed_counts_as_no_metric_in_the_target_and_the_aggregate",
+                    "test_a_diverged_run_makes_compare_exit_3_as_train_does",
+                    "test_out_and_resume_in_a_config_file", "test_a_strategy_in_a_config_file_is_honoured",
+                    "test_an_out_that_cannot_be_written_is_refused_before_any_run",
+                    "test_a_batch_the_data_cannot_fill_is_refused_before_any_run",
+                    "test_algorithm_or_compressor_in_a_config_file_is_refused")]
+                + ["tests/test_train.py::test_algorithms_command_lists_ddp_and_the_registry",
+                   "tests/test_bench_compressors.py::test_bench_command_discovers_registrars",
+                   "tests/test_readme.py::test_compressor_table_is_generated_from_registry",
+                   "tests/test_cluster.py::test_help_says_no_delay_emulation",
+                   "tests/test_cluster.py::test_cli_refuses_more_ranks_than_the_local_worker_cap"], 20),
 }
 #: where a group draws only from some functions of a module (its qualified names: ``Class.method``):
 #: module -> functions; a module a group lists without an entry here is drawn from whole
@@ -182,5 +212,12 @@ FOCUS: dict[str, dict[str, list[str]]] = {
         # _worker_entry, _start_forkserver: they start a group or a process)
         "gradpress/train/launch.py": ["free_port", "_in_group_env", "run", "_launcher_environ", "_start_method",
                                       "launch_config", "describe_failures"],
+    },
+    "compare": {  # the ranking and its arguments (not plot: drawing; not cluster's run: it builds namespaces and
+        # starts every rank)
+        "gradpress/compare.py": ["split_specs", "_slug", "label", "_is_identity", "_reference", "_ref_runs", "final",
+                                 "_mean_final", "target_for", "_reached", "annotate", "_fmt_bytes", "table",
+                                 "_plan_runs", "run"],
+        "gradpress/commands/cluster.py": ["register"],
     },
 }
