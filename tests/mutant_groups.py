@@ -175,6 +175,18 @@ GROUPS: dict[str, tuple[list[str], list[str], int]] = {
                    "tests/test_readme.py::test_compressor_table_is_generated_from_registry",
                    "tests/test_cluster.py::test_help_says_no_delay_emulation",
                    "tests/test_cluster.py::test_cli_refuses_more_ranks_than_the_local_worker_cap"], 20),
+    "integrations": (["gradpress/accelerate.py", "gradpress/lightning.py", "gradpress/tensorboard.py",
+                      "gradpress/workloads/charlm_transformer.py"],
+                     ["tests/test_mutants_integrations.py", "tests/test_review_accelerate_cpu.py",
+                      "tests/test_tensorboard.py::test_stats_scalars_names_every_stat_and_drops_what_is_missing_or_not_"
+                      "finite",
+                      "tests/test_tensorboard.py::test_tensorboard_flag_fails_clearly_without_tensorboard",
+                      "tests/test_tensorboard.py::test_a_resumed_run_purges_the_events_the_interrupted_run_wrote_past_"
+                      "its_checkpoint",
+                      "tests/test_workloads.py::test_charlm_transformer_builds_learns_and_is_causal",
+                      "tests/test_integrations_lightning.py::test_callback_refuses_another_strategy_a_foreign_world_"
+                      "size_and_warns_without_state",
+                      "tests/test_integrations_imports.py"], 20),
 }
 #: where a group draws only from some functions of a module (its qualified names: ``Class.method``):
 #: module -> functions; a module a group lists without an entry here is drawn from whole
