@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from refusals import forbid
 
 from gradpress.bench import bench_modules
 from gradpress.bench.compressors import ROW_FIELDS
@@ -151,10 +152,7 @@ def no_benchmark(monkeypatch):
     """Running the benchmark fails the test: the arguments must be refused before."""
     import gradpress.bench.compressors as cmd
 
-    def refused(*args, **kwargs):
-        raise AssertionError("the benchmark ran for arguments that should have been refused")
-
-    monkeypatch.setattr(cmd, "run_benchmark", refused)
+    forbid(monkeypatch, "the benchmark ran", (cmd, "run_benchmark"))
 
 
 def test_outputs_it_cannot_write_are_refused_before_measuring(tmp_path, capsys, no_benchmark):

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from distributed import run_workers
+from refusals import forbid
 
 from gradpress.bench import bench_modules
 from gradpress.bench.e2e import command_line, wire_factor
@@ -231,12 +232,7 @@ def no_cluster(monkeypatch):
     import gradpress.cluster as cluster
     import gradpress.cluster.netns as netns
 
-    class Refused:
-        def __init__(self, *args, **kwargs):
-            raise AssertionError("an emulated cluster was built for arguments that should have been refused")
-
-    monkeypatch.setattr(netns, "EmulatedCluster", Refused)
-    monkeypatch.setattr(cluster, "EmulatedCluster", Refused)
+    forbid(monkeypatch, "an emulated cluster was built", (netns, "EmulatedCluster"), (cluster, "EmulatedCluster"))
 
 
 @pytest.mark.parametrize("argv,words", [

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_workers
+from refusals import forbid
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradpress.ddp
@@ -239,10 +240,7 @@ def no_workers(monkeypatch):
     """Starting workers fails the test: the arguments must be refused before."""
     import torch.distributed.launcher.api as launcher
 
-    def refused(*args, **kwargs):
-        raise AssertionError("workers were started for arguments that should have been refused")
-
-    monkeypatch.setattr(launcher, "elastic_launch", refused)
+    forbid(monkeypatch, "workers were started", (launcher, "elastic_launch"))
 
 
 def test_bench_plan_refuses_an_out_it_cannot_write_before_workers(tmp_path, capsys, no_workers) -> None:  # noqa: ANN001

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from distributed import run_workers, worker_pids
+from refusals import forbid
 
 from gradpress import train
 from gradpress.cli import main as cli
@@ -64,10 +65,7 @@ def no_workers(monkeypatch):
     """Starting workers fails the test: the options must be refused before."""
     import gradpress.train.launch as launch
 
-    def refused(cfg):
-        raise AssertionError("workers were started for options that should have been refused")
-
-    monkeypatch.setattr(launch, "_launch", refused)
+    forbid(monkeypatch, "workers were started", (launch, "_launch"))
 
 
 def test_config_file_key_given_twice_in_two_spellings_is_refused(tmp_path, capsys, no_workers):
