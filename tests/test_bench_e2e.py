@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from distributed import run_workers
+from refusals import forbid
 
 from gradpress.bench import bench_modules
 from gradpress.bench.e2e import command_line, wire_factor
@@ -231,12 +232,7 @@ def no_cluster(monkeypatch):
     import gradpress.cluster as cluster
     import gradpress.cluster.netns as netns
 
-    class Refused:
-        def __init__(self, *args, **kwargs):
-            raise AssertionError("an emulated cluster was built for arguments that should have been refused")
-
-    monkeypatch.setattr(netns, "EmulatedCluster", Refused)
-    monkeypatch.setattr(cluster, "EmulatedCluster", Refused)
+    forbid(monkeypatch, "an emulated cluster was built", (netns, "EmulatedCluster"), (cluster, "EmulatedCluster"))
 
 
 @pytest.mark.parametrize("argv,words", [
@@ -255,7 +251,7 @@ def no_cluster(monkeypatch):
     (["--train-to", "0"], ["--train-to got 0", "> 0"]),
     (["--train-to", "0.5", "--seeds", "2", "--seed", "4294967295"], ["seeds", "4294967296", "4294967295"]),
     (["--train-to", "0.5", "--seeds", "5000"], ["seeds", "5000", "1000"]),
-    (["--threads", str(100 * (os.cpu_count() or 1))], ["--threads got", f"<= {os.cpu_count() or 1}"]),
+    (["--threads", str(100 * len(os.sched_getaffinity(0)))], ["--threads got", f"<= {len(os.sched_getaffinity(0))}"]),
     (["--workload", ""], ["--workload got ''", "wide-mlp"]),  # empty: was the default, silently
     (["--optimizer", ""], ["--optimizer got ''", "momentum"]),
     (["--params", ""], ["--params", "''"]),
@@ -354,7 +350,7 @@ def test_intra_bandwidth_needs_several_workers_per_node():
         _resolve(args)
     args = build_parser().parse_args(["bench", "e2e", "--nodes", "2", "--workers-per-node", "4", "--configs", "fp16"])
     settings = _resolve(args)
-    assert settings["world"] == 8 and settings["threads"] == max(1, (os.cpu_count() or 1) // 8)
+    assert settings["world"] == 8 and settings["threads"] == max(1, len(os.sched_getaffinity(0)) // 8)
 
 
 def test_payload_formulas():

@@ -129,7 +129,7 @@ def test_cli_refuses_more_ranks_than_the_local_worker_cap(monkeypatch, capsys):
     from gradpress import cluster as cluster_pkg
     from gradpress.cli import main as cli_main
 
-    cap = max(64, 8 * (os.cpu_count() or 1))
+    cap = max(64, 8 * len(os.sched_getaffinity(0)))
     nodes = cap // 64 + 1
     assert nodes <= netns_mod.MAX_NODES  # any machine under ~2000 cores
 
@@ -141,7 +141,7 @@ def test_cli_refuses_more_ranks_than_the_local_worker_cap(monkeypatch, capsys):
     err = capsys.readouterr().err.strip()
     assert code == 2, err
     assert err == (f"gradpress cluster: error: --nodes x --workers-per-node must be an integer from 1 to {cap} (local "
-                   f"workers on one machine: at most max(64, 8 x {os.cpu_count() or 1} cores)), got {nodes * 64}"), err
+                   f"workers on one machine: at most max(64, 8 x {len(os.sched_getaffinity(0))} cores)), got {nodes * 64}"), err
 
 
 # -- real clusters (root) -------------------------------------------------------------------------

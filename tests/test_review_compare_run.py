@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from refusals import forbid
 
 from gradpress import train
 from gradpress.cli import main as cli
@@ -284,10 +285,7 @@ def test_a_strategy_in_a_config_file_is_honoured(tmp_path, monkeypatch):
 @pytest.fixture
 def no_runs(monkeypatch):
     """Any training run fails the test: the options must be refused before the first."""
-    def refused(cfg):
-        raise AssertionError("a run started for options that should have been refused")
-
-    monkeypatch.setattr(train, "run", refused)
+    forbid(monkeypatch, "a run started", (train, "run"))
 
 
 def test_an_out_that_cannot_be_written_is_refused_before_any_run(tmp_path, capsys, no_runs):

@@ -5,6 +5,7 @@ besides the model (the divergence step), and which resumes are the same run
 from __future__ import annotations
 
 import pytest
+from refusals import forbid
 
 from gradpress import train
 from gradpress.train import checkpoint
@@ -44,10 +45,7 @@ def test_a_batch_larger_than_a_workers_shard_fails_before_any_worker_starts(tmp_
     over 2 workers leave 128 per worker: batch 200 gives no full batch."""
     import torch.distributed.launcher.api as elastic
 
-    def no_workers(*args, **kwargs):
-        raise AssertionError("workers were started for a batch size that cannot work")
-
-    monkeypatch.setattr(elastic, "elastic_launch", no_workers)
+    forbid(monkeypatch, "workers were started", (elastic, "elastic_launch"))
     with pytest.raises(ValueError, match=r"batch_size 200 x 2 workers exceeds the 256 training samples"):
         train.run({"workload": "digits-mlp", "hidden": 8, "samples": 256, "batch_size": 200, "nproc": 2,
                    "out": str(tmp_path), "progress": False})

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from gradpress.bench.compressors_rows import ROW_FIELDS, VARIANTS, bench_method,
 from gradpress.bench.compressors_sweep import evaluate_targets, run_benchmark
 from gradpress.bench.data import DATA_KINDS
 from gradpress.bench.specs import parse_compressors, parse_sizes
-from gradpress.train.config import check_out, check_seed
+from gradpress.train.config import check_out, check_seed, usable_cpus
 
 __all__ = ["register_bench", "run_benchmark", "evaluate_targets", "ROW_FIELDS",
            "bench_method", "bench_reference", "format_table"]
@@ -72,9 +71,10 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--variants got {args.variants!r}; allowed: comma-separated {', '.join(VARIANTS)}")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device got 'cuda' but CUDA is not available on this machine; allowed here: cpu")
-    if args.threads is not None and args.threads > (os.cpu_count() or 1):
-        raise ValueError(f"--threads got {args.threads}; allowed: an integer >= 1 and <= {os.cpu_count() or 1} "
-                         "(this machine's cores)")
+    cpus = usable_cpus()
+    if args.threads is not None and args.threads > cpus:
+        raise ValueError(f"--threads got {args.threads}; allowed: an integer >= 1 and <= {cpus} "
+                         "(the cores this process may use)")
     # the files it writes: refused now, not after the whole benchmark
     if args.json is not None:
         if not args.json:

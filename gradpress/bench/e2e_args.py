@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import shlex
 from pathlib import Path
 from typing import Any
 
 from gradpress.bench.e2e_configs import parse_baselines, parse_configs
+from gradpress.train.config import usable_cpus
 
 __all__ = ["command_line"]
 
@@ -81,9 +81,9 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
         from gradpress.compare_stats import parse_seeds
 
         parse_seeds(args.seeds, args.seed)
-    cpus = os.cpu_count() or 1
+    cpus = usable_cpus()
     if args.threads is not None and args.threads > cpus:
-        raise ValueError(f"--threads got {args.threads}; allowed: an integer >= 1 and <= {cpus} (this machine's cores)")
+        raise ValueError(f"--threads got {args.threads}; allowed: an integer >= 1 and <= {cpus} (the cores this process may use)")
     return {
         "mode": mode, "workload": workload, "params": params, "hidden": args.hidden, "rate": rate,
         "batch_size": args.batch_size or defaults["batch_size"], "lr": float(lr),

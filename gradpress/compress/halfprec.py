@@ -23,6 +23,7 @@ the same way. NaN stays NaN; +-inf saturates to +-max.
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 
@@ -45,7 +46,8 @@ class _Cast(Compressor):
     def _encode(self, x: torch.Tensor, ctx: Context) -> Packet:
         flat = x.reshape(-1)
         limit = torch.finfo(self.target).max
-        if x.dtype != self.target and torch.finfo(x.dtype).max > limit and self._may_overflow(flat, limit):
+        if x.dtype != self.target and torch.finfo(x.dtype).max > limit and not self._is_bounded(x) \
+                and self._may_overflow(flat, limit):
             # saturate instead of overflowing to inf; clamped in fp32 (fp64 inputs in fp64: one rounding)
             flat = flat.to(compute_dtype(x.dtype)).clamp(-limit, limit)
         return Packet([flat.to(self.target).contiguous()], x.shape, x.dtype)
@@ -62,10 +64,36 @@ class _Cast(Compressor):
         if summands <= 1:
             return x
         limit = summand_limit(self.target, summands)
-        if not self._may_overflow(x.reshape(-1), limit):
-            return x
-        bound = _toward_zero(limit, x.dtype)
-        return x.clamp(-bound, bound)
+        if self._may_overflow(x.reshape(-1), limit):
+            bound = _toward_zero(limit, x.dtype)
+            x = x.clamp(-bound, bound)
+        self._remember_bounded(x)
+        return x
+
+    def _remember_bounded(self, x: torch.Tensor) -> None:
+        """Note that every entry of ``x`` is within a summand bound (below the format's maximum) or NaN, so
+        that :meth:`_encode` of this very tensor, unchanged since (its version counter), neither reads nor
+        clamps it again: on an accelerator it was a second full clamp pass, on CPU a second ``aminmax``."""
+        try:
+            self._bounded = (weakref.ref(x), x._version)
+        except (RuntimeError, TypeError):  # an inference-mode tensor has no version counter: nothing noted
+            self._bounded = None
+
+    def __getstate__(self) -> dict:
+        """Pickled and deep-copied without the note of :meth:`_remember_bounded` (a weak reference)."""
+        state = dict(self.__dict__)
+        state.pop("_bounded", None)
+        return state
+
+    def _is_bounded(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` is the tensor :meth:`bound_summand` last returned, unchanged since."""
+        noted = getattr(self, "_bounded", None)  # one tuple, read once: safe beside another thread's bound
+        if noted is None or noted[0]() is not x:
+            return False
+        try:
+            return x._version == noted[1]
+        except RuntimeError:
+            return False
 
     @staticmethod
     def _may_overflow(flat: torch.Tensor, limit: float) -> bool:

@@ -27,19 +27,30 @@ Invariants:
   the thread, ``wait_s`` the time the training thread spent blocked in
   :meth:`wait`; ``busy_s - wait_s`` of it was hidden behind compute. A job
   run inline (:meth:`run`, staleness 0) counts wholly as waited.
+* At interpreter exit every thread still running (its owner never closed:
+  a script that ends without ``algo.close()``) finishes the jobs in flight
+  and stops, at most :data:`EXIT_WAIT_S` seconds each: a daemon thread still
+  inside a collective when the interpreter tore down made the process abort
+  ("terminate called without an active exception", SIGABRT).
 """
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Background", "BackgroundError", "Ticket"]
+__all__ = ["Background", "BackgroundError", "Ticket", "EXIT_WAIT_S"]
+
+#: the longest wait at interpreter exit for one background thread's jobs in flight (a stuck peer must not hold
+#: the exit for the group's whole timeout; past it the exit goes on as before)
+EXIT_WAIT_S = 60.0
 
 
 class BackgroundError(RuntimeError):
@@ -79,6 +90,7 @@ class Background:
             # daemon: a thread blocked on a dead peer never keeps the process alive at exit
             self._thread = threading.Thread(target=self._loop, name=f"gradpress-{self.name}", daemon=True)
             self._thread.start()
+            _RUNNING.add(self)
         ticket = Ticket(name)
         self._open.append(ticket)
         self._jobs.put((ticket, fn))
@@ -141,10 +153,15 @@ class Background:
             if not already:
                 raise
         finally:
-            if self._thread is not None:
-                self._jobs.put(None)
-                self._thread.join(timeout=5.0)
-                self._thread = None
+            self._stop(5.0)
+
+    def _stop(self, timeout: float) -> None:
+        """Queue the thread's end after the jobs queued, wait at most ``timeout`` seconds for it."""
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join(timeout=timeout)
+            self._thread = None
+        _RUNNING.discard(self)
 
     # ----------------------------------------------------------------- thread
     def _loop(self) -> None:
@@ -186,3 +203,15 @@ class Background:
         hidden = max(0.0, busy - waited)
         return {"exchange_s": busy, "exposed_s": min(waited, busy) if busy else waited, "hidden_s": hidden,
                 "overlap": hidden / busy if busy > 0 else 0.0}
+
+
+#: every Background whose thread runs (weakly: the running thread itself keeps its Background alive)
+_RUNNING: weakref.WeakSet[Background] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_running_threads() -> None:
+    """At interpreter exit (atexit runs before the teardown, daemon threads still alive): each thread still
+    running finishes its jobs in flight (the peers run the same ones) and stops; results are dropped."""
+    for background in list(_RUNNING):
+        background._stop(EXIT_WAIT_S)

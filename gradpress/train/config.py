@@ -119,10 +119,24 @@ def _int(name: str, value: Any, low: int | None = None, optional: bool = False, 
     return int(value)
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity mask (``os.sched_getaffinity(0)``, which a container's
+    cpuset or ``taskset`` narrows), else ``os.cpu_count()`` (the host's, where there is no affinity), at least 1.
+    Every count of "this machine's cores" in gradpress (the ``--nproc`` cap, workers' ``OMP_NUM_THREADS``,
+    the benchmarks' ``--threads`` bound and default) is this one."""
+    getaffinity = getattr(os, "sched_getaffinity", None)
+    if getaffinity is not None:
+        try:
+            return max(1, len(getaffinity(0)))
+        except OSError:
+            pass
+    return max(1, os.cpu_count() or 1)
+
+
 def nproc_max() -> int:
-    """The most local workers one command starts on this machine: max(64, 8 x its cores). More is a typo
-    (``--nproc 4000`` forked 4000 workers), not a run anyone wants on one machine."""
-    return max(64, 8 * (os.cpu_count() or 1))
+    """The most local workers one command starts on this machine: max(64, 8 x its usable cores,
+    :func:`usable_cpus`). More is a typo (``--nproc 4000`` forked 4000 workers), not a run anyone wants."""
+    return max(64, 8 * usable_cpus())
 
 
 def check_nproc(value: Any, name: str = "nproc") -> int:
@@ -132,7 +146,7 @@ def check_nproc(value: Any, name: str = "nproc") -> int:
     cap = nproc_max()
     if n > cap:
         raise ValueError(f"{name} must be an integer from 1 to {cap} (local workers on one machine: at most "
-                         f"max(64, 8 x {os.cpu_count() or 1} cores)), got {n}")
+                         f"max(64, 8 x {usable_cpus()} cores)), got {n}")
     return n
 
 

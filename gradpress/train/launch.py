@@ -27,7 +27,7 @@ from typing import Any
 import torch.distributed as dist
 
 from gradpress import workloads
-from gradpress.train.config import TrainConfig, make_config
+from gradpress.train.config import TrainConfig, make_config, usable_cpus
 
 __all__ = ["run", "init_group", "free_port", "WorkerFailed", "describe_failures", "check_data", "one_line_warnings"]
 
@@ -259,7 +259,7 @@ def _launch(cfg: TrainConfig) -> dict[str, Any]:
     launch = launch_config(cfg, LaunchConfig)
     old = os.environ.get("OMP_NUM_THREADS")
     if old is None and cfg.device == "cpu":  # what torchrun does for several local workers
-        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // cfg.nproc))
+        os.environ["OMP_NUM_THREADS"] = str(max(1, usable_cpus() // cfg.nproc))
     quiet = _quiet_launcher_logs()
     try:
         env = None if _FORKSERVER_ENV is None or launch.start_method != "forkserver" else \
