@@ -5,7 +5,7 @@ bench/{specs, e2e_args, e2e_configs, measure}.py). Every expected value is
 computed here (float64, by the textbook formula: mean, sample standard
 deviation with n - 1, median of the timed calls, bytes read + written over
 the median time) or is the documented message, never the code's output.
-One process, no cluster, no workers: about 2 s.
+One process, no cluster, no workers: about 3 s.
 """
 
 from __future__ import annotations
@@ -348,3 +348,64 @@ def test_e2e_threads_when_the_core_count_is_unknown(tmp_path, monkeypatch):
     assert (settings["cpus"], settings["threads"]) == (1, 1)
     with pytest.raises(ValueError, match=r"^--threads got 2; allowed: an integer >= 1 and <= 1 \(this machine's cores\)"):
         e2e_args._resolve(_e2e_args("--threads", "2", "--out", str(tmp_path / "out")))
+
+
+# ------------------------------------------------------------------ bench e2e: --configs
+def test_an_algorithm_with_only_a_strategy_or_options_after_the_slash_takes_its_default_compressor():
+    """``ALGORITHM/@STRATEGY`` and ``ALGORITHM/+OPTION``: nothing names a compressor, so the algorithm's
+    default compressor carries the strategy and the options (docs/e2e.md)."""
+    from gradpress.bench.e2e_configs import parse_configs
+    from gradpress.train import algorithm
+
+    algo = algorithm.check_spec("localsgd:period=8")
+    default = algorithm.default_compressor(algo)
+    a, b, c = parse_configs("localsgd:period=8/@allgather,localsgd:period=4/+lr=0.5,localsgd:period=2/@ring+noef")
+    assert (a.algorithm, a.spec, a.strategy, a.error_feedback, a.lr) == (algo, default, "allgather", None, None)
+    assert a.label == f"gradpress {algo}/{default}@allgather"
+    assert (b.spec, b.strategy, b.lr) == (default, "collective", 0.5)
+    assert (c.spec, c.strategy, c.error_feedback) == (default, "ring", False)
+
+
+@pytest.mark.parametrize("opt", ["rate=0.1", "step=2", "x=1", "a=0.1", "eta=0.1", "lrx=0.1", "lr"])
+def test_an_option_other_than_ef_noef_lr_is_refused_naming_it(opt):
+    from gradpress.bench.e2e_configs import parse_baselines, parse_configs
+
+    with pytest.raises(ValueError, match=rf"^--configs: configuration 'fp16\+{opt}': unknown or repeated option "
+                                         rf"'\+{opt}'; allowed: \+ef, \+noef, \+lr=X, each once"):
+        parse_configs(f"fp16+{opt}")
+    with pytest.raises(ValueError, match=rf"^--baselines: configuration 'fp16\+{opt}': unknown or repeated option "
+                                         rf"'\+{opt}'; allowed: \+lr=X, each once"):
+        parse_baselines(f"fp16+{opt}")
+
+
+def test_a_multi_round_protocol_under_ddp_runs_on_one_bucket_and_starts_at_its_start_iter():
+    """PowerSGD (2 rounds) under DDP runs on one DDP bucket, as PyTorch's PowerSGD baseline does (the two
+    compare on the same bucketing); under another algorithm, or a one-round compressor, DDP's buckets stay.
+    ``start`` is the compressor's ``start_iter`` (the first compressed step)."""
+    from gradpress.bench.e2e_configs import parse_configs
+
+    ddp, explicit, local, fp16 = parse_configs("powersgd:rank=2,start_iter=3;ddp/powersgd:rank=1,start_iter=5;"
+                                               "localsgd:period=2/powersgd:rank=2,start_iter=4;fp16")
+    assert (ddp.single_bucket, ddp.start, ddp.algorithm) == (True, 3, "ddp")
+    assert (explicit.single_bucket, explicit.start) == (True, 5)
+    assert (local.single_bucket, local.start) == (False, 4)
+    assert (fp16.single_bucket, fp16.start) == (False, 0)
+    with pytest.raises(ValueError, match=r"strategy 'allgather' cannot carry 'powersgd' \(a 2-round allreduce protocol\); "
+                                         r"allowed: collective, auto, allreduce"):
+        parse_configs("powersgd:rank=2@allgather")
+
+
+def test_a_namespace_without_workers_per_node_is_one_worker_per_node(tmp_path):
+    """As the flag's default and the emulated cluster's (``workers_per_node=1``): a namespace built without
+    the attribute (or with None) runs one worker per node, and the command line spells no flag for it."""
+    from gradpress.bench.e2e_args import _resolve, command_line
+
+    for value in ("absent", None):
+        args = _e2e_args("--nodes", "3", "--out", str(tmp_path / "out"))
+        if value == "absent":
+            del args.workers_per_node
+        else:
+            args.workers_per_node = value
+        settings = _resolve(args)
+        assert (settings["workers_per_node"], settings["world"]) == (1, 3)
+        assert "--workers-per-node" not in command_line(args)
