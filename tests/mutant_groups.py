@@ -187,6 +187,23 @@ GROUPS: dict[str, tuple[list[str], list[str], int]] = {
                       "tests/test_integrations_lightning.py::test_callback_refuses_another_strategy_a_foreign_world_"
                       "size_and_warns_without_state",
                       "tests/test_integrations_imports.py"], 20),
+    "bench": (["gradpress/compare_stats.py"]
+              + [f"gradpress/bench/{m}.py" for m in ("specs", "e2e_args", "e2e_configs", "measure")],
+              ["tests/test_mutants_bench.py", "tests/test_review_compare_nan.py", "tests/test_bench_compressors.py"]
+              + [f"tests/test_compare.py::test_{t}" for t in (
+                  "split_specs", "split_specs_rejects", "seed_aggregate_reports_missed_targets", "parse_seeds",
+                  "parse_seeds_and_rates_reject", "parse_seeds_refuses_out_of_range_and_huge_counts", "best_lr_rule",
+                  "lr_sweep_picks_each_methods_best_rate")]
+              + [f"tests/test_bench_e2e.py::test_{t}" for t in (
+                  "parse_configs_strategies_and_commas", "parse_configs_strategy_parameters",
+                  "parse_configs_with_an_algorithm", "parse_baselines", "per_configuration_learning_rate",
+                  "bad_config_spec_names_the_field", "malformed_lists_are_described_in_the_current_syntax",
+                  "a_rate_after_a_spec_without_parameters_starts_a_new_configuration", "bad_baseline",
+                  "cli_rejects_bad_arguments_before_building_a_cluster",
+                  "cli_refuses_out_of_range_values_before_any_namespace",
+                  "cli_refuses_an_out_it_cannot_create_before_any_namespace", "wire_factor_and_command_line",
+                  "intra_bandwidth_needs_several_workers_per_node", "seeds_aggregate_time_to_target_and_count_misses",
+                  "seeds_need_train_to", "a_parameter_after_an_option_is_refused_naming_both")], 20),
 }
 #: where a group draws only from some functions of a module (its qualified names: ``Class.method``):
 #: module -> functions; a module a group lists without an entry here is drawn from whole
