@@ -336,17 +336,19 @@ def test_e2e_timeouts_must_be_positive(tmp_path, flag, value):
     assert _resolve(ok)["mode"] == "train"
 
 
-def test_e2e_threads_when_the_core_count_is_unknown(tmp_path, monkeypatch):
-    """``os.cpu_count()`` may return None: one core is assumed, so ``--threads 1`` is accepted and the
-    default is one thread per worker."""
+def test_e2e_threads_on_one_usable_core(tmp_path, monkeypatch):
+    """With one usable core (``train.config.usable_cpus``: the affinity mask, else ``os.cpu_count()``, at
+    least 1; an unknown count is 1, tests/test_usable_cpus.py), ``--threads 1`` is accepted, the default is
+    one thread per worker, and ``--threads 2`` is refused naming the bound."""
     from gradpress.bench import e2e_args
 
-    monkeypatch.setattr(e2e_args.os, "cpu_count", lambda: None)
+    monkeypatch.setattr(e2e_args, "usable_cpus", lambda: 1)
     settings = e2e_args._resolve(_e2e_args("--threads", "1", "--out", str(tmp_path / "out")))
     assert (settings["cpus"], settings["threads"]) == (1, 1)
     settings = e2e_args._resolve(_e2e_args("--out", str(tmp_path / "out")))
     assert (settings["cpus"], settings["threads"]) == (1, 1)
-    with pytest.raises(ValueError, match=r"^--threads got 2; allowed: an integer >= 1 and <= 1 \(this machine's cores\)"):
+    with pytest.raises(ValueError, match=r"^--threads got 2; allowed: an integer >= 1 and <= 1 "
+                                         r"\(the cores this process may use\)"):
         e2e_args._resolve(_e2e_args("--threads", "2", "--out", str(tmp_path / "out")))
 
 
