@@ -205,7 +205,7 @@ GROUPS: dict[str, tuple[list[str], list[str], int]] = {
                   "intra_bandwidth_needs_several_workers_per_node", "seeds_aggregate_time_to_target_and_count_misses",
                   "seeds_need_train_to", "a_parameter_after_an_option_is_refused_naming_both")], 20),
     "cluster": ([f"gradpress/cluster/{m}.py" for m in ("units", "links", "outcomes", "bulk", "host", "netns")],
-                [f"tests/test_cluster.py::test_{t}" for t in (
+                ["tests/test_mutants_cluster.py"] + [f"tests/test_cluster.py::test_{t}" for t in (
                     "parse_rate_like_tc", "parse_rate_rejects_with_field_and_forms",
                     "parse_rate_size_time_refuse_huge_exponents", "parse_size_and_time",
                     "constructor_validation_names_field", "worst_exit_code",

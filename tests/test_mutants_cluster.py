@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -197,7 +198,8 @@ def _completed(argv, kw, code, out="", err=""):
 
 def test_cmd_names_the_command_its_message_and_the_feature(monkeypatch):
     c = _cluster()
-    answers = {"ok": (0, "fine", ""), "err": (2, "out", "  boom \n"), "out": (3, "  said this ", ""), "none": (4, "", "")}
+    answers = {"ok": (0, "fine", ""), "err": (2, "out", "  boom \n"), "out": (3, "  said this ", ""), "none": (4, "", ""),
+               "sig": (-signal.SIGKILL, "", "")}
     monkeypatch.setattr(links_mod.subprocess, "run", lambda argv, **kw: _completed(argv, kw, *answers[argv[1]]))
     assert c._cmd(["X", "ok"], "do it", "tbf") is None
     with pytest.raises(ClusterError) as e:
@@ -211,6 +213,9 @@ def test_cmd_names_the_command_its_message_and_the_feature(monkeypatch):
         c._cmd(["X", "none"], "add it", "veth")
     assert str(e.value) == ("cannot add it: `X none` failed: exit code 4 (does this kernel support veth pairs "
                             "(CONFIG_VETH; try `modprobe veth`)?)")
+    with pytest.raises(ClusterError) as e:  # killed by a signal: a negative code is a failure too
+        c._cmd(["X", "sig"], "add it")
+    assert str(e.value) == f"cannot add it: `X sig` failed: exit code {-signal.SIGKILL}"
 
 
 def test_link_stats_reads_both_qdiscs_of_a_node(monkeypatch):
@@ -275,22 +280,32 @@ def test_netns_list_takes_the_first_word_of_every_nonblank_line(monkeypatch):
     assert _NETNS_LIST("IP") == ["gpc-1-0-n0", "gpc-1-0-hub", "other"]
 
 
-def test_pid_alive(monkeypatch):
+@pytest.fixture
+def alive():
+    """A process of this test's own that lives until the test ends: its pid."""
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    yield p
+    p.kill()
+    p.wait()
+
+
+def test_pid_alive(monkeypatch, alive):
     p = subprocess.Popen([sys.executable, "-c", "pass"])
     p.wait()
-    assert host_mod._pid_alive(os.getpid()) and not host_mod._pid_alive(p.pid)
+    assert host_mod._pid_alive(alive.pid) and not host_mod._pid_alive(p.pid)
+    assert alive.poll() is None  # asked, not signalled
 
     def denied(pid, sig):
         raise PermissionError(1, "not yours")
 
-    monkeypatch.setattr(host_mod.os, "kill", denied)
+    monkeypatch.setattr(host_mod, "os", SimpleNamespace(kill=denied))  # host's os only: the fixture still kills
     assert host_mod._pid_alive(12345)  # it exists, owned by another user
 
 
-def test_cleanup_stale_deletes_dead_and_own_namespaces_nodes_first(monkeypatch, tmp_path):
+def test_cleanup_stale_deletes_dead_and_own_namespaces_nodes_first(monkeypatch, tmp_path, alive):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    me, alive = os.getpid(), os.getppid()
+    me, owner, alive = os.getpid(), alive, alive.pid
     names = [f"gpz-{dead.pid}-0-hub", f"gpz-{dead.pid}-0-n0", f"gpz-{me}-1-n1", f"gpz-{alive}-0-n0",
              f"gpz-{dead.pid}-2-n0", "gpzz-1-0-n0", "gpz-1-0-node", f"gpx-{dead.pid}-0-n0"]
     etc = tmp_path / "netns"
@@ -318,6 +333,7 @@ def test_cleanup_stale_deletes_dead_and_own_namespaces_nodes_first(monkeypatch, 
     killed.clear(), deleted.clear()
     assert host_mod.cleanup_stale("gpz", include_alive=True) == [
         f"gpz-{dead.pid}-0-n0", f"gpz-{me}-1-n1", f"gpz-{alive}-0-n0", f"gpz-{dead.pid}-0-hub"]
+    assert owner.poll() is None
     monkeypatch.setattr(host_mod, "_preflight", lambda: pytest.fail("the prefix is checked first"))
     with pytest.raises(ValueError, match="prefix='g-z'"):
         host_mod.cleanup_stale("g-z")
@@ -427,6 +443,7 @@ def test_receive_counts_goodput_from_the_first_to_the_last_byte_without_the_firs
             assert time.monotonic() < deadline
             time.sleep(0.01)
     with sock:
+        t_start = time.time()
         sock.sendall(b"a" * first)
         time.sleep(gap)  # the first chunk arrives alone
         t0 = time.time()
@@ -434,7 +451,7 @@ def test_receive_counts_goodput_from_the_first_to_the_last_byte_without_the_firs
         assert sock.recv(1) == b"k"  # the acknowledgement, once every byte asked for arrived
         t1 = time.time()
     t.join(10)
-    assert out["bytes"] >= nbytes and gap * 0.9 <= out["seconds"] <= t1 - t0 + gap + 1.0
+    assert out["bytes"] >= nbytes and gap * 0.9 <= out["seconds"] <= t1 - t_start + 0.01
     assert out["goodput_bps"] == pytest.approx((out["bytes"] - first) * 8 / out["seconds"], rel=1e-12)
     assert out["wall_last"] - out["wall_first"] == pytest.approx(out["seconds"], abs=1e-6)
-    assert t0 - 0.5 <= out["wall_last"] <= t1 + 0.1
+    assert t0 - 0.01 <= out["wall_last"] <= t1 + 0.01 and out["wall_first"] >= t_start - 0.01
