@@ -430,7 +430,7 @@ def _free_port() -> int:
 
 
 def test_receive_counts_goodput_from_the_first_to_the_last_byte_without_the_first_chunk():
-    port, nbytes, first, gap = _free_port(), 300_000, 1000, 0.2
+    port, nbytes, first, gap = _free_port(), 300_000, 1000, 0.3
     out: dict = {}
     t = threading.Thread(target=lambda: out.update(bulk.receive("127.0.0.1", port, nbytes, timeout=10)))
     t.start()
@@ -451,7 +451,7 @@ def test_receive_counts_goodput_from_the_first_to_the_last_byte_without_the_firs
         assert sock.recv(1) == b"k"  # the acknowledgement, once every byte asked for arrived
         t1 = time.time()
     t.join(10)
-    assert out["bytes"] >= nbytes and gap * 0.9 <= out["seconds"] <= t1 - t_start + 0.01
+    assert out["bytes"] >= nbytes and gap * 0.5 <= out["seconds"] <= t1 - t_start + 0.01
     assert out["goodput_bps"] == pytest.approx((out["bytes"] - first) * 8 / out["seconds"], rel=1e-12)
     assert out["wall_last"] - out["wall_first"] == pytest.approx(out["seconds"], abs=1e-6)
     assert t0 - 0.01 <= out["wall_last"] <= t1 + 0.01 and out["wall_first"] >= t_start - 0.01
