@@ -204,6 +204,12 @@ GROUPS: dict[str, tuple[list[str], list[str], int]] = {
                   "cli_refuses_an_out_it_cannot_create_before_any_namespace", "wire_factor_and_command_line",
                   "intra_bandwidth_needs_several_workers_per_node", "seeds_aggregate_time_to_target_and_count_misses",
                   "seeds_need_train_to", "a_parameter_after_an_option_is_refused_naming_both")], 20),
+    "cluster": ([f"gradpress/cluster/{m}.py" for m in ("units", "links", "outcomes", "bulk", "host", "netns")],
+                ["tests/test_mutants_cluster.py"] + [f"tests/test_cluster.py::test_{t}" for t in (
+                    "parse_rate_like_tc", "parse_rate_rejects_with_field_and_forms",
+                    "parse_rate_size_time_refuse_huge_exponents", "parse_size_and_time",
+                    "constructor_validation_names_field", "worst_exit_code",
+                    "workers_per_node_numbers_ranks_host_by_host")], 20),
 }
 #: where a group draws only from some functions of a module (its qualified names: ``Class.method``):
 #: module -> functions; a module a group lists without an entry here is drawn from whole
@@ -248,5 +254,16 @@ FOCUS: dict[str, dict[str, list[str]]] = {
                                  "_mean_final", "target_for", "_reached", "annotate", "_fmt_bytes", "table",
                                  "_plan_runs", "run"],
         "gradpress/commands/cluster.py": ["register"],
+    },
+    "cluster": {  # the pure parts: the tbf arithmetic, the commands a layout runs, names, checks, a bulk receiver
+        # on 127.0.0.1 (not start/close/teardown/processes: they build or delete namespaces); units.py and
+        # outcomes.py are drawn whole
+        "gradpress/cluster/links.py": ["default_burst", "LinksMixin._cmd", "LinksMixin._tbf", "LinksMixin._intra_tbf",
+                                       "LinksMixin.queue_limit_bytes", "LinksMixin._build", "LinksMixin.link_stats"],
+        "gradpress/cluster/host.py": ["_preflight", "_netns_list", "_pid_alive", "cleanup_stale", "_check_prefix"],
+        "gradpress/cluster/netns.py": ["EmulatedCluster.__init__", "EmulatedCluster.namespaces",
+                                       "EmulatedCluster.address", "EmulatedCluster.node_of",
+                                       "EmulatedCluster._check_node"],
+        "gradpress/cluster/bulk.py": ["receive"],
     },
 }

@@ -18,7 +18,8 @@ __all__ = ["DEFAULT_PREFIX", "cleanup_stale"]
 
 DEFAULT_PREFIX = "gpc"
 
-_PREFIX_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,15}$")
+#: matched whole (``fullmatch``): ``$`` would also accept a trailing newline ("gpc\n")
+_PREFIX_RE = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,15}")
 
 
 def _which(name: str) -> str | None:
@@ -99,7 +100,7 @@ def cleanup_stale(prefix: str = DEFAULT_PREFIX, *, include_alive: bool = False) 
 
 
 def _check_prefix(prefix: str) -> None:
-    if not isinstance(prefix, str) or not _PREFIX_RE.match(prefix):
+    if not isinstance(prefix, str) or not _PREFIX_RE.fullmatch(prefix):
         raise ValueError(f"prefix={prefix!r} is not allowed: expected 1-16 characters, a letter then "
                          "letters, digits or '_'")
 
