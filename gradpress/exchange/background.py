@@ -29,7 +29,7 @@ Invariants:
   run inline (:meth:`run`, staleness 0) counts wholly as waited.
 * At interpreter exit every thread still running (its owner never closed:
   a script that ends without ``algo.close()``) finishes the jobs in flight
-  and stops, at most :data:`EXIT_WAIT_S` seconds each: a daemon thread still
+  and stops, at most :data:`EXIT_WAIT_S` seconds in all: a daemon thread still
   inside a collective when the interpreter tore down made the process abort
   ("terminate called without an active exception", SIGABRT).
 """
@@ -48,8 +48,8 @@ from typing import Any
 
 __all__ = ["Background", "BackgroundError", "Ticket", "EXIT_WAIT_S"]
 
-#: the longest wait at interpreter exit for one background thread's jobs in flight (a stuck peer must not hold
-#: the exit for the group's whole timeout; past it the exit goes on as before)
+#: the longest wait at interpreter exit for the background threads' jobs in flight, all threads together (a
+#: stuck peer must not hold the exit for the group's whole timeout; past it the exit goes on as before)
 EXIT_WAIT_S = 60.0
 
 
@@ -79,6 +79,7 @@ class Background:
         self._reported = False
         self._open: list[Ticket] = []
         self._lock = threading.Lock()
+        self._stopping = False  # its end is queued (None put on the jobs)
         self.busy_s = 0.0
         self.wait_s = 0.0
         self.jobs = 0
@@ -157,10 +158,21 @@ class Background:
 
     def _stop(self, timeout: float) -> None:
         """Queue the thread's end after the jobs queued, wait at most ``timeout`` seconds for it."""
-        if self._thread is not None:
+        self._request_stop()
+        self._join(timeout)
+
+    def _request_stop(self) -> None:
+        """Queue the thread's end after the jobs queued (once)."""
+        if self._thread is not None and not self._stopping:
             self._jobs.put(None)
-            self._thread.join(timeout=timeout)
+            self._stopping = True
+
+    def _join(self, timeout: float) -> None:
+        """Wait at most ``timeout`` seconds for the thread asked to stop, then forget it."""
+        if self._thread is not None:
+            self._thread.join(timeout=max(0.0, timeout))
             self._thread = None
+            self._stopping = False
         _RUNNING.discard(self)
 
     # ----------------------------------------------------------------- thread
@@ -212,6 +224,12 @@ _RUNNING: weakref.WeakSet[Background] = weakref.WeakSet()
 @atexit.register
 def _stop_running_threads() -> None:
     """At interpreter exit (atexit runs before the teardown, daemon threads still alive): each thread still
-    running finishes its jobs in flight (the peers run the same ones) and stops; results are dropped."""
-    for background in list(_RUNNING):
-        background._stop(EXIT_WAIT_S)
+    running finishes its jobs in flight (the peers run the same ones) and stops; results are dropped. All
+    are asked to stop first and share one deadline, :data:`EXIT_WAIT_S` from now: several threads stuck on
+    one peer that stopped answering hold the exit that long once, not once per thread."""
+    running = list(_RUNNING)
+    for background in running:
+        background._request_stop()
+    deadline = time.monotonic() + EXIT_WAIT_S
+    for background in running:
+        background._join(deadline - time.monotonic())
