@@ -50,3 +50,44 @@ def test_exit_finishes_the_jobs_in_flight_of_every_running_thread(monkeypatch) -
     assert sorted(done) == ["0.0", "0.1", "1.0", "1.1"]
     assert not any(t.is_alive() for t in threads)
     assert not list(bgmod._RUNNING)
+
+
+def test_exit_finishes_a_job_that_uses_another_background_thread(monkeypatch) -> None:
+    """Comprex's job runs a pipelined hierarchical exchange, which submits to the strategy's own wire
+    thread and waits there: at exit the outer job in flight must still get its inner jobs run, whichever
+    thread the exit stops first (a stop queued on the inner thread before the outer job's next submit left
+    that submit behind it, never run: the exit then waited its whole deadline)."""
+    monkeypatch.setattr(bgmod, "EXIT_WAIT_S", 5.0)
+    for first in ("inner", "outer"):
+        inner, outer = Background("wire"), Background("comprex")
+        go, done = threading.Event(), []
+
+        def job(inner: Background = inner, go: threading.Event = go, done: list = done) -> None:
+            go.wait(10.0)
+            for piece in range(3):
+                done.append(inner.wait(inner.submit(f"piece {piece}", lambda p=piece: p)))
+
+        inner.wait(inner.submit("warm", lambda: None))  # the inner thread runs, as after a first step
+        outer.submit("step", job)
+        order = [inner, outer] if first == "inner" else [outer, inner]
+        monkeypatch.setattr(bgmod, "_RUNNING", _Ordered(order))
+        threading.Timer(0.2, go.set).start()  # the outer job goes on while the exit is stopping the threads
+        t0 = time.perf_counter()
+        bgmod._stop_running_threads()
+        elapsed = time.perf_counter() - t0
+        assert done == [0, 1, 2], (first, done)
+        assert elapsed < 3.0, (first, elapsed)
+        inner.close()
+        outer.close()
+
+
+class _Ordered(list):
+    """A stand-in for the WeakSet of running threads that lists them in a given order."""
+
+    def add(self, item: Background) -> None:
+        if item not in self:
+            self.append(item)
+
+    def discard(self, item: Background) -> None:
+        if item in self:
+            self.remove(item)

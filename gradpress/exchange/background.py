@@ -79,7 +79,6 @@ class Background:
         self._reported = False
         self._open: list[Ticket] = []
         self._lock = threading.Lock()
-        self._stopping = False  # its end is queued (None put on the jobs)
         self.busy_s = 0.0
         self.wait_s = 0.0
         self.jobs = 0
@@ -158,21 +157,10 @@ class Background:
 
     def _stop(self, timeout: float) -> None:
         """Queue the thread's end after the jobs queued, wait at most ``timeout`` seconds for it."""
-        self._request_stop()
-        self._join(timeout)
-
-    def _request_stop(self) -> None:
-        """Queue the thread's end after the jobs queued (once)."""
-        if self._thread is not None and not self._stopping:
-            self._jobs.put(None)
-            self._stopping = True
-
-    def _join(self, timeout: float) -> None:
-        """Wait at most ``timeout`` seconds for the thread asked to stop, then forget it."""
         if self._thread is not None:
+            self._jobs.put(None)
             self._thread.join(timeout=max(0.0, timeout))
             self._thread = None
-            self._stopping = False
         _RUNNING.discard(self)
 
     # ----------------------------------------------------------------- thread
@@ -224,12 +212,12 @@ _RUNNING: weakref.WeakSet[Background] = weakref.WeakSet()
 @atexit.register
 def _stop_running_threads() -> None:
     """At interpreter exit (atexit runs before the teardown, daemon threads still alive): each thread still
-    running finishes its jobs in flight (the peers run the same ones) and stops; results are dropped. All
-    are asked to stop first and share one deadline, :data:`EXIT_WAIT_S` from now: several threads stuck on
-    one peer that stopped answering hold the exit that long once, not once per thread."""
-    running = list(_RUNNING)
-    for background in running:
-        background._request_stop()
+    running finishes its jobs in flight (the peers run the same ones) and stops; results are dropped. One
+    deadline, :data:`EXIT_WAIT_S` from now, for all of them: several threads stuck on one peer that stopped
+    answering hold the exit that long once, not once per thread. One thread at a time, each told to stop
+    only when its turn comes: a job in flight on one thread may still submit to another (comprex's exchange
+    on a pipelined hierarchical strategy uses the strategy's wire thread), and a submit to a thread already
+    stopped starts it again, where one queued behind its stop would never run."""
     deadline = time.monotonic() + EXIT_WAIT_S
-    for background in running:
-        background._join(deadline - time.monotonic())
+    for background in list(_RUNNING):
+        background._stop(deadline - time.monotonic())
