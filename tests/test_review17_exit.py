@@ -91,3 +91,46 @@ class _Ordered(list):
     def discard(self, item: Background) -> None:
         if item in self:
             self.remove(item)
+
+
+def test_a_job_submitted_while_the_thread_is_being_stopped_still_runs() -> None:
+    """The exit (or ``close``) stops the wire thread while comprex's job in flight still submits pieces to
+    it: a submit that lands behind the queued stop must run (before: it sat behind the stop, the thread
+    ended, and the job waiting for it hung until the exit's deadline)."""
+    inner = Background("wire")
+    release, started = threading.Event(), threading.Event()
+    inner.submit("piece 0", lambda: _stuck(release, started))
+    assert started.wait(10.0)
+    stopper = threading.Thread(target=inner._stop, args=(10.0,))
+    stopper.start()
+    deadline = time.monotonic() + 10.0
+    while inner._jobs.qsize() == 0 and time.monotonic() < deadline:  # the stop is queued
+        time.sleep(0.01)
+    late = inner.submit("piece 1", lambda: 42)  # comprex's job goes on: the next piece
+    release.set()
+    try:
+        assert late.future.result(timeout=5.0) == 42
+    finally:
+        stopper.join(15.0)
+        if not late.future.done():  # stranded: let close() below end instead of waiting for it forever
+            late.future.set_result(None)
+        inner.close()
+    assert inner.submit("piece 2", lambda: 43).future.result(timeout=5.0) == 43  # and it still takes jobs
+    inner.close()
+
+
+def test_two_stops_queued_end_the_thread_after_its_jobs() -> None:
+    bg = Background("rank 0")
+    release, started = threading.Event(), threading.Event()
+    first = bg.submit("step 1", lambda: _stuck(release, started))
+    assert started.wait(10.0)
+    thread = bg._thread
+    bg._jobs.put(None)  # a stop (the exit's), then a job, then another stop (close's)
+    second = bg.submit("step 2", lambda: 2)
+    bg._jobs.put(None)
+    release.set()
+    assert second.future.result(timeout=5.0) == 2 and first.future.result(timeout=5.0) is None
+    thread.join(5.0)
+    assert not thread.is_alive()
+    assert bg.wait(bg.submit("step 3", lambda: 3)) == 3  # a new thread takes the next job
+    bg.close()

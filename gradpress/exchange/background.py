@@ -32,6 +32,10 @@ Invariants:
   and stops, at most :data:`EXIT_WAIT_S` seconds in all: a daemon thread still
   inside a collective when the interpreter tore down made the process abort
   ("terminate called without an active exception", SIGABRT).
+* A stop (the exit's, :meth:`Background.close`'s) ends the thread after the
+  jobs queued, those submitted after the stop included (a job in flight on
+  another thread may still submit: comprex on a pipelined hierarchical
+  strategy); a submit after the thread ended starts it again.
 """
 
 from __future__ import annotations
@@ -79,6 +83,9 @@ class Background:
         self._reported = False
         self._open: list[Ticket] = []
         self._lock = threading.Lock()
+        #: guards starting the thread, queueing a job and the thread's end (no job queued behind a stop is lost)
+        self._queueing = threading.Lock()
+        self._ended = False  # the thread took its stop with nothing queued behind it and returned
         self.busy_s = 0.0
         self.wait_s = 0.0
         self.jobs = 0
@@ -86,14 +93,16 @@ class Background:
     # ------------------------------------------------------------------ jobs
     def submit(self, name: str, fn: Callable[[], Any]) -> Ticket:
         """Queue ``fn`` (run on the thread after every earlier job)."""
-        if self._thread is None:
-            # daemon: a thread blocked on a dead peer never keeps the process alive at exit
-            self._thread = threading.Thread(target=self._loop, name=f"gradpress-{self.name}", daemon=True)
-            self._thread.start()
-            _RUNNING.add(self)
         ticket = Ticket(name)
-        self._open.append(ticket)
-        self._jobs.put((ticket, fn))
+        with self._queueing:
+            if self._thread is None or self._ended:
+                # daemon: a thread blocked on a dead peer never keeps the process alive at exit
+                self._thread = threading.Thread(target=self._loop, name=f"gradpress-{self.name}", daemon=True)
+                self._ended = False
+                self._thread.start()
+                _RUNNING.add(self)
+            self._open.append(ticket)
+            self._jobs.put((ticket, fn))
         return ticket
 
     def run(self, name: str, fn: Callable[[], Any]) -> Any:
@@ -157,18 +166,31 @@ class Background:
 
     def _stop(self, timeout: float) -> None:
         """Queue the thread's end after the jobs queued, wait at most ``timeout`` seconds for it."""
-        if self._thread is not None:
+        thread = self._thread
+        if thread is not None:
             self._jobs.put(None)
-            self._thread.join(timeout=max(0.0, timeout))
-            self._thread = None
-        _RUNNING.discard(self)
+            thread.join(timeout=max(0.0, timeout))
+            with self._queueing:
+                if self._thread is thread:  # not one a submit started after this one ended
+                    self._thread = None
+                    _RUNNING.discard(self)
+        else:
+            _RUNNING.discard(self)
 
     # ----------------------------------------------------------------- thread
     def _loop(self) -> None:
+        stopping = False
         while True:
+            if stopping:  # asked to stop: it ends once nothing is queued (checked under the submit's lock)
+                with self._queueing:
+                    if self._jobs.empty():
+                        self._ended = True
+                        return
             item = self._jobs.get()
             if item is None:
-                return
+                # jobs submitted behind the stop (another thread's job in flight, at exit) still run
+                stopping = True
+                continue
             ticket, fn = item
             if self._failed is not None:  # the collective sequence is broken: fail fast, never block
                 ticket.future.set_exception(RuntimeError(f"an earlier background job failed: {self._failed}"))
