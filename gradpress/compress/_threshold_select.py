@@ -28,6 +28,7 @@ Packet: ``[values (input dtype), indices (int32)]``, variable size
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -240,9 +241,7 @@ class ThresholdSparsifier(QualityMixin, Compressor):
             try:
                 estimate = self._threshold(xw, a, k, ctx)
                 if self.corrected:
-                    if not bool(torch.isfinite(estimate)):  # rare: data near the dtype's max (one host read)
-                        xw, a, blocks, estimate = self._rescaled(xw, a, blocks, estimate, k, ctx)
-                    values, idx = self._corrected_select(flat, xw, a, blocks, estimate, k, ctx.key)
+                    values, idx = self._corrected_select(flat, xw, a, blocks, estimate, k, ctx)
                 else:
                     values, idx = select_above(flat, a, estimate, blocks)
             finally:
@@ -274,12 +273,21 @@ class ThresholdSparsifier(QualityMixin, Compressor):
 
     def _corrected_select(self, flat: torch.Tensor, xw: torch.Tensor, a: torch.Tensor | None,
                           blocks: BlockMax | None, estimate: torch.Tensor, k: int,
-                          key: str) -> tuple[torch.Tensor, torch.Tensor]:
+                          ctx: Context) -> tuple[torch.Tensor, torch.Tensor]:
         """Selection at ``scale[key] * estimate``, searched again when its
-        count misses the band; the scale learns from the threshold kept."""
+        count misses the band; the scale learns from the threshold kept.
+        An estimate that overflowed (:meth:`_rescaled`) is caught only off
+        the band (an infinite threshold keeps nothing but NaN), so the
+        normal path reads nothing before its selection."""
+        key = ctx.key
         thr = estimate * self._scale.get(key)
         values, idx = select_above(flat, a, thr, blocks)
         slope = None
+        if not in_band(idx.numel(), k) and not math.isfinite(float(estimate)):  # rare: data near the dtype's max
+            xw, a, blocks, estimate = self._rescaled(xw, a, blocks, estimate, k, ctx)
+            if math.isfinite(float(estimate)):
+                thr = estimate * self._scale.get(key)
+                values, idx = select_above(flat, a, thr, blocks)
         if not in_band(idx.numel(), k):
 
             def top() -> torch.Tensor:

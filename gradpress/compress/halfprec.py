@@ -64,20 +64,21 @@ class _Cast(Compressor):
         if summands <= 1:
             return x
         limit = summand_limit(self.target, summands)
+        version = _version(x)  # read before the check: a write after it (another thread's) is not noted as bounded
         if self._may_overflow(x.reshape(-1), limit):
             bound = _toward_zero(limit, x.dtype)
             x = x.clamp(-bound, bound)
-        self._remember_bounded(x)
+            version = _version(x)  # a new tensor, not yet handed to anyone
+        self._remember_bounded(x, version)
         return x
 
-    def _remember_bounded(self, x: torch.Tensor) -> None:
-        """Note that every entry of ``x`` is within a summand bound (below the format's maximum) or NaN, so
-        that :meth:`_encode` of this very tensor, unchanged since (its version counter), neither reads nor
-        clamps it again: on an accelerator it was a second full clamp pass, on CPU a second ``aminmax``."""
-        try:
-            self._bounded = (weakref.ref(x), x._version)
-        except (RuntimeError, TypeError):  # an inference-mode tensor has no version counter: nothing noted
-            self._bounded = None
+    def _remember_bounded(self, x: torch.Tensor, version: int | None) -> None:
+        """Note that every entry of ``x`` at ``version`` (its version counter when it was checked or made) is
+        within a summand bound (below the format's maximum) or NaN, so that :meth:`_encode` of this very
+        tensor, unchanged since, neither reads nor clamps it again: on an accelerator it was a second full
+        clamp pass, on CPU a second ``aminmax``. ``version`` None (an inference-mode tensor has no version
+        counter): nothing noted."""
+        self._bounded = None if version is None else (weakref.ref(x), version)
 
     def __getstate__(self) -> dict:
         """Pickled and deep-copied without the note of :meth:`_remember_bounded` (a weak reference)."""
@@ -90,10 +91,7 @@ class _Cast(Compressor):
         noted = getattr(self, "_bounded", None)  # one tuple, read once: safe beside another thread's bound
         if noted is None or noted[0]() is not x:
             return False
-        try:
-            return x._version == noted[1]
-        except RuntimeError:
-            return False
+        return _version(x) == noted[1]
 
     @staticmethod
     def _may_overflow(flat: torch.Tensor, limit: float) -> bool:
@@ -113,6 +111,14 @@ class _Cast(Compressor):
         check_decode_out(packet, out)
         out.view(-1).copy_(packet.tensors[0])
         return out
+
+
+def _version(x: torch.Tensor) -> int | None:
+    """``x``'s version counter (bumped by every in-place write to it or a view of it); None without one."""
+    try:
+        return x._version
+    except (RuntimeError, TypeError):  # inference-mode tensors have none
+        return None
 
 
 @functools.lru_cache(maxsize=64)

@@ -29,9 +29,13 @@ Invariants:
   run inline (:meth:`run`, staleness 0) counts wholly as waited.
 * At interpreter exit every thread still running (its owner never closed:
   a script that ends without ``algo.close()``) finishes the jobs in flight
-  and stops, at most :data:`EXIT_WAIT_S` seconds each: a daemon thread still
+  and stops, at most :data:`EXIT_WAIT_S` seconds in all: a daemon thread still
   inside a collective when the interpreter tore down made the process abort
   ("terminate called without an active exception", SIGABRT).
+* A stop (the exit's, :meth:`Background.close`'s) ends the thread after the
+  jobs queued, those submitted after the stop included (a job in flight on
+  another thread may still submit: comprex on a pipelined hierarchical
+  strategy); a submit after the thread ended starts it again.
 """
 
 from __future__ import annotations
@@ -48,8 +52,8 @@ from typing import Any
 
 __all__ = ["Background", "BackgroundError", "Ticket", "EXIT_WAIT_S"]
 
-#: the longest wait at interpreter exit for one background thread's jobs in flight (a stuck peer must not hold
-#: the exit for the group's whole timeout; past it the exit goes on as before)
+#: the longest wait at interpreter exit for the background threads' jobs in flight, all threads together (a
+#: stuck peer must not hold the exit for the group's whole timeout; past it the exit goes on as before)
 EXIT_WAIT_S = 60.0
 
 
@@ -79,6 +83,9 @@ class Background:
         self._reported = False
         self._open: list[Ticket] = []
         self._lock = threading.Lock()
+        #: guards starting the thread, queueing a job and the thread's end (no job queued behind a stop is lost)
+        self._queueing = threading.Lock()
+        self._ended = False  # the thread took its stop with nothing queued behind it and returned
         self.busy_s = 0.0
         self.wait_s = 0.0
         self.jobs = 0
@@ -86,14 +93,16 @@ class Background:
     # ------------------------------------------------------------------ jobs
     def submit(self, name: str, fn: Callable[[], Any]) -> Ticket:
         """Queue ``fn`` (run on the thread after every earlier job)."""
-        if self._thread is None:
-            # daemon: a thread blocked on a dead peer never keeps the process alive at exit
-            self._thread = threading.Thread(target=self._loop, name=f"gradpress-{self.name}", daemon=True)
-            self._thread.start()
-            _RUNNING.add(self)
         ticket = Ticket(name)
-        self._open.append(ticket)
-        self._jobs.put((ticket, fn))
+        with self._queueing:
+            if self._thread is None or self._ended:
+                # daemon: a thread blocked on a dead peer never keeps the process alive at exit
+                self._thread = threading.Thread(target=self._loop, name=f"gradpress-{self.name}", daemon=True)
+                self._ended = False
+                self._thread.start()
+                _RUNNING.add(self)
+            self._open.append(ticket)
+            self._jobs.put((ticket, fn))
         return ticket
 
     def run(self, name: str, fn: Callable[[], Any]) -> Any:
@@ -157,18 +166,31 @@ class Background:
 
     def _stop(self, timeout: float) -> None:
         """Queue the thread's end after the jobs queued, wait at most ``timeout`` seconds for it."""
-        if self._thread is not None:
+        thread = self._thread
+        if thread is not None:
             self._jobs.put(None)
-            self._thread.join(timeout=timeout)
-            self._thread = None
-        _RUNNING.discard(self)
+            thread.join(timeout=max(0.0, timeout))
+            with self._queueing:
+                if self._thread is thread:  # not one a submit started after this one ended
+                    self._thread = None
+                    _RUNNING.discard(self)
+        else:
+            _RUNNING.discard(self)
 
     # ----------------------------------------------------------------- thread
     def _loop(self) -> None:
+        stopping = False
         while True:
+            if stopping:  # asked to stop: it ends once nothing is queued (checked under the submit's lock)
+                with self._queueing:
+                    if self._jobs.empty():
+                        self._ended = True
+                        return
             item = self._jobs.get()
             if item is None:
-                return
+                # jobs submitted behind the stop (another thread's job in flight, at exit) still run
+                stopping = True
+                continue
             ticket, fn = item
             if self._failed is not None:  # the collective sequence is broken: fail fast, never block
                 ticket.future.set_exception(RuntimeError(f"an earlier background job failed: {self._failed}"))
@@ -212,6 +234,12 @@ _RUNNING: weakref.WeakSet[Background] = weakref.WeakSet()
 @atexit.register
 def _stop_running_threads() -> None:
     """At interpreter exit (atexit runs before the teardown, daemon threads still alive): each thread still
-    running finishes its jobs in flight (the peers run the same ones) and stops; results are dropped."""
+    running finishes its jobs in flight (the peers run the same ones) and stops; results are dropped. One
+    deadline, :data:`EXIT_WAIT_S` from now, for all of them: several threads stuck on one peer that stopped
+    answering hold the exit that long once, not once per thread. One thread at a time, each told to stop
+    only when its turn comes: a job in flight on one thread may still submit to another (comprex's exchange
+    on a pipelined hierarchical strategy uses the strategy's wire thread), and a submit to a thread already
+    stopped starts it again, where one queued behind its stop would never run."""
+    deadline = time.monotonic() + EXIT_WAIT_S
     for background in list(_RUNNING):
-        background._stop(EXIT_WAIT_S)
+        background._stop(deadline - time.monotonic())
