@@ -206,7 +206,7 @@ GROUPS: dict[str, tuple[list[str], list[str], int]] = {
                   "seeds_need_train_to", "a_parameter_after_an_option_is_refused_naming_both")], 20),
     "benchreport": ([f"gradpress/bench/{m}.py" for m in ("e2e_rows", "e2e_report", "e2e_seeds", "compressors_rows",
                                                           "compressors_report", "estimators")],
-                    ["tests/test_mutants_benchreport.py"]
+                    [f"tests/test_mutants_benchreport{f}.py" for f in ("", "_compressors", "_estimators")]
                     + [f"tests/test_bench_e2e.py::test_{t}" for t in (
                         "wire_factor_and_command_line",
                         "ideal_payload_counts_each_partitions_bytes_at_the_factor_of_how_it_was_sent",
