@@ -210,6 +210,23 @@ GROUPS: dict[str, tuple[list[str], list[str], int]] = {
                     "parse_rate_size_time_refuse_huge_exponents", "parse_size_and_time",
                     "constructor_validation_names_field", "worst_exit_code",
                     "workers_per_node_numbers_ranks_host_by_host")], 20),
+    "benchreport": ([f"gradpress/bench/{m}.py" for m in ("e2e_rows", "e2e_report", "e2e_seeds", "compressors_rows",
+                                                          "compressors_report", "estimators")],
+                    [f"tests/test_mutants_benchreport{f}.py" for f in ("", "_compressors", "_estimators")]
+                    + [f"tests/test_bench_e2e.py::test_{t}" for t in (
+                        "wire_factor_and_command_line",
+                        "ideal_payload_counts_each_partitions_bytes_at_the_factor_of_how_it_was_sent",
+                        "seeds_aggregate_time_to_target_and_count_misses",
+                        "payload_cell_names_the_bytes_that_stay_inside_a_host",
+                        "the_target_line_says_which_way_the_metric_reaches_it")]
+                    + ["tests/test_bench_e2e_overlap.py::test_bound_is_max_of_compute_plus_compression_and_wire"]
+                    + [f"tests/test_bench_compressors.py::test_{t}" for t in (
+                        "small_run_writes_every_field_and_declared_wire_sizes", "matrix_methods_run_on_a_matrix_view",
+                        "variants_put_kit_and_hand_written_side_by_side",
+                        "the_report_says_when_decodes_pay_for_fresh_pages",
+                        "fractions_use_the_better_roofline_before_or_after_the_rows")]
+                    + [f"tests/test_estimators.py::test_bench_estimators_{t}" for t in ("rows_and_table", "command_line")],
+                    20),
 }
 #: where a group draws only from some functions of a module (its qualified names: ``Class.method``):
 #: module -> functions; a module a group lists without an entry here is drawn from whole
@@ -265,5 +282,10 @@ FOCUS: dict[str, dict[str, list[str]]] = {
                                        "EmulatedCluster.address", "EmulatedCluster.node_of",
                                        "EmulatedCluster._check_node"],
         "gradpress/cluster/bulk.py": ["receive"],
+    },
+    "benchreport": {  # the tables' figures (not plot: drawing; not run_seeds: it runs the benchmark on a cluster)
+        "gradpress/bench/e2e_report.py": ["reach_sign", "_payload", "human_bytes", "lr_text", "_f", "markdown",
+                                          "_background_table"],
+        "gradpress/bench/e2e_seeds.py": ["_reached", "combine", "markdown"],
     },
 }
