@@ -50,6 +50,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import gradpress.transport.groups  # noqa: F401 - its exit handler registered first, so it runs after ours
+
 __all__ = ["Background", "BackgroundError", "Ticket", "EXIT_WAIT_S"]
 
 #: the longest wait at interpreter exit for the background threads' jobs in flight, all threads together (a
