@@ -71,3 +71,4 @@ def test_a_search_step_above_the_dtype_max_counts_as_an_empty_selection() -> Non
     assert BAND[0] * k <= count <= BAND[1] * k, (count, spent)
     assert count == int((a >= found).sum()) and torch.isfinite(found)
     assert all(t < float("inf") for t in asked)
+    assert spent == len(asked) - 1  # the counts made after the first (the caller's); the step beyond the max is none

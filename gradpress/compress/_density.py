@@ -101,8 +101,8 @@ def refine(count_at: Callable[[torch.Tensor], int], thr: torch.Tensor, count: in
     the secant between them, kept inside the middle 80% of the bracket
     (bisection in u when the too-few side counted zero). A step beyond the
     dtype's max keeps nothing, which is known without a count: it counts as
-    a zero (one pass of the budget), so data near the max is searched as the
-    same data at any other scale.
+    a zero (no pass spent: ``spent`` is the counts made), so data near the
+    max is searched as the same data at any other scale.
     """
     dtype = thr.dtype
     spent = 0
@@ -127,6 +127,7 @@ def refine(count_at: Callable[[torch.Tensor], int], thr: torch.Tensor, count: in
     prev: tuple[float, float] | None = None
     measured: float | None = None
     down = math.log(2.0)
+    beyond = 0  # steps beyond the dtype's max (no count made)
     u = math.log(t)
     while True:
         f = _log_ratio(count, k)
@@ -164,9 +165,12 @@ def refine(count_at: Callable[[torch.Tensor], int], thr: torch.Tensor, count: in
             nxt = torch.tensor(math.inf, dtype=dtype, device=thr.device)
         if not bool(torch.isfinite(nxt)):
             # above the dtype's max, so above every finite |x|: it keeps nothing, known without a count
-            # (stopping here left data near the max with the count it had, not the one at any other scale)
+            # (stopping here left data near the max with the count it had, not the one at any other scale);
+            # not a pass: the next step bisects toward the finite side, so this ends (capped all the same)
             count = 0
-            spent += 1
+            beyond += 1
+            if beyond > 64:
+                break
             continue
         if float(nxt) <= 0:
             break
