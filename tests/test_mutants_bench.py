@@ -340,9 +340,10 @@ def test_e2e_threads_on_one_usable_core(tmp_path, monkeypatch):
     """With one usable core (``train.config.usable_cpus``: the affinity mask, else ``os.cpu_count()``, at
     least 1; an unknown count is 1, tests/test_usable_cpus.py), ``--threads 1`` is accepted, the default is
     one thread per worker, and ``--threads 2`` is refused naming the bound."""
+    from gradpress.bench import args as bench_args
     from gradpress.bench import e2e_args
 
-    monkeypatch.setattr(e2e_args, "usable_cpus", lambda: 1)
+    monkeypatch.setattr(bench_args, "usable_cpus", lambda: 1)
     settings = e2e_args._resolve(_e2e_args("--threads", "1", "--out", str(tmp_path / "out")))
     assert (settings["cpus"], settings["threads"]) == (1, 1)
     settings = e2e_args._resolve(_e2e_args("--out", str(tmp_path / "out")))

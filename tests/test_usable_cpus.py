@@ -109,3 +109,17 @@ def test_bench_e2e_threads_bound_and_default_are_the_usable_cores(tmp_path, cpus
     assert resolve("--threads", "8")["threads"] == 8
     with pytest.raises(ValueError, match=r"--threads got 9; allowed: an integer >= 1 and <= 8 "):
         resolve("--threads", "9")
+
+
+def test_bench_estimators_threads_bound_is_the_usable_cores(tmp_path, capsys, monkeypatch, cpus):
+    """``bench estimators --threads`` had no upper bound (the other benchmarks refused more than the cores)."""
+    import gradpress.bench.estimators as cmd
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the benchmark ran for --threads beyond the usable cores")
+
+    monkeypatch.setattr(cmd, "run_estimators", refused)
+    cpus(2)
+    rc = cli_main(["bench", "estimators", "--threads", "3"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--threads got 3; allowed: an integer >= 1 and <= 2 (the cores this process may use)" in err, err

@@ -7,7 +7,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from gradpress.train.config import probe_writable
+from gradpress.train.config import probe_writable, usable_cpus
 
 
 def positive_int(name: str) -> Callable[[str], int]:
@@ -23,6 +23,15 @@ def positive_int(name: str) -> Callable[[str], int]:
         return value
 
     return parse
+
+
+def check_threads(threads: int | None, flag: str = "--threads") -> int:
+    """The usable cores (:func:`gradpress.train.config.usable_cpus`), after refusing (ValueError naming
+    ``flag``) a thread count above them: more threads than cores only time the machine's contention."""
+    cpus = usable_cpus()
+    if threads is not None and threads > cpus:
+        raise ValueError(f"{flag} got {threads}; allowed: an integer >= 1 and <= {cpus} (the cores this process may use)")
+    return cpus
 
 
 def check_file_path(path: str | os.PathLike, flag: str) -> None:

@@ -19,13 +19,13 @@ from pathlib import Path
 
 import torch
 
-from gradpress.bench.args import check_file_path, positive_int
+from gradpress.bench.args import check_file_path, check_threads, positive_int
 from gradpress.bench.compressors_report import _json_safe, format_table
 from gradpress.bench.compressors_rows import ROW_FIELDS, VARIANTS, bench_method, bench_reference
 from gradpress.bench.compressors_sweep import evaluate_targets, run_benchmark
 from gradpress.bench.data import DATA_KINDS
 from gradpress.bench.specs import parse_compressors, parse_sizes
-from gradpress.train.config import check_out, check_seed, usable_cpus
+from gradpress.train.config import check_out, check_seed
 
 __all__ = ["register_bench", "run_benchmark", "evaluate_targets", "ROW_FIELDS",
            "bench_method", "bench_reference", "format_table"]
@@ -71,10 +71,7 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--variants got {args.variants!r}; allowed: comma-separated {', '.join(VARIANTS)}")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device got 'cuda' but CUDA is not available on this machine; allowed here: cpu")
-    cpus = usable_cpus()
-    if args.threads is not None and args.threads > cpus:
-        raise ValueError(f"--threads got {args.threads}; allowed: an integer >= 1 and <= {cpus} "
-                         "(the cores this process may use)")
+    check_threads(args.threads)
     # the files it writes: refused now, not after the whole benchmark
     if args.json is not None:
         if not args.json:

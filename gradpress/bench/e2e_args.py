@@ -14,8 +14,8 @@ import shlex
 from pathlib import Path
 from typing import Any
 
+from gradpress.bench.args import check_threads
 from gradpress.bench.e2e_configs import parse_baselines, parse_configs
-from gradpress.train.config import usable_cpus
 
 __all__ = ["command_line"]
 
@@ -81,9 +81,7 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
         from gradpress.compare_stats import parse_seeds
 
         parse_seeds(args.seeds, args.seed)
-    cpus = usable_cpus()
-    if args.threads is not None and args.threads > cpus:
-        raise ValueError(f"--threads got {args.threads}; allowed: an integer >= 1 and <= {cpus} (the cores this process may use)")
+    cpus = check_threads(args.threads)
     return {
         "mode": mode, "workload": workload, "params": params, "hidden": args.hidden, "rate": rate,
         "batch_size": args.batch_size or defaults["batch_size"], "lr": float(lr),

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from gradpress.bench.args import positive_int
+from gradpress.bench.args import check_threads, positive_int
 from gradpress.bench.measure import sync
 from gradpress.bench.specs import parse_compressors, parse_sizes
 from gradpress.train.config import check_seed
@@ -135,6 +135,7 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError("--device got 'cuda' but CUDA is not available on this machine; allowed here: cpu")
     if args.json and Path(args.json).is_dir():
         raise ValueError(f"--json got {args.json!r}, which is a directory; allowed: a file path")
+    check_threads(args.threads)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
 
