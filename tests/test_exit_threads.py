@@ -102,3 +102,31 @@ def test_at_exit_the_jobs_in_flight_finish_before_gradpress_destroys_the_groups_
                              text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
         assert run.returncode == 0, run.stderr[-3000:]
         assert run.stdout.splitlines() == want, (created, run.stdout, run.stderr[-2000:])
+
+
+STUCK = """
+import time
+import torch.distributed as dist
+import gradpress.torch_compat
+import gradpress.exchange.background as background
+from gradpress.transport import groups
+
+background.EXIT_WAIT_S = 0.3  # the exit's wait, short: the job below outlasts it (a peer that stopped answering)
+groups._CREATED = True
+dist.is_initialized = lambda: True  # no real group: the handler's checks and calls, recorded
+gradpress.torch_compat.destroy_process_group = lambda: print("groups destroyed", flush=True)
+work = background.Background("exit-stuck")
+work.submit("stuck", lambda: (time.sleep(30), print("job in flight finished", flush=True)))
+print("script ends", flush=True)
+"""
+
+
+def test_at_exit_a_job_still_in_flight_after_the_wait_keeps_the_groups_undestroyed() -> None:
+    """A job still in flight when the exit's wait (``EXIT_WAIT_S``) ends is a collective a peer never joined:
+    destroying its group then waits for it (NCCL's destroy flushes the collectives in flight since torch 2.6,
+    gloo's destructor on 2.2 joins the worker running it), which would hold the exit up to the group's timeout,
+    past the bound the wait promises. The exit leaves such groups to the teardown, promptly."""
+    run = subprocess.run([sys.executable, "-c", STUCK], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.splitlines() == ["script ends"], (run.stdout, run.stderr[-2000:])

@@ -50,7 +50,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import gradpress.transport.groups  # noqa: F401 - its exit handler registered first, so it runs after ours
+import gradpress.transport.groups  # its exit handler registered first, so it runs after ours (atexit: LIFO)
 
 __all__ = ["Background", "BackgroundError", "Ticket", "EXIT_WAIT_S"]
 
@@ -166,8 +166,9 @@ class Background:
         finally:
             self._stop(5.0)
 
-    def _stop(self, timeout: float) -> None:
-        """Queue the thread's end after the jobs queued, wait at most ``timeout`` seconds for it."""
+    def _stop(self, timeout: float) -> bool:
+        """Queue the thread's end after the jobs queued, wait at most ``timeout`` seconds for it; whether it
+        ended (False: a job still in flight)."""
         thread = self._thread
         if thread is not None:
             self._jobs.put(None)
@@ -176,8 +177,9 @@ class Background:
                 if self._thread is thread:  # not one a submit started after this one ended
                     self._thread = None
                     _RUNNING.discard(self)
-        else:
-            _RUNNING.discard(self)
+            return not thread.is_alive()
+        _RUNNING.discard(self)
+        return True
 
     # ----------------------------------------------------------------- thread
     def _loop(self) -> None:
@@ -244,4 +246,6 @@ def _stop_running_threads() -> None:
     stopped starts it again, where one queued behind its stop would never run."""
     deadline = time.monotonic() + EXIT_WAIT_S
     for background in list(_RUNNING):
-        background._stop(deadline - time.monotonic())
+        if not background._stop(deadline - time.monotonic()):
+            # a collective a peer never joined: destroying its group would wait for it (the group's timeout)
+            gradpress.transport.groups._IN_FLIGHT_AT_EXIT = True

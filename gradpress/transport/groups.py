@@ -73,6 +73,8 @@ def own_group(base: dist.ProcessGroup | None,
 
 #: whether this process made a group of its own (:func:`own_group`): the exit then destroys the groups left
 _CREATED = False
+#: set by :mod:`gradpress.exchange.background`'s exit handler when a job was still in flight after its wait
+_IN_FLIGHT_AT_EXIT = False
 
 
 @atexit.register
@@ -83,8 +85,11 @@ def _destroy_groups_at_exit() -> None:
     10 two-rank runs of a script with a second group (``new_group``) and no destroy, gradpress imported or
     not; with this, none in 24. Registered before the background threads' handler
     (:mod:`gradpress.exchange.background` imports this module first), so it runs after them: the exchanges
-    in flight finish before their groups go. Never raises."""
-    if not _CREATED or not (dist.is_available() and dist.is_initialized()):
+    in flight finish before their groups go. Not when a job is still in flight after their wait (a collective
+    a peer never joined): destroying its group would wait for it (NCCL's destroy flushes the collectives in
+    flight since torch 2.6; gloo's destructor on 2.2 joins the worker that runs it), up to the group's
+    timeout, past the exit's bound; the teardown gets those groups. Never raises."""
+    if not _CREATED or _IN_FLIGHT_AT_EXIT or not (dist.is_available() and dist.is_initialized()):
         return
     try:
         from gradpress.torch_compat import destroy_process_group
