@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import time
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -82,11 +81,8 @@ def destroy_process_group(settle_s: float = 0.05) -> None:
     """``dist.destroy_process_group()`` after a short wait that lets gloo's
     worker threads drop their last references to finished collectives (on
     torch 2.2 a destructor that joins them under the GIL can otherwise
-    wait forever; see the module docstring)."""
-    import gc
+    wait forever; see the module docstring):
+    :func:`gradpress.transport.groups.destroy_all`, which the exit also uses."""
+    from gradpress.transport.groups import destroy_all
 
-    import torch.distributed as dist
-
-    gc.collect()
-    time.sleep(settle_s)
-    dist.destroy_process_group()
+    destroy_all(settle_s)

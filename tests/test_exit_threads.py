@@ -86,7 +86,7 @@ from gradpress.transport import groups
 
 groups._CREATED = {created}
 dist.is_initialized = lambda: True  # no real group: the handler's checks and calls, recorded
-gradpress.torch_compat.destroy_process_group = lambda: print("groups destroyed", flush=True)
+groups.destroy_all = lambda: print("groups destroyed", flush=True)
 work = Background("exit-order")
 work.submit("slow", lambda: (time.sleep(0.3), print("job in flight finished", flush=True)))
 print("script ends", flush=True)
@@ -114,7 +114,7 @@ from gradpress.transport import groups
 background.EXIT_WAIT_S = 0.3  # the exit's wait, short: the job below outlasts it (a peer that stopped answering)
 groups._CREATED = True
 dist.is_initialized = lambda: True  # no real group: the handler's checks and calls, recorded
-gradpress.torch_compat.destroy_process_group = lambda: print("groups destroyed", flush=True)
+groups.destroy_all = lambda: print("groups destroyed", flush=True)
 work = background.Background("exit-stuck")
 work.submit("stuck", lambda: (time.sleep(30), print("job in flight finished", flush=True)))
 print("script ends", flush=True)
