@@ -123,3 +123,27 @@ def test_bench_estimators_threads_bound_is_the_usable_cores(tmp_path, capsys, mo
     rc = cli_main(["bench", "estimators", "--threads", "3"])
     err = capsys.readouterr().err
     assert rc == 2 and "--threads got 3; allowed: an integer >= 1 and <= 2 (the cores this process may use)" in err, err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--threads", "3"], "--threads got 3; allowed: an integer >= 1 and <= 2 (the cores this process may use)"),
+    (["--threads", "0"], "--threads got 0; allowed: an integer >= 1"),
+    (["--world", "0"], "--world got 0; allowed: an integer >= 1"),
+    (["--repeats", "-1"], "--repeats got -1; allowed: an integer >= 1"),
+    (["--compressors", "nope"], "unknown compressor 'nope'"),
+    (["--params", "10Q"], "--params"),
+])
+def test_the_profile_script_refuses_bad_arguments_before_profiling(argv, message, capsys, monkeypatch, cpus):
+    """``python -m gradpress.bench.e2e_profile`` took any int for --threads, --world and --repeats (0 threads
+    crashed torch) and split --compressors its own way; now bench's parsers and checks, before any work."""
+    from gradpress.bench import e2e_profile
+
+    def refused(*args, **kwargs):
+        raise AssertionError("profiled for arguments that should have been refused")
+
+    monkeypatch.setattr(e2e_profile, "profile", refused)
+    cpus(2)
+    with pytest.raises(SystemExit) as exit_info:
+        e2e_profile.main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err

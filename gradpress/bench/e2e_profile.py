@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from gradpress.bench.args import check_threads, positive_int
+from gradpress.bench.specs import parse_compressors
 from gradpress.compress import create
 from gradpress.compress.base import Context, all_finite
 from gradpress.compress.sparse import sparse_sum
@@ -83,16 +85,21 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--params", default="10M", help="wide-mlp size (default 10M)")
-    p.add_argument("--world", type=int, default=4, help="ranks whose packets are averaged (default 4)")
+    p.add_argument("--world", type=positive_int("--world"), default=4,
+                   help="ranks whose packets are averaged (default 4)")
     p.add_argument("--compressors", default="topk:ratio=0.001,dgc_threshold:ratio=0.001,sidco:ratio=0.001",
-                   help="comma-separated specs; ';' separates specs that contain commas")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--threads", type=int, default=1)
+                   help="comma-separated specs, as bench compressors' --compressors")
+    p.add_argument("--repeats", type=positive_int("--repeats"), default=5)
+    p.add_argument("--threads", type=positive_int("--threads"), default=1)
     a = p.parse_args(argv)
+    try:
+        check_threads(a.threads)
+        h = wide.width_for(wide.parse_count(a.params, "--params"))
+        specs = parse_compressors(a.compressors)
+    except ValueError as exc:
+        p.error(str(exc))
     torch.set_num_threads(a.threads)
-    h = wide.width_for(wide.parse_count(a.params))
     shapes = [(h, wide.IN_DIM), (h, h), (wide.CLASSES, h)]
-    specs = a.compressors.split(";") if ";" in a.compressors else a.compressors.split(",")
     print(f"wide-mlp {a.params}: weight shapes {shapes}, world {a.world}, {a.threads} thread(s), median of {a.repeats}")
     for spec in specs:
         phases = profile(spec.strip(), shapes, a.world, a.repeats)
