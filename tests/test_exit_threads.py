@@ -5,7 +5,7 @@ README's Comprex snippet (``gradpress.algorithms.create("comprex:staleness=1", .
 steps and end without ``algo.close()``: staleness 1 leaves the last step's exchange in flight on the daemon
 thread at exit, and the interpreter's teardown aborted ("terminate called without an active exception",
 SIGABRT, exit -6) in 3 of 4 runs before gradpress waited for such threads at exit. Waiting was not enough:
-the same abort came from torch's teardown of a second gloo group left alive (about 1 run in 10, also with
+the same abort came from torch's teardown of a second gloo group left alive (2-3 runs in 10, also with
 ``algo.close()`` and in a plain torch script with ``dist.new_group``), so the exit also destroys the groups
 in a process where gradpress made one (``gradpress.transport.groups``)."""
 

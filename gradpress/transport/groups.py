@@ -94,9 +94,9 @@ _IN_FLIGHT_AT_EXIT = False
 def _destroy_groups_at_exit() -> None:
     """At interpreter exit, in a process where gradpress made a group of its own and the script did not
     destroy them: ``destroy_process_group()`` (all groups) while the interpreter is still whole. torch 2.13
-    with gloo aborted at the teardown ("terminate called without an active exception", exit -6) in about 1 of
-    10 two-rank runs of a script with a second group (``new_group``) and no destroy, gradpress imported or
-    not; with this, none in 24. Registered before the background threads' handler
+    with gloo aborted at the teardown ("terminate called without an active exception", exit -6) in 2-3 of 10
+    two-rank runs of a script with a second group (``new_group``) and no destroy, gradpress imported or
+    not; with this, none in 20. Registered before the background threads' handler
     (:mod:`gradpress.exchange.background` imports this module first), so it runs after them: the exchanges
     in flight finish before their groups go. Not when a job is still in flight after their wait (a collective
     a peer never joined): destroying its group would wait for it (NCCL's destroy flushes the collectives in
