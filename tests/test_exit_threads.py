@@ -94,7 +94,7 @@ print("script ends", flush=True)
 
 
 def test_at_exit_the_jobs_in_flight_finish_before_gradpress_destroys_the_groups_it_made() -> None:
-    """The two exit handlers' order (background threads first, then the groups) and the condition: groups
+    """The exit's order (its steps, the background threads, first; then the groups) and the condition: groups
     are destroyed only in a process where gradpress made one (``own_group``)."""
     for created, want in ((True, ["script ends", "job in flight finished", "groups destroyed"]),
                           (False, ["script ends", "job in flight finished"])):

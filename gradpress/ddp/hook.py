@@ -41,7 +41,6 @@ applied when it binds.
 
 from __future__ import annotations
 
-import atexit
 import functools
 import queue
 import threading
@@ -56,6 +55,7 @@ from gradpress.ddp.state_format import _OLD_FORMAT, HOOK_FORMAT, _upgrade_v1, st
 from gradpress.exchange import Synchronizer
 from gradpress.exchange.feedback import Feedback
 from gradpress.exchange.planner import Plan
+from gradpress.transport.groups import EXIT_STEPS
 
 __all__ = ["GradpressHook", "gradpress_hook", "HOOK_FORMAT"]
 
@@ -370,10 +370,16 @@ class GradpressHook:
 _OPEN_HOOKS: weakref.WeakSet[GradpressHook] = weakref.WeakSet()
 
 
-@atexit.register
-def _close_open_hooks() -> None:
-    for hook in list(_OPEN_HOOKS):
+def _close_open_hooks() -> bool:
+    """At interpreter exit (a step of :data:`gradpress.transport.groups.EXIT_STEPS`, before the groups go):
+    close every hook still open; whether all their threads ended."""
+    hooks = list(_OPEN_HOOKS)
+    for hook in hooks:
         hook.close()
+    return not any(hook._thread.is_alive() for hook in hooks)
+
+
+EXIT_STEPS.append(_close_open_hooks)
 
 
 def gradpress_hook(state, bucket):  # noqa: ANN001,ANN201 - DDP inspects these annotations; leave them off

@@ -40,7 +40,6 @@ Invariants:
 
 from __future__ import annotations
 
-import atexit
 import concurrent.futures
 import queue
 import threading
@@ -50,7 +49,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import gradpress.transport.groups  # its exit handler registered first, so it runs after ours (atexit: LIFO)
+from gradpress.transport.groups import EXIT_STEPS
 
 __all__ = ["Background", "BackgroundError", "Ticket", "EXIT_WAIT_S"]
 
@@ -235,17 +234,18 @@ class Background:
 _RUNNING: weakref.WeakSet[Background] = weakref.WeakSet()
 
 
-@atexit.register
-def _stop_running_threads() -> None:
-    """At interpreter exit (atexit runs before the teardown, daemon threads still alive): each thread still
-    running finishes its jobs in flight (the peers run the same ones) and stops; results are dropped. One
-    deadline, :data:`EXIT_WAIT_S` from now, for all of them: several threads stuck on one peer that stopped
-    answering hold the exit that long once, not once per thread. One thread at a time, each told to stop
-    only when its turn comes: a job in flight on one thread may still submit to another (comprex's exchange
-    on a pipelined hierarchical strategy uses the strategy's wire thread), and a submit to a thread already
-    stopped starts it again, where one queued behind its stop would never run."""
+def _stop_running_threads() -> bool:
+    """At interpreter exit (a step of :data:`gradpress.transport.groups.EXIT_STEPS`, which run before the
+    teardown, daemon threads still alive): each thread still running finishes its jobs in flight (the peers
+    run the same ones) and stops; results are dropped. One deadline, :data:`EXIT_WAIT_S` from now, for all of
+    them: several threads stuck on one peer that stopped answering hold the exit that long once, not once per
+    thread. One thread at a time, each told to stop only when its turn comes: a job in flight on one thread
+    may still submit to another (comprex's exchange on a pipelined hierarchical strategy uses the strategy's
+    wire thread), and a submit to a thread already stopped starts it again, where one queued behind its stop
+    would never run. Returns whether every thread ended (False: a collective a peer never joined, whose group
+    then stays)."""
     deadline = time.monotonic() + EXIT_WAIT_S
-    for background in list(_RUNNING):
-        if not background._stop(deadline - time.monotonic()):
-            # a collective a peer never joined: destroying its group would wait for it (the group's timeout)
-            gradpress.transport.groups._IN_FLIGHT_AT_EXIT = True
+    return all([background._stop(deadline - time.monotonic()) for background in list(_RUNNING)])
+
+
+EXIT_STEPS.append(_stop_running_threads)

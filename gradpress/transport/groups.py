@@ -13,11 +13,12 @@ import atexit
 import datetime
 import os
 import sys
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["own_group", "timeout_of", "device_of", "leave", "destroy_all"]
+__all__ = ["own_group", "timeout_of", "device_of", "leave", "destroy_all", "EXIT_STEPS"]
 
 
 def device_of(group: dist.ProcessGroup | None) -> torch.device:
@@ -86,23 +87,23 @@ def destroy_all(settle_s: float = 0.05) -> None:
 
 #: whether this process made a group of its own (:func:`own_group`): the exit then destroys the groups left
 _CREATED = False
-#: set by :mod:`gradpress.exchange.background`'s exit handler when a job was still in flight after its wait
-_IN_FLIGHT_AT_EXIT = False
+#: what must end before the groups go, run in order at exit (the background threads, the DDP hook's thread);
+#: each returns whether its work ended (False: a job still in flight on a group)
+EXIT_STEPS: list[Callable[[], bool]] = []
 
 
 @atexit.register
-def _destroy_groups_at_exit() -> None:
-    """At interpreter exit, in a process where gradpress made a group of its own and the script did not
-    destroy them: ``destroy_process_group()`` (all groups) while the interpreter is still whole. torch 2.13
-    with gloo aborted at the teardown ("terminate called without an active exception", exit -6) in 2-3 of 10
-    two-rank runs of a script with a second group (``new_group``) and no destroy, gradpress imported or
-    not; with this, none in 20. Registered before the background threads' handler
-    (:mod:`gradpress.exchange.background` imports this module first), so it runs after them: the exchanges
-    in flight finish before their groups go. Not when a job is still in flight after their wait (a collective
-    a peer never joined): destroying its group would wait for it (NCCL's destroy flushes the collectives in
-    flight since torch 2.6; gloo's destructor on 2.2 joins the worker that runs it), up to the group's
-    timeout, past the exit's bound; the teardown gets those groups. Never raises."""
-    if not _CREATED or _IN_FLIGHT_AT_EXIT or not (dist.is_available() and dist.is_initialized()):
+def _at_exit() -> None:
+    """At interpreter exit: every :data:`EXIT_STEPS` step, then, in a process where gradpress made a group of
+    its own and the script did not destroy them, ``destroy_process_group()`` (all groups) while the
+    interpreter is still whole. torch 2.13 with gloo aborted at the teardown ("terminate called without an
+    active exception", exit -6) in 2-3 of 10 two-rank runs of a script with a second group (``new_group``)
+    and no destroy, gradpress imported or not; with this, none in 20. Not when a step left a job in flight
+    (a collective a peer never joined): destroying its group would wait for it (NCCL's destroy flushes the
+    collectives in flight since torch 2.6; gloo's destructor on 2.2 joins the worker that runs it), up to the
+    group's timeout, past the steps' bound; the teardown gets those groups. Never raises."""
+    ended = all([step() for step in EXIT_STEPS])  # a list: every step runs
+    if not ended or not _CREATED or not (dist.is_available() and dist.is_initialized()):
         return
     try:
         destroy_all()
