@@ -249,27 +249,27 @@ class ThresholdSparsifier(QualityMixin, Compressor):
         self._meter.update(idx.numel(), k)
         return Packet([values, idx], x.shape, x.dtype)
 
-    def _rescaled(self, xw: torch.Tensor, a: torch.Tensor | None, blocks: BlockMax | None, estimate: torch.Tensor,
-                  k: int, ctx: Context) -> tuple[torch.Tensor, torch.Tensor | None, BlockMax | None, torch.Tensor]:
-        """The work tensors and the estimate for the data times ``RESCUE``
-        when the estimate overflowed the work dtype (a threshold above its
+    def _rescaled(self, xw: torch.Tensor, a: torch.Tensor | None, blocks: BlockMax | None, k: int,
+                  ctx: Context) -> tuple[torch.Tensor, torch.Tensor | None, BlockMax | None, torch.Tensor] | None:
+        """The work tensors and the estimate for the data times ``RESCUE``,
+        for an estimate that overflowed the work dtype (a threshold above its
         max: data near the max, e.g. ``gaussiank``'s ``|mu| + z sigma``).
         The estimators are scale equivariant and the scale is a power of two
         (exact), so the density correction then starts from a finite
         estimate, and its per-key scale learns as on the data at any other
         scale, instead of searching again from max |x| on every call.
         Selection indices come from the scaled copy, values from the input.
-        Unchanged when the scaled estimate is still not finite (non-finite
-        data): the correction's restart from max |x| handles that."""
+        None when the scaled estimate is still not finite (non-finite data):
+        the correction's restart from max |x| handles that."""
         xs = xw * RESCUE
         blocks_s = BlockMax(xs) if blocks is not None else None
         a_s = xs.abs() if a is not None else None
         self._blocks = blocks_s
         estimate_s = self._threshold(xs, a_s, k, ctx)
-        if bool(torch.isfinite(estimate_s)):
+        if math.isfinite(float(estimate_s)):
             return xs, a_s, blocks_s, estimate_s
         self._blocks = blocks
-        return xw, a, blocks, estimate
+        return None
 
     def _corrected_select(self, flat: torch.Tensor, xw: torch.Tensor, a: torch.Tensor | None,
                           blocks: BlockMax | None, estimate: torch.Tensor, k: int,
@@ -284,8 +284,9 @@ class ThresholdSparsifier(QualityMixin, Compressor):
         values, idx = select_above(flat, a, thr, blocks)
         slope = None
         if not in_band(idx.numel(), k) and not math.isfinite(float(estimate)):  # rare: data near the dtype's max
-            xw, a, blocks, estimate = self._rescaled(xw, a, blocks, estimate, k, ctx)
-            if math.isfinite(float(estimate)):
+            rescued = self._rescaled(xw, a, blocks, k, ctx)
+            if rescued is not None:
+                xw, a, blocks, estimate = rescued
                 thr = estimate * self._scale.get(key)
                 values, idx = select_above(flat, a, thr, blocks)
         if not in_band(idx.numel(), k):
