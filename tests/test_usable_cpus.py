@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from refusals import forbid
 
 from gradpress.cli import build_parser
 from gradpress.cli import main as cli_main
@@ -87,10 +88,7 @@ def test_workers_omp_threads_share_the_usable_cores(tmp_path, monkeypatch, cpus)
 def test_bench_compressors_threads_bound_is_the_usable_cores(tmp_path, capsys, monkeypatch, cpus):
     import gradpress.bench.compressors as cmd
 
-    def refused(*args, **kwargs):
-        raise AssertionError("the benchmark ran for --threads beyond the usable cores")
-
-    monkeypatch.setattr(cmd, "run_benchmark", refused)
+    forbid(monkeypatch, "the benchmark ran", (cmd, "run_benchmark"))
     cpus(2)
     rc = cli_main(["bench", "compressors", "--out", str(tmp_path), "--threads", "3"])
     err = capsys.readouterr().err
@@ -115,10 +113,7 @@ def test_bench_estimators_threads_bound_is_the_usable_cores(tmp_path, capsys, mo
     """``bench estimators --threads`` had no upper bound (the other benchmarks refused more than the cores)."""
     import gradpress.bench.estimators as cmd
 
-    def refused(*args, **kwargs):
-        raise AssertionError("the benchmark ran for --threads beyond the usable cores")
-
-    monkeypatch.setattr(cmd, "run_estimators", refused)
+    forbid(monkeypatch, "the benchmark ran", (cmd, "run_estimators"))
     cpus(2)
     rc = cli_main(["bench", "estimators", "--threads", "3"])
     err = capsys.readouterr().err
@@ -138,10 +133,7 @@ def test_the_profile_script_refuses_bad_arguments_before_profiling(argv, message
     crashed torch) and split --compressors its own way; now bench's parsers and checks, before any work."""
     from gradpress.bench import e2e_profile
 
-    def refused(*args, **kwargs):
-        raise AssertionError("profiled for arguments that should have been refused")
-
-    monkeypatch.setattr(e2e_profile, "profile", refused)
+    forbid(monkeypatch, "profiled", (e2e_profile, "profile"))
     cpus(2)
     with pytest.raises(SystemExit) as exit_info:
         e2e_profile.main(argv)
