@@ -11,6 +11,7 @@ import os
 import pytest
 from refusals import forbid
 
+import gradpress.train.cpus as cpus_module
 from gradpress.cli import build_parser
 from gradpress.cli import main as cli_main
 from gradpress.train.config import check_nproc, make_config, nproc_max
@@ -24,6 +25,7 @@ def cpus(monkeypatch):
     def allow(n: int) -> int:
         monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(n)), raising=False)
         monkeypatch.setattr(os, "cpu_count", lambda: HOST)
+        monkeypatch.setattr(cpus_module, "cgroup_cpu_limit", lambda: None)  # no quota, whatever the host has
         return n
     return allow
 
@@ -44,6 +46,18 @@ def test_usable_cpus_is_the_affinity_else_the_cpu_count(monkeypatch, cpus):
     monkeypatch.setattr(os, "sched_getaffinity", unavailable, raising=False)
     monkeypatch.setattr(os, "cpu_count", lambda: 5)
     assert usable_cpus() == 5
+
+
+def test_a_cgroup_quota_narrows_the_count_and_never_widens_it(monkeypatch, cpus):
+    """Docker's ``--cpus`` and a Kubernetes CPU limit leave the affinity at the host's CPUs and set a quota."""
+    from gradpress.train.config import usable_cpus
+
+    cpus(8)
+    monkeypatch.setattr(cpus_module, "cgroup_cpu_limit", lambda: 2)
+    assert usable_cpus() == 2
+    assert nproc_max() == 64
+    monkeypatch.setattr(cpus_module, "cgroup_cpu_limit", lambda: 20)  # a quota above the affinity
+    assert usable_cpus() == 8
 
 
 def test_nproc_cap_counts_usable_cores_and_names_them(cpus):

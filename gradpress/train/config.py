@@ -23,6 +23,7 @@ import torch
 
 import gradpress.train.algorithm as algorithms
 from gradpress import workloads
+from gradpress.train.cpus import usable_cpus
 from gradpress.train.optim import OPTIMIZERS, SCHEDULES
 
 __all__ = ["TrainConfig", "FIELDS", "RESUME_FIXED", "NONFINITE", "SEED_MAX", "make_config", "check_out", "check_seed", "check_nproc", "nproc_max", "planned_world",
@@ -117,20 +118,6 @@ def _int(name: str, value: Any, low: int | None = None, optional: bool = False, 
     if (low is not None and value < low) or (high is not None and value > high):
         raise ValueError(f"{name} must be an integer{allowed}, got {value!r}")
     return int(value)
-
-
-def usable_cpus() -> int:
-    """The CPUs this process may run on: its affinity mask (``os.sched_getaffinity(0)``, which a container's
-    cpuset or ``taskset`` narrows), else ``os.cpu_count()`` (the host's, where there is no affinity), at least 1.
-    Every count of "this machine's cores" in gradpress (the ``--nproc`` cap, workers' ``OMP_NUM_THREADS``,
-    the benchmarks' ``--threads`` bound and default) is this one."""
-    getaffinity = getattr(os, "sched_getaffinity", None)
-    if getaffinity is not None:
-        try:
-            return max(1, len(getaffinity(0)))
-        except OSError:
-            pass
-    return max(1, os.cpu_count() or 1)
 
 
 def nproc_max() -> int:
