@@ -2,7 +2,7 @@
 (floating statistics and an int64 ``num_batches_tracked``), one Parameter
 registered twice (tied), a frozen layer (``requires_grad=False``), a layer no
 rank ever uses (``.grad`` stays None), a layer only rank 1 uses at even steps,
-float64, bfloat16 and a float32 model with bfloat16 layers.
+float64, bfloat16, float16 and a float32 model with bfloat16 layers.
 
 Every check compares with a reference computed here from the definitions in
 float64, from what each worker recorded: its gradients after ``backward()``,
@@ -204,10 +204,13 @@ SCENARIOS: dict[str, dict[str, Any]] = {
                           "resume_at": 3},
     "localsgd1_bf16": {"spec": "localsgd:period=1", "dtype": BF16},
     "localsgd1_mixed": {"spec": "localsgd:period=1", "dtype": torch.float32, "head": BF16},
+    "localsgd1_fp16": {"spec": "localsgd:period=1", "dtype": torch.float16},
     "diloco_bf16": {"spec": f"diloco:period=2,outer_lr={OUTER_LR},outer_momentum={OUTER_MU}", "dtype": BF16,
                     "steps": 4},
     "diloco_mixed": {"spec": f"diloco:period=2,outer_lr={OUTER_LR},outer_momentum={OUTER_MU}",
                      "dtype": torch.float32, "head": BF16, "steps": 4},
+    "diloco_fp16": {"spec": f"diloco:period=2,outer_lr={OUTER_LR},outer_momentum={OUTER_MU}",
+                    "dtype": torch.float16, "steps": 4},
     "sgp_mixed": {"spec": "sgp", "dtype": torch.float32, "head": BF16},
     "onebit_bf16": {"spec": "onebit_adam:freeze_step=2", "compressor": "none", "kind": "adam", "dtype": BF16,
                     "steps": 4},
@@ -304,7 +307,7 @@ def test_frozen_unused_tied_buffers_dtypes_and_resume(results: list[dict], name:
     _check_common(results, name, cfg.get("steps", 4))
 
 
-@pytest.mark.parametrize("name", ["localsgd1", "localsgd1_bf16", "localsgd1_mixed"])
+@pytest.mark.parametrize("name", ["localsgd1", "localsgd1_bf16", "localsgd1_mixed", "localsgd1_fp16"])
 def test_localsgd_period_1_is_synchronous_averaging(results: list[dict], name: str) -> None:
     """H = 1, plain SGD: x <- x - lr * mean_i g_i (a rank without a gradient
     contributes a zero step); floating buffers the mean of the ranks'; the
@@ -384,7 +387,7 @@ def _outer(theta: torch.Tensor, v: torch.Tensor | None, delta: torch.Tensor) -> 
     return theta - OUTER_LR * (delta + OUTER_MU * v), v
 
 
-@pytest.mark.parametrize("name", ["diloco", "diloco_bf16", "diloco_mixed"])
+@pytest.mark.parametrize("name", ["diloco", "diloco_bf16", "diloco_mixed", "diloco_fp16"])
 def test_diloco_outer_step_by_its_formula(results: list[dict], name: str) -> None:
     """Every 2 steps: Delta = theta - mean_i x_i, the outer Nesterov step,
     every replica restarts bit-identical from theta (the tied weight stepped
@@ -404,8 +407,9 @@ def test_diloco_outer_step_by_its_formula(results: list[dict], name: str) -> Non
             delta = theta[n] - _mean([a["local"][n], b["local"][n]])
             ref, v[n] = _outer(theta[n], v[n], delta)
             # low precision: theta, Delta and the momentum are rounded to the parameter's dtype
+            low = a["after"][n].dtype
             _close(a["after"][n], ref, (name, t, n), ulps=8,
-                   extra=0.0 if a["after"][n].dtype == F64 else 4 * torch.finfo(BF16).eps * float(delta.abs().max()))
+                   extra=0.0 if low == F64 else 4 * torch.finfo(low).eps * float(delta.abs().max()))
             theta[n] = a["after"][n].double()  # step-wise: the next outer step starts from the code's theta
         for n in FLOAT_BUFFERS:
             _close(a["buffers"][n], _mean([a["local_buffers"][n], b["local_buffers"][n]]), (name, t, n))
