@@ -132,15 +132,17 @@ def test_period_four_matches_local_sgd_and_replicas_agree(results: list[dict]) -
 
 
 def test_stats_speak_the_hooks_vocabulary(results: list[dict]) -> None:
-    model_bytes = sum(p.numel() * p.element_size() for p in make_model().parameters())
+    params = list(make_model().parameters())
+    model_bytes = sum(p.numel() * p.element_size() for p in params)
+    flags = len(params) * params[0].element_size()  # optimizer_state=auto: who holds state, a flag per parameter
     for res in results:
         one, four = res[("none", 1)]["stats"], res[("none", 4)]["stats"]
         for s, period in ((one, 1), (four, 4)):
             assert s["steps"] == STEPS and s["exchanges"] == STEPS // period
             assert s["dense_bytes"] == STEPS * model_bytes  # what DDP would have sent for the same steps
-            # dense exchange: the parameters (one fused plain allreduce per exchange) and nothing else
-            assert s["bytes_sent"] == (STEPS // period) * model_bytes
-        assert four["ratio"] == pytest.approx(4.0)
+            # dense exchange: the parameters and the flags (one fused plain allreduce per exchange), nothing else
+            assert s["bytes_sent"] == (STEPS // period) * (model_bytes + flags)
+        assert four["ratio"] == pytest.approx(4.0 * model_bytes / (model_bytes + flags))
         assert res[("none", 4)]["describe"] == {"algorithm": "localsgd:period=4,optimizer_state=auto", "compressor": "none",
                                                "strategy": "allreduce", "error_feedback": False}
 

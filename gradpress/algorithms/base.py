@@ -37,6 +37,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
+from gradpress.algorithms.presence import sync_agreeing
 from gradpress.compress import Compressor, create
 from gradpress.compress.base import Param
 from gradpress.compress.spec import coerce_params
@@ -226,14 +227,19 @@ class Algorithm:
         local optimizer step; the step's bytes are those of the averaging.
         A step the engine skipped (``nonfinite=skip``: some rank's gradient
         was not finite) counts as a step but leaves the optimizer alone on
-        every rank (parameters and momentum untouched), as DDP's loop does."""
+        every rank (parameters and momentum untouched), as DDP's loop does.
+        A parameter whose ``.grad`` is None on some ranks gets the mean with
+        zeros there; on every rank, its ``.grad`` stays None, so the optimizer
+        skips it (no momentum, no weight decay), as DDP leaves it: one flag per
+        parameter rides in the same exchange
+        (:func:`~gradpress.algorithms.presence.sync_agreeing`)."""
         grads = self.gradients()
         self._last["bytes"] = self._last["host"] = 0
-        self.sync(grads, keys=keys)
-        for (_, p), g in zip(self.named, grads):
-            if p.grad is None:
+        present = sync_agreeing(self, grads, [p.grad is not None for _, p in self.named], keys)
+        for (_, p), g, some in zip(self.named, grads, present or []):
+            if p.grad is None and some:
                 p.grad = g
-        skipped = self.engine is not None and self.engine.last_step_skipped
+        skipped = present is None
         self.average_plain(list(self.model.buffers()))
         sent, host = self._last["bytes"], self._last["host"]
         if skipped:  # nonfinite=skip dropped this step on every rank: DDP skips the optimizer step too

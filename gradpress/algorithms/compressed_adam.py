@@ -79,6 +79,7 @@ import torch
 import torch.distributed as dist
 
 from gradpress.algorithms.base import Algorithm, Preflight
+from gradpress.algorithms.presence import PRESENT_KEY, agreed, flags, sync_agreeing
 from gradpress.compress import Compressor, create
 from gradpress.compress.base import Param, all_finite
 from gradpress.exchange.nonfinite import nonfinite_gradient_error
@@ -86,9 +87,6 @@ from gradpress.exchange.planner import Decision, Plan
 from gradpress.exchange.strategies.recompress import unsupported_reason
 
 __all__ = ["CompressedAdam", "BIAS_PARAM", "PRESENT_KEY"]
-
-#: the key under which a compressed exchange carries the per-parameter "has a gradient" flags (1-D: uncompressed)
-PRESENT_KEY = "gradpress/present"
 
 BIAS_PARAM = Param("bias_correction", bool, True, "true or false", None,
                    "torch's bias correction (false: DeepSpeed's uncorrected update)")
@@ -98,13 +96,6 @@ def _require_adam(name: str, optimizer: type) -> None:
     if not issubclass(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
         raise ValueError(f"algorithm {name!r}: optimizer must be torch.optim.Adam or AdamW "
                          f"(it supplies lr, betas, eps, weight_decay), got {optimizer.__name__}")
-
-
-def _owner(key: str) -> str:
-    """The parameter name a residual store key belongs to: the key without
-    its namespace (``root/``, ``ring/``...) and partition suffixes (``#k``, ``#k#ps``)."""
-    tail = key.split("/", 1)[1] if "/" in key else key
-    return tail.split("#", 1)[0]
 
 
 class CompressedAdam(Algorithm):
@@ -179,52 +170,18 @@ class CompressedAdam(Algorithm):
         return float(g["lr"]), float(b1), float(b2), float(g["eps"]), float(g["weight_decay"]), decoupled
 
     def _flags(self, mine: list[bool], like: torch.Tensor) -> torch.Tensor:
-        """``mine`` as a 1-D tensor of 1s and 0s (``like``'s dtype and device), to be summed over ranks."""
-        return torch.tensor([float(b) for b in mine], dtype=like.dtype).to(like.device, non_blocking=True)
+        """:func:`gradpress.algorithms.presence.flags`."""
+        return flags(mine, like)
 
     @staticmethod
     def _agreed(mine: list[bool], summed: torch.Tensor | None) -> list[bool]:
-        """Per parameter: whether some rank has it, from this rank's
-        ``mine`` and the flags ``summed`` over ranks. A rank that has every
-        parameter knows the answer (all) and reads nothing back; one that
-        lacks some reads the flags (one host read, that case only)."""
-        if all(mine) or summed is None:
-            return [True] * len(mine)
-        return (summed > 0).tolist()
+        """:func:`gradpress.algorithms.presence.agreed`."""
+        return agreed(mine, summed)
 
     def _sync_agreeing(self, tensors: list[torch.Tensor], mine: list[bool]) -> list[bool] | None:
-        """Average ``tensors`` (one per parameter) through the engine, with
-        ``mine`` (whether this rank has each parameter's contribution) summed
-        over ranks in the same call: a 1-D tensor under :data:`PRESENT_KEY`,
-        which travels in the engine's plain allreduce (no collective of its
-        own). Returns which parameters some rank has (the same list on every
-        rank), or None when the engine dropped the call (``nonfinite='skip'``).
-        A parameter no rank has was exchanged too (every rank must issue the
-        same collectives before it knows); its residuals (worker and
-        strategies': every key of the parameter) are put back as they were
-        and the caller leaves the rest of it alone, so for it the call
-        changed nothing but the compressor's own state (e.g. PowerSGD's
-        warm start) and the bytes counted."""
-        engine, names = self.engine, [n for n, _ in self.named]
-        assert engine is not None
-        if not tensors:
-            return []
-        fb = engine.feedback
-        kept = {}
-        if not all(mine) and fb is not None:  # what the call may change for a parameter that no rank has
-            lacking = {n for n, ok in zip(names, mine) if not ok}
-            kept = {k: v.clone() for k, v in fb.residuals.items() if k in lacking or _owner(k) in lacking}
-        flags = self._flags(mine, tensors[0])
-        self.sync([*tensors, flags], keys=[*names, PRESENT_KEY])
-        if engine.last_step_skipped:
-            return None
-        present = self._agreed(mine, flags)
-        gone = {n for n, ok in zip(names, present) if not ok}
-        if gone and fb is not None:
-            for k in [k for k in fb.residuals if k in gone or _owner(k) in gone]:
-                del fb.residuals[k]
-            fb.residuals.update(kept)
-        return present
+        """Average ``tensors`` (one per parameter) through the engine with the
+        presence flags in the same call (:func:`gradpress.algorithms.presence.sync_agreeing`)."""
+        return sync_agreeing(self, tensors, mine)
 
     def _exact_average(self, grads: list[torch.Tensor]) -> list[bool] | None:
         """Average ``grads`` uncompressed, in place (DDP's reduction; a

@@ -22,7 +22,9 @@ below DDP on average over 5 seeds, averaging them matches DDP
 exchange per moment at each synchronization (counted), which would swamp a
 compressed delta. So ``auto`` (the default) averages the state when the
 exchange is uncompressed (an identity compressor) and keeps it local when a
-compressor shrinks the deltas.
+compressor shrinks the deltas. The state is averaged per parameter, for the
+parameters whose state every rank holds (a rank that never stepped one has
+none; it then stays local): :meth:`LocalSGD.optimizer_state_tensors`.
 Between synchronizations the replicas differ: :meth:`eval_model` evaluates
 their average (:meth:`~gradpress.algorithms.base.Algorithm.consensus_model`).
 
@@ -59,6 +61,8 @@ from gradpress.algorithms.registry import register
 from gradpress.compress.base import Param
 
 GRAD = "grad:"
+#: the engine key of the per-parameter "this rank holds no optimizer state" flags (1-D: plain)
+STATE_MISSING_KEY = "gradpress/state-missing"
 
 
 @register
@@ -116,19 +120,45 @@ class LocalSGD(Algorithm):
     @torch.no_grad()
     def average(self) -> None:
         """Average the parameter deltas since the last synchronization (and
-        the floating buffers) over the group; every replica restarts there."""
+        the floating buffers, and with :attr:`averages_optimizer_state` the
+        optimizer's state) over the group; every replica restarts there."""
         params = [p for _, p in self.named]
         deltas = [p.detach() - a for p, a in zip(params, self.anchor)]
-        self.sync(deltas)
+        states = self.optimizer_state_tensors() if self.averages_optimizer_state else None
+        if states is not None and deltas and self.world_size > 1:
+            # 1 where this rank holds no state for the parameter; averaged with the deltas (no collective of its
+            # own): above 0 where some rank lacks it
+            missing = torch.tensor([0.0 if ts else 1.0 for ts in states], dtype=deltas[0].dtype)
+            missing = missing.to(deltas[0].device)
+            self.sync([*deltas, missing], keys=[*(n for n, _ in self.named), STATE_MISSING_KEY])
+            states = [ts for ts, gone in zip(states, (missing > 0).tolist()) if not gone]
+        else:
+            self.sync(deltas)
         for p, a, d in zip(params, self.anchor, deltas):
             a.add_(d)
             p.copy_(a)
         extra = list(self.model.buffers())
-        if self.averages_optimizer_state:
-            extra += [t for state in self.optimizer.state.values() for t in state.values()
-                      if torch.is_tensor(t) and t.is_floating_point() and t.dim() > 0]
+        if states is not None:
+            extra += [t for ts in states for t in ts]
         self.average_plain(extra)
         self.since = 0
+
+    def optimizer_state_tensors(self) -> list[list[torch.Tensor]]:
+        """Per trainable parameter, in the model's order, the optimizer's
+        floating state tensors for it (momentum, Adam's moments) in key order;
+        empty where this rank holds none (it never stepped the parameter: its
+        ``.grad`` was always None here). :meth:`average` averages a
+        parameter's state only where every rank holds it (a flag per parameter
+        rides in the deltas' exchange) and leaves it local elsewhere. (Taking
+        the states in the optimizer's own order paired one parameter's momentum
+        with another's when the ranks created them in different orders, and a
+        rank with fewer states broke the collective.)"""
+        out = []
+        for _, p in self.named:
+            state = self.optimizer.state.get(p, {})
+            out.append([state[k] for k in sorted(state, key=str)
+                        if torch.is_tensor(state[k]) and state[k].is_floating_point() and state[k].dim() > 0])
+        return out
 
     @property
     def averages_optimizer_state(self) -> bool:
