@@ -61,6 +61,7 @@ def test_gaussian_and_laplace_follow_their_laws_and_each_seed_its_own_draws():
         return m, var, float(((v - m) ** 4).mean()) / var**2
 
     for kind, variance, kurtosis in (("gaussian", 1.0, 3.0), ("laplace", 2.0, 6.0)):
+        kind = "".join(list(kind))  # a string built at run time, as argparse hands it over: not the literal
         x = data.make_input(kind, n, seed=3)
         assert x.shape == (n,) and x.dtype == torch.float32
         m, var, kurt = moments(x)
@@ -80,18 +81,28 @@ def test_make_input_refuses_an_empty_size_and_an_unknown_kind_naming_them(numel)
     assert data.make_input("gaussian", 1).shape == (1,)
 
 
-def test_captured_input_shorter_than_the_capture_is_its_start_and_a_copy():
-    """Shorter than the capture: its first ``numel`` values; twice as long: the capture twice. The
-    returned tensor is the caller's: writing into it leaves the next input unchanged (the docstring's
-    invariant that a test can rebuild exactly the tensor a row was measured on)."""
-    base = data.captured_gradients().clone()
-    a = data.make_input("captured", 1000)
-    assert torch.equal(a, base[:1000])
+def test_captured_input_shorter_than_the_capture_is_its_start_and_a_copy(monkeypatch):
+    """Shorter than the capture: its first ``numel`` values; longer: the capture tiled. The returned
+    tensor is the caller's: writing into it leaves the capture (kept for the next call) and the next input
+    unchanged (the docstring's invariant that a test can rebuild exactly the tensor a row was measured
+    on). The capture is a stand-in, one tensor handed out on every call as the cache does."""
+    kept = torch.arange(5000, dtype=torch.float32)
+    base = kept.clone()
+    seeds = []
+    monkeypatch.setattr(data, "captured_gradients", lambda seed=0: seeds.append(seed) or kept)
+    a = data.make_input("captured", 1000, seed=4)
+    assert torch.equal(a, base[:1000]) and seeds == [4]
     a.fill_(7.0)
-    assert torch.equal(data.make_input("captured", 1000), base[:1000])
-    assert torch.equal(data.captured_gradients(), base)
-    two = data.make_input("captured", 2 * base.numel())
-    assert torch.equal(two[: base.numel()], base) and torch.equal(two[base.numel():], base)
+    assert torch.equal(kept, base) and torch.equal(data.make_input("captured", 1000), base[:1000])
+    whole = data.make_input("captured", 5000)
+    whole.fill_(7.0)
+    assert torch.equal(kept, base)
+    for n in (10_000, 12_345):
+        x = data.make_input("captured", n)
+        want = torch.cat([base] * (n // 5000 + 1))[:n]
+        assert torch.equal(x, want)
+        x.fill_(7.0)
+        assert torch.equal(kept, base)
 
 
 def test_captured_gradients_hold_every_parameters_gradient_of_each_step():
@@ -100,6 +111,43 @@ def test_captured_gradients_hold_every_parameters_gradient_of_each_step():
     one = data.captured_gradients(steps=1, seed=1)
     assert one.numel() == per_step and one.dtype == torch.float32
     assert not torch.equal(one, data.captured_gradients(steps=1, seed=2)[:per_step])
+
+
+def test_captured_gradients_are_three_sgd_momentum_steps_of_the_mlp_by_hand():
+    """The documented capture: the MLP torch builds under ``manual_seed(seed)``, batches of 128 drawn
+    from a generator seeded with ``seed``, pixels scaled to [0, 1] (/16), each step's cross-entropy
+    gradient, then SGD with momentum 0.9 (v = 0.9 v + g) and lr 0.05 (p -= 0.05 v); recomputed here in
+    float64 over three steps (the third is the first that the momentum reaches)."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    xs = torch.tensor(digits.data, dtype=torch.float64) / 16.0
+    ys = torch.tensor(digits.target, dtype=torch.long)
+    gen = torch.Generator().manual_seed(2)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(2)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512),
+                                    torch.nn.ReLU(), torch.nn.Linear(512, 10))
+    params = [p.detach().double() for p in model.parameters()]
+    velocity = [torch.zeros_like(p) for p in params]
+    want = []
+    for _ in range(3):
+        batch = torch.randint(0, xs.shape[0], (128,), generator=gen)
+        w = [p.clone().requires_grad_(True) for p in params]
+        h = torch.relu(xs[batch] @ w[0].T + w[1])
+        h = torch.relu(h @ w[2].T + w[3])
+        loss = torch.nn.functional.cross_entropy(h @ w[4].T + w[5], ys[batch])
+        grads = torch.autograd.grad(loss, w)
+        want.append(torch.cat([g.reshape(-1) for g in grads]))
+        for p, v, g in zip(params, velocity, grads):
+            v.mul_(0.9).add_(g)
+            p.sub_(0.05 * v)
+    got = data.captured_gradients(steps=3, seed=2).double()
+    per_step = want[0].numel()
+    assert got.numel() == 3 * per_step
+    for step in range(3):
+        diff = (got[step * per_step:(step + 1) * per_step] - want[step]).abs().max()
+        assert float(diff) <= 1e-4 * float(want[step].abs().max()), (step, float(diff))
 
 
 @pytest.mark.parametrize(("numel", "max_cols"), [(64000, 1024), (1021, 1024), (2053, 1024), (12, 1024),
@@ -141,7 +189,7 @@ def test_copy_roofline_is_bytes_read_and_written_over_the_best_run(monkeypatch, 
     before = torch.get_num_threads()
     gbps = compressors_sweep.best_copy_gbps(x, runs=len(durations), threads=1)
     size = torch.tensor([], dtype=dtype).element_size()
-    assert gbps == pytest.approx(2.0 * 1000 * size / min(durations) / 1e9, rel=1e-6)
+    assert gbps == pytest.approx(2.0 * 1000 * size / min(durations) / 1e9, rel=1e-12)
     assert clock.calls == 2 * len(durations) and clock.durations == []
     assert set(clock.threads) == {1} and torch.get_num_threads() == before
 
@@ -193,6 +241,25 @@ def test_sweep_gives_each_method_its_speedup_over_topk_at_its_density_and_skips_
     assert any("skip nope [default]: needs a matrix" in line for line in logged)
     assert any("skip broken [default]: RuntimeError: boom" in line for line in logged)
     assert result["env"]["threads"] == torch.get_num_threads()
+
+
+def test_sweep_rooflines_are_the_best_of_max_10_or_twice_the_repeats_runs_at_1_all_and_the_rows_threads(monkeypatch):
+    """Per size, four copy rooflines (docstring): one thread, ``all_threads``, and the rows' thread count
+    (None: the current setting) before and after the rows, each the best of max(10, 2 x repeats) runs.
+    Without ``repeats``/``warmup`` the methods get the command's documented defaults: 5 timed runs after 1."""
+    measured, methods = [], []
+    monkeypatch.setattr(compressors_sweep, "best_copy_gbps",
+                        lambda x, runs, threads=None: measured.append((x.numel(), runs, threads)) or 10.0)
+    monkeypatch.setattr(compressors_sweep, "bench_method",
+                        lambda spec, x, d, roof, repeats, warmup, variant: methods.append((repeats, warmup))
+                        or _fake_row(spec, x.numel(), 0.001))
+    for repeats, runs in ((3, 10), (5, 10), (6, 12), (8, 16)):
+        measured.clear()
+        compressors_sweep.run_benchmark(["fp16"], [100, 200], repeats=repeats, all_threads=3)
+        assert measured == [(n, runs, t) for n in (100, 200) for t in (1, 3, None, None)], (repeats, measured)
+    methods.clear()
+    compressors_sweep.run_benchmark(["fp16"], [100])
+    assert methods == [(5, 1)]
 
 
 def test_targets_are_checked_on_the_rows_they_apply_to():

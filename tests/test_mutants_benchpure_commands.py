@@ -101,7 +101,8 @@ def test_run_all_reads_each_links_counters_before_and_after_and_every_ranks_resu
 
 
 def test_a_failure_says_timed_out_or_the_exit_code_and_the_first_failed_ranks_last_line(tmp_path):
-    logs = {1: tmp_path / "r1.log", 2: tmp_path / "r2.log", 3: tmp_path / "r3.log"}
+    logs = {r: tmp_path / f"r{r}.log" for r in range(4)}
+    logs[0].write_text("rank 0 finished\n")
     logs[1].write_text("starting\n\nValueError: bad\n  \n")
     logs[2].write_text("RuntimeError: later\n")
     logs[3].write_text("\n \n")
@@ -112,10 +113,12 @@ def test_a_failure_says_timed_out_or_the_exit_code_and_the_first_failed_ranks_la
 
     runner = _Runner(None, _settings(tmp_path), types.SimpleNamespace(timeout=90.4))
     assert runner.failure(res([0, 0], (), timed_out=True), "t") == "timed out after 90 s"
-    assert runner.failure(res([0, 2, 1], (1, 2), exit_code=2), "t") == "exit code 2: ValueError: bad (logs: LOGS)"
-    # a failed rank without a log is passed over; one whose log has no line gives no tail
-    assert runner.failure(res([0, 2, 1], (2,)), "t") == "exit code 1: RuntimeError: later (logs: LOGS)"
-    assert runner.failure(res([0, 0, 0, 1], (3,)), "t") == "exit code 1 (logs: LOGS)"
+    assert runner.failure(res([0, 2, 1], (0, 1, 2), exit_code=2), "t") == "exit code 2: ValueError: bad (logs: LOGS)"
+    # a failed rank without a log is passed over (and one that succeeded, log or not); one whose log has
+    # no line gives no tail
+    assert runner.failure(res([0, 2, 1], (0, 2)), "t") == "exit code 1: RuntimeError: later (logs: LOGS)"
+    assert runner.failure(res([0, 0, 0, 1], (0, 3)), "t") == "exit code 1 (logs: LOGS)"
+    assert runner.failure(res([0, -9], (0, 1), exit_code=-9), "t") == "exit code -9: ValueError: bad (logs: LOGS)"
 
 
 # ---------------------------------------------------------------- plan.py
