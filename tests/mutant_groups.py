@@ -227,6 +227,21 @@ GROUPS: dict[str, tuple[list[str], list[str], int]] = {
                         "fractions_use_the_better_roofline_before_or_after_the_rows")]
                     + [f"tests/test_estimators.py::test_bench_estimators_{t}" for t in ("rows_and_table", "command_line")],
                     20),
+    "benchpure": ([f"gradpress/bench/{m}.py" for m in ("data", "plan", "strategies", "compressors_sweep", "e2e_jobs",
+                                                        "args")],
+                  ["tests/test_mutants_benchpure.py", "tests/test_mutants_benchpure_commands.py",
+                   "tests/test_bench_compressors.py"]
+                  + [f"tests/test_usable_cpus.py::test_{t}" for t in (
+                      "bench_compressors_threads_bound_is_the_usable_cores",
+                      "bench_e2e_threads_bound_and_default_are_the_usable_cores",
+                      "bench_estimators_threads_bound_is_the_usable_cores",
+                      "the_profile_script_refuses_bad_arguments_before_profiling")]
+                  + [f"tests/test_exchange_hardening.py::test_bench_plan_{t}" for t in (
+                      "refuses_an_out_it_cannot_write_before_workers", "refuses_nproc_above_the_cap_before_workers",
+                      "refuses_cuda_without_cuda_before_workers", "reports_a_failed_worker_in_one_line")]
+                  + [f"tests/test_bench_e2e.py::test_{t}" for t in (
+                      "per_configuration_learning_rate", "cli_rejects_bad_arguments_before_building_a_cluster",
+                      "cli_refuses_out_of_range_values_before_any_namespace")], 20),
 }
 #: where a group draws only from some functions of a module (its qualified names: ``Class.method``):
 #: module -> functions; a module a group lists without an entry here is drawn from whole
@@ -287,5 +302,11 @@ FOCUS: dict[str, dict[str, list[str]]] = {
         "gradpress/bench/e2e_report.py": ["reach_sign", "_payload", "human_bytes", "lr_text", "_f", "markdown",
                                           "_background_table"],
         "gradpress/bench/e2e_seeds.py": ["_reached", "combine", "markdown"],
+    },
+    "benchpure": {  # the arguments, the figures and the command lines (not plan's _worker/measure_costs: a group
+        # of workers; not strategies' run/_worker/_run_pair: they spawn the workers); data.py, compressors_sweep.py,
+        # e2e_jobs.py (its cluster is an argument) and args.py are drawn whole
+        "gradpress/bench/plan.py": ["register_bench", "main"],
+        "gradpress/bench/strategies.py": ["build_model", "format_table", "main"],
     },
 }

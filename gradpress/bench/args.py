@@ -12,14 +12,19 @@ from gradpress.train.config import probe_writable, usable_cpus
 
 def positive_int(name: str) -> Callable[[str], int]:
     """An argparse ``type`` accepting integers >= 1, naming ``name`` in errors."""
+    return int_at_least(name, 1)
+
+
+def int_at_least(name: str, minimum: int) -> Callable[[str], int]:
+    """An argparse ``type`` accepting integers >= ``minimum``, naming ``name`` in errors."""
 
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} got {text!r}; allowed: an integer >= 1") from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"{name} got {value}; allowed: an integer >= 1")
+            raise argparse.ArgumentTypeError(f"{name} got {text!r}; allowed: an integer >= {minimum}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{name} got {value}; allowed: an integer >= {minimum}")
         return value
 
     return parse

@@ -3,8 +3,10 @@
 * ``gaussian``: i.i.d. N(0, 1).
 * ``laplace``: i.i.d. Laplace(0, 1) (heavier tails, closer to real gradients).
 * ``captured``: real gradients, captured in-process from the first steps of a
-  small MLP (64-512-512-10, ReLU) trained with SGD on scikit-learn's bundled
-  ``digits`` data (nothing is downloaded), every parameter's gradient of every
+  small MLP (64-512-512-10, ReLU; torch's initialization under
+  ``manual_seed(seed)``) trained on scikit-learn's bundled ``digits`` data
+  (nothing is downloaded; pixels scaled to [0, 1]) in batches of 128 with SGD,
+  momentum 0.9 and learning rate 0.05, every parameter's gradient of every
   step concatenated, then tiled to the requested size. Tiling keeps the value
   distribution (and its spread across layers and steps) of real gradients.
 

@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from gradpress import torch_compat
+from gradpress.bench.args import int_at_least, positive_int
 
 DEFAULT_PAIRS = (
     "none/allreduce", "none/ring", "none/ps", "none/auto",
@@ -103,18 +104,18 @@ def format_table(results: dict[str, dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--world", type=int, default=4)
-    p.add_argument("--width", type=int, default=2048)
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    p = argparse.ArgumentParser(prog="python -m gradpress.bench.strategies", description=__doc__.splitlines()[0])
+    p.add_argument("--world", type=positive_int("--world"), default=4)
+    p.add_argument("--width", type=positive_int("--width"), default=2048)
+    p.add_argument("--batch", type=positive_int("--batch"), default=32)
+    p.add_argument("--steps", type=positive_int("--steps"), default=10)
+    p.add_argument("--warmup", type=int_at_least("--warmup", 0), default=3)
+    p.add_argument("--threads", type=positive_int("--threads"), default=1, help="torch threads per worker")
     p.add_argument("--pairs", nargs="+", default=list(DEFAULT_PAIRS), help="compressor/strategy pairs")
     args = p.parse_args(argv)
     for pair in args.pairs:
         if "/" not in pair:
-            raise ValueError(f"--pairs entry {pair!r} must be compressor/strategy, e.g. topk:ratio=0.01/ring")
+            p.error(f"--pairs got {pair!r}; allowed: compressor/strategy, e.g. topk:ratio=0.01/ring")
     nparams = sum(q.numel() for q in build_model(args.width).parameters())
     print(f"{args.world} workers (gloo, loopback), MLP {nparams:,} parameters, batch {args.batch}, "
           f"{args.steps} timed steps after {args.warmup} warm-up", flush=True)
