@@ -246,6 +246,12 @@ def test_strategies_defaults_are_the_documented_run(monkeypatch, capsys):
     (["--warmup", "-1"], "--warmup got -1; allowed: an integer >= 0"),
     (["--steps", "two"], "--steps got 'two'; allowed: an integer >= 1"),
     (["--pairs", "none/ring", "topk"], "--pairs got 'topk'; allowed: compressor/strategy, e.g. topk:ratio=0.01/ring"),
+    (["--pairs", "none/rnig"], "--pairs got 'none/rnig': unknown strategy 'rnig'; allowed: allgather, allreduce, "
+                               "auto, collective, cyclic, hierarchical, ps, ring, union"),
+    (["--pairs", "topk:ratio=0.01/allreduce"], "--pairs got 'topk:ratio=0.01/allreduce': strategy 'allreduce': "
+                                               "compressor 'topk' is not summable; use strategy 'allgather' (or 'auto')"),
+    (["--pairs", "topk:ratio=2/ring"], "--pairs got 'topk:ratio=2/ring': compressor 'topk': parameter 'ratio' got "
+                                       "2.0; allowed: 0 < ratio <= 1"),
 ])
 def test_strategies_refuses_bad_arguments_in_one_line_before_spawning(monkeypatch, capsys, argv, message):
     """``--threads 0`` failed in every spawned worker (``torch.set_num_threads``), ``--steps 0`` there too

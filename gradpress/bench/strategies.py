@@ -30,6 +30,8 @@ import torch.multiprocessing as mp
 
 from gradpress import torch_compat
 from gradpress.bench.args import int_at_least, positive_int
+from gradpress.compress import create
+from gradpress.exchange.base import check_strategy
 
 DEFAULT_PAIRS = (
     "none/allreduce", "none/ring", "none/ps", "none/auto",
@@ -116,6 +118,11 @@ def main(argv: list[str] | None = None) -> int:
     for pair in args.pairs:
         if "/" not in pair:
             p.error(f"--pairs got {pair!r}; allowed: compressor/strategy, e.g. topk:ratio=0.01/ring")
+        spec, strategy = pair.rsplit("/", 1)
+        try:  # the workers' own checks, before any of them starts
+            check_strategy(strategy, create(spec))
+        except ValueError as exc:
+            p.error(f"--pairs got {pair!r}: {exc}")
     nparams = sum(q.numel() for q in build_model(args.width).parameters())
     print(f"{args.world} workers (gloo, loopback), MLP {nparams:,} parameters, batch {args.batch}, "
           f"{args.steps} timed steps after {args.warmup} warm-up", flush=True)
