@@ -34,7 +34,7 @@ class _Runner:
             "lr": config.lr if config is not None and config.lr is not None else s["lr"],
             "optimizer": s["optimizer"], "schedule": s["schedule"], "epochs": s["epochs"], "seed": self.args.seed,
             "threads": s["threads"], "warmup": self.args.warmup, "steps": self.args.steps,
-            "n_batches": min(8, self.args.warmup + self.args.steps + 8),
+            "n_batches": 8,  # distinct batches per rank, drawn once; the steps cycle through them
             "config": config.to_dict() if config is not None else None, **extra,
         }
         path = self.raw / f"{tag}.job.json"
