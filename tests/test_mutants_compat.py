@@ -94,10 +94,11 @@ SUMMARY = {"workload": "digits-mlp", "compressor": "topk:ratio=0.1", "world_size
            "compression_ratio": 1333.33, "median_step_s": 0.0125}
 
 
-@pytest.mark.parametrize("algorithm", [None, "ddp", "localsgd:period=8"])
+@pytest.mark.parametrize("algorithm", [None, "ddp", "localsgd:period=8", "comprex:staleness=1", "choco"])
 def test_summary_line_labels_the_algorithm_unless_ddp_and_gives_the_median_step_in_ms(algorithm: str | None) -> None:
+    """Names that sort before and after "ddp"."""
     s = dict(SUMMARY) if algorithm is None else {**SUMMARY, "algorithm": algorithm}
-    what = "topk:ratio=0.1" if algorithm in (None, "ddp") else "localsgd:period=8 / topk:ratio=0.1"
+    what = "topk:ratio=0.1" if algorithm in (None, "ddp") else f"{algorithm} / topk:ratio=0.1"
     assert cli.summary_line(s) == (f"digits-mlp / {what} on 2 worker(s): 10 steps, accuracy 0.9123, 1.5KB/step "
                                    "(dense 2.0MB, x1333.3), median step 12.5 ms")  # 0.0125 s = 12.5 ms
 
@@ -173,11 +174,38 @@ def test_the_plan_table_follows_the_summary_of_an_auto_run(monkeypatch, capsys, 
     assert rows == ([["0.weight", "4096", "allgather", "1", "1.000", "2.500", "cheapest"]] if printed else [])
 
 
+# ----------------------------------------------------------------------------- torch_compat
+def test_ddp_kwargs_compares_keys_by_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Options read from a file or a spec are strings built at run time, equal to the keywords but not the same
+    objects: ``bucket_cap_mb=None`` is still left out, and ``init_sync`` still dropped where DDP lacks it."""
+    from gradpress import torch_compat
+
+    options = json.loads('{"bucket_cap_mb": null, "init_sync": false, "broadcast_buffers": false}')
+    assert not any(k is w for k in options for w in ("bucket_cap_mb", "init_sync"))  # what the test is about
+    known = {"self", "module", "bucket_cap_mb", "broadcast_buffers"}
+    monkeypatch.setattr(torch_compat, "_ddp_parameters", lambda: frozenset(known | {"init_sync"}))
+    assert torch_compat.ddp_kwargs(options) == {"init_sync": False, "broadcast_buffers": False}
+    monkeypatch.setattr(torch_compat, "_ddp_parameters", lambda: frozenset(known))  # torch 2.2: no init_sync
+    assert torch_compat.ddp_kwargs(options) == {"broadcast_buffers": False}
+
+
 # ----------------------------------------------------------------------------- gradpress
 def test_gradpress_without_a_command_prints_its_help_and_exits_2(capsys) -> None:
     assert gradpress_cli.main([]) == 2
     out = capsys.readouterr().out
     assert out.startswith("usage: gradpress") and "COMMAND" in out
+
+
+def test_python_m_gradpress_cli_runs_the_command_line(monkeypatch, capsys) -> None:
+    """``python -m gradpress.cli --version`` (the module's ``__main__`` block, run here by runpy)."""
+    import runpy
+
+    from gradpress import __version__
+
+    monkeypatch.setattr(sys, "argv", ["gradpress", "--version"])
+    with pytest.warns(RuntimeWarning, match="found in sys.modules"), pytest.raises(SystemExit) as done:
+        runpy.run_module("gradpress.cli", run_name="__main__")
+    assert done.value.code == 0 and capsys.readouterr().out == f"gradpress {__version__}\n"
 
 
 def test_an_error_line_names_the_command_and_its_subcommand() -> None:
