@@ -242,6 +242,16 @@ GROUPS: dict[str, tuple[list[str], list[str], int]] = {
                   + [f"tests/test_bench_e2e.py::test_{t}" for t in (
                       "per_configuration_learning_rate", "cli_rejects_bad_arguments_before_building_a_cluster",
                       "cli_refuses_out_of_range_values_before_any_namespace")], 20),
+    "compat": (["gradpress/torch_compat.py", "gradpress/train/cli.py", "gradpress/cli.py", "gradpress/workloads/__init__.py",
+                "gradpress/cluster/selftest.py", "gradpress/compress/kit/__init__.py"],
+               ["tests/test_mutants_compat.py", "tests/test_torch_compat.py", "tests/test_cli_strategies.py",
+                "tests/test_train.py::test_bad_arguments_exit_2"]
+               + [f"tests/test_workloads.py::test_{t}" for t in (
+                   "names_and_unknown", "budget_note_names_the_epochs_that_reach_the_tuned_schedule",
+                   "train_prints_the_budget_note")]
+               + [f"tests/test_kit_streams.py::test_pack_and_unpack_match_the_python_integer_stream[{b}-off]"
+                  for b in (3, 12)]
+               + ["tests/test_kit_declarations.py::test_kit_pack_checks_its_codes_under_kit_check"], 25),
 }
 #: where a group draws only from some functions of a module (its qualified names: ``Class.method``):
 #: module -> functions; a module a group lists without an entry here is drawn from whole
@@ -308,5 +318,8 @@ FOCUS: dict[str, dict[str, list[str]]] = {
         # e2e_jobs.py (its cluster is an argument) and args.py are drawn whole
         "gradpress/bench/plan.py": ["register_bench", "main"],
         "gradpress/bench/strategies.py": ["build_model", "format_table", "main"],
+    },
+    "compat": {  # selftest.py's training steps (not its ``__main__`` block, which only hands main's status to leave)
+        "gradpress/cluster/selftest.py": ["main"],
     },
 }

@@ -25,8 +25,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="gradpress training steps inside an emulated cluster")
     p.add_argument("--spec", default="topk:ratio=0.1", help="compressor spec (default: topk:ratio=0.1)")
     p.add_argument("--strategy", default="collective", help="gradpress strategy (default: collective)")
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--width", type=int, default=128, help="hidden width of the MLP")
+    p.add_argument("--steps", type=int, default=3, help="training steps (default: 3)")
+    p.add_argument("--width", type=int, default=128, help="hidden width of the MLP (default: 128)")
     p.add_argument("--out", default=None, help="directory for rank<r>.json")
     a = p.parse_args(argv)
 
