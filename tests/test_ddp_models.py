@@ -5,8 +5,8 @@ frozen layer, a branch unused on some steps (``find_unused_parameters``,
 with ``gradient_as_bucket_view`` too), ``static_graph`` with a parameter
 that never gets a gradient, ``gradient_as_bucket_view`` with many small
 buckets, ``no_sync`` accumulation, bf16, fp16 and fp32+bf16 models, a
-channels_last Conv2d model, a zero-size parameter, one parameter larger
-than the bucket cap. Each runs three times on the same data: plain DDP, the
+channels_last Conv2d model, a transposed (non-contiguous) parameter, a
+zero-size parameter, one parameter larger than the bucket cap. Each runs three times on the same data: plain DDP, the
 hook with ``none`` and the hook with top-k + error feedback, which saves
 its state halfway (``torch.load(weights_only=True)``) and is resumed in a
 fresh model, DDP and hook.
@@ -26,17 +26,25 @@ Checked against what the test computes itself:
   no residual; replicas are identical after every step;
 * the resumed run's gradients, residuals and parameters equal the
   uninterrupted run's.
+
+Also: the used-flags allreduce is in ``stats``; PowerSGD (a step's buckets
+coalesced) leaves an unused parameter's state alone; a state that binds
+itself at the first backward warns about a parameter without gradient;
+sparse gradients are refused, naming the module.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from distributed import checkpoint, run_workers
+from test_accounting import Shim
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradpress
@@ -112,9 +120,47 @@ class Huge(nn.Module):
         return self.head(torch.tanh(self.big(x)))
 
 
+class SparseEmbedding(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 8, sparse=True)
+        self.out = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.emb(x))
+
+
+def _sparse_refusals() -> dict[str, str]:
+    """The hook on a model with sparse gradients: ``register`` refuses it;
+    a state that binds itself at the first backward refuses its bucket."""
+    out = {}
+    try:
+        gradpress.ddp.register(DDP(SparseEmbedding()), "topk:ratio=0.25")
+        out["register"] = "accepted"
+    except ValueError as exc:
+        out["register"] = str(exc)
+    ddp = DDP(SparseEmbedding())
+    state, fn = gradpress.ddp.make_hook("topk:ratio=0.25")
+    ddp.register_comm_hook(state, fn)
+    try:
+        _loss(ddp(torch.randint(0, 16, (4, 5)))).backward()
+        out["lazy"] = "accepted"
+    except (ValueError, RuntimeError) as exc:
+        out["lazy"] = str(exc)
+    state.close()
+    return out
+
+
 def _frozen() -> nn.Module:
     model = Mlp()
     model.layers[1].requires_grad_(False)
+    return model
+
+
+def _transposed() -> nn.Module:
+    model = Mlp()
+    w = model.layers[0].weight
+    model.layers[0].weight = nn.Parameter(w.detach().t().contiguous().t())  # same values, strides (1, 16)
     return model
 
 
@@ -138,6 +184,7 @@ SCENARIOS: dict[str, dict] = {
     "fp16": {"model": lambda: Mlp().to(torch.float16)},
     "fp32_bf16": {"model": lambda: Branch((torch.float32, torch.bfloat16, torch.float32))},
     "channels_last": {"model": lambda: Conv().to(memory_format=torch.channels_last), "input": "image"},
+    "transposed": {"model": _transposed},
     "zero_size": {"model": ZeroSize, "min_numel": 0},
     "huge": {"model": Huge, "ddp": {"bucket_cap_mb": 0.1}, "input": "wide"},
 }
@@ -160,7 +207,8 @@ def _grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
     return {n: None if p.grad is None else p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
-def _run(rank: int, name: str, spec: str | None, steps: range, start: dict | None = None) -> dict:
+def _run(rank: int, name: str, spec: str | None, steps: range, start: dict | None = None, lazy: bool = False,
+         shim: Shim | None = None) -> dict:
     """``steps`` of scenario ``name`` (``spec`` None: plain DDP). Per step:
     this rank's own gradient (float64; None where autograd gives none), the
     gradients DDP leaves, the residuals; a checkpoint after ``SAVE_AT`` steps."""
@@ -169,18 +217,23 @@ def _run(rank: int, name: str, spec: str | None, steps: range, start: dict | Non
     model = sc["model"]()
     if start is not None:
         model.load_state_dict(start["model"])
+    first = dist._DEFAULT_FIRST_BUCKET_BYTES
     if "bucket_cap_mb" in sc.get("ddp", {}):  # torch 2.2.2 caps only the later buckets by bucket_cap_mb
         dist._DEFAULT_FIRST_BUCKET_BYTES = int(sc["ddp"]["bucket_cap_mb"] * 2**20)
     ddp = DDP(model, **sc.get("ddp", {}))
+    dist._DEFAULT_FIRST_BUCKET_BYTES = first
     hook = None
-    if spec is not None:
+    if lazy:  # binds itself at the first backward: it does not know DDP's options
+        hook, fn = gradpress.ddp.make_hook(spec, min_numel=sc.get("min_numel", 16), strategy="collective")
+        ddp.register_comm_hook(hook, fn)
+    elif spec is not None:
         hook = gradpress.ddp.register(ddp, spec, min_numel=sc.get("min_numel", 16), strategy="collective")
         if start is not None:
             hook.load_state_dict(start["hook"])
     trained = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(trained, lr=0.1)
     names = [n for n, p in model.named_parameters() if p.requires_grad]
-    out: dict = {"local": [], "grads": [], "residuals": [], "strides": []}
+    out: dict = {"local": [], "grads": [], "residuals": [], "strides": [], "bytes": [], "state": []}
     for step in steps:
         use = sc.get("use", lambda s, r: True)(step, rank)
         micro = [_inputs(sc.get("input", "vector"), step, m, rank) for m in range(sc.get("micro", 1))]
@@ -192,14 +245,19 @@ def _run(rank: int, name: str, spec: str | None, steps: range, start: dict | Non
                                                    for a, b in zip(local, g)]
         out["local"].append({n: None if g is None else g.double() for n, g in zip(names, local)})
         opt.zero_grad(set_to_none=sc.get("set_to_none", True))
-        for x in micro[:-1]:
-            with ddp.no_sync():
-                _loss(ddp(x, use)).backward()
-        _loss(ddp(micro[-1], use)).backward()
+        before = shim.bytes if shim is not None else 0
+        with shim.installed() if shim is not None else contextlib.nullcontext():
+            for x in micro[:-1]:
+                with ddp.no_sync():
+                    _loss(ddp(x, use)).backward()
+            _loss(ddp(micro[-1], use)).backward()
+        if shim is not None:
+            out["bytes"].append((shim.bytes - before, hook.stats["last_step_bytes"]))
         out["grads"].append(_grads(model))
         out["strides"].append({n: p.grad.stride() for n, p in model.named_parameters() if p.grad is not None})
         if hook is not None:
             out["residuals"].append({k: v.double().clone() for k, v in hook.memory.residuals.items()})
+            out["state"].append(hook.state_dict())
         opt.step()
         if step + 1 == SAVE_AT and hook is not None and start is None:
             out["saved"] = checkpoint(model=model, hook=hook)
@@ -219,6 +277,15 @@ def _worker(rank: int, world: int) -> dict:
                "topk": _run(rank, name, spec, range(STEPS))}
         res["resumed"] = _run(rank, name, spec, range(SAVE_AT, STEPS), start=res["topk"].pop("saved"))
         out[name] = res
+    # the branch unused on every rank at step 1: the bytes stats count, PowerSGD (a step's buckets coalesced),
+    # and a state that binds itself at the first backward (it cannot know find_unused_parameters: it warns)
+    out["unused_bytes"] = _run(rank, "unused", spec, range(STEPS), shim=Shim())
+    out["unused_powersgd"] = _run(rank, "unused", "powersgd:rank=1,start_iter=0", range(STEPS))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _run(rank, "unused", spec, range(STEPS), lazy=True)
+    out["lazy_warnings"] = [str(w.message) for w in caught if "got no gradient" in str(w.message)]
+    out["sparse"] = _sparse_refusals()
     return out
 
 
@@ -336,3 +403,38 @@ def test_resume_continues_bit_identically(results: list[dict], name: str) -> Non
         for n, p in full["params"].items():
             assert torch.equal(resumed["params"][n], p), n
         assert resumed["stats"]["steps"] == full["stats"]["steps"] == STEPS
+
+
+def test_unused_parameter_flags_are_counted_in_the_stats(results: list[dict]) -> None:
+    """With find_unused_parameters the hook allreduces one flag per
+    compressed tensor and call: ``last_step_bytes`` is what the collectives
+    were handed, step by step."""
+    for r in results:
+        for step, (handed, reported) in enumerate(r["unused_bytes"]["bytes"]):
+            assert handed > 0 and reported == handed, f"step {step}: stats say {reported}, handed {handed}"
+
+
+def test_coalesced_powersgd_leaves_a_parameter_unused_everywhere_alone(results: list[dict]) -> None:
+    """PowerSGD (a step's buckets in one call): at step 1, where no rank uses
+    ``b``, its gradient stays None and its residual and Q factor do not move."""
+    for r in results:
+        run = r["unused_powersgd"]
+        before, after = run["state"][0], run["state"][1]
+        assert run["grads"][1]["b.weight"] is None
+        assert torch.equal(after["feedback"]["residuals"]["b.weight"], before["feedback"]["residuals"]["b.weight"])
+        assert torch.equal(after["compressor"]["q"]["b.weight"], before["compressor"]["q"]["b.weight"])
+        assert not torch.equal(after["feedback"]["residuals"]["a.weight"], before["feedback"]["residuals"]["a.weight"])
+    assert all(torch.equal(results[0]["unused_powersgd"]["params"][n], p)
+               for n, p in results[1]["unused_powersgd"]["params"].items())
+
+
+def test_a_state_that_binds_itself_warns_about_a_parameter_without_gradient(results: list[dict]) -> None:
+    for r in results:
+        assert len(r["lazy_warnings"]) == 1, r["lazy_warnings"]
+        assert "param" in r["lazy_warnings"][0] and "state.bind(ddp)" in r["lazy_warnings"][0]
+
+
+def test_sparse_gradients_are_refused_naming_the_module(results: list[dict]) -> None:
+    for r in results:
+        assert "sparse gradients are not supported: emb has sparse=True; use sparse=False" in r["sparse"]["register"]
+        assert "sparse gradients are not supported" in r["sparse"]["lazy"] and "sparse=False" in r["sparse"]["lazy"]
