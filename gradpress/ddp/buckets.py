@@ -14,7 +14,7 @@ synced one (``no_sync`` included), as DDP's reducer marks it.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -85,11 +85,11 @@ class UsedTracker:
         self._handles = []
 
 
-def unused_warning(keys: Sequence[str], params: Sequence[torch.nn.Parameter], compressed: set[str]) -> str | None:
+def unused_warning(keys: Sequence[str], params: Sequence[torch.nn.Parameter], plan: Mapping[str, Any]) -> str | None:
     """The warning for a hook that cannot tell whether any rank used a
-    parameter (it was not given the DDP model) when a compressed one got no
-    gradient here; None when none did."""
-    names = [k for k, p in zip(keys, params) if p.grad is None and k in compressed]
+    parameter (it was not given the DDP model) when one the ``plan``
+    (decisions by key) compresses got no gradient here; None when none did."""
+    names = [k for k, p in zip(keys, params) if p.grad is None and k in plan and plan[k].compressed]
     if not names:
         return None
     return (f"gradpress hook: parameter(s) {', '.join(names)} got no gradient on this rank (DDP's "

@@ -126,8 +126,7 @@ class GradpressHook:
             model = model.module
         if not isinstance(model, torch.nn.Module):
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        refusal = sparse_refusal(model)
-        if refusal is not None:
+        if (refusal := sparse_refusal(model)) is not None:
             raise ValueError(refusal)
         pairs = list(model.named_parameters())
         named = list(zip(strip_module([n for n, _ in pairs]), [p for _, p in pairs], strict=True))
@@ -239,8 +238,7 @@ class GradpressHook:
     def _enqueue(self, job: Job) -> None:
         job.keys = [self._names.get(id(p), f"param{i}") for i, p in enumerate(job.params)]
         if job.used is None and not self._warned_unused and any(p.grad is None for p in job.params):
-            plan = self.engine.plan.decisions
-            message = unused_warning(job.keys, job.params, {k for k, d in plan.items() if d.compressed})
+            message = unused_warning(job.keys, job.params, self.engine.plan.decisions)
             if message is not None:
                 self._warned_unused = True
                 warnings.warn(message, stacklevel=2)
