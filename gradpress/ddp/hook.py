@@ -23,7 +23,10 @@ buckets' Futures only when backward ends, so holding them is allowed.
 
 All the exchange work (plan, error feedback, NaN protocol, stats, state) is
 the engine's (:class:`gradpress.exchange.Synchronizer`); this module only
-turns a ``GradBucket`` into keyed views and keeps the step count. State is
+turns a ``GradBucket`` into keyed views (in each parameter's own layout) and
+keeps the step count. Bound to a DDP model with ``find_unused_parameters`` or
+``static_graph``, it also tells the engine which parameters got a gradient
+(:mod:`gradpress.ddp.buckets`): one no rank used is averaged plain. State is
 keyed by parameter name (stable across DDP's bucket rebuild after the first
 iteration; a wrapper's ``module.`` prefix dropped only when every name has
 it), never by ``bucket.index()``.
@@ -44,6 +47,7 @@ from __future__ import annotations
 import functools
 import queue
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -51,6 +55,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gradpress.ddp.buckets import SPARSE_BUCKET, Job, UsedTracker, param_layout, sparse_refusal, unused_warning
 from gradpress.ddp.state_format import _OLD_FORMAT, HOOK_FORMAT, _upgrade_v1, strip_module
 from gradpress.exchange import Synchronizer
 from gradpress.exchange.feedback import Feedback
@@ -61,20 +66,6 @@ __all__ = ["GradpressHook", "gradpress_hook", "HOOK_FORMAT"]
 
 #: builds the engine for these (name, parameter) pairs; collective (own group, agreement, plan)
 Builder = Callable[[Sequence[tuple[str, torch.nn.Parameter]]], Synchronizer]
-
-
-class _Job:
-    __slots__ = ("buffer", "grads", "keys", "params", "step", "is_last", "future", "event")
-
-    def __init__(self, buffer, grads, keys, params, step, is_last, future, event) -> None:  # noqa: ANN001
-        self.buffer = buffer
-        self.grads = grads
-        self.keys = keys
-        self.params = params
-        self.step = step
-        self.is_last = is_last
-        self.future = future
-        self.event = event
 
 
 class GradpressHook:
@@ -95,14 +86,16 @@ class GradpressHook:
             raise ValueError(f"coalesce must be True, False or None (on for multi-round compressors), got {coalesce!r}")
         self._build = build
         self._coalesce = coalesce
-        self._held: list[_Job] = []  # buckets of the current step waiting for its last one (comm thread)
+        self._held: list[Job] = []  # buckets of the current step waiting for its last one (comm thread)
         self._engine: Synchronizer | None = None
         self._names: dict[int, str] = {}
         self._step = 0  # hook-side step (main thread)
         self._deferred: FloatingPointError | None = None
-        self._unbound_jobs: list[_Job] = []  # buckets of the first backward of a state not bound yet
+        self._unbound_jobs: list[Job] = []  # buckets of the first backward of a state not bound yet
         self._pending_state: Mapping[str, Any] | None = None  # loaded before binding
-        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._used: UsedTracker | None = None  # with DDP's find_unused_parameters / static_graph
+        self._warned_unused = False
+        self._queue: queue.Queue[Job | None] = queue.Queue()
         self._thread = threading.Thread(target=self._worker, name="gradpress-comm", daemon=True)
         self._thread.start()
         _OPEN_HOOKS.add(self)
@@ -125,19 +118,26 @@ class GradpressHook:
         """Build the engine for ``model``'s parameters (a DDP wrapper's
         ``module.`` prefix is dropped). Collective: every rank calls it, before
         the first backward. Binding again to the same parameters does nothing;
-        to others raises ``ValueError``."""
+        to others raises ``ValueError``. Given the DDP model, it reads
+        ``find_unused_parameters`` and ``static_graph`` (module doc)."""
+        track = False
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            track = bool(getattr(model, "find_unused_parameters", False) or getattr(model, "static_graph", False))
             model = model.module
         if not isinstance(model, torch.nn.Module):
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if (refusal := sparse_refusal(model)) is not None:
+            raise ValueError(refusal)
         pairs = list(model.named_parameters())
         named = list(zip(strip_module([n for n, _ in pairs]), [p for _, p in pairs], strict=True))
         if self._engine is not None:
             if {id(p): n for n, p in named} != self._names:
                 raise ValueError("this gradpress hook state is already bound to another model's parameters; "
                                  "make one state per model")
-            return
-        self._bind_named(named)
+        else:
+            self._bind_named(named)
+        if track and self._used is None:  # a parameter no rank used is then averaged plain (engine.sync's used=)
+            self._used = UsedTracker([p for _, p in named if p.requires_grad])
 
     def _bind_named(self, named: Sequence[tuple[str, torch.nn.Parameter]]) -> None:
         self._engine = self._build(named)
@@ -212,13 +212,17 @@ class GradpressHook:
         when the last one arrives (every bucket then seen: every parameter)."""
         future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         buffer = bucket.buffer()
+        if buffer.is_sparse:
+            raise ValueError(SPARSE_BUCKET)
         params = list(bucket.parameters())
         event = None
         if buffer.is_cuda:
             event = torch.cuda.Event()
             event.record()
         is_last = bucket.is_last()
-        job = _Job(buffer, bucket.gradients(), None, params, self._step, is_last, future, event)
+        grads = [param_layout(g, p) for g, p in zip(bucket.gradients(), params)]
+        used = self._used.take(params) if self._used is not None else None
+        job = Job(buffer, grads, None, params, self._step, is_last, future, event, used)
         if is_last:
             self._step += 1
             # runs when backward ends, after DDP's own finalization (queued before, at its first bucket)
@@ -231,8 +235,13 @@ class GradpressHook:
         self._enqueue(job)
         return future
 
-    def _enqueue(self, job: _Job) -> None:
+    def _enqueue(self, job: Job) -> None:
         job.keys = [self._names.get(id(p), f"param{i}") for i, p in enumerate(job.params)]
+        if job.used is None and not self._warned_unused and any(p.grad is None for p in job.params):
+            message = unused_warning(job.keys, job.params, self.engine.plan.decisions)
+            if message is not None:
+                self._warned_unused = True
+                warnings.warn(message, stacklevel=2)
         self._queue.put(job)
 
     def _bind_from_buckets(self) -> None:
@@ -286,7 +295,7 @@ class GradpressHook:
                 jobs, self._held = [*self._held, job], []
                 self._run(jobs)
 
-    def _run(self, jobs: list[_Job]) -> None:
+    def _run(self, jobs: list[Job]) -> None:
         """Average ``jobs`` (one bucket, or every bucket of a step) in one
         engine call and complete their Futures."""
         try:
@@ -295,10 +304,12 @@ class GradpressHook:
                     torch.cuda.current_stream(job.buffer.device).wait_event(job.event)
             if len(jobs) == 1:
                 job = jobs[0]
-                self.engine.sync(job.keys, job.grads, step=job.step, flat=job.buffer, end_of_step=job.is_last)
+                self.engine.sync(job.keys, job.grads, step=job.step, flat=job.buffer, end_of_step=job.is_last,
+                                 used=job.used)
             else:
+                used = None if any(job.used is None for job in jobs) else [u for job in jobs for u in job.used]
                 self.engine.sync([k for job in jobs for k in job.keys], [g for job in jobs for g in job.grads],
-                                 step=jobs[-1].step, flat=None, end_of_step=jobs[-1].is_last)
+                                 step=jobs[-1].step, flat=None, end_of_step=jobs[-1].is_last, used=used)
             for job in jobs:
                 if job.buffer.is_cuda:
                     torch.cuda.current_stream(job.buffer.device).synchronize()
@@ -312,7 +323,7 @@ class GradpressHook:
             self._fail(jobs, exc)
 
     @staticmethod
-    def _fail(jobs: list[_Job], exc: BaseException) -> None:
+    def _fail(jobs: list[Job], exc: BaseException) -> None:
         for job in jobs:
             if not job.future.done():
                 job.future.set_exception(exc)
@@ -364,6 +375,8 @@ class GradpressHook:
         if self._thread.is_alive():
             self._queue.put(None)
             self._thread.join(timeout=5)
+        if self._used is not None:
+            self._used.close()
         _OPEN_HOOKS.discard(self)
 
 

@@ -154,7 +154,7 @@ def register(
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized; call dist.init_process_group first (torchrun does)")
     state, hook = make_hook(
-        spec, ddp_model.module, error_feedback=error_feedback, strategy=strategy, min_numel=min_numel, seed=seed,
+        spec, ddp_model, error_feedback=error_feedback, strategy=strategy, min_numel=min_numel, seed=seed,
         process_group=process_group if process_group is not None else ddp_model.process_group,
         plan_costs=plan_costs, nonfinite=nonfinite, timeout=timeout, coalesce=coalesce, **params)
     ddp_model.register_comm_hook(state, hook)

@@ -19,6 +19,8 @@ error-compensated (whole), cut into their partitions, grouped by strategy
 and exchanged strategy by strategy in a fixed order (``Strategy.order``); the residuals are
 staged; the averages are written back. A step may span several calls (the
 DDP hook's buckets): ``end_of_step=True`` on the last commits the step.
+``used=`` (the DDP hook with ``find_unused_parameters``): a compressed tensor
+no rank used is averaged plain that call, touching no residual or state.
 
 Invariant: every rank issues the same collectives in the same order with
 the same sizes (the plan and the keys agree across ranks: checked at
@@ -41,7 +43,7 @@ from gradpress.exchange.base import Encoded, ExchangeResult, Prelude, Strategy
 from gradpress.exchange.feedback import Feedback
 from gradpress.exchange.nonfinite import NONFINITE_MODES, StepGuard, local_flags
 from gradpress.exchange.planner import Decision, Plan
-from gradpress.exchange.plans import StrategyChoice
+from gradpress.exchange.plans import StrategyChoice, plain_where_unused
 from gradpress.exchange.state import EngineState
 from gradpress.exchange.stats import ExchangeStats
 from gradpress.transport.collectives import fused_allreduce
@@ -180,31 +182,41 @@ class Synchronizer(EngineState):
         return encoded
 
     def sync(self, keys: Sequence[str], tensors: Sequence[torch.Tensor], *, step: int,
-             flat: torch.Tensor | None = None, end_of_step: bool = True, prepared: Encoded | None = None) -> None:
+             flat: torch.Tensor | None = None, end_of_step: bool = True, prepared: Encoded | None = None,
+             used: Sequence[bool] | None = None) -> None:
         """Average ``tensors`` (keyed by ``keys``) over the group, in place.
 
         ``flat``: a contiguous buffer of which the tensors are views (a DDP
         bucket), used when nothing is compressed. ``step``: the step every
         rank agrees on (shared randomness). ``end_of_step``: this call
         closes the step (residuals committed, stats counted). ``prepared``:
-        :meth:`prepare`'s encoding of these same keys, tensors and step."""
+        :meth:`prepare`'s encoding of these same keys, tensors and step.
+        ``used``: per tensor, whether this rank computed it this step (DDP's
+        ``find_unused_parameters``, ``static_graph``; every rank passes it or
+        none does); a compressed tensor no rank used is averaged plain, as
+        DDP's own allreduce would (DDP leaves such a gradient as it was and
+        discards the average): nothing of its residual is sent, and no state
+        of it moves. Costs one allreduce of a flag per compressed tensor."""
+        if used is not None and (prepared is not None or len(used) != len(keys)):
+            raise ValueError(f"used: one flag per tensor ({len(keys)}), without prepared=; got {len(used)}")
         try:
             self.guard.begin_call()
-            self._sync(list(keys), list(tensors), step, flat, end_of_step, prepared)
+            self._sync(list(keys), list(tensors), step, flat, end_of_step, prepared, used)
         finally:
             if end_of_step:
                 self.guard.end_step(self.feedback)
 
     def _sync(self, keys: list[str], tensors: list[torch.Tensor], step: int, flat: torch.Tensor | None,
-              end_of_step: bool, prepared: Encoded | None = None) -> None:
+              end_of_step: bool, prepared: Encoded | None = None, used: Sequence[bool] | None = None) -> None:
         n = self.world_size
         decisions = [self._decision(k, t) for k, t in zip(keys, tensors)]
+        flag_bytes, flag_s = plain_where_unused(decisions, tensors, used, self.group) if used is not None else (0, 0.0)
         dense_idx = [i for i, d in enumerate(decisions) if not d.compressed]
         comp_idx = [i for i, d in enumerate(decisions) if d.compressed]
         dense_bytes = flat.numel() * flat.element_size() if flat is not None else sum(_nbytes(t) for t in tensors)
         tensor_bytes = {keys[i]: _nbytes(tensors[i]) for i in dense_idx}
         if not comp_idx:
-            self._sync_dense(keys, tensors, step, flat, dense_bytes, tensor_bytes, end_of_step)
+            self._sync_dense(keys, tensors, step, flat, dense_bytes, tensor_bytes, end_of_step, flag_bytes, flag_s)
             return
         t0 = time.perf_counter()
         plain = [tensors[i].mul(1.0 / n) for i in dense_idx]  # as DDP's reducer scales
@@ -224,6 +236,9 @@ class Synchronizer(EngineState):
         comp_s, comm_s, sent, comp_bytes, stopped, host = self._exchange(keys, tensors, comp_idx, decisions, step,
                                                                           prelude, prepared, by_strategy)
         tensor_bytes.update(comp_bytes)
+        sent, comm_s = sent + flag_bytes, comm_s + flag_s
+        if flag_bytes:
+            by_strategy["uncompressed"] = by_strategy.get("uncompressed", 0) + flag_bytes
         if not stopped:
             overflow = torch.stack([~all_finite(tensors[i]) for i in comp_idx]) & ~outcome["bad"][comp_idx]
             stopped = self.guard.observe_results(overflow, [keys[i] for i in comp_idx], step, _zero(tensors, flat))
@@ -241,7 +256,8 @@ class Synchronizer(EngineState):
         )
 
     def _sync_dense(self, keys: list[str], tensors: list[torch.Tensor], step: int, flat: torch.Tensor | None,
-                    dense_bytes: int, tensor_bytes: dict[str, int], end_of_step: bool) -> None:
+                    dense_bytes: int, tensor_bytes: dict[str, int], end_of_step: bool, flag_bytes: int = 0,
+                    flag_s: float = 0.0) -> None:
         """Nothing to compress: exactly what DDP's built-in reduction does
         (the reducer multiplies by 1/N while filling the bucket, then sums);
         a NaN/Inf travels as it does in plain DDP and survives the sum, so
@@ -259,7 +275,8 @@ class Synchronizer(EngineState):
             for x, s in zip(tensors, summed):
                 x.copy_(s)
             bad = self.guard.any_bad(tensors)
-        comm = time.perf_counter() - t
+        comm = time.perf_counter() - t + flag_s
+        sent += flag_bytes
         self.guard.observe_dense(bad, keys, tensors, step, _zero(tensors, flat))
         self.stats_counter.record(sent=sent, dense=dense_bytes, compress_s=0.0, comm_s=comm, compressed=0,
                                   plain=len(tensors), tensor_bytes=tensor_bytes, end_of_step=end_of_step,

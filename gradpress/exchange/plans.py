@@ -22,13 +22,18 @@ compressor (the one place that decides it):
   compress: its tensors join the plain allreduce.
 
 Eligible: more than one dimension and at least ``min_numel`` elements.
+
+Per call, :func:`plain_where_unused` turns the decision of a compressed
+tensor that no rank computed (DDP's ``find_unused_parameters``,
+``static_graph``) into a plain average, from flags summed over the group.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
+import time
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -38,6 +43,7 @@ from gradpress.compress.base import Compressor
 from gradpress.exchange.base import Strategy, get_strategy, parse_strategy, strategy_class, strategy_key, strategy_names
 from gradpress.exchange.costs import CostModel, load_costs
 from gradpress.exchange.planner import Decision, Plan, Planner, log_plan
+from gradpress.transport.collectives import fused_allreduce
 from gradpress.transport.groups import device_of
 from gradpress.transport.p2p import global_rank
 
@@ -201,3 +207,22 @@ class StrategyChoice:
                         reason="checkpoint")
             for k, v in saved.items()
         }, "checkpoint")
+
+
+def plain_where_unused(decisions: list[Decision], tensors: Sequence[torch.Tensor], used: Sequence[bool],
+                       group: dist.ProcessGroup | None) -> tuple[int, float]:
+    """Turn the decision of each compressed tensor that no rank used (``used``:
+    this rank's flag per tensor) into a plain average, in place: collective
+    (one allreduce of a flag per compressed tensor, none when nothing is
+    compressed). Returns the bytes handed over and the seconds it took."""
+    comp = [i for i, d in enumerate(decisions) if d.compressed]
+    if not comp:
+        return 0, 0.0
+    t = time.perf_counter()
+    flags = torch.tensor([1.0 if used[i] else 0.0 for i in comp], device=tensors[comp[0]].device)
+    (summed,), sent = fused_allreduce([flags], group)
+    for i, anywhere in zip(comp, summed.tolist()):
+        if not anywhere:
+            d = decisions[i]
+            decisions[i] = Decision(d.key, d.numel, "uncompressed", 1, reason="used on no rank this step")
+    return sent, time.perf_counter() - t
