@@ -9,6 +9,7 @@ buckets with a multi-round protocol (PowerSGD) keep collective order.
 
 from __future__ import annotations
 
+import functools
 import re
 
 import pytest
@@ -170,10 +171,17 @@ def _all_names() -> list[str]:
     return gradpress.compressors.names()
 
 
+@functools.cache
+def _every_compressor_results(world: int) -> list[dict]:
+    """Every registered compressor through the hook on ``world`` workers, run once per module (the wire-size
+    test reads the same runs)."""
+    return run_workers(_every_compressor, world, _all_names())
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_every_compressor_keeps_replicas_identical_and_learns(world: int) -> None:
     names = _all_names()
-    results = run_workers(_every_compressor, world, names)
+    results = _every_compressor_results(world)
     for name in names:
         per_rank = [res[name] for res in results]
         for other in per_rank[1:]:
@@ -193,7 +201,7 @@ def _expected_ratio_floor(name: str) -> float:
 
 def test_stats_bytes_match_wire_sizes() -> None:
     names = [n for n in _all_names() if n in ("topk", "fp16", "qsgd", "signsgd", "natural", "onebit", "randomk")]
-    results = run_workers(_every_compressor, 2, names)
+    results = _every_compressor_results(2)
     model = make_model()
     shapes = {n: p.shape for n, p in model.named_parameters()}
     for name in names:
