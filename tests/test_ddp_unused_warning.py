@@ -13,7 +13,8 @@ lost. Checked, each with ``zero_grad(set_to_none=True)`` and ``False``:
   are ``param{i}``: the key is found in the state's config by ``b``'s shape,
   which no other parameter has) and saying what to do (bind to the DDP
   model); with ``set_to_none=False`` the unused parameter keeps a zero
-  ``.grad``, so it is not seen as a None gradient;
+  ``.grad`` (with ``gradient_as_bucket_view``: a view of the bucket), so it
+  is not seen as a None gradient;
 * a state bound to the DDP model before the first backward (also after
   being bound to the bare module) does not warn, and ``b``'s residual does
   not move at step 1 (the DDP rule, test_ddp_models.py);
@@ -37,7 +38,7 @@ pytestmark = pytest.mark.slow
 
 SPEC = "topk:ratio=0.25"
 B_SHAPE = (12, 12)
-MODES = ("lazy", "module", "ddp", "module_then_ddp")
+MODES = ("lazy", "module", "lazy_view", "ddp", "module_then_ddp")
 
 
 class Branch(nn.Module):
@@ -59,7 +60,7 @@ def _uses(step: int, rank: int) -> bool:
 def _run(rank: int, mode: str, set_to_none: bool, unused: bool = True) -> dict:
     torch.manual_seed(7)
     model = Branch()
-    ddp = DDP(model, find_unused_parameters=True)
+    ddp = DDP(model, find_unused_parameters=True, gradient_as_bucket_view=mode == "lazy_view")
     state, fn = gradpress.ddp.make_hook(SPEC, min_numel=16)
     if mode in ("module", "module_then_ddp"):
         state.bind(model)
@@ -94,7 +95,7 @@ def results() -> list[dict]:
 
 
 @pytest.mark.parametrize("set_to_none", [True, False])
-@pytest.mark.parametrize("mode", ["lazy", "module"])
+@pytest.mark.parametrize("mode", ["lazy", "module", "lazy_view"])
 def test_a_state_without_the_ddp_model_warns_once_naming_the_parameter(results: list[dict], mode: str,
                                                                       set_to_none: bool) -> None:
     for rank, r in enumerate(results):
