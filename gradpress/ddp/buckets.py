@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Job", "param_layout", "UsedTracker", "unused_warning", "sparse_refusal", "SPARSE_BUCKET"]
+__all__ = ["Job", "param_layout", "UsedTracker", "UnusedWatch", "unused_warning", "sparse_refusal", "SPARSE_BUCKET"]
 
 
 class Job:
@@ -85,11 +85,14 @@ class UsedTracker:
         self._handles = []
 
 
-def unused_warning(keys: Sequence[str], params: Sequence[torch.nn.Parameter], plan: Mapping[str, Any]) -> str | None:
+def unused_warning(keys: Sequence[str], params: Sequence[torch.nn.Parameter], used: Sequence[bool],
+                   plan: Mapping[str, Any]) -> str | None:
     """The warning for a hook that cannot tell whether any rank used a
     parameter (it was not given the DDP model) when one the ``plan``
-    (decisions by key) compresses got no gradient here; None when none did."""
-    names = [k for k, p in zip(keys, params) if p.grad is None and k in plan and plan[k].compressed]
+    (decisions by key) compresses got no gradient here (``used`` False),
+    named by its key and shape; None when none did."""
+    names = [f"{k} ({'x'.join(map(str, p.shape))})" for k, p, u in zip(keys, params, used)
+             if not u and k in plan and plan[k].compressed]
     if not names:
         return None
     return (f"gradpress hook: parameter(s) {', '.join(names)} got no gradient on this rank (DDP's "
@@ -97,6 +100,45 @@ def unused_warning(keys: Sequence[str], params: Sequence[torch.nn.Parameter], pl
             "options: a parameter that no rank used is then compressed, and what its residual sends is lost (DDP "
             "discards it). Bind the state to the DDP model before the first backward: gradpress.ddp.register(ddp, "
             "...), make_hook(spec, ddp) or state.bind(ddp)")
+
+
+class UnusedWatch:
+    """Looks, for a hook state that does not know the DDP model's options
+    (bound to the bare module, or binding itself at the first backward), for
+    a compressed parameter that got no gradient on this rank, and gives the
+    text of :func:`unused_warning` once. From the hook's step ``since`` of
+    :meth:`start` on it asks a :class:`UsedTracker` (an unused parameter's
+    ``.grad`` is not None after ``zero_grad(set_to_none=False)`` or as a
+    bucket view); a step before (the first backward of a state binding
+    itself) is read from the ``.grad`` attributes that are None."""
+
+    def __init__(self) -> None:
+        self._tracker: UsedTracker | None = None
+        self._since = 0
+        self.warned = False
+
+    def start(self, params: Sequence[torch.nn.Parameter] | None, since: int) -> None:
+        """Watch ``params`` (those that require a gradient) unless watching
+        or warned already; None: stop watching (the DDP model is known)."""
+        if params is None or self.warned:
+            if self._tracker is not None:
+                self._tracker.close()
+            self._tracker = None
+        elif self._tracker is None:
+            self._tracker, self._since = UsedTracker([p for p in params if p.requires_grad]), since
+
+    def check(self, job: Job, plan: Mapping[str, Any]) -> str | None:
+        """The warning for ``job`` (keys set; ``plan``: decisions by key), the first time there is one."""
+        if self._tracker is None:
+            return None
+        used = self._tracker.take(job.params)
+        if job.step < self._since:
+            used = [p.grad is not None for p in job.params]
+        message = unused_warning(job.keys, job.params, used, plan)
+        if message is not None:
+            self.warned = True
+            self.start(None, 0)
+        return message
 
 
 #: why a bucket of sparse gradients is refused (one that binds at the first backward meets it there)

@@ -55,7 +55,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradpress.ddp.buckets import SPARSE_BUCKET, Job, UsedTracker, param_layout, sparse_refusal, unused_warning
+from gradpress.ddp.buckets import SPARSE_BUCKET, Job, UnusedWatch, UsedTracker, param_layout, sparse_refusal
 from gradpress.ddp.state_format import _OLD_FORMAT, HOOK_FORMAT, _upgrade_v1, strip_module
 from gradpress.exchange import Synchronizer
 from gradpress.exchange.feedback import Feedback
@@ -94,7 +94,7 @@ class GradpressHook:
         self._unbound_jobs: list[Job] = []  # buckets of the first backward of a state not bound yet
         self._pending_state: Mapping[str, Any] | None = None  # loaded before binding
         self._used: UsedTracker | None = None  # with DDP's find_unused_parameters / static_graph
-        self._warned_unused = False
+        self._watch = UnusedWatch()  # without the DDP model's options: warns once of an unused parameter
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._thread = threading.Thread(target=self._worker, name="gradpress-comm", daemon=True)
         self._thread.start()
@@ -120,8 +120,8 @@ class GradpressHook:
         the first backward. Binding again to the same parameters does nothing;
         to others raises ``ValueError``. Given the DDP model, it reads
         ``find_unused_parameters`` and ``static_graph`` (module doc)."""
-        track = False
-        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        track, is_ddp = False, isinstance(model, torch.nn.parallel.DistributedDataParallel)
+        if is_ddp:
             track = bool(getattr(model, "find_unused_parameters", False) or getattr(model, "static_graph", False))
             model = model.module
         if not isinstance(model, torch.nn.Module):
@@ -138,6 +138,7 @@ class GradpressHook:
             self._bind_named(named)
         if track and self._used is None:  # a parameter no rank used is then averaged plain (engine.sync's used=)
             self._used = UsedTracker([p for _, p in named if p.requires_grad])
+        self._watch.start(None if is_ddp or self._used is not None else [p for _, p in named], self._step)
 
     def _bind_named(self, named: Sequence[tuple[str, torch.nn.Parameter]]) -> None:
         self._engine = self._build(named)
@@ -237,11 +238,8 @@ class GradpressHook:
 
     def _enqueue(self, job: Job) -> None:
         job.keys = [self._names.get(id(p), f"param{i}") for i, p in enumerate(job.params)]
-        if job.used is None and not self._warned_unused and any(p.grad is None for p in job.params):
-            message = unused_warning(job.keys, job.params, self.engine.plan.decisions)
-            if message is not None:
-                self._warned_unused = True
-                warnings.warn(message, stacklevel=2)
+        if job.used is None and (message := self._watch.check(job, self.engine.plan.decisions)) is not None:
+            warnings.warn(message, stacklevel=2)
         self._queue.put(job)
 
     def _bind_from_buckets(self) -> None:
@@ -258,6 +256,7 @@ class GradpressHook:
             for job in jobs:
                 job.step = self._step
             self._step += 1
+        self._watch.start([p for _, p in named], self._step)  # its later steps (this one: by None .grads)
         for job in jobs:
             self._enqueue(job)
 
@@ -377,6 +376,7 @@ class GradpressHook:
             self._thread.join(timeout=5)
         if self._used is not None:
             self._used.close()
+        self._watch.start(None, 0)
         _OPEN_HOOKS.discard(self)
 
 
