@@ -9,6 +9,9 @@
   replica from the anchor and leaves each rank's momentum its own; the next
   one averages the parameters and the momentum every rank holds, and leaves
   the one only rank 0 holds alone.
+* The DDP hook with a frozen ``nn.Embedding(sparse=True)`` (a pretrained
+  table): DDP hands it no gradient, so nothing sparse reaches the hook; it
+  was refused at registration. ``none`` equals plain DDP bit for bit.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import pytest
 import torch
 import torch.nn as nn
 from distributed import run_workers
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradpress
 
@@ -68,8 +72,39 @@ def _localsgd_skip(rank: int) -> dict:
     return out
 
 
+class FrozenTable(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(5)
+        self.emb = nn.Embedding(16, 8, sparse=True).requires_grad_(False)
+        self.out = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.emb(x))
+
+
+def _frozen_sparse(rank: int, spec: str | None) -> list[dict]:
+    model = FrozenTable()
+    ddp = DDP(model)
+    hook = gradpress.ddp.register(ddp, spec, min_numel=16) if spec is not None else None
+    grads = []
+    for step in range(2):
+        model.zero_grad(set_to_none=True)
+        x = torch.randint(0, 16, (4, 3), generator=torch.Generator().manual_seed(10 * step + rank))
+        ddp(x).square().mean().backward()
+        grads.append({n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()})
+    if hook is not None:
+        hook.close()
+    return grads
+
+
 def _worker(rank: int, world: int) -> dict:
     out: dict = {"localsgd": _localsgd_skip(rank)}
+    for spec in (None, "none", "topk:ratio=0.25"):
+        try:
+            out[f"sparse/{spec}"] = _frozen_sparse(rank, spec)
+        except ValueError as exc:
+            out[f"sparse/{spec}"] = str(exc)
     return out
 
 
@@ -110,3 +145,16 @@ def test_localsgd_skipped_sync_keeps_state_local_and_the_next_averages_it(result
     for n in ("b.weight", "b.bias"):  # only rank 0 holds it: left alone
         assert torch.equal(runs[0]["steps"][last]["momenta"][n], local[0]["momenta"][n]), n
         assert n not in runs[1]["steps"][last]["momenta"], n
+
+
+def test_a_frozen_sparse_embedding_is_accepted_and_none_is_plain_ddp(results: list[dict]) -> None:
+    for rank, r in enumerate(results):
+        for spec in ("none", "topk:ratio=0.25"):
+            assert not isinstance(r[f"sparse/{spec}"], str), f"rank {rank} {spec}: refused: {r[f'sparse/{spec}']}"
+        for step, (plain, none) in enumerate(zip(r["sparse/None"], r["sparse/none"])):
+            assert plain["emb.weight"] is None and none["emb.weight"] is None
+            for n in ("out.weight", "out.bias"):
+                assert torch.equal(none[n], plain[n]), f"rank {rank} step {step} {n}"
+    for step in range(2):  # top-k: replicas identical
+        for n in ("out.weight", "out.bias"):
+            assert torch.equal(results[0]["sparse/topk:ratio=0.25"][step][n], results[1]["sparse/topk:ratio=0.25"][step][n])
