@@ -12,9 +12,17 @@
 * The DDP hook with a frozen ``nn.Embedding(sparse=True)`` (a pretrained
   table): DDP hands it no gradient, so nothing sparse reaches the hook; it
   was refused at registration. ``none`` equals plain DDP bit for bit.
+* A hook checkpoint written before gradients were handed over in their
+  parameter's layout (no ``layout`` entry): a channels_last parameter's
+  residual was indexed in DDP's bucket memory order; loaded today it was
+  added to other elements. Such a state is built here from today's by the
+  definition (the residual's elements in channels_last memory order) and
+  must load as today's residual.
 """
 
 from __future__ import annotations
+
+import io
 
 import pytest
 import torch
@@ -98,8 +106,48 @@ def _frozen_sparse(rank: int, spec: str | None) -> list[dict]:
     return grads
 
 
+class Conv(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(9)
+        self.c1, self.c2 = nn.Conv2d(3, 8, 3), nn.Conv2d(8, 4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c2(torch.tanh(self.c1(x))).mean((2, 3))
+
+
+def _conv_hook() -> tuple[nn.Module, DDP, gradpress.ddp.GradpressHook]:
+    model = Conv().to(memory_format=torch.channels_last)
+    ddp = DDP(model)
+    return model, ddp, gradpress.ddp.register(ddp, "topk:ratio=0.25", min_numel=16)
+
+
+def _old_checkpoint(rank: int) -> dict:
+    model, ddp, hook = _conv_hook()
+    for step in range(2):
+        model.zero_grad()
+        x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+        ddp(x).square().mean().backward()
+    state = hook.state_dict()
+    hook.close()
+    today = {k: v.clone() for k, v in state["feedback"]["residuals"].items()}
+    old = {k: v for k, v in state.items() if k != "layout"}
+    # before: element i of the saved residual was the one at channels_last memory position i
+    old["feedback"] = {**state["feedback"], "residuals": {
+        k: v.contiguous(memory_format=torch.channels_last).as_strided((v.numel(),), (1,)).reshape(v.shape).clone()
+        for k, v in today.items()}}
+    buf = io.BytesIO()
+    torch.save(old, buf)
+    buf.seek(0)
+    model, ddp, hook = _conv_hook()
+    hook.load_state_dict(torch.load(buf, weights_only=True))
+    loaded = {k: v.clone() for k, v in hook.memory.residuals.items()}
+    hook.close()
+    return {"today": today, "old": old["feedback"]["residuals"], "loaded": loaded}
+
+
 def _worker(rank: int, world: int) -> dict:
-    out: dict = {"localsgd": _localsgd_skip(rank)}
+    out: dict = {"localsgd": _localsgd_skip(rank), "old_checkpoint": _old_checkpoint(rank)}
     for spec in (None, "none", "topk:ratio=0.25"):
         try:
             out[f"sparse/{spec}"] = _frozen_sparse(rank, spec)
@@ -158,3 +206,12 @@ def test_a_frozen_sparse_embedding_is_accepted_and_none_is_plain_ddp(results: li
     for step in range(2):  # top-k: replicas identical
         for n in ("out.weight", "out.bias"):
             assert torch.equal(results[0]["sparse/topk:ratio=0.25"][step][n], results[1]["sparse/topk:ratio=0.25"][step][n])
+
+
+def test_a_checkpoint_from_before_the_layout_change_loads_re_indexed(results: list[dict]) -> None:
+    for rank, r in enumerate(results):
+        run = r["old_checkpoint"]
+        assert run["today"].keys() == run["loaded"].keys() == {"c1.weight", "c2.weight"}
+        for k, v in run["today"].items():
+            assert not torch.equal(run["old"][k], v), f"{k}: the old layout is the same here; the test proves nothing"
+            assert torch.equal(run["loaded"][k], v), f"rank {rank} {k}: residual loaded in the old memory order"
