@@ -24,7 +24,9 @@ compressed delta. So ``auto`` (the default) averages the state when the
 exchange is uncompressed (an identity compressor) and keeps it local when a
 compressor shrinks the deltas. The state is averaged per parameter, for the
 parameters whose state every rank holds (a rank that never stepped one has
-none; it then stays local): :meth:`LocalSGD.optimizer_state_tensors`.
+none; it then stays local): :meth:`LocalSGD.optimizer_state_tensors`. A
+synchronization that ``nonfinite='skip'`` drops (some rank's delta is not
+finite) restarts every replica from the anchor and leaves every state local.
 Between synchronizations the replicas differ: :meth:`eval_model` evaluates
 their average (:meth:`~gradpress.algorithms.base.Algorithm.consensus_model`).
 
@@ -131,7 +133,12 @@ class LocalSGD(Algorithm):
             missing = torch.tensor([0.0 if ts else 1.0 for ts in states], dtype=deltas[0].dtype)
             missing = missing.to(deltas[0].device)
             self.sync([*deltas, missing], keys=[*(n for n, _ in self.named), STATE_MISSING_KEY])
-            states = [ts for ts, gone in zip(states, (missing > 0).tolist()) if not gone]
+            if self.engine is not None and self.engine.last_step_skipped:
+                # nonfinite=skip dropped the call on every rank and zeroed the flags with the deltas: which
+                # ranks lack a state is unknown, so every state stays local (the replicas restart from the anchor)
+                states = None
+            else:
+                states = [ts for ts, gone in zip(states, (missing > 0).tolist()) if not gone]
         else:
             self.sync(deltas)
         for p, a, d in zip(params, self.anchor, deltas):
@@ -149,7 +156,8 @@ class LocalSGD(Algorithm):
         empty where this rank holds none (it never stepped the parameter: its
         ``.grad`` was always None here). :meth:`average` averages a
         parameter's state only where every rank holds it (a flag per parameter
-        rides in the deltas' exchange) and leaves it local elsewhere. (Taking
+        rides in the deltas' exchange) and leaves it local elsewhere, and
+        everywhere after an exchange ``nonfinite='skip'`` dropped. (Taking
         the states in the optimizer's own order paired one parameter's momentum
         with another's when the ranks created them in different orders, and a
         rank with fewer states broke the collective.)"""

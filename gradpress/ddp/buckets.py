@@ -148,10 +148,11 @@ SPARSE_BUCKET = ("gradpress hook: sparse gradients are not supported (DDP hands 
 
 def sparse_refusal(model: torch.nn.Module) -> str | None:
     """The refusal of a model whose gradients DDP would hand over sparse
-    (``nn.Embedding``/``nn.EmbeddingBag`` with ``sparse=True``), naming the
+    (``nn.Embedding``/``nn.EmbeddingBag`` with ``sparse=True`` and a trainable
+    weight; a frozen one gets no gradient, DDP leaves it out), naming the
     modules; None when there is none."""
     names = [n or "(the model)" for n, m in model.named_modules()
-             if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse]
+             if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad]
     if not names:
         return None
     return (f"gradpress hook: sparse gradients are not supported: {', '.join(names)} has sparse=True; use "

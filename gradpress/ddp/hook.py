@@ -56,7 +56,7 @@ import torch
 import torch.distributed as dist
 
 from gradpress.ddp.buckets import SPARSE_BUCKET, Job, UnusedWatch, UsedTracker, param_layout, sparse_refusal
-from gradpress.ddp.state_format import _OLD_FORMAT, HOOK_FORMAT, _upgrade_v1, strip_module
+from gradpress.ddp.state_format import _OLD_FORMAT, HOOK_FORMAT, LAYOUT, _upgrade_v1, strip_module, upgrade_layout
 from gradpress.exchange import Synchronizer
 from gradpress.exchange.feedback import Feedback
 from gradpress.exchange.planner import Plan
@@ -142,7 +142,7 @@ class GradpressHook:
 
     def _bind_named(self, named: Sequence[tuple[str, torch.nn.Parameter]]) -> None:
         self._engine = self._build(named)
-        self._names = {id(p): n for n, p in named}
+        self._names, self._by_name = {id(p): n for n, p in named}, dict(named)
         pending, self._pending_state = self._pending_state, None
         if pending is not None:
             self.load_state_dict(pending)
@@ -334,12 +334,12 @@ class GradpressHook:
         state loaded and not yet applied, if any."""
         if self._engine is None and self._pending_state is not None:
             return dict(self._pending_state)
-        return {**self.engine.state_dict(), "format": HOOK_FORMAT, "step": self._step}
+        return {**self.engine.state_dict(), "format": HOOK_FORMAT, "step": self._step, "layout": LAYOUT}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore from :meth:`state_dict` (also a state written before the
-        exchange engine, format ``gradpress-hook/1``). Refuses a state of
-        another configuration (compressor, strategy, world size, parameters...).
+        """Restore from :meth:`state_dict` (also one written before the exchange engine, format
+        ``gradpress-hook/1``, or before gradients had their parameter's layout: ``upgrade_layout``).
+        Refuses a state of another configuration (compressor, strategy, world size, parameters...).
         An unbound state keeps it (format checked) and loads it when it binds."""
         fmt = state.get("format") if isinstance(state, Mapping) else None
         if self._engine is None:
@@ -363,7 +363,7 @@ class GradpressHook:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"gradpress hook state dict: 'step' must be an integer >= 0, got {step!r}; "
                              "nothing was loaded")
-        engine_state = {k: v for k, v in state.items() if k != "step"}
+        engine_state = {k: v for k, v in upgrade_layout(state, self._by_name).items() if k not in ("step", "layout")}
         engine_state["format"] = self.engine.state_dict()["format"]
         self.engine.load_state_dict(engine_state)  # validates fully, changes nothing on error
         self._step = step

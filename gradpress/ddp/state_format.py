@@ -1,18 +1,26 @@
 """The DDP hook's state keys and formats: parameter names less a wrapper's
-prefix (:func:`strip_module`), the state format tag, and the upgrade of a
-state written before the exchange engine (``gradpress-hook/1``)."""
+prefix (:func:`strip_module`), the state format tag, the upgrade of a
+state written before the exchange engine (``gradpress-hook/1``), and of one
+written before gradients were handed over in their parameter's layout
+(:func:`upgrade_layout`: no ``layout`` entry)."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
+
 from gradpress.exchange.feedback import Feedback
 
-__all__ = ["HOOK_FORMAT", "strip_module"]
+__all__ = ["HOOK_FORMAT", "LAYOUT", "strip_module", "upgrade_layout"]
 
 HOOK_FORMAT = "gradpress-hook/2"
 _OLD_FORMAT = "gradpress-hook/1"
+#: the ``layout`` entry of a state whose residuals are indexed like their parameter (2026-11-28 on); a
+#: state without it indexed a channels_last or transposed parameter's residual in DDP's bucket memory order
+LAYOUT = "parameter"
 
 
 def strip_module(names: Sequence[str]) -> list[str]:
@@ -39,3 +47,41 @@ def _upgrade_v1(state: Mapping[str, Any]) -> dict[str, Any]:
         **state, "config": config, "strategies": strategies,
         "feedback": {"beta": memory.get("beta", 1.0), "gamma": memory.get("gamma", 1.0), "residuals": residuals},
     }
+
+
+def _restrided(p: torch.Tensor) -> bool:
+    """Whether DDP lays ``p``'s gradient out in ``p``'s own strides, unlike a contiguous tensor's."""
+    from gradpress.ddp.buckets import _dense_layout
+
+    return p.numel() > 1 and not p.is_contiguous() and _dense_layout(p)
+
+
+def upgrade_layout(state: Mapping[str, Any], params: Mapping[str, torch.Tensor]) -> Mapping[str, Any]:
+    """``state`` (the hook's, with its feedback residuals) with the worker
+    residual of each parameter of ``params`` (by key) that DDP lays out in
+    its own strides re-indexed like the parameter, when the state was written
+    before that layout (no ``layout`` entry: the residual's element ``i`` was
+    the one at memory position ``i``). Such a parameter's other residuals
+    (a ring's or PS root's, a partition's) cannot be re-indexed: they are
+    dropped, with a warning (they restart at zero, as a new parameter's)."""
+    if state.get("layout") == LAYOUT or not isinstance(state.get("feedback"), Mapping):
+        return state
+    moved = {k: p for k, p in params.items() if _restrided(p)}
+    residuals = state["feedback"].get("residuals")
+    if not moved or not isinstance(residuals, Mapping):
+        return state
+    fixed, dropped = {}, []
+    for key, r in residuals.items():
+        tail = key.split("/", 1)[1] if "/" in key else key
+        p = moved.get(tail.split("#", 1)[0])
+        if p is None or not isinstance(r, torch.Tensor):
+            fixed[key] = r
+        elif key == tail and r.shape == p.shape:
+            fixed[key] = r.contiguous().reshape(-1).as_strided(p.shape, p.stride(), 0).contiguous()
+        else:
+            dropped.append(key)
+    if dropped:
+        warnings.warn(f"gradpress hook state written before 2026-11-28: the residuals {', '.join(dropped)} of "
+                      "channels_last or transposed parameters were in DDP's bucket memory order and cannot be "
+                      "re-indexed; they restart at zero (the worker residuals were re-indexed)", stacklevel=3)
+    return {**state, "feedback": {**state["feedback"], "residuals": fixed}}
