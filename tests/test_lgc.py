@@ -104,9 +104,10 @@ def test_bytes_of_each_phase_are_counted_exactly(ps: list[dict], ring: list[dict
     latent, k_inn = math.ceil(k / 4), math.ceil(0.01 * d)
     assert (ps[0]["k"], ps[0]["latent"], ps[0]["k_inn"]) == (k, latent, k_inn)
     ae_bytes = 4 * ps[0]["ae_numel"]
-    phase1, phase2 = 4 * d, 4 * k + 4 * k  # dense allreduce; broadcast indices + allgather values
-    ps3 = (4 * k + 4 * latent + 4) + 8 * k_inn  # broadcast indices, latent, scale; allgather innovation
-    ring3 = (4 * k + 4) + 4 * latent  # broadcast indices, scale; allreduce latent
+    flags = 4 * len(sizes())  # one float32 presence flag per parameter in every step's exchange (DDP's rule)
+    phase1, phase2 = 4 * d + flags, 4 * k + 4 * k + flags  # dense allreduce; broadcast indices + allgather values
+    ps3 = (4 * k + 4 * latent + 4) + 8 * k_inn + flags  # broadcast indices, latent, scale; allgather innovation
+    ring3 = (4 * k + 4) + 4 * latent + flags  # broadcast indices, scale; allreduce latent
     for r in ps:
         assert r["bytes"] == [phase1] * DENSE + [phase2] * AE + [ps3 + ae_bytes] + [ps3] * (STEPS - DENSE - AE - 1)
         assert r["stats"]["ae_bytes"] == ae_bytes
@@ -162,12 +163,13 @@ def test_nothing_lost_in_phase3(variant: str, ps: list[dict], ring: list[dict]) 
 
 
 def test_ps_without_innovation_sends_only_the_masters_message() -> None:
-    """innovation=0: no innovation collective at all (no empty collective);
-    replicas still agree."""
+    """innovation=0: no innovation collective at all (no empty collective):
+    the master's message and the presence flags' allreduce (one float32
+    per parameter: DDP's rule for a missing gradient); replicas still agree."""
     results = run_workers(_run, 2, "lgc:dense_steps=0,ae_steps=2,ratio=0.05,innovation=0,variant=ps", 4)
     k, latent = results[0]["k"], results[0]["latent"]
     assert results[0]["k_inn"] == 0
-    assert results[0]["bytes"][3] == 4 * k + 4 * latent + 4
+    assert results[0]["bytes"][3] == 4 * k + 4 * latent + 4 + 4 * len(sizes())
     for a, b in zip(results[0]["grad"], results[1]["grad"]):
         assert torch.equal(a, b)
 

@@ -96,22 +96,22 @@ class Choco(GossipAlgorithm):
             got = posted.wait()
             posted.finish_sends()
             t2 = self.clock()
-            exact = [p * self.w_self if h is None else None for p, h in zip(params, self.hat)]
+            # exact tensors: sum_j w_ij x_j - x_i as sum over neighbours of w_ij (x_j - x_i), exactly 0 where the
+            # replicas agree (a parameter no rank trains stays bit for bit)
+            exact = [torch.zeros_like(p) if h is None else None for p, h in zip(params, self.hat)]
             for j in self.peers_list:
                 values, _ = self.codec.decode(got[j], packets)
                 for i, v in enumerate(values):
                     if self.hat[i] is not None:
                         self.mix[i].add_(v, alpha=self.w_self)  # type: ignore[union-attr]
                     else:
-                        exact[i].add_(v, alpha=self.w_self)  # type: ignore[union-attr]
+                        exact[i].add_(v - params[i], alpha=self.w_self)  # type: ignore[union-attr]
             gamma = self.gamma  # type: ignore[attr-defined]
             for p, h, s, e in zip(params, self.hat, self.mix, exact):
                 if h is not None:
                     p.add_(s - h, alpha=gamma)  # type: ignore[operator]
-                elif gamma == 1.0:
-                    p.copy_(e)  # type: ignore[arg-type]
                 else:
-                    p.add_(e - p, alpha=gamma)  # type: ignore[operator]
+                    p.add_(e, alpha=gamma)  # type: ignore[arg-type]
             self.account(posted.sent, t1 - t0 + self.clock() - t2, t2 - t1,
                          self.payload_bytes(self.codec.keys, packets))
 

@@ -35,7 +35,9 @@ feedback; gradpress's ``ring`` strategy) names two features beyond its ring:
   construction, so the broadcast re-aligns floating buffers (BatchNorm
   statistics, which stay local between broadcasts) and guards against
   nondeterministic kernels. ``update=optimizer`` instead writes the averaged
-  (stale) gradient into ``.grad`` and calls the user's optimizer (Adam...).
+  (stale) gradient into ``.grad`` and calls the user's optimizer (Adam...),
+  with DDP's rule for a missing ``.grad`` (presence flags in the exchange;
+  docs/comprex.md); the Comprex optimizer takes a missing one as zero.
 * **Look-ahead** (``lookahead``, gradpress's addition, on by default with
   the Comprex optimizer and staleness >= 1; :mod:`.comprex_lookahead`): a
   stale update under heavy-ball momentum is stable only for a learning rate
@@ -81,8 +83,9 @@ import torch
 
 from gradpress.algorithms.base import Algorithm
 from gradpress.algorithms.comprex_lookahead import LookAhead
-from gradpress.algorithms.comprex_optim import LocalMomentum, clip_by_total_norm
+from gradpress.algorithms.comprex_optim import LocalMomentum, clip_by_total_norm, load_pending, save_pending
 from gradpress.algorithms.comprex_schedule import SCHEDULES, RatioSchedule, ratio_holder
+from gradpress.algorithms.presence import PRESENT_KEY, agreed, flags
 from gradpress.algorithms.registry import register
 from gradpress.compress.base import Param
 from gradpress.exchange.background import Background
@@ -203,6 +206,9 @@ class Comprex(Algorithm):
         before = self.momentum_state.state_dict() if self._skip and self.update == "comprex" else None  # type: ignore[attr-defined]
         item: dict[str, Any] = {"step": t, "exchange": self._exchanges, "ratio": self.schedule_fn(t),
                                 "update": self._payload(), "bytes": 0, "skipped": False}
+        if self.update == "optimizer" and self.named:  # type: ignore[attr-defined]  # DDP's rule (_apply)
+            item["mine"] = [p.grad is not None for _, p in self.named]
+            item["flags"] = flags(item["mine"], item["update"][0])
         if self.look is not None:  # this rank's stand-in for the update in flight
             item["proxy"] = self.momentum_state.state_dict()  # copies of the buffers
         self._exchanges += 1
@@ -214,7 +220,7 @@ class Comprex(Algorithm):
                 self.momentum_state.load_state_dict(before)
         else:
             # compression here, in the training thread, while the thread's exchange is on the wire
-            ahead = self.engine.prepare([n for n, _ in self.named], item["update"], step=item["exchange"]) \
+            ahead = self.engine.prepare(*self._keyed(item), step=item["exchange"]) \
                 if not self.schedule_fn.moves else None
             item["ticket"] = self.background.submit(name, lambda: self._exchange(item, ahead))
         self.pending.append(item)
@@ -241,6 +247,13 @@ class Comprex(Algorithm):
         wds = [float(g.get("weight_decay", 0.0) or 0.0) for g in groups]
         return self.momentum_state.update(grads, self.weights(), lrs, wds)
 
+    def _keyed(self, item: dict[str, Any]) -> tuple[list[str], list[torch.Tensor]]:
+        """The engine keys and tensors of ``item``'s exchange (with the presence flags, if any)."""
+        keys, tensors = [n for n, _ in self.named], list(item["update"])
+        if "flags" in item:
+            keys, tensors = [*keys, PRESENT_KEY], [*tensors, item["flags"]]
+        return keys, tensors
+
     def _exchange(self, item: dict[str, Any], ahead: Encoded | None = None) -> None:
         """Average ``item['update']`` in place at the item's density (runs on
         the background thread, or inline with staleness 0); ``ahead``: its
@@ -251,7 +264,7 @@ class Comprex(Algorithm):
             holder.ratio = item["ratio"]  # type: ignore[attr-defined]
         try:
             before = self.engine.stats["bytes_sent"]
-            self.engine.sync([n for n, _ in self.named], item["update"], step=item["exchange"], prepared=ahead)
+            self.engine.sync(*self._keyed(item), step=item["exchange"], prepared=ahead)
             item["bytes"] = self.engine.stats["bytes_sent"] - before
             item["skipped"] = self.engine.last_step_skipped
         finally:
@@ -270,8 +283,10 @@ class Comprex(Algorithm):
             elif self.update == "comprex":  # type: ignore[attr-defined]
                 torch._foreach_sub_(params, [u.to(p.dtype) for p, u in zip(params, item["update"])])
             else:
-                for p, u in zip(params, item["update"]):
-                    p.grad = u.to(p.dtype)
+                # DDP's rule: .grad None where no rank has a gradient (the optimizer skips it), unless EF released some
+                present = agreed(item.get("mine", [True] * len(params)), item.get("flags"))
+                for p, u, some in zip(params, item["update"], present):
+                    p.grad = u.to(p.dtype) if some or bool(u.any()) else None
                 self.optimizer.step()
         self._last["bytes"] += item["bytes"]
         self.applied_bytes += item["bytes"]
@@ -342,34 +357,20 @@ class Comprex(Algorithm):
         super().load_state_dict(state)
 
     def extra_state(self) -> dict[str, Any]:
-        pending = [{"step": it["step"], "exchange": it["exchange"], "ratio": it["ratio"], "bytes": it["bytes"],
-                    "skipped": it["skipped"], "update": [u.clone() for u in it["update"]],
-                    **({"proxy": [u.clone() for u in it["proxy"]]} if "proxy" in it else {})} for it in self.pending]
+        pending = [save_pending(it) for it in self.pending]
         shared = {"shared_weights": self.look.state_dict()} if self.look is not None else {}
-        return {**shared, "momentum": self.momentum_state.state_dict(), "pending": pending,
-                "applied_bytes": self.applied_bytes,
-                "applied": self.applied, "rebroadcasts": self.rebroadcasts, "density": self.density}
+        return {**shared, "momentum": self.momentum_state.state_dict(), "pending": pending, "density": self.density,
+                "applied_bytes": self.applied_bytes, "applied": self.applied, "rebroadcasts": self.rebroadcasts}
 
     def load_extra_state(self, state: Mapping[str, Any]) -> None:
         self.momentum_state.load_state_dict(state.get("momentum", []))
         shapes = [tuple(p.shape) for _, p in self.named]
-        pending = []
         if self.look is not None:
             if "shared_weights" not in state:
                 raise ValueError(f"{self.name} state: 'shared_weights' missing (saved without the look-ahead); "
                                  "allowed: resume with the lookahead setting the checkpoint was made with")
             self.look.load_state_dict(state["shared_weights"])
-        for it in state.get("pending", []):
-            proxy = it.get("proxy") if self.look is not None else None
-            if [tuple(u.shape) for u in it["update"]] != shapes or (
-                    self.look is not None and (proxy is None or [tuple(u.shape) for u in proxy] != shapes)):
-                raise ValueError(f"{self.name} state: an exchange in flight does not match this model "
-                                 "(or was saved without the look-ahead's stand-in)")
-            pending.append({"step": int(it["step"]), "exchange": int(it["exchange"]), "ratio": float(it["ratio"]),
-                            "bytes": int(it["bytes"]), "skipped": bool(it["skipped"]),
-                            "update": [u.clone() for u in it["update"]],
-                            **({"proxy": [u.clone() for u in proxy]} if proxy is not None else {})})
-        self.pending = collections.deque(pending)
+        self.pending = collections.deque(load_pending(state.get("pending", []), shapes, self.look is not None))
         self.applied_bytes = int(state.get("applied_bytes", 0))
         self.applied = int(state.get("applied", 0))
         self.rebroadcasts = int(state.get("rebroadcasts", 0))

@@ -29,13 +29,14 @@ travels so that every rank sees the bad step.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
 from gradpress.compress.base import all_finite
 
-__all__ = ["clip_by_total_norm", "copies_like", "LocalMomentum"]
+__all__ = ["clip_by_total_norm", "copies_like", "LocalMomentum", "save_pending", "load_pending"]
 
 
 def clip_by_total_norm(grads: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor:
@@ -100,3 +101,32 @@ def copies_like(saved: Sequence[torch.Tensor], like: Sequence[torch.Tensor], wha
         raise ValueError(f"comprex state: {what} missing or of another model "
                          f"(expected {len(like)} tensors shaped like the parameters)")
     return [s.to(x.dtype).clone() for s, x in zip(saved, like)]
+
+
+def save_pending(item: Mapping[str, Any]) -> dict[str, Any]:
+    """A checkpoint's copy of an exchange in flight (its fields but the
+    background ticket: tensors and lists of them cloned)."""
+    def copied(v: Any) -> Any:
+        return v.clone() if isinstance(v, torch.Tensor) else [copied(x) for x in v] if isinstance(v, list) else v
+    return {k: copied(v) for k, v in item.items() if k != "ticket"}
+
+
+def load_pending(items: Sequence[Mapping[str, Any]], shapes: list[tuple[int, ...]], proxy: bool
+                 ) -> list[dict[str, Any]]:
+    """The exchanges in flight of a checkpoint (:func:`save_pending`),
+    refused unless shaped like the parameters (``proxy``: the look-ahead's
+    stand-ins too)."""
+    out = []
+    for it in items:
+        stand_in = it.get("proxy") if proxy else None
+        if [tuple(u.shape) for u in it["update"]] != shapes or (
+                proxy and (stand_in is None or [tuple(u.shape) for u in stand_in] != shapes)):
+            raise ValueError("comprex state: an exchange in flight does not match this model "
+                             "(or was saved without the look-ahead's stand-in)")
+        out.append({"step": int(it["step"]), "exchange": int(it["exchange"]), "ratio": float(it["ratio"]),
+                    "bytes": int(it["bytes"]), "skipped": bool(it["skipped"]),
+                    "update": [u.clone() for u in it["update"]],
+                    # update=optimizer: this rank's gradient flags and their average (DDP's rule at the update)
+                    **({"mine": [bool(b) for b in it["mine"]], "flags": it["flags"].clone()} if "flags" in it else {}),
+                    **({"proxy": [u.clone() for u in stand_in]} if stand_in is not None else {})})
+    return out

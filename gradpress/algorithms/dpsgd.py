@@ -60,11 +60,13 @@ class DPSGD(GossipAlgorithm):
             posted.finish_sends()
             t3 = self.clock()
             own, _ = self.codec.decode(buf, packets)
-            mixed = [x * self.w_self for x in own]
+            # sum_j w_ij x_j - x_i as sum over neighbours of w_ij (x_j - x_i): exactly 0 where the replicas agree
+            # (a parameter no rank trains stays bit for bit; w_ij x_j summed would round it by an ulp per step)
+            drift = [torch.zeros_like(x) for x in own]
             for j in self.peers_list:
                 values, _ = self.codec.decode(got[j], packets)
-                for m, v in zip(mixed, values):
-                    m.add_(v, alpha=self.w_self)
-            for p, m, x in zip(params, mixed, own):
-                p.add_(m - x)  # sum_j w_ij x_j + (optimizer step)
+                for d, v, x in zip(drift, values, own):
+                    d.add_(v - x, alpha=self.w_self)
+            for p, d in zip(params, drift):
+                p.add_(d)  # sum_j w_ij x_j + (optimizer step)
             self.account(posted.sent, 0.0, (t1 - t0) + (t3 - t2), self.payload_bytes(self.codec.keys, packets))

@@ -40,6 +40,12 @@ step (so parameters and optimizer state stay identical: ``replicated``);
 every byte handed to a collective is in ``stats`` (``ae_bytes`` is the
 autoencoder's own share, zero but for the one broadcast at the freeze);
 ``state_dict`` holds the residual, the autoencoder and its optimizer.
+A parameter whose ``.grad`` is None follows DDP's rule in every phase: one
+float32 flag per parameter rides in the step's collective (phase 2: the
+values' allgather; ring: the latents' allreduce; ps: the innovations'
+allgather, or an allreduce of its own without innovations); a parameter no
+rank has a gradient for keeps ``.grad`` None (the optimizer skips it) and
+its residual; one some rank lacks gets zeros there.
 Limits: one floating dtype for all trainable parameters; NaN/Inf gradients
 are not screened in phases 2 and 3 (``nonfinite`` must be ``propagate``).
 """
@@ -56,6 +62,7 @@ import torch
 from gradpress.algorithms.base import Algorithm
 from gradpress.algorithms.lgc_autoencoder import LGCAutoencoder, rms, train_step
 from gradpress.algorithms.lgc_exchange import Exchanged, Wire, ps_latent, ring_latent, shared_topk, total
+from gradpress.algorithms.presence import agreed
 from gradpress.algorithms.registry import register
 from gradpress.compress.base import Param
 
@@ -162,13 +169,15 @@ class LGC(Algorithm):
         self._last["bytes"] = self._last["host"] = 0
         params = [p for _, p in self.named]
         self._adopt_phase1_residual()
+        mine = [p.grad is not None for p in params]
+        flags = torch.tensor([float(b) for b in mine], dtype=torch.float32, device=self.residual.device)
         flat = torch.cat([g.reshape(-1) for g in self.gradients()])
         acc = flat + self.residual
         leader = self.leader_at(step)
         t0 = time.perf_counter()
         train_s = 0.0
         if phase == 2:
-            ex = shared_topk(self.wire, acc, self.quotas, leader)
+            ex = shared_topk(self.wire, acc, self.quotas, leader, flags)
             t1 = time.perf_counter()
             assert ex.batch is not None
             self.ae_losses.append(train_step(self.ae, self.ae_optimizer, ex.batch / rms(ex.batch[leader]),
@@ -177,11 +186,12 @@ class LGC(Algorithm):
         else:
             if not self.frozen:
                 self.freeze()
-            ex = self._latent_exchange(acc, leader)
+            ex = self._latent_exchange(acc, leader, flags)
             if ex.rel_error is not None:
                 self._err = (self._err[0] + ex.rel_error, self._err[1] + 1)
-        self.residual = ex.residual
-        self._apply(params, ex)
+        present = agreed(mine, ex.flags)
+        self.residual = self._keep_absent(ex.residual, acc, present)
+        self._apply(params, ex, present)
         self._count(ex, comm_s=time.perf_counter() - t0 - train_s, compress_s=train_s)
         self.average_plain(list(self.model.buffers()))
         sent = self._last["bytes"]
@@ -202,20 +212,35 @@ class LGC(Algorithm):
                 self.residual[offset : offset + p.numel()] += held.reshape(-1).to(self.residual.dtype)
             offset += p.numel()
 
-    def _latent_exchange(self, acc: torch.Tensor, leader: int) -> Exchanged:
+    def _latent_exchange(self, acc: torch.Tensor, leader: int, flags: torch.Tensor) -> Exchanged:
         if self.variant == "ps":  # type: ignore[attr-defined]
-            return ps_latent(self.wire, acc, self.quotas, self.k_inn, leader, self.ae)
-        return ring_latent(self.wire, acc, self.quotas, leader, self.ae)
+            return ps_latent(self.wire, acc, self.quotas, self.k_inn, leader, self.ae, flags)
+        return ring_latent(self.wire, acc, self.quotas, leader, self.ae, flags)
 
-    def _apply(self, params: list[torch.Tensor], ex: Exchanged) -> None:
+    def _keep_absent(self, residual: torch.Tensor, acc: torch.Tensor, present: list[bool]) -> torch.Tensor:
+        """DDP's rule for a parameter no rank has a gradient for: nothing of
+        it counts as sent, so its residual stays what it was (``acc`` there:
+        its gradient is zero on every rank)."""
         offset = 0
-        for p in params:
+        for (_, p), some in zip(self.named, present):
+            if not some:
+                residual[offset : offset + p.numel()] = acc[offset : offset + p.numel()]
+            offset += p.numel()
+        return residual
+
+    def _apply(self, params: list[torch.Tensor], ex: Exchanged, present: list[bool]) -> None:
+        """The average into ``.grad``; a parameter no rank has a gradient for
+        keeps ``.grad`` None (the optimizer skips it, as under DDP)."""
+        offset = 0
+        for p, some in zip(params, present):
             g = ex.average[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+            if not some:
+                continue
             if p.grad is None:
                 p.grad = g.clone()
             else:
                 p.grad.copy_(g)
-            offset += p.numel()
 
     def _count(self, ex: Exchanged, comm_s: float, compress_s: float) -> None:
         assert self.engine is not None

@@ -53,6 +53,8 @@ class Exchanged:
     batch: torch.Tensor | None = None  #: phase 2: the (N, k) values every rank holds (autoencoder data)
     #: phase 3: ||decoded - x|| / ||x|| for this rank's own values (ps: on the master only), a 0-d tensor
     rel_error: torch.Tensor | None = None
+    #: the ``flags`` of every rank summed (float32; None when none were passed)
+    flags: torch.Tensor | None = None
 
 
 def _as_bytes(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -60,11 +62,15 @@ def _as_bytes(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _from_bytes(buf: torch.Tensor, like: list[tuple[int, torch.dtype]]) -> list[torch.Tensor]:
+    """The tensors packed in ``buf``; a part that does not start at a
+    multiple of its element size (float64 values after an odd number of
+    int32 indices) is copied out, since a byte view cannot be reinterpreted there."""
     out, offset = [], 0
     for n, dtype in like:
-        size = n * torch.empty((), dtype=dtype).element_size()
-        out.append(buf[offset : offset + size].view(dtype))
-        offset += size
+        item = torch.empty((), dtype=dtype).element_size()
+        part = buf[offset : offset + n * item]
+        out.append((part if part.storage_offset() % item == 0 else part.clone()).view(dtype))
+        offset += n * item
     return out
 
 
@@ -127,25 +133,30 @@ def select(acc: torch.Tensor, quotas: Quotas) -> torch.Tensor:
     return idx[order].to(torch.int32)
 
 
-def shared_topk(wire: Wire, acc: torch.Tensor, quotas: Quotas, leader: int) -> Exchanged:
-    """Phase 2: top-k at the leader's indices, values allgathered."""
+def shared_topk(wire: Wire, acc: torch.Tensor, quotas: Quotas, leader: int,
+                flags: torch.Tensor | None = None) -> Exchanged:
+    """Phase 2: top-k at the leader's indices, values allgathered (with
+    ``flags``, float32, which come back summed over ranks)."""
     k = total(quotas)
     mine = select(acc, quotas) if wire.rank == leader else torch.zeros(k, dtype=torch.int32, device=acc.device)
     (idx,), sent_idx = wire.broadcast([mine], leader)
     idx = idx.long()
-    gathered, sent_val = wire.allgather([acc[idx]])
+    gathered, sent_val = wire.allgather([acc[idx], *([flags] if flags is not None else [])])
+    summed = torch.stack([g[1] for g in gathered]).sum(0) if flags is not None else None
     batch = torch.stack([g[0] for g in gathered])
     average = torch.zeros_like(acc)
     average[idx] = batch.sum(0) / wire.world
     residual = acc.clone()
     residual[idx] = 0
-    return Exchanged(average, residual, sent_idx + sent_val, {"indices": sent_idx, "values": sent_val}, batch)
+    return Exchanged(average, residual, sent_idx + sent_val, {"indices": sent_idx, "values": sent_val}, batch,
+                     flags=summed)
 
 
 @torch.no_grad()
 def ps_latent(wire: Wire, acc: torch.Tensor, quotas: Quotas, k_inn: int, master: int,
-              ae: LGCAutoencoder) -> Exchanged:
-    """Phase 3, parameter-server variant (module doc)."""
+              ae: LGCAutoencoder, flags: torch.Tensor | None = None) -> Exchanged:
+    """Phase 3, parameter-server variant (module doc); ``flags`` ride with
+    the innovations (an allreduce of their own without innovations)."""
     latent, k = ae.latent, total(quotas)
     if wire.rank == master:
         idx = select(acc, quotas)
@@ -161,24 +172,35 @@ def ps_latent(wire: Wire, acc: torch.Tensor, quotas: Quotas, k_inn: int, master:
     missed = acc.clone()
     missed[idx] -= decoded[wire.rank]
     inn_idx = torch.topk(missed.abs(), k_inn, sorted=False).indices.sort().values
-    gathered, sent_inn = wire.allgather([inn_idx.to(torch.int32), missed[inn_idx]]) if k_inn else ([], 0)
+    extra = [flags] if flags is not None else []
+    flags_sum, sent_flags = None, 0
+    if k_inn:
+        gathered, sent_inn = wire.allgather([inn_idx.to(torch.int32), missed[inn_idx], *extra])
+        flags_sum = torch.stack([g[2] for g in gathered]).sum(0) if extra else None
+    else:
+        gathered, sent_inn = [], 0
+        if flags is not None:
+            flags_sum, sent_flags = wire.allreduce(flags)
     summed = torch.zeros_like(acc)
     summed[idx] = decoded.sum(0)
-    for r_idx, r_val in gathered:  # fixed rank order: identical sums on every rank
+    for r_idx, r_val, *_ in gathered:  # fixed rank order: identical sums on every rank
         summed.index_add_(0, r_idx.long(), r_val)
     residual = missed
     residual[inn_idx] = 0
-    parts = {"header": sent_head, "innovation": sent_inn}
+    parts = {"header": sent_head, "innovation": sent_inn, **({"flags": sent_flags} if sent_flags else {})}
     err = None
     if wire.rank == master:
         x = acc[idx]
         err = (decoded[master] - x).norm() / x.norm().clamp_min(torch.finfo(x.dtype).tiny)
-    return Exchanged(summed / wire.world, residual, sent_head + sent_inn, parts, rel_error=err)
+    return Exchanged(summed / wire.world, residual, sent_head + sent_inn + sent_flags, parts, rel_error=err,
+                     flags=flags_sum)
 
 
 @torch.no_grad()
-def ring_latent(wire: Wire, acc: torch.Tensor, quotas: Quotas, leader: int, ae: LGCAutoencoder) -> Exchanged:
-    """Phase 3, ring-allreduce variant (module doc)."""
+def ring_latent(wire: Wire, acc: torch.Tensor, quotas: Quotas, leader: int, ae: LGCAutoencoder,
+                flags: torch.Tensor | None = None) -> Exchanged:
+    """Phase 3, ring-allreduce variant (module doc); ``flags`` are summed
+    in the latents' allreduce."""
     k = total(quotas)
     if wire.rank == leader:
         idx = select(acc, quotas)
@@ -189,7 +211,9 @@ def ring_latent(wire: Wire, acc: torch.Tensor, quotas: Quotas, leader: int, ae: 
     (idx, scale), sent_head = wire.broadcast([idx, scale], leader)
     idx = idx.long()
     z = ae.encode((acc[idx] / scale).reshape(1, -1))
-    summed, sent_z = wire.allreduce(z.reshape(-1))
+    n_z = z.numel()
+    summed, sent_z = wire.allreduce(torch.cat([z.reshape(-1), *([flags.float()] if flags is not None else [])]))
+    summed, flags_sum = summed[:n_z], (summed[n_z:] if flags is not None else None)
     average = torch.zeros_like(acc)
     average[idx] = (ae.decode(summed.reshape(1, -1) / wire.world, 0).reshape(-1) * scale).to(acc.dtype)
     own = (ae.decode(z, 0).reshape(-1) * scale).to(acc.dtype)
@@ -197,4 +221,5 @@ def ring_latent(wire: Wire, acc: torch.Tensor, quotas: Quotas, leader: int, ae: 
     residual[idx] -= own
     x = acc[idx]
     err = (own - x).norm() / x.norm().clamp_min(torch.finfo(x.dtype).tiny)
-    return Exchanged(average, residual, sent_head + sent_z, {"header": sent_head, "latent": sent_z}, rel_error=err)
+    return Exchanged(average, residual, sent_head + sent_z, {"header": sent_head, "latent": sent_z}, rel_error=err,
+                     flags=flags_sum)
