@@ -71,3 +71,6 @@ def test_a_path_cannot_climb_out_of_the_root(tmp_path):
     (tmp_path / "cpu.max").write_text("100000 100000\n")  # outside the fake root: must not be read
     root, proc = tree(tmp_path, "0::/../..\n", {})
     assert cgroup_cpu_limit(root, proc) is None
+    # a cgroup outside the namespace's root ("/../x"): not the sibling "x" under the root, only the root's own
+    root, proc = tree(tmp_path / "ns", "0::/../x\n", {"x/cpu.max": "100000 100000\n", "cpu.max": "300000 100000\n"})
+    assert cgroup_cpu_limit(root, proc) == 3

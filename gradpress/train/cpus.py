@@ -42,8 +42,11 @@ def _limit_in(directory: Path, version: int) -> float | None:
 
 def _directories(root: Path, path: str) -> list[Path]:
     """``root/path`` and each ancestor up to ``root``: where a limit on this process's cgroup can be set. In a
-    container with its own cgroup namespace ``path`` is "/", and ``root`` is the container's own cgroup."""
-    parts = [p for p in path.split("/") if p and p not in (".", "..")]
+    container with its own cgroup namespace ``path`` is "/", and ``root`` is the container's own cgroup. A path
+    with ".." lies outside the namespace's root, so not under ``root``: only ``root`` itself is read."""
+    parts = [p for p in path.split("/") if p and p != "."]
+    if ".." in parts:
+        return [root]
     return [root.joinpath(*parts[:i]) for i in range(len(parts), -1, -1)]
 
 
