@@ -114,6 +114,10 @@ class Algorithm:
             self._check_inputs(model, optimizer)
             self._set_params(params)
             self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+            if not self.named:
+                raise ValueError(f"algorithm {self.name!r}: the model has no trainable parameter (none with "
+                                 "requires_grad=True): nothing to train or synchronize; allowed: a model with at "
+                                 "least one")
             self._dense_per_step = sum(p.numel() * p.element_size() for _, p in self.named)
             self.engine = Synchronizer(
                 create(compressor if compressor is not None else self.default_compressor),

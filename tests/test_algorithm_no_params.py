@@ -1,0 +1,36 @@
+"""An algorithm on a model with no trainable parameter is refused at construction, naming the algorithm and
+what is allowed. Before, each failed its own way, or not at all: ``localsgd``/``postlocalsgd`` on 2 ranks crashed
+at the first synchronization ("stack expects a non-empty TensorList"), ``comprex`` with "Tensor list must have at
+least one tensor", ``diloco`` in torch's optimizer, ``lgc`` with a message about dtypes, ``choco``, ``dpsgd`` and
+``sgp`` ran doing nothing."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import gradpress.algorithms as algorithms
+from gradpress import torch_compat
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):  # noqa: ANN001,ANN201
+    assert not dist.is_initialized()
+    path = tmp_path_factory.mktemp("rendezvous") / "file"
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        torch_compat.destroy_process_group()
+
+
+@pytest.mark.parametrize("name", algorithms.names())
+def test_a_model_without_trainable_parameters_is_refused_naming_the_algorithm(one_rank, name: str) -> None:  # noqa: ANN001
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    for p in model.parameters():
+        p.requires_grad_(False)
+    optimizer = torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))], lr=0.1)  # Adam: every algorithm accepts it
+    with pytest.raises(ValueError) as exc:
+        algorithms.create(name, model, optimizer)
+    assert (f"algorithm {name!r}: the model has no trainable parameter (none with requires_grad=True): nothing to "
+            "train or synchronize; allowed: a model with at least one") in str(exc.value)
