@@ -25,6 +25,11 @@ REFUSED = {  # overrides -> what the message must say
     "sgp peers": ({"algorithm": "sgp:peers=9"}, "parameter 'peers' got 9"),
     "lsgd groups": ({"algorithm": "lsgd:groups=3"}, "parameter 'groups' got 3; allowed: a divisor of the world size 2"),
     "lsgd average": ({"algorithm": "lsgd:average=true", "compressor": "topk:ratio=0.1"}, "'average' is true"),
+    # skip and raise were accepted and did nothing: a worker with one Inf gradient stayed NaN for good
+    # (the pull keeps its NaN, it never leads), no step was skipped, nothing raised (tests/test_skip_restart.py)
+    "lsgd skip": ({"algorithm": "lsgd", "nonfinite": "skip"}, "algorithm 'lsgd': nonfinite='skip' is not supported"),
+    "lsgd raise": ({"algorithm": "lsgd:tau=2", "nonfinite": "raise", "compressor": "topk:ratio=0.1"},
+                   "algorithm 'lsgd': nonfinite='raise' is not supported"),
 }
 
 

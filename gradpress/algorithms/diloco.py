@@ -77,6 +77,7 @@ import torch
 from gradpress.algorithms.base import Algorithm
 from gradpress.algorithms.localsgd import GRAD
 from gradpress.algorithms.registry import register
+from gradpress.algorithms.restart import LocalCopy
 from gradpress.compress.base import Param
 
 PARAMS = (
@@ -171,6 +172,11 @@ class DiLoCo(Algorithm):
         self.outer = torch.optim.SGD(self.anchor, lr=self.outer_lr,  # type: ignore[attr-defined]
                                      momentum=self.outer_momentum,  # type: ignore[attr-defined]
                                      nesterov=self.nesterov)  # type: ignore[attr-defined]
+        #: nonfinite=skip: this rank's inner optimizer state and buffers at theta (a dropped sync restores them)
+        self.restart = (LocalCopy(self.optimizer, [p for _, p in self.named], self.model.buffers())
+                        if self.engine is not None and self.engine.nonfinite == "skip" else None)
+        if self.restart is not None:
+            self.restart.take()
 
     def step(self) -> None:
         switch = getattr(self, "switch", 0)
@@ -186,11 +192,19 @@ class DiLoCo(Algorithm):
                 with torch.no_grad():
                     for a, (_, p) in zip(self.anchor, self.named):
                         a.copy_(p)
+                    if self.restart is not None:
+                        self.restart.take()
             return
         self.local_step()
         if (self._steps - switch) % self.period == 0:  # type: ignore[attr-defined]
             self.outer_step(range(len(self.named)))
-            self.average_plain(list(self.model.buffers()))
+            assert self.engine is not None
+            if self.restart is not None and self.engine.last_step_skipped:
+                self.restart.restore()  # the period never happened: inner state and buffers as they were at theta
+            else:
+                self.average_plain(list(self.model.buffers()))
+                if self.restart is not None:
+                    self.restart.take()
             if getattr(self, "inner_state", "keep") == "reset":
                 self.reset_inner_state()
 
@@ -225,7 +239,9 @@ class DiLoCo(Algorithm):
         engine skipped (``nonfinite=skip``: some rank's outer gradient was
         not finite) leaves ``theta`` and the outer momentum untouched (the
         outer optimizer is not stepped on the zeroed average); the workers
-        still restart from ``theta``."""
+        still restart from ``theta``, and :meth:`step` puts each rank's inner
+        optimizer state and buffers back to its copy taken at ``theta``
+        (:mod:`gradpress.algorithms.restart`)."""
         idx = list(idx)
         deltas = self.outer_gradient(idx)
         assert self.engine is not None
@@ -263,7 +279,10 @@ class DiLoCo(Algorithm):
         return self.model
 
     def extra_state(self) -> dict[str, Any]:
-        return {"anchor": [a.clone() for a in self.anchor], "outer": copy.deepcopy(self.outer.state_dict())}
+        out = {"anchor": [a.clone() for a in self.anchor], "outer": copy.deepcopy(self.outer.state_dict())}
+        if self.restart is not None:
+            out["restart"] = self.restart.state_dict()
+        return out
 
     def load_extra_state(self, state: Mapping[str, Any]) -> None:
         anchor = state.get("anchor")
@@ -275,6 +294,8 @@ class DiLoCo(Algorithm):
                                  f"model has {tuple(a.shape)}")
             a.copy_(saved)
         self.outer.load_state_dict(state["outer"])
+        if self.restart is not None and "restart" in state:  # a checkpoint before 2026-12: the copy at the start
+            self.restart.load_state_dict(state["restart"], self.name)
         if getattr(self, "keep_residual", False):  # checkpoints before the fix saved the engine's decay as 0
             assert self.engine is not None
             self.engine.feedback.beta = 1.0

@@ -26,7 +26,9 @@ compressor shrinks the deltas. The state is averaged per parameter, for the
 parameters whose state every rank holds (a rank that never stepped one has
 none; it then stays local): :meth:`LocalSGD.optimizer_state_tensors`. A
 synchronization that ``nonfinite='skip'`` drops (some rank's delta is not
-finite) restarts every replica from the anchor and leaves every state local.
+finite) restarts every replica from the anchor and averages no state; each
+rank's optimizer state and buffers go back to its copy taken at the anchor
+(:mod:`gradpress.algorithms.restart`: the period never happened).
 Between synchronizations the replicas differ: :meth:`eval_model` evaluates
 their average (:meth:`~gradpress.algorithms.base.Algorithm.consensus_model`).
 
@@ -60,6 +62,7 @@ import torch
 
 from gradpress.algorithms.base import Algorithm
 from gradpress.algorithms.registry import register
+from gradpress.algorithms.restart import LocalCopy
 from gradpress.compress.base import Param
 
 GRAD = "grad:"
@@ -93,6 +96,11 @@ class LocalSGD(Algorithm):
         self.anchor = [p.detach().clone() for _, p in self.named]
         #: local steps since the last average (or since the switch)
         self.since = 0
+        #: nonfinite=skip: this rank's optimizer state and buffers at the anchor (a dropped sync restores them)
+        self.restart = (LocalCopy(self.optimizer, [p for _, p in self.named], self.model.buffers())
+                        if self.engine is not None and self.engine.nonfinite == "skip" else None)
+        if self.restart is not None:
+            self.restart.take()
 
     def current_period(self) -> int:
         """The period in force at the current local step (warm-up aware)."""
@@ -118,6 +126,8 @@ class LocalSGD(Algorithm):
         if self._steps == self.switch:
             for a, (_, p) in zip(self.anchor, self.named):
                 a.copy_(p)
+            if self.restart is not None:
+                self.restart.take()
 
     @torch.no_grad()
     def average(self) -> None:
@@ -144,11 +154,18 @@ class LocalSGD(Algorithm):
         for p, a, d in zip(params, self.anchor, deltas):
             a.add_(d)
             p.copy_(a)
+        self.since = 0
+        if self.restart is not None and self.engine is not None and self.engine.last_step_skipped:
+            # the period never happened: each rank's optimizer state and buffers as they were at the anchor
+            # (the NaN/Inf that made some delta non-finite is in that rank's momentum and BatchNorm statistics)
+            self.restart.restore()
+            return
         extra = list(self.model.buffers())
         if states is not None:
             extra += [t for ts in states for t in ts]
         self.average_plain(extra)
-        self.since = 0
+        if self.restart is not None:
+            self.restart.take()
 
     def optimizer_state_tensors(self) -> list[list[torch.Tensor]]:
         """Per trainable parameter, in the model's order, the optimizer's
@@ -156,8 +173,9 @@ class LocalSGD(Algorithm):
         empty where this rank holds none (it never stepped the parameter: its
         ``.grad`` was always None here). :meth:`average` averages a
         parameter's state only where every rank holds it (a flag per parameter
-        rides in the deltas' exchange) and leaves it local elsewhere, and
-        everywhere after an exchange ``nonfinite='skip'`` dropped. (Taking
+        rides in the deltas' exchange) and leaves it local elsewhere; after an
+        exchange ``nonfinite='skip'`` dropped it averages none and restores
+        each rank's copy from the anchor. (Taking
         the states in the optimizer's own order paired one parameter's momentum
         with another's when the ranks created them in different orders, and a
         rank with fewer states broke the collective.)"""
@@ -180,7 +198,10 @@ class LocalSGD(Algorithm):
         return self.model if self.since == 0 else self.consensus_model()
 
     def extra_state(self) -> dict[str, Any]:
-        return {"anchor": [a.clone() for a in self.anchor], "since": self.since}
+        out: dict[str, Any] = {"anchor": [a.clone() for a in self.anchor], "since": self.since}
+        if self.restart is not None:
+            out["restart"] = self.restart.state_dict()
+        return out
 
     def load_extra_state(self, state: Mapping[str, Any]) -> None:
         anchor = state.get("anchor")
@@ -189,6 +210,8 @@ class LocalSGD(Algorithm):
         for a, saved in zip(self.anchor, anchor):
             a.copy_(saved)
         self.since = int(state.get("since", self._steps % self.period))
+        if self.restart is not None and "restart" in state:  # a checkpoint before 2026-12: the copy at the start
+            self.restart.load_state_dict(state["restart"], self.name)
 
 
 @register

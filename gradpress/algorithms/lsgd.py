@@ -61,6 +61,11 @@ The training loss: ``step(loss)`` takes it, or, when the loop calls
 ``torch.Tensor`` subclass, values and autograd unchanged) so that the
 scalar computed from it reports itself when ``backward()`` is called on it.
 
+``nonfinite`` must be ``propagate``: nothing LSGD exchanges is a gradient or
+delta every rank checks, so ``skip`` and ``raise`` would do nothing (a
+worker with one Inf gradient stays NaN: it never leads, and the pull keeps
+its NaN).
+
 Invariants: every rank elects the same leaders (one allgather of the running
 losses; every rank decides from the same vector); a worker with ``c = 1``
 holds the leader's parameters bit for bit after the pull; the per-step
@@ -121,6 +126,11 @@ class LSGD(Algorithm):
 
     @classmethod
     def preflight(cls, params: Mapping[str, Any], run: Preflight) -> None:
+        if run.nonfinite != "propagate":
+            raise ValueError(f"algorithm {cls.name!r}: nonfinite={run.nonfinite!r} is not supported: LSGD "
+                             "exchanges no gradient or delta that every rank checks (a diverged worker's NaN "
+                             "loss never leads and the pull keeps its NaN), so no step would be skipped or "
+                             "raised; allowed: propagate")
         groups = params["groups"]
         if run.world_size is not None and run.world_size % groups:
             raise ValueError(f"algorithm {cls.name!r}: parameter 'groups' got {groups}; allowed: a divisor "

@@ -30,6 +30,13 @@ worker's fragment is never more than H + T inner steps away from the last
 outer parameters it merged. ``stats`` count an exchange's bytes when it is
 merged (independent of the thread's timing).
 
+``nonfinite='skip'``: a dropped exchange (some rank's outer gradient not
+finite) restarts every fragment from ``theta`` on every rank, each with the
+inner optimizer state it had at its own last merge, and the buffers of the
+last merge that carried them (:mod:`gradpress.algorithms.restart`): a NaN
+in one fragment reaches every fragment at the next forward pass, so
+restoring the dropped fragment alone ping-ponged the NaN between fragments.
+
 Invariants: ``theta`` and the outer momentum are bit-identical on every rank
 (the averages are); with A = 0 the merged fragment is bit-identical on
 every rank right after each merge. With F = 1, T = 0, A = 0 this is DiLoCo
@@ -156,16 +163,25 @@ class StreamingDiLoCo(DiLoCo):
         """Apply an averaged outer gradient: outer step, then mix the local fragment."""
         self._wait(item)
         idx = self.frags[item["fragment"]]
-        if not item.get("skipped", False):  # a skipped exchange leaves theta and its momentum alone
-            self.apply_outer(idx, item["deltas"])
+        self._last["bytes"] += item["bytes"]
+        self.merged_bytes += item["bytes"]
+        if item.get("skipped", False) and self.restart is not None:
+            # some rank diverged (a NaN spreads to its whole model at the next forward pass): theta and its
+            # momentum stay, every rank restarts every fragment from theta with the inner state each fragment
+            # had at its last merge, and the buffers of the last buffer merge
+            for (_, p), a in zip(self.named, self.anchor):
+                p.copy_(a)
+            self.restart.restore()
+            return
+        self.apply_outer(idx, item["deltas"])
         weight = 1.0 - self.alpha  # type: ignore[attr-defined]
         for i in idx:  # weight 1: an exact copy (lerp_ would keep a diverged worker's NaN)
             p = self.named[i][1]
             p.copy_(self.anchor[i]) if weight == 1 else p.lerp_(self.anchor[i], weight)
         for b, avg in zip(self._float_buffers(), item["buffers"]):
             b.copy_(avg)
-        self._last["bytes"] += item["bytes"]
-        self.merged_bytes += item["bytes"]
+        if self.restart is not None:
+            self.restart.take(idx, buffers=bool(item["buffers"]))
 
     def _float_buffers(self) -> list[torch.Tensor]:
         return [b for b in self.model.buffers() if b.is_floating_point() and b.numel()]

@@ -1,0 +1,93 @@
+"""What ``nonfinite='skip'`` restores when it drops a model-averaging
+synchronization (local SGD, DiLoCo, Streaming DiLoCo).
+
+A synchronization that the engine drops (some rank's delta or outer
+gradient was not finite) puts every replica's parameters back where every
+rank agreed last (the anchor, ``theta``). The local steps between
+synchronizations are not guarded: the NaN/Inf gradient that made the delta
+non-finite also went into that rank's optimizer state (momentum, Adam's
+moments) and, through the following forward passes, into its floating
+buffers (BatchNorm statistics). Parameters alone back at the anchor then
+stepped with that state give NaN again at the next local step, every later
+synchronization is dropped too, and the run is dead while it looks alive.
+
+So, with ``skip``, each rank keeps its own copy of what the local steps
+change besides the parameters, taken whenever its parameters are set to
+the agreed point (:meth:`LocalCopy.take`): the local optimizer's
+per-parameter state (every entry: momentum buffers, moments, step counts)
+and the model's buffers. A dropped synchronization puts them back
+(:meth:`LocalCopy.restore`) on every rank, so the period is undone as a
+whole: the run continues as if its local steps had never happened (their
+batches are consumed; the step counter, the period schedule and the
+optimizer's ``param_groups``, hence a learning-rate schedule, go on).
+Cost: one copy of the optimizer's state and buffers per rank, on their
+device (Adam: two parameter-sized tensors), refreshed at every
+synchronization; nothing without ``skip``.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["LocalCopy"]
+
+
+def _clone(value: Any) -> Any:
+    return value.detach().clone() if torch.is_tensor(value) else copy.deepcopy(value)
+
+
+class LocalCopy:
+    """This rank's copy of the optimizer state of ``params`` and of
+    ``buffers`` at the last agreed point."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor],
+                 buffers: Iterable[torch.Tensor]) -> None:
+        self.optimizer = optimizer
+        self.params = list(params)
+        self.buffers = list(buffers)
+        #: per parameter: its optimizer state (None: it had none), in ``params``' order
+        self.states: list[dict[str, Any] | None] = [None] * len(self.params)
+        self.saved_buffers: list[torch.Tensor] = [b.detach().clone() for b in self.buffers]
+
+    @torch.no_grad()
+    def take(self, idx: Iterable[int] | None = None, buffers: bool = True) -> None:
+        """Copy the state of the parameters ``idx`` (default: all) and, with
+        ``buffers``, the buffers."""
+        for i in range(len(self.params)) if idx is None else idx:
+            state = self.optimizer.state.get(self.params[i])
+            self.states[i] = {k: _clone(v) for k, v in state.items()} if state else None
+        if buffers:
+            for saved, b in zip(self.saved_buffers, self.buffers):
+                saved.copy_(b)
+
+    @torch.no_grad()
+    def restore(self, idx: Iterable[int] | None = None, buffers: bool = True) -> None:
+        """Put the copies back (a parameter that had no state loses the one
+        it gained since); the copies stay for another restore."""
+        for i in range(len(self.params)) if idx is None else idx:
+            p, saved = self.params[i], self.states[i]
+            if saved is None:
+                self.optimizer.state.pop(p, None)
+            else:
+                self.optimizer.state[p] = {k: _clone(v) for k, v in saved.items()}
+        if buffers:
+            for saved_b, b in zip(self.saved_buffers, self.buffers):
+                b.copy_(saved_b)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"states": [None if s is None else {k: _clone(v) for k, v in s.items()} for s in self.states],
+                "buffers": [b.clone() for b in self.saved_buffers]}
+
+    def load_state_dict(self, state: Mapping[str, Any], what: str) -> None:
+        states, buffers = state.get("states"), state.get("buffers")
+        if (not isinstance(states, list) or len(states) != len(self.params) or not isinstance(buffers, list)
+                or [tuple(b.shape) for b in buffers] != [tuple(b.shape) for b in self.saved_buffers]):
+            raise ValueError(f"{what} state: the copy of the optimizer state and buffers that nonfinite='skip' "
+                             "restores is missing or of another model")
+        self.states = [None if s is None else {k: _clone(v) for k, v in s.items()} for s in states]
+        for saved, b in zip(self.saved_buffers, buffers):
+            saved.copy_(b)

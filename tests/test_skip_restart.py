@@ -1,0 +1,277 @@
+"""``nonfinite='skip'`` for the model-averaging algorithms must not leave a
+dead run (2 gloo workers, one spawn, about 5 s).
+
+Rank 0's gradient holds one Inf at one local step. That step puts the Inf
+into rank 0's optimizer state (momentum, Adam's moments) and its parameters;
+the next forward passes spread NaN into every parameter and the BatchNorm
+statistics. The synchronization that follows is dropped on every rank. It
+put the parameters back at the anchor but left the NaN momentum (and the
+NaN buffers, which it even averaged into every rank): every later local step
+gave NaN again and every later synchronization was dropped (the run was
+dead while it looked alive). The documented rule (gradpress/algorithms/
+restart.py): a dropped synchronization undoes the period on every rank,
+parameters back to the agreed point, the optimizer state and buffers to
+each rank's copy taken there; Streaming DiLoCo restarts every fragment from
+``theta`` with each fragment's state as of its last merge. The references
+below are written from that rule in float64 (autograd for the gradients and
+BatchNorm's statistics, the optimizers by hand), compared after every step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+from distributed import run_workers
+
+import gradpress
+
+F64 = torch.float64
+WORLD = 2
+LR_SGD, MU = 0.05, 0.9
+LR_ADAM, B1, B2, EPS = 0.01, 0.9, 0.999, 1e-8
+
+# (spec, inner optimizer, steps, the step (0-based) at which rank 0's gradient holds an Inf)
+CASES = {
+    "localsgd": ("localsgd:period=3", "momentum", 10, 4),
+    "diloco": ("diloco:period=3,outer_lr=0.7,outer_momentum=0.9", "adam", 10, 4),
+    "streaming": ("streaming-diloco:period=4,fragments=2,overlap=1,alpha=0.5", "adam", 14, 4),
+}
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(7)
+        self.a, self.bn, self.b = nn.Linear(3, 4, bias=False), nn.BatchNorm1d(4), nn.Linear(4, 2)
+        self.to(F64)  # no bias before BatchNorm: its gradient is rounding noise, which Adam normalizes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.bn(self.a(x))))
+
+
+def batch(rank: int, step: int) -> torch.Tensor:
+    return torch.randn(5, 3, dtype=F64, generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _run(rank: int, case: str) -> dict:
+    spec, inner, steps, bad = CASES[case]
+    model = Net()
+    opt = (torch.optim.SGD(model.parameters(), lr=LR_SGD, momentum=MU) if inner == "momentum"
+           else torch.optim.Adam(model.parameters(), lr=LR_ADAM, betas=(B1, B2), eps=EPS))
+    algo = gradpress.algorithms.create(spec, model, opt, nonfinite="skip")
+    out: dict = {"steps": []}
+    for step in range(steps):
+        opt.zero_grad()
+        model(batch(rank, step)).square().mean().backward()
+        if rank == 0 and step == bad:
+            model.a.weight.grad[0, 0] = math.inf
+        algo.step()
+        out["steps"].append(snapshot(model))
+    algo.close()
+    out["skipped_steps"] = algo.stats["skipped_steps"]
+    return out
+
+
+def _worker(rank: int, world: int) -> dict:
+    return {case: _run(rank, case) for case in CASES}
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    return run_workers(_worker, WORLD)
+
+
+# ------------------------------------------------------------------ reference
+class Replica:
+    """One rank's model, with its optimizer written out by hand."""
+
+    def __init__(self, rank: int, inner: str) -> None:
+        self.rank, self.inner, self.model = rank, inner, Net()
+        self.names = [n for n, _ in self.model.named_parameters()]
+        self.state: dict[str, dict[str, torch.Tensor]] = {}
+
+    def params(self) -> dict[str, torch.Tensor]:
+        return dict(self.model.named_parameters())
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        return dict(self.model.named_buffers())
+
+    @torch.no_grad()
+    def local_step(self, step: int, bad: bool) -> None:
+        with torch.enable_grad():
+            self.model.zero_grad()
+            self.model(batch(self.rank, step)).square().mean().backward()
+        if bad:
+            self.model.a.weight.grad[0, 0] = math.inf
+        for n, p in self.params().items():
+            g, s = p.grad, self.state.setdefault(n, {})
+            if self.inner == "momentum":
+                s["m"] = g.clone() if "m" not in s else MU * s["m"] + g
+                p -= LR_SGD * s["m"]
+            else:
+                t = s["t"] = s.get("t", 0) + 1
+                s["m"] = B1 * s.get("m", torch.zeros_like(p)) + (1 - B1) * g
+                s["v"] = B2 * s.get("v", torch.zeros_like(p)) + (1 - B2) * g * g
+                p -= LR_ADAM / (1 - B1 ** t) * s["m"] / ((s["v"] / (1 - B2 ** t)).sqrt() + EPS)
+
+    def copy_state(self, names: list[str]) -> dict[str, dict[str, torch.Tensor]]:
+        return {n: {k: v if isinstance(v, int) else v.clone() for k, v in self.state[n].items()}
+                for n in names if n in self.state}
+
+    def put_state(self, names: list[str], saved: dict[str, dict[str, torch.Tensor]]) -> None:
+        for n in names:
+            self.state.pop(n, None)
+            if n in saved:
+                self.state[n] = {k: v if isinstance(v, int) else v.clone() for k, v in saved[n].items()}
+
+
+def finite(ts: list[torch.Tensor]) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in ts)
+
+
+class OuterSGD:
+    """torch's SGD with Nesterov momentum, by hand."""
+
+    def __init__(self, lr: float = 0.7, mu: float = 0.9) -> None:
+        self.lr, self.mu, self.buf = lr, mu, {}
+
+    def step(self, theta: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]) -> None:
+        for n, g in grads.items():
+            self.buf[n] = g.clone() if n not in self.buf else self.mu * self.buf[n] + g
+            theta[n] = theta[n] - self.lr * (g + self.mu * self.buf[n])
+
+
+@torch.no_grad()
+def reference(case: str) -> list[list[dict[str, torch.Tensor]]]:
+    """Per step, per rank, the model's state (parameters and buffers)."""
+    _, inner, steps, bad = CASES[case]
+    reps = [Replica(r, inner) for r in range(WORLD)]
+    names = reps[0].names
+    anchor = {n: p.clone() for n, p in reps[0].params().items()}
+    saved = [(r.copy_state(names), {k: b.clone() for k, b in r.buffers().items()}) for r in reps]
+    outer = OuterSGD()
+    out = []
+
+    def restart(r: Replica, keep: tuple) -> None:  # the period never happened on r
+        for n, p in r.params().items():
+            p.copy_(anchor[n])
+        r.put_state(names, keep[0])
+        for k, b in r.buffers().items():
+            b.copy_(keep[1][k])
+
+    def average_buffers() -> None:
+        for k, b in reps[0].buffers().items():
+            if b.is_floating_point():
+                mean = sum(r.buffers()[k] for r in reps) / WORLD
+                for r in reps:
+                    r.buffers()[k].copy_(mean)
+
+    if case in ("localsgd", "diloco"):
+        period = 3
+        for step in range(steps):
+            for r in reps:
+                r.local_step(step, r.rank == 0 and step == bad)
+            if (step + 1) % period == 0:
+                deltas = [{n: p - anchor[n] for n, p in r.params().items()} for r in reps]
+                if not finite([d for ds in deltas for d in ds.values()]):
+                    for r, keep in zip(reps, saved):
+                        restart(r, keep)
+                else:
+                    mean = {n: sum(d[n] for d in deltas) / WORLD for n in names}
+                    if case == "localsgd":
+                        anchor = {n: anchor[n] + mean[n] for n in names}
+                        for n in names:  # optimizer_state=auto with no compressor: momenta averaged
+                            m = sum(r.state[n]["m"] for r in reps) / WORLD
+                            for r in reps:
+                                r.state[n]["m"] = m.clone()
+                    else:
+                        outer.step(anchor, {n: -mean[n] for n in names})
+                    for r in reps:
+                        for n, p in r.params().items():
+                            p.copy_(anchor[n])
+                    average_buffers()
+                    saved = [(r.copy_state(names), {k: b.clone() for k, b in r.buffers().items()}) for r in reps]
+            out.append([{**{n: p.clone() for n, p in r.params().items()},
+                         **{k: b.clone() for k, b in r.buffers().items()}} for r in reps])
+        return out
+
+    # Streaming DiLoCo: H = 4, F = 2, T = 1, alpha = 0.5
+    period, overlap, alpha = 4, 1, 0.5
+    sizes = [p.numel() for p in reps[0].params().values()]
+    frags: list[list[int]] = [[], []]
+    for i in sorted(range(len(sizes)), key=lambda j: (-sizes[j], j)):  # largest first into the lightest
+        frags[min(range(2), key=lambda f: (sum(sizes[j] for j in frags[f]), f))].append(i)
+    frags = [[names[i] for i in sorted(f)] for f in frags]
+    launch_at = {((f + 1) * period // 2) % period: f for f in range(2)}
+    with_buffers = launch_at[0]
+    states = [{n: None for n in names} for _ in reps]  # per rank, per parameter: its state at its last merge
+    bufs = [{k: b.clone() for k, b in r.buffers().items()} for r in reps]
+    pending: list[dict] = []
+    for step in range(steps):
+        t = step + 1
+        for r in reps:
+            r.local_step(step, r.rank == 0 and step == bad)
+        f = launch_at.get(t % period)
+        if f is not None:
+            pending.append({"f": f, "due": t + overlap,
+                            "deltas": [{n: anchor[n] - r.params()[n] for n in frags[f]} for r in reps],
+                            "buffers": [{k: b.clone() for k, b in r.buffers().items()} for r in reps]
+                            if f == with_buffers else None})
+        while pending and pending[0]["due"] <= t:
+            item = pending.pop(0)
+            f = item["f"]
+            if not finite([d for ds in item["deltas"] for d in ds.values()]):  # every fragment from theta
+                for r, st, bf in zip(reps, states, bufs):
+                    for n, p in r.params().items():
+                        p.copy_(anchor[n])
+                    r.put_state(names, {n: s for n, s in st.items() if s is not None})
+                    for k, b in r.buffers().items():
+                        b.copy_(bf[k])
+                continue
+            outer.step(anchor, {n: sum(d[n] for d in item["deltas"]) / WORLD for n in frags[f]})
+            for r, st in zip(reps, states):
+                for n in frags[f]:
+                    p = r.params()[n]
+                    p.copy_(torch.lerp(p, anchor[n], 1 - alpha))
+                st.update({n: r.copy_state([n]).get(n) for n in frags[f]})
+            if item["buffers"] is not None:
+                for k, b in reps[0].buffers().items():
+                    mean = sum(ib[k] for ib in item["buffers"]) / WORLD if b.is_floating_point() else None
+                    for r in reps:
+                        if mean is not None:
+                            r.buffers()[k].copy_(mean)
+                for r, bf in zip(reps, bufs):
+                    bf.update({k: b.clone() for k, b in r.buffers().items()})
+        out.append([{**{n: p.clone() for n, p in r.params().items()},
+                     **{k: b.clone() for k, b in r.buffers().items()}} for r in reps])
+    return out
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_skipped_synchronization_undoes_the_period_and_the_run_recovers(results: list[dict], case: str) -> None:
+    _, _, steps, bad = CASES[case]
+    want = reference(case)
+    for rank in range(WORLD):
+        run = results[rank][case]
+        assert run["skipped_steps"] == 1, f"{case} rank {rank}: {run['skipped_steps']} synchronizations dropped"
+        for step in range(steps):
+            for k, w in want[step][rank].items():
+                got = run["steps"][step][k]
+                if not w.is_floating_point():
+                    assert torch.equal(got, w), f"{case} rank {rank} step {step} {k}: {got} vs {w}"
+                    continue
+                ok = torch.isfinite(w)
+                assert torch.equal(torch.isfinite(got), ok), f"{case} rank {rank} step {step} {k}: {got} vs {w}"
+                tol = 1e-10 * max(1.0, w[ok].abs().max().item() if ok.any() else 1.0)
+                err = (got[ok] - w[ok]).abs().max().item() if ok.any() else 0.0
+                assert err <= tol, f"{case} rank {rank} step {step} {k}: {got} vs {w}"
+    final = [results[r][case]["steps"][-1] for r in range(WORLD)]
+    for k, v in final[0].items():  # the run is alive: finite everywhere at the end
+        assert torch.isfinite(v.double()).all(), f"{case} {k} not finite at the end: {v}"
