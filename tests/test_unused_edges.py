@@ -19,7 +19,11 @@
   residual was indexed in DDP's bucket memory order; loaded today it was
   added to other elements. Such a state is built here from today's by the
   definition (the residual's elements in channels_last memory order) and
-  must load as today's residual.
+  must load as today's residual. The same for a compressor's own per-element
+  state (DGC's momentum and velocity, AdaComp's residue, Signum's momentum:
+  flat buffers in the gradient's element order, so in memory order then; they
+  were loaded as they were), and for residuals saved as views of one shared
+  storage (at an offset: they were read from the storage's start).
 """
 
 from __future__ import annotations
@@ -118,14 +122,26 @@ class Conv(nn.Module):
         return self.c2(torch.tanh(self.c1(x))).mean((2, 3))
 
 
-def _conv_hook() -> tuple[nn.Module, DDP, gradpress.ddp.GradpressHook]:
+def _conv_hook(spec: str = "topk:ratio=0.25") -> tuple[nn.Module, DDP, gradpress.ddp.GradpressHook]:
     model = Conv().to(memory_format=torch.channels_last)
     ddp = DDP(model)
-    return model, ddp, gradpress.ddp.register(ddp, "topk:ratio=0.25", min_numel=16)
+    return model, ddp, gradpress.ddp.register(ddp, spec, min_numel=16)
 
 
-def _old_checkpoint(rank: int) -> dict:
-    model, ddp, hook = _conv_hook()
+#: compressors whose state holds a flat buffer per parameter in the gradient's element order, and its entries
+ELEMENT_STATE = {"dgc:ratio=0.25": ("momentums", "velocities"), "adacomp": ("residues",), "signum": ("momentum",)}
+
+
+def _memory_order(v: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """``v`` (indexed like a parameter of ``shape``, or flat in its element order) with its elements in the
+    order of a channels_last parameter's memory: the layout of a state written before the change."""
+    mem = v.reshape(shape).contiguous(memory_format=torch.channels_last).as_strided((v.numel(),), (1,))
+    return mem.reshape(v.shape).clone()
+
+
+def _old_checkpoint(rank: int, spec: str = "topk:ratio=0.25", shared: bool = False) -> dict:
+    model, ddp, hook = _conv_hook(spec)
+    shapes = {n: p.shape for n, p in model.named_parameters()}
     for step in range(2):
         model.zero_grad()
         x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(10 * step + rank))
@@ -135,21 +151,34 @@ def _old_checkpoint(rank: int) -> dict:
     today = {k: v.clone() for k, v in state["feedback"]["residuals"].items()}
     old = {k: v for k, v in state.items() if k != "layout"}
     # before: element i of the saved residual was the one at channels_last memory position i
-    old["feedback"] = {**state["feedback"], "residuals": {
-        k: v.contiguous(memory_format=torch.channels_last).as_strided((v.numel(),), (1,)).reshape(v.shape).clone()
-        for k, v in today.items()}}
+    residuals = {k: _memory_order(v, shapes[k]) for k, v in today.items()}
+    if shared:  # saved as views of one storage, each at its offset (torch.save keeps the sharing)
+        flat = torch.cat([v.reshape(-1) for v in residuals.values()])
+        offsets = [0, *torch.tensor([v.numel() for v in residuals.values()]).cumsum(0).tolist()]
+        residuals = {k: flat[o:o + v.numel()].view(v.shape) for (k, v), o in zip(residuals.items(), offsets)}
+    old["feedback"] = {**state["feedback"], "residuals": residuals}
+    names = ELEMENT_STATE.get(spec, ())
+    compressor_today = {e: {k: v.clone() for k, v in state["compressor"][e].items()} for e in names}
+    old["compressor"] = {**state["compressor"], **{e: {k: _memory_order(v, shapes[k]) for k, v in entry.items()}
+                                                   for e, entry in compressor_today.items()}}
     buf = io.BytesIO()
     torch.save(old, buf)
     buf.seek(0)
-    model, ddp, hook = _conv_hook()
+    model, ddp, hook = _conv_hook(spec)
     hook.load_state_dict(torch.load(buf, weights_only=True))
     loaded = {k: v.clone() for k, v in hook.memory.residuals.items()}
+    compressor = hook.engine.compressor.state_dict()
     hook.close()
-    return {"today": today, "old": old["feedback"]["residuals"], "loaded": loaded}
+    return {"today": today, "old": old["feedback"]["residuals"], "loaded": loaded,
+            "compressor_today": compressor_today, "compressor_old": {e: old["compressor"][e] for e in names},
+            "compressor_loaded": {e: compressor[e] for e in names}}
 
 
 def _worker(rank: int, world: int) -> dict:
-    out: dict = {"localsgd": _localsgd_skip(rank), "old_checkpoint": _old_checkpoint(rank)}
+    out: dict = {"localsgd": _localsgd_skip(rank), "old_checkpoint": _old_checkpoint(rank),
+                 "old_shared": _old_checkpoint(rank, shared=True)}
+    for spec in ELEMENT_STATE:
+        out[f"old/{spec}"] = _old_checkpoint(rank, spec)
     for spec in (None, "none", "topk:ratio=0.25"):
         try:
             out[f"sparse/{spec}"] = _frozen_sparse(rank, spec)
@@ -218,3 +247,26 @@ def test_a_checkpoint_from_before_the_layout_change_loads_re_indexed(results: li
         for k, v in run["today"].items():
             assert not torch.equal(run["old"][k], v), f"{k}: the old layout is the same here; the test proves nothing"
             assert torch.equal(run["loaded"][k], v), f"rank {rank} {k}: residual loaded in the old memory order"
+
+
+def test_residuals_saved_as_views_of_one_storage_load_re_indexed(results: list[dict]) -> None:
+    for rank, r in enumerate(results):
+        run = r["old_shared"]
+        assert run["today"].keys() == run["loaded"].keys() == {"c1.weight", "c2.weight"}
+        assert any(v.storage_offset() > 0 for v in run["old"].values()), "no view at an offset: proves nothing"
+        for k, v in run["today"].items():
+            assert torch.equal(run["loaded"][k], v), f"rank {rank} {k}: read from another place of the storage"
+
+
+@pytest.mark.parametrize("spec", list(ELEMENT_STATE))
+def test_a_compressors_element_state_from_before_the_layout_change_loads_re_indexed(results: list[dict],
+                                                                                   spec: str) -> None:
+    for rank, r in enumerate(results):
+        run = r[f"old/{spec}"]
+        for entry, today in run["compressor_today"].items():
+            assert today.keys() == run["compressor_loaded"][entry].keys() == {"c1.weight", "c2.weight"}, entry
+            for k, v in today.items():
+                assert v.abs().sum() > 0, f"{entry} {k}: zero state; the test proves nothing"
+                assert not torch.equal(run["compressor_old"][entry][k], v), f"{entry} {k}: same in both layouts"
+                assert torch.equal(run["compressor_loaded"][entry][k], v), \
+                    f"rank {rank} {spec} {entry} {k}: loaded in the old memory order"

@@ -89,6 +89,7 @@ class AdaComp(Compressor):
     )
     variable_size = True
     stateful = True
+    element_state = ("residues",)
     summary = "AdaComp: residue accumulation, per-bin max selection, sign x per-layer scale (Chen et al. 2018)"
     own_error_memory = True
     int32_indices = True

@@ -10,7 +10,9 @@ and back. It declares the traits the strategies rely on:
 * ``variable_size``: the payload size depends on the data (threshold methods);
   the wire then carries a small header of element counts.
 * ``stateful``: keeps per-tensor state (momentum, factors, counters) that goes
-  into ``state_dict``.
+  into ``state_dict``; ``element_state`` names its entries that map a tensor's
+  key to a buffer of that tensor's elements in ``x.reshape(-1)`` order (DGC's
+  momentum: a checkpoint's re-indexing must move them with the elements).
 * ``identity``: decode(encode(x)) == x exactly and the packet is x itself:
   nothing to compress (``none``). Policy asks this trait, never the name.
 
@@ -183,6 +185,8 @@ class Compressor:
     unbiased: ClassVar[bool] = False
     variable_size: ClassVar[bool] = False
     stateful: ClassVar[bool] = False
+    #: ``state_dict`` entries {tensor key: buffer of its elements, flat in x.reshape(-1) order}
+    element_state: ClassVar[tuple[str, ...]] = ()
     #: decode(encode(x)) == x exactly and the packet is x itself: nothing to
     #: compress (``none``); decide dense/identity policy with this, not the name
     identity: ClassVar[bool] = False

@@ -70,6 +70,10 @@ class Composed(Compressor):
     def stateful(self) -> bool:  # type: ignore[override]
         return self.first.stateful
 
+    @property
+    def element_state(self) -> tuple[str, ...]:  # type: ignore[override]
+        return self.first.element_state  # its state_dict is the first stage's
+
     def config(self) -> dict[str, Any]:
         return {"first": self.first.spec(), "second": self.second.spec()}
 

@@ -140,6 +140,7 @@ class DGC(QualityMixin, Compressor):
     )
     variable_size = True
     stateful = True
+    element_state = ("momentums", "velocities")
     values_index = 0
     summary = "Deep Gradient Compression (Lin et al. 2018): momentum correction, masking, sampled top-k, warm-up"
     own_error_memory = True

@@ -30,6 +30,7 @@ class Signum(Compressor):
     name = "signum"
     PARAMS = (Param("momentum", float, 0.9, "0 <= momentum < 1", lambda v: 0 <= v < 1, "momentum coefficient beta"),)
     stateful = True
+    element_state = ("momentum",)
     aggregation = "majority"
     summary = "Signum: sign of local momentum, 1 bit, majority vote (Bernstein et al. 2018)"
 

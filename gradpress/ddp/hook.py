@@ -337,10 +337,9 @@ class GradpressHook:
         return {**self.engine.state_dict(), "format": HOOK_FORMAT, "step": self._step, "layout": LAYOUT}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore from :meth:`state_dict` (also one written before the exchange engine, format
-        ``gradpress-hook/1``, or before gradients had their parameter's layout: ``upgrade_layout``).
-        Refuses a state of another configuration (compressor, strategy, world size, parameters...).
-        An unbound state keeps it (format checked) and loads it when it binds."""
+        """Restore from :meth:`state_dict` (also one written before the exchange engine, ``gradpress-hook/1``, or before
+        gradients had their parameter's layout: ``upgrade_layout``). Refuses another configuration's state (compressor,
+        strategy, world size, parameters...); an unbound state keeps it (format checked) and loads it as it binds."""
         fmt = state.get("format") if isinstance(state, Mapping) else None
         if self._engine is None:
             if fmt not in (HOOK_FORMAT, _OLD_FORMAT):
@@ -363,7 +362,8 @@ class GradpressHook:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"gradpress hook state dict: 'step' must be an integer >= 0, got {step!r}; "
                              "nothing was loaded")
-        engine_state = {k: v for k, v in upgrade_layout(state, self._by_name).items() if k not in ("step", "layout")}
+        state = upgrade_layout(state, self._by_name, self.engine.compressor.element_state)
+        engine_state = {k: v for k, v in state.items() if k not in ("step", "layout")}
         engine_state["format"] = self.engine.state_dict()["format"]
         self.engine.load_state_dict(engine_state)  # validates fully, changes nothing on error
         self._step = step

@@ -56,32 +56,60 @@ def _restrided(p: torch.Tensor) -> bool:
     return p.numel() > 1 and not p.is_contiguous() and _dense_layout(p)
 
 
-def upgrade_layout(state: Mapping[str, Any], params: Mapping[str, torch.Tensor]) -> Mapping[str, Any]:
-    """``state`` (the hook's, with its feedback residuals) with the worker
-    residual of each parameter of ``params`` (by key) that DDP lays out in
-    its own strides re-indexed like the parameter, when the state was written
-    before that layout (no ``layout`` entry: the residual's element ``i`` was
-    the one at memory position ``i``). Such a parameter's other residuals
-    (a ring's or PS root's, a partition's) cannot be re-indexed: they are
-    dropped, with a warning (they restart at zero, as a new parameter's)."""
-    if state.get("layout") == LAYOUT or not isinstance(state.get("feedback"), Mapping):
-        return state
-    moved = {k: p for k, p in params.items() if _restrided(p)}
-    residuals = state["feedback"].get("residuals")
-    if not moved or not isinstance(residuals, Mapping):
-        return state
-    fixed, dropped = {}, []
-    for key, r in residuals.items():
+def _reindexed(r: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``r`` (``p``'s shape, or flat), whose element ``i`` is the one at ``p``'s memory position ``i``, indexed
+    like ``p`` (shaped as ``r``). From ``r``'s own place in its storage (a loaded view may start at an offset)."""
+    flat = r.contiguous().reshape(-1)
+    return flat.as_strided(p.shape, p.stride(), flat.storage_offset()).contiguous().reshape(r.shape)
+
+
+def _upgraded(entries: Mapping[str, Any], moved: Mapping[str, torch.Tensor], shaped: bool,
+              dropped: list[str]) -> dict[str, Any]:
+    """``entries`` (by key) with those of a ``moved`` parameter re-indexed: a worker key (the parameter's own)
+    holding a tensor of its shape (``shaped``) or of its size, flat; any other key of it goes to ``dropped``."""
+    fixed = {}
+    for key, r in entries.items():
         tail = key.split("/", 1)[1] if "/" in key else key
         p = moved.get(tail.split("#", 1)[0])
         if p is None or not isinstance(r, torch.Tensor):
             fixed[key] = r
-        elif key == tail and r.shape == p.shape:
-            fixed[key] = r.contiguous().reshape(-1).as_strided(p.shape, p.stride(), 0).contiguous()
+        elif key == tail and (r.shape == p.shape if shaped else (r.dim() == 1 and r.numel() == p.numel())):
+            fixed[key] = _reindexed(r, p)
         else:
             dropped.append(key)
+    return fixed
+
+
+def upgrade_layout(state: Mapping[str, Any], params: Mapping[str, torch.Tensor],
+                   element_state: Sequence[str] = ()) -> Mapping[str, Any]:
+    """``state`` (the hook's, with its feedback residuals) with the worker
+    residual of each parameter of ``params`` (by key) that DDP lays out in
+    its own strides re-indexed like the parameter, when the state was written
+    before that layout (no ``layout`` entry: the residual's element ``i`` was
+    the one at memory position ``i``), and so the compressor's
+    ``element_state`` entries (its flat per-tensor buffers: DGC's momentum
+    and velocity, AdaComp's residue, Signum's momentum; ``Compressor.element_state``).
+    Such a parameter's other residuals and buffers (a ring's or PS root's, a
+    partition's) cannot be re-indexed: they are dropped, with a warning (they
+    restart at zero, as a new parameter's)."""
+    if state.get("layout") == LAYOUT or not isinstance(state.get("feedback"), Mapping):
+        return state
+    moved = {k: p for k, p in params.items() if _restrided(p)}
+    if not moved:
+        return state
+    dropped: list[str] = []
+    out = dict(state)
+    residuals = state["feedback"].get("residuals")
+    if isinstance(residuals, Mapping):
+        out["feedback"] = {**state["feedback"], "residuals": _upgraded(residuals, moved, True, dropped)}
+    compressor = state.get("compressor")
+    if isinstance(compressor, Mapping):
+        out["compressor"] = {name: _upgraded(v, moved, False, dropped)
+                             if name in element_state and isinstance(v, Mapping) else v
+                             for name, v in compressor.items()}
     if dropped:
-        warnings.warn(f"gradpress hook state written before 2026-11-28: the residuals {', '.join(dropped)} of "
-                      "channels_last or transposed parameters were in DDP's bucket memory order and cannot be "
-                      "re-indexed; they restart at zero (the worker residuals were re-indexed)", stacklevel=3)
-    return {**state, "feedback": {**state["feedback"], "residuals": fixed}}
+        warnings.warn(f"gradpress hook state written before 2026-11-28: the residuals or compressor buffers "
+                      f"{', '.join(dropped)} of channels_last or transposed parameters were in DDP's bucket memory "
+                      "order and cannot be re-indexed; they restart at zero (the worker residuals and buffers were "
+                      "re-indexed)", stacklevel=3)
+    return out
