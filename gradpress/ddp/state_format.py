@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from gradpress.exchange.feedback import Feedback
+from gradpress.exchange.feedback import Feedback, owner
 
 __all__ = ["HOOK_FORMAT", "LAYOUT", "strip_module", "upgrade_layout"]
 
@@ -72,11 +72,10 @@ def upgrade_layout(state: Mapping[str, Any], params: Mapping[str, torch.Tensor])
         return state
     fixed, dropped = {}, []
     for key, r in residuals.items():
-        tail = key.split("/", 1)[1] if "/" in key else key
-        p = moved.get(tail.split("#", 1)[0])
+        p = moved.get(owner(key))
         if p is None or not isinstance(r, torch.Tensor):
             fixed[key] = r
-        elif key == tail and r.shape == p.shape:
+        elif owner(key) == key and r.shape == p.shape:  # the worker residual, whole (no namespace, no partition)
             fixed[key] = r.contiguous().reshape(-1).as_strided(p.shape, p.stride(), 0).contiguous()
         else:
             dropped.append(key)
