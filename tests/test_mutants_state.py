@@ -92,3 +92,33 @@ def test_algorithm_state_of_another_format_is_refused_naming_it():
     for name, message in res["engine_refused"].items():
         assert message.startswith("not a gradpress exchange state dict"), (name, message)
         assert engine[name] in message and f"allowed: {res['engine_format']!r}" in message, (name, message)
+
+
+# ------------------------------------------------------------------ upgrade_layout
+def _memory_order(r: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """By the definition (state_format module doc): before the layout change, element ``i`` of the flat
+    residual was the one at memory position ``i`` of ``p``; the element at index ``idx`` of ``p`` sits at
+    memory position ``sum(idx * stride)``. In float64, one index at a time."""
+    flat, out = r.double().reshape(-1), torch.empty(p.shape, dtype=torch.float64)
+    for idx in torch.cartesian_prod(*[torch.arange(n) for n in p.shape]).tolist():
+        out[tuple(idx)] = flat[sum(i * s for i, s in zip(idx, p.stride()))]
+    return out
+
+
+@pytest.mark.parametrize("name", ["conv.weight", "enc/conv.weight", "tag#v2.weight"])
+def test_an_old_worker_residual_is_re_indexed_whatever_the_parameter_is_named(name):
+    """A channels_last parameter's worker residual in a state from before the layout change is re-indexed,
+    also for a parameter named with '/' or '#' (``nn.ModuleDict({"enc/conv": ...})``): the name is the whole
+    key of a worker residual; a parameter named like its last part is not touched."""
+    from gradpress.ddp.state_format import upgrade_layout
+
+    p = torch.empty(3, 4, 2, 2).to(memory_format=torch.channels_last)
+    other = torch.empty(3, 4, 2, 2).to(memory_format=torch.channels_last)
+    r = torch.arange(p.numel(), dtype=torch.float32).reshape(p.shape)
+    untouched = -torch.arange(p.numel(), dtype=torch.float32).reshape(p.shape)
+    state = {"feedback": {"residuals": {name: r, "conv.weight#0": untouched}}}
+    params = {name: p} if name == "conv.weight" else {name: p, "other": other}
+    fixed = upgrade_layout(state, params)["feedback"]["residuals"]
+    torch.testing.assert_close(fixed[name].double(), _memory_order(r, p), rtol=0, atol=0)
+    if name != "conv.weight":  # conv.weight is no parameter here: its partition residual is kept as it was
+        assert torch.equal(fixed["conv.weight#0"], untouched)

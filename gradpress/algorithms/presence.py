@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from gradpress.exchange.feedback import owner
+
 if TYPE_CHECKING:
     from gradpress.algorithms.base import Algorithm
 
@@ -25,13 +27,6 @@ __all__ = ["PRESENT_KEY", "agreed", "flags", "owner", "sync_agreeing"]
 
 #: the key under which an exchange carries the per-parameter "has a contribution" flags (1-D: uncompressed)
 PRESENT_KEY = "gradpress/present"
-
-
-def owner(key: str) -> str:
-    """The parameter key a residual store key belongs to: the key without
-    its namespace (``root/``, ``ring/``...) and partition suffixes (``#k``, ``#k#ps``)."""
-    tail = key.split("/", 1)[1] if "/" in key else key
-    return tail.split("#", 1)[0]
 
 
 def flags(mine: list[bool], like: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from gradpress.exchange.feedback import Feedback
+from gradpress.exchange.feedback import Feedback, owner
 
 __all__ = ["HOOK_FORMAT", "LAYOUT", "strip_module", "upgrade_layout"]
 
@@ -69,11 +69,10 @@ def _upgraded(entries: Mapping[str, Any], moved: Mapping[str, torch.Tensor], sha
     holding a tensor of its shape (``shaped``) or of its size, flat; any other key of it goes to ``dropped``."""
     fixed = {}
     for key, r in entries.items():
-        tail = key.split("/", 1)[1] if "/" in key else key
-        p = moved.get(tail.split("#", 1)[0])
+        p = moved.get(owner(key))
         if p is None or not isinstance(r, torch.Tensor):
             fixed[key] = r
-        elif key == tail and (r.shape == p.shape if shaped else (r.dim() == 1 and r.numel() == p.numel())):
+        elif owner(key) == key and (r.shape == p.shape if shaped else (r.dim() == 1 and r.numel() == p.numel())):
             fixed[key] = _reindexed(r, p)
         else:
             dropped.append(key)

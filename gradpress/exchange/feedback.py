@@ -25,6 +25,7 @@ sparsifiers only the kept entries change: see ``Compressor.residual``), one
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -32,7 +33,7 @@ import torch
 
 from gradpress.compress.base import all_finite
 
-__all__ = ["Feedback", "WORKER", "namespace"]
+__all__ = ["Feedback", "WORKER", "namespace", "split_key", "owner"]
 
 #: the worker's own residuals: keyed by the tensor key itself
 WORKER = ""
@@ -46,6 +47,26 @@ def namespace(name: str) -> str:
         raise ValueError(f"a residual namespace is a non-empty name without '/', got {name!r}")
     _NAMESPACES.add(name)
     return name
+
+
+def split_key(key: str) -> tuple[str, str]:
+    """The namespace (:data:`WORKER` for the worker's own) and tensor key of
+    the store key ``key``: the inverse of :meth:`Feedback.key`. Only a
+    declared namespace is one (a tensor key may hold '/', e.g. a parameter
+    of ``nn.ModuleDict({"enc/x": ...})``)."""
+    head, sep, tail = key.partition("/")
+    return (head, tail) if sep and head in _NAMESPACES else (WORKER, key)
+
+
+#: the suffixes of a partitioned tensor's store key (the engine's ``#k``) and of a PS root's (``#ps``)
+_SUFFIXES = re.compile(r"(#[0-9]+)?(#ps)?$")
+
+
+def owner(key: str) -> str:
+    """The tensor (parameter) key a store key belongs to: the key without
+    its namespace (:func:`split_key`) and partition suffixes (``#k``,
+    ``#ps``, ``#k#ps``). A parameter name may hold '/' or '#' itself."""
+    return _SUFFIXES.sub("", split_key(key)[1])
 
 
 class Feedback:
