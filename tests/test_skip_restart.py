@@ -19,6 +19,7 @@ BatchNorm's statistics, the optimizers by hand), compared after every step.
 
 from __future__ import annotations
 
+import io
 import math
 
 import pytest
@@ -38,7 +39,12 @@ CASES = {
     "localsgd": ("localsgd:period=3", "momentum", 10, 4),
     "diloco": ("diloco:period=3,outer_lr=0.7,outer_momentum=0.9", "adam", 10, 4),
     "streaming": ("streaming-diloco:period=4,fragments=2,overlap=1,alpha=0.5", "adam", 14, 4),
+    # the Inf one step earlier: the fragment in flight (launched finite) is merged after the NaN spread; its copy
+    # was refreshed with NaN Adam moments, so every later exchange was dropped (4 in 14 steps, NaN at the end: a dead run)
+    "streaming-early": ("streaming-diloco:period=4,fragments=2,overlap=1,alpha=0.5", "adam", 14, 3),
 }
+#: resumed from a checkpoint written at this step (a synchronization) without the copy (before 2026-12)
+RESUME_AT = 3
 
 
 class Net(nn.Module):
@@ -60,14 +66,19 @@ def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _run(rank: int, case: str) -> dict:
-    spec, inner, steps, bad = CASES[case]
+def _build(case: str) -> tuple[nn.Module, torch.optim.Optimizer, gradpress.algorithms.Algorithm]:
+    spec, inner, _, _ = CASES[case]
     model = Net()
     opt = (torch.optim.SGD(model.parameters(), lr=LR_SGD, momentum=MU) if inner == "momentum"
            else torch.optim.Adam(model.parameters(), lr=LR_ADAM, betas=(B1, B2), eps=EPS))
-    algo = gradpress.algorithms.create(spec, model, opt, nonfinite="skip")
+    return model, opt, gradpress.algorithms.create(spec, model, opt, nonfinite="skip")
+
+
+def _run(rank: int, case: str, start: int = 0, built: tuple | None = None) -> dict:
+    _, _, steps, bad = CASES[case]
+    model, opt, algo = built if built is not None else _build(case)
     out: dict = {"steps": []}
-    for step in range(steps):
+    for step in range(start, steps):
         opt.zero_grad()
         model(batch(rank, step)).square().mean().backward()
         if rank == 0 and step == bad:
@@ -79,8 +90,33 @@ def _run(rank: int, case: str) -> dict:
     return out
 
 
+def _resumed_from_an_old_checkpoint(rank: int, case: str) -> dict:
+    """Steps from RESUME_AT on, resumed (weights_only) from a checkpoint written there without the copy."""
+    model, opt, algo = _build(case)
+    for step in range(RESUME_AT):
+        opt.zero_grad()
+        model(batch(rank, step)).square().mean().backward()
+        algo.step()
+    state = algo.state_dict()
+    assert "restart" in state["extra"]
+    del state["extra"]["restart"]  # as written before 2026-12
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "algorithm": state}, buf)
+    algo.close()
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    model, opt, algo = _build(case)  # as gradpress train resumes: model, optimizer, then the algorithm
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["optimizer"])
+    algo.load_state_dict(saved["algorithm"])
+    return _run(rank, case, RESUME_AT, (model, opt, algo))
+
+
 def _worker(rank: int, world: int) -> dict:
-    return {case: _run(rank, case) for case in CASES}
+    out = {case: _run(rank, case) for case in CASES}
+    for case in ("localsgd", "diloco"):
+        out[f"resumed/{case}"] = _resumed_from_an_old_checkpoint(rank, case)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -202,7 +238,7 @@ def reference(case: str) -> list[list[dict[str, torch.Tensor]]]:
                          **{k: b.clone() for k, b in r.buffers().items()}} for r in reps])
         return out
 
-    # Streaming DiLoCo: H = 4, F = 2, T = 1, alpha = 0.5
+    # Streaming DiLoCo (both cases): H = 4, F = 2, T = 1, alpha = 0.5
     period, overlap, alpha = 4, 1, 0.5
     sizes = [p.numel() for p in reps[0].params().values()]
     frags: list[list[int]] = [[], []]
@@ -240,7 +276,10 @@ def reference(case: str) -> list[list[dict[str, torch.Tensor]]]:
                 for n in frags[f]:
                     p = r.params()[n]
                     p.copy_(torch.lerp(p, anchor[n], 1 - alpha))
-                st.update({n: r.copy_state([n]).get(n) for n in frags[f]})
+                mine = r.copy_state(frags[f])  # refreshed only where this rank's fragment is finite
+                if finite([r.params()[n] for n in frags[f]] + [v for s in mine.values() for v in s.values()
+                                                               if torch.is_tensor(v)]):
+                    st.update({n: mine.get(n) for n in frags[f]})
             if item["buffers"] is not None:
                 for k, b in reps[0].buffers().items():
                     mean = sum(ib[k] for ib in item["buffers"]) / WORLD if b.is_floating_point() else None
@@ -248,30 +287,73 @@ def reference(case: str) -> list[list[dict[str, torch.Tensor]]]:
                         if mean is not None:
                             r.buffers()[k].copy_(mean)
                 for r, bf in zip(reps, bufs):
-                    bf.update({k: b.clone() for k, b in r.buffers().items()})
+                    if finite([b for b in r.buffers().values() if b.is_floating_point()]):
+                        bf.update({k: b.clone() for k, b in r.buffers().items()})
         out.append([{**{n: p.clone() for n, p in r.params().items()},
                      **{k: b.clone() for k, b in r.buffers().items()}} for r in reps])
     return out
 
 
+def _check(got_steps: list[dict], want: list[list[dict]], rank: int, what: str, start: int = 0) -> None:
+    for step, got_step in enumerate(got_steps, start):
+        for k, w in want[step][rank].items():
+            got = got_step[k]
+            if not w.is_floating_point():
+                assert torch.equal(got, w), f"{what} rank {rank} step {step} {k}: {got} vs {w}"
+                continue
+            ok = torch.isfinite(w)
+            assert torch.equal(torch.isfinite(got), ok), f"{what} rank {rank} step {step} {k}: {got} vs {w}"
+            tol = 1e-10 * max(1.0, w[ok].abs().max().item() if ok.any() else 1.0)
+            err = (got[ok] - w[ok]).abs().max().item() if ok.any() else 0.0
+            assert err <= tol, f"{what} rank {rank} step {step} {k}: {got} vs {w}"
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_skipped_synchronization_undoes_the_period_and_the_run_recovers(results: list[dict], case: str) -> None:
-    _, _, steps, bad = CASES[case]
     want = reference(case)
     for rank in range(WORLD):
         run = results[rank][case]
         assert run["skipped_steps"] == 1, f"{case} rank {rank}: {run['skipped_steps']} synchronizations dropped"
-        for step in range(steps):
-            for k, w in want[step][rank].items():
-                got = run["steps"][step][k]
-                if not w.is_floating_point():
-                    assert torch.equal(got, w), f"{case} rank {rank} step {step} {k}: {got} vs {w}"
-                    continue
-                ok = torch.isfinite(w)
-                assert torch.equal(torch.isfinite(got), ok), f"{case} rank {rank} step {step} {k}: {got} vs {w}"
-                tol = 1e-10 * max(1.0, w[ok].abs().max().item() if ok.any() else 1.0)
-                err = (got[ok] - w[ok]).abs().max().item() if ok.any() else 0.0
-                assert err <= tol, f"{case} rank {rank} step {step} {k}: {got} vs {w}"
+        _check(run["steps"], want, rank, case)
     final = [results[r][case]["steps"][-1] for r in range(WORLD)]
     for k, v in final[0].items():  # the run is alive: finite everywhere at the end
         assert torch.isfinite(v.double()).all(), f"{case} {k} not finite at the end: {v}"
+
+
+@pytest.mark.parametrize("case", ["localsgd", "diloco"])
+def test_a_checkpoint_without_the_copy_resumes_with_the_loaded_state_as_the_copy(results: list[dict],
+                                                                                  case: str) -> None:
+    """A checkpoint written before 2026-12 (no copy) at a synchronization, resumed; the Inf comes in the first
+    period after it. The copy used to be the one taken at construction (a fresh optimizer's empty state and
+    the new model's buffers): the dropped synchronization reset Adam/momentum and BatchNorm statistics. The
+    loaded state is the copy (exact at a synchronization): the run goes on as the uninterrupted one."""
+    want = reference(case)
+    for rank in range(WORLD):
+        resumed, whole = results[rank][f"resumed/{case}"], results[rank][case]
+        _check(resumed["steps"], want, rank, f"resumed {case}", RESUME_AT)
+        for step, (got, ref) in enumerate(zip(resumed["steps"], whole["steps"][RESUME_AT:]), RESUME_AT):
+            for k in ref:  # bit for bit (the NaN of the diverged step included)
+                torch.testing.assert_close(got[k], ref[k], rtol=0, atol=0, equal_nan=True,
+                                           msg=f"resumed {case} rank {rank} step {step} {k}: not bit for bit")
+
+
+@pytest.mark.parametrize("capturable", [False, True])
+def test_a_loaded_copy_is_placed_as_the_optimizers_own_load_state_dict_places_its_state(capturable: bool) -> None:
+    """``gradpress train`` loads checkpoints with ``map_location='cpu'``: the copy's tensors came back on the CPU
+    and a dropped synchronization put them into the optimizer of a CUDA model (its next step failed on mixed
+    devices). They go where ``Optimizer.load_state_dict`` puts the same values: the parameter's device and
+    dtype, a step count on the CPU unless ``capturable``/``fused``. (``meta`` stands for the accelerator.)"""
+    from gradpress.algorithms.restart import LocalCopy
+
+    p = nn.Parameter(torch.empty(3, dtype=torch.float64, device="meta"))
+    buf = torch.zeros(2, device="meta")
+    saved = {"step": torch.tensor(3.0), "exp_avg": torch.ones(3, dtype=F64), "exp_avg_sq": torch.ones(3, dtype=F64)}
+    opt = torch.optim.Adam([p], capturable=capturable)
+    copy = LocalCopy(opt, [p], [buf])
+    copy.load_state_dict({"states": [saved], "buffers": [torch.zeros(2)]}, "diloco")
+    copy.restore()
+    want = torch.optim.Adam([p], capturable=capturable)  # the reference: torch's own placement
+    want.load_state_dict({"state": {0: saved}, "param_groups": want.state_dict()["param_groups"]})
+    for k, w in want.state[p].items():
+        got = opt.state[p][k]
+        assert (got.device, got.dtype) == (w.device, w.dtype), f"{k}: on {got.device} {got.dtype}, want {w.device} {w.dtype}"

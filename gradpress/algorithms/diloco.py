@@ -294,8 +294,11 @@ class DiLoCo(Algorithm):
                                  f"model has {tuple(a.shape)}")
             a.copy_(saved)
         self.outer.load_state_dict(state["outer"])
-        if self.restart is not None and "restart" in state:  # a checkpoint before 2026-12: the copy at the start
-            self.restart.load_state_dict(state["restart"], self.name)
+        if self.restart is not None:
+            if "restart" in state:
+                self.restart.load_state_dict(state["restart"], self.name)
+            else:  # a checkpoint before 2026-12: the state as loaded (exact at a synchronization; the model and
+                self.restart.take()  # optimizer are loaded first), not this fresh run's (empty, initial buffers)
         if getattr(self, "keep_residual", False):  # checkpoints before the fix saved the engine's decay as 0
             assert self.engine is not None
             self.engine.feedback.beta = 1.0

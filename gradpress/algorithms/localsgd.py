@@ -210,8 +210,11 @@ class LocalSGD(Algorithm):
         for a, saved in zip(self.anchor, anchor):
             a.copy_(saved)
         self.since = int(state.get("since", self._steps % self.period))
-        if self.restart is not None and "restart" in state:  # a checkpoint before 2026-12: the copy at the start
-            self.restart.load_state_dict(state["restart"], self.name)
+        if self.restart is not None:
+            if "restart" in state:
+                self.restart.load_state_dict(state["restart"], self.name)
+            else:  # a checkpoint before 2026-12: the state as loaded (exact at a synchronization; the model and
+                self.restart.take()  # optimizer are loaded first), not this fresh run's (empty, initial buffers)
 
 
 @register

@@ -40,6 +40,30 @@ def _clone(value: Any) -> Any:
     return value.detach().clone() if torch.is_tensor(value) else copy.deepcopy(value)
 
 
+def _placed(value: Any, param: torch.Tensor, key: Any, group: Mapping[str, Any]) -> Any:
+    """A loaded state value where ``Optimizer.load_state_dict`` puts it (checkpoints load with
+    ``map_location='cpu'``): a step count stays (on the CPU) unless ``capturable`` or ``fused``;
+    the rest goes to the parameter's device (floating values in its dtype)."""
+    if not torch.is_tensor(value):
+        return copy.deepcopy(value)
+    if key == "step":
+        if group.get("capturable", False) or group.get("fused", False):
+            return value.to(dtype=torch.float32, device=param.device, copy=True)
+        return value.detach().clone()
+    if param.is_floating_point() and value.is_floating_point():
+        return value.to(dtype=param.dtype, device=param.device, copy=True)
+    return value.to(device=param.device, copy=True)
+
+
+def _all_finite(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether every floating tensor of ``tensors`` is finite (one host read per device)."""
+    flags: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        if t.is_floating_point() and t.numel():
+            flags.setdefault(t.device, []).append(torch.isfinite(t).all())
+    return all(bool(torch.stack(fs).all()) for fs in flags.values())
+
+
 class LocalCopy:
     """This rank's copy of the optimizer state of ``params`` and of
     ``buffers`` at the last agreed point."""
@@ -78,6 +102,18 @@ class LocalCopy:
             for saved_b, b in zip(self.saved_buffers, self.buffers):
                 b.copy_(saved_b)
 
+    def finite(self, idx: Iterable[int]) -> bool:
+        """Whether the parameters ``idx`` and their optimizer state are finite on this rank."""
+        ts: list[torch.Tensor] = []
+        for i in idx:
+            ts.append(self.params[i].detach())
+            ts += [v for v in self.optimizer.state.get(self.params[i], {}).values() if torch.is_tensor(v)]
+        return _all_finite(ts)
+
+    def buffers_finite(self) -> bool:
+        """Whether the floating buffers are finite on this rank."""
+        return _all_finite(self.buffers)
+
     def state_dict(self) -> dict[str, Any]:
         return {"states": [None if s is None else {k: _clone(v) for k, v in s.items()} for s in self.states],
                 "buffers": [b.clone() for b in self.saved_buffers]}
@@ -88,6 +124,8 @@ class LocalCopy:
                 or [tuple(b.shape) for b in buffers] != [tuple(b.shape) for b in self.saved_buffers]):
             raise ValueError(f"{what} state: the copy of the optimizer state and buffers that nonfinite='skip' "
                              "restores is missing or of another model")
-        self.states = [None if s is None else {k: _clone(v) for k, v in s.items()} for s in states]
+        groups = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}
+        self.states = [None if s is None else {k: _placed(v, p, k, groups.get(id(p), {})) for k, v in s.items()}
+                       for p, s in zip(self.params, states)]
         for saved, b in zip(self.saved_buffers, buffers):
             saved.copy_(b)

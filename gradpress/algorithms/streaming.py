@@ -36,6 +36,10 @@ inner optimizer state it had at its own last merge, and the buffers of the
 last merge that carried them (:mod:`gradpress.algorithms.restart`): a NaN
 in one fragment reaches every fragment at the next forward pass, so
 restoring the dropped fragment alone ping-ponged the NaN between fragments.
+A merge refreshes this rank's copy of the fragment (and of the buffers) only
+where they are finite: a fragment launched before a divergence is merged T
+steps later with a finite outer step while its local state already holds
+the NaN (copying that made every later restart NaN again: a dead run).
 
 Invariants: ``theta`` and the outer momentum are bit-identical on every rank
 (the averages are); with A = 0 the merged fragment is bit-identical on
@@ -181,7 +185,11 @@ class StreamingDiLoCo(DiLoCo):
         for b, avg in zip(self._float_buffers(), item["buffers"]):
             b.copy_(avg)
         if self.restart is not None:
-            self.restart.take(idx, buffers=bool(item["buffers"]))
+            # this rank's copy of the fragment (and of the buffers) is refreshed only where it is finite: a
+            # fragment launched before a divergence is merged after it (overlap >= 1) with a finite outer step,
+            # while its local state already holds the NaN (a NaN copy made every later restart NaN again)
+            self.restart.take(idx if self.restart.finite(idx) else [],
+                              buffers=bool(item["buffers"]) and self.restart.buffers_finite())
 
     def _float_buffers(self) -> list[torch.Tensor]:
         return [b for b in self.model.buffers() if b.is_floating_point() and b.numel()]
