@@ -2,8 +2,8 @@
 
 Modelled on ``torch.distributed.algorithms.ddp_comm_hooks`` (a small hook
 function plus an explicit state object). The hook hands each bucket to a
-single communication thread and returns a ``torch.futures.Future`` that the
-thread completes. Because DDP calls the hook for buckets in the same order on
+single communication thread (:mod:`gradpress.ddp.comm_thread`) and returns a
+``torch.futures.Future`` that the thread completes. Because DDP calls the hook for buckets in the same order on
 every rank and the thread works through them first-in first-out, every rank
 issues its collectives in the same order even with several buckets and
 multi-round protocols (PyTorch's own PowerSGD hook mixes them up on gloo).
@@ -39,14 +39,16 @@ it binds on :meth:`GradpressHook.bind` (keys: parameter names), or else by
 itself when the first backward has handed it every bucket (keys:
 ``param{i}`` in the order of that first step's buckets, the same on every
 rank and in every run of the same model). A state loaded while unbound is
-applied when it binds.
+applied when it binds (the state dict itself: :mod:`gradpress.ddp.hook_state`).
+
+Invariant: every bucket DDP hands over is queued, in DDP's order, with the
+keys of its parameters and the step of its backward (the step moves once per
+backward, at its last bucket); a bound state's keys never change.
 """
 
 from __future__ import annotations
 
 import functools
-import queue
-import threading
 import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -55,8 +57,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gradpress.ddp import hook_state
 from gradpress.ddp.buckets import SPARSE_BUCKET, Job, UnusedWatch, UsedTracker, param_layout, sparse_refusal
-from gradpress.ddp.state_format import _OLD_FORMAT, HOOK_FORMAT, LAYOUT, _upgrade_v1, strip_module, upgrade_layout
+from gradpress.ddp.comm_thread import CommThread
+from gradpress.ddp.state_format import HOOK_FORMAT, strip_module
 from gradpress.exchange import Synchronizer
 from gradpress.exchange.feedback import Feedback
 from gradpress.exchange.planner import Plan
@@ -86,18 +90,15 @@ class GradpressHook:
             raise ValueError(f"coalesce must be True, False or None (on for multi-round compressors), got {coalesce!r}")
         self._build = build
         self._coalesce = coalesce
-        self._held: list[Job] = []  # buckets of the current step waiting for its last one (comm thread)
         self._engine: Synchronizer | None = None
         self._names: dict[int, str] = {}
         self._step = 0  # hook-side step (main thread)
-        self._deferred: FloatingPointError | None = None
         self._unbound_jobs: list[Job] = []  # buckets of the first backward of a state not bound yet
         self._pending_state: Mapping[str, Any] | None = None  # loaded before binding
         self._used: UsedTracker | None = None  # with DDP's find_unused_parameters / static_graph
         self._watch = UnusedWatch()  # without the DDP model's options: warns once of an unused parameter
-        self._queue: queue.Queue[Job | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._worker, name="gradpress-comm", daemon=True)
-        self._thread.start()
+        self._comm = CommThread(self)  # averages the queued buckets in order (comm_thread.py)
+        self._thread = self._comm.thread
         _OPEN_HOOKS.add(self)
         if model is not None:
             self.bind(model)
@@ -240,7 +241,7 @@ class GradpressHook:
         job.keys = [self._names.get(id(p), f"param{i}") for i, p in enumerate(job.params)]
         if job.used is None and (message := self._watch.check(job, self.engine.plan.decisions)) is not None:
             warnings.warn(message, stacklevel=2)
-        self._queue.put(job)
+        self._comm.put(job)
 
     def _bind_from_buckets(self) -> None:
         jobs, self._unbound_jobs = self._unbound_jobs, []
@@ -265,67 +266,9 @@ class GradpressHook:
         ``FloatingPointError`` from ``loss.backward()`` (DDP would turn an
         exception of the hook's Future into a ``RuntimeError``)."""
         last.wait()
-        error, self._deferred = self._deferred, None
+        error = self._comm.take_deferred()
         if error is not None:
             raise error
-
-    def _worker(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            try:
-                coalesce = self.coalescing
-            except BaseException as exc:  # noqa: BLE001 - forwarded to the training thread
-                job.future.set_exception(exc)
-                continue
-            if not coalesce:
-                self._run([job])
-            elif not job.is_last:
-                # a step whose backward never ended (the step count only moves at the last bucket, so a
-                # new backward shows as the same parameters arriving again)
-                if self._held and (self._held[0].step != job.step
-                                   or not {id(p) for p in job.params}.isdisjoint(id(p) for h in self._held for p in h.params)):
-                    self._fail(self._held, RuntimeError("gradpress hook: a backward ended before DDP handed over "
-                                                        "its last bucket; its buckets were not averaged"))
-                    self._held = []
-                self._held.append(job)
-            else:
-                jobs, self._held = [*self._held, job], []
-                self._run(jobs)
-
-    def _run(self, jobs: list[Job]) -> None:
-        """Average ``jobs`` (one bucket, or every bucket of a step) in one
-        engine call and complete their Futures."""
-        try:
-            for job in jobs:
-                if job.event is not None:
-                    torch.cuda.current_stream(job.buffer.device).wait_event(job.event)
-            if len(jobs) == 1:
-                job = jobs[0]
-                self.engine.sync(job.keys, job.grads, step=job.step, flat=job.buffer, end_of_step=job.is_last,
-                                 used=job.used)
-            else:
-                used = None if any(job.used is None for job in jobs) else [u for job in jobs for u in job.used]
-                self.engine.sync([k for job in jobs for k in job.keys], [g for job in jobs for g in job.grads],
-                                 step=jobs[-1].step, flat=None, end_of_step=jobs[-1].is_last, used=used)
-            for job in jobs:
-                if job.buffer.is_cuda:
-                    torch.cuda.current_stream(job.buffer.device).synchronize()
-                job.future.set_result(job.buffer)
-        except FloatingPointError as exc:  # nonfinite='raise': raised as itself when backward ends
-            self._deferred = exc  # before the Futures complete: backward's end reads it as soon as they do
-            for job in jobs:
-                job.buffer.zero_()
-                job.future.set_result(job.buffer)
-        except BaseException as exc:  # noqa: BLE001 - forwarded to the training thread
-            self._fail(jobs, exc)
-
-    @staticmethod
-    def _fail(jobs: list[Job], exc: BaseException) -> None:
-        for job in jobs:
-            if not job.future.done():
-                job.future.set_exception(exc)
 
     # ----------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
@@ -334,46 +277,22 @@ class GradpressHook:
         state loaded and not yet applied, if any."""
         if self._engine is None and self._pending_state is not None:
             return dict(self._pending_state)
-        return {**self.engine.state_dict(), "format": HOOK_FORMAT, "step": self._step, "layout": LAYOUT}
+        return hook_state.save(self.engine, self._step)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore from :meth:`state_dict` (also one written before the exchange engine, ``gradpress-hook/1``, or before
         gradients had their parameter's layout: ``upgrade_layout``). Refuses another configuration's state (compressor,
         strategy, world size, parameters...); an unbound state keeps it (format checked) and loads it as it binds."""
-        fmt = state.get("format") if isinstance(state, Mapping) else None
         if self._engine is None:
-            if fmt not in (HOOK_FORMAT, _OLD_FORMAT):
-                raise ValueError(f"not a gradpress hook state dict (format {fmt!r}; expected {HOOK_FORMAT!r} "
-                                 f"or {_OLD_FORMAT!r})")
+            hook_state.check_format(state)
             self._pending_state = state
             return
-        if fmt == _OLD_FORMAT:
-            try:
-                state = _upgrade_v1(state)
-            except (KeyError, TypeError, AttributeError, ValueError) as exc:
-                raise ValueError(f"gradpress hook state dict ({_OLD_FORMAT}) is malformed "
-                                 f"({type(exc).__name__}: {exc}); nothing was loaded") from None
-        elif fmt != HOOK_FORMAT:
-            raise ValueError(f"not a gradpress hook state dict (format {fmt!r}; expected {HOOK_FORMAT!r} "
-                             f"or {_OLD_FORMAT!r})")
-        step = state.get("step")
-        if isinstance(step, torch.Tensor) and step.numel() == 1 and not step.is_floating_point():
-            step = int(step)
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"gradpress hook state dict: 'step' must be an integer >= 0, got {step!r}; "
-                             "nothing was loaded")
-        state = upgrade_layout(state, self._by_name, self.engine.compressor.element_state)
-        engine_state = {k: v for k, v in state.items() if k not in ("step", "layout")}
-        engine_state["format"] = self.engine.state_dict()["format"]
-        self.engine.load_state_dict(engine_state)  # validates fully, changes nothing on error
-        self._step = step
+        self._step = hook_state.load(self.engine, self._by_name, state)
 
     def close(self) -> None:
         """Stop the communication thread (the hook must not be used after).
         Called at interpreter exit for every hook still open."""
-        if self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join(timeout=5)
+        self._comm.stop(timeout=5)
         if self._used is not None:
             self._used.close()
         self._watch.start(None, 0)
