@@ -10,7 +10,7 @@ from __future__ import annotations
 GROUPS: dict[str, tuple[list[str], list[str], int]] = {
     "feedback": (["gradpress/exchange/feedback.py"],
                  ["tests/test_references.py", "tests/test_config_fields.py", "tests/test_mutants_feedback.py",
-                  "tests/test_mutants_presence.py"], 6),
+                  "tests/test_mutants_presence.py", "tests/test_residual_owner.py"], 6),
     "engine": (["gradpress/exchange/engine.py", "gradpress/exchange/base.py"],
                ["tests/test_references.py", "tests/test_accounting.py", "tests/test_config_fields.py",
                 "tests/test_mutants_engine.py"], 4),

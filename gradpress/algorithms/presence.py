@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from gradpress.exchange.feedback import owner
+from gradpress.exchange.feedback import owner, owner_among
 
 if TYPE_CHECKING:
     from gradpress.algorithms.base import Algorithm
@@ -64,9 +64,10 @@ def sync_agreeing(algo: Algorithm, tensors: list[torch.Tensor], mine: list[bool]
         return []
     fb = engine.feedback
     kept = {}
+    known = set(names)  # a store key's owner is looked up among them ('pd.w#0' is no partition of 'pd.w')
     if not all(mine) and fb is not None:  # what the call may change for a parameter that no rank has
         lacking = {n for n, ok in zip(names, mine) if not ok}
-        kept = {k: v.clone() for k, v in fb.residuals.items() if k in lacking or owner(k) in lacking}
+        kept = {k: v.clone() for k, v in fb.residuals.items() if owner_among(k, known) in lacking}
     present_flags = flags(mine, tensors[0])
     algo.sync([*tensors, present_flags], keys=[*names, PRESENT_KEY])
     if engine.last_step_skipped:
@@ -74,7 +75,7 @@ def sync_agreeing(algo: Algorithm, tensors: list[torch.Tensor], mine: list[bool]
     present = agreed(mine, present_flags)
     gone = {n for n, ok in zip(names, present) if not ok}
     if gone and fb is not None:
-        for k in [k for k in fb.residuals if k in gone or owner(k) in gone]:
+        for k in [k for k in fb.residuals if owner_among(k, known) in gone]:
             del fb.residuals[k]
         fb.residuals.update(kept)
     return present

@@ -7,12 +7,12 @@ written before gradients were handed over in their parameter's layout
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from gradpress.exchange.feedback import Feedback, owner
+from gradpress.exchange.feedback import Feedback, owner_among, tensor_owner
 
 __all__ = ["HOOK_FORMAT", "LAYOUT", "strip_module", "upgrade_layout"]
 
@@ -63,16 +63,18 @@ def _reindexed(r: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return flat.as_strided(p.shape, p.stride(), flat.storage_offset()).contiguous().reshape(r.shape)
 
 
-def _upgraded(entries: Mapping[str, Any], moved: Mapping[str, torch.Tensor], shaped: bool,
-              dropped: list[str]) -> dict[str, Any]:
+def _upgraded(entries: Mapping[str, Any], names: Collection[str], moved: Mapping[str, torch.Tensor],
+              shaped: bool, dropped: list[str]) -> dict[str, Any]:
     """``entries`` (by key) with those of a ``moved`` parameter re-indexed: a worker key (the parameter's own)
-    holding a tensor of its shape (``shaped``) or of its size, flat; any other key of it goes to ``dropped``."""
+    holding a tensor of its shape (``shaped``) or of its size, flat; any other key of it goes to ``dropped``.
+    Store keys (``shaped``: residuals) or exchanged keys (compressor buffers), owned among ``names``."""
     fixed = {}
     for key, r in entries.items():
-        p = moved.get(owner(key))
+        name = owner_among(key, names) if shaped else tensor_owner(key, names)
+        p = moved.get(name) if name is not None else None
         if p is None or not isinstance(r, torch.Tensor):
             fixed[key] = r
-        elif owner(key) == key and (r.shape == p.shape if shaped else (r.dim() == 1 and r.numel() == p.numel())):
+        elif name == key and (r.shape == p.shape if shaped else (r.dim() == 1 and r.numel() == p.numel())):
             fixed[key] = _reindexed(r, p)
         else:
             dropped.append(key)
@@ -100,10 +102,10 @@ def upgrade_layout(state: Mapping[str, Any], params: Mapping[str, torch.Tensor],
     out = dict(state)
     residuals = state["feedback"].get("residuals")
     if isinstance(residuals, Mapping):
-        out["feedback"] = {**state["feedback"], "residuals": _upgraded(residuals, moved, True, dropped)}
+        out["feedback"] = {**state["feedback"], "residuals": _upgraded(residuals, params, moved, True, dropped)}
     compressor = state.get("compressor")
     if isinstance(compressor, Mapping):
-        out["compressor"] = {name: _upgraded(v, moved, False, dropped)
+        out["compressor"] = {name: _upgraded(v, params, moved, False, dropped)
                              if name in element_state and isinstance(v, Mapping) else v
                              for name, v in compressor.items()}
     if dropped:

@@ -26,14 +26,14 @@ sparsifiers only the kept entries change: see ``Compressor.residual``), one
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
 
 from gradpress.compress.base import all_finite
 
-__all__ = ["Feedback", "WORKER", "namespace", "split_key", "owner"]
+__all__ = ["Feedback", "WORKER", "namespace", "split_key", "owner", "owner_among", "tensor_owner"]
 
 #: the worker's own residuals: keyed by the tensor key itself
 WORKER = ""
@@ -65,8 +65,34 @@ _SUFFIXES = re.compile(r"(#[0-9]+)?(#ps)?$")
 def owner(key: str) -> str:
     """The tensor (parameter) key a store key belongs to: the key without
     its namespace (:func:`split_key`) and partition suffixes (``#k``,
-    ``#ps``, ``#k#ps``). A parameter name may hold '/' or '#' itself."""
+    ``#ps``, ``#k#ps``). A parameter name may hold '/' or '#' itself; one
+    that ends like a suffix (``w#0``) is cut all the same: to tell whose
+    residual a key is, use :func:`owner_among` with the parameters' keys."""
     return _SUFFIXES.sub("", split_key(key)[1])
+
+
+def tensor_owner(tensor_key: str, names: Collection[str]) -> str | None:
+    """The key of ``names`` that the exchanged key ``tensor_key`` was built
+    from (the tensor's own key, a partition's ``key#k``, a PS root's
+    ``key#ps`` or ``key#k#ps``), or None. Unlike :func:`owner` it knows the
+    names, so a name that ends like a suffix (``nn.ParameterDict({"w#0": ...})``:
+    ``pd.w#0``) is its own; the least cut candidate wins."""
+    if tensor_key in names:
+        return tensor_key
+    base = tensor_key[: -len("#ps")] if tensor_key.endswith("#ps") else tensor_key
+    candidates = [base, re.sub(r"#[0-9]+$", "", base)]
+    return next((c for c in candidates if c in names), None)
+
+
+def owner_among(key: str, names: Collection[str]) -> str | None:
+    """The key of ``names`` whose residual the store key ``key`` is, or None:
+    the worker's own residual is keyed by the tensor key, whole (never a
+    partition's); a strategy's by its namespace and the key it exchanged
+    (:func:`tensor_owner`)."""
+    if key in names:
+        return key
+    space, tail = split_key(key)
+    return None if space == WORKER else tensor_owner(tail, names)
 
 
 class Feedback:
