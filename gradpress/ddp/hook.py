@@ -57,7 +57,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradpress.ddp import hook_state
+import gradpress.ddp.hook_state as hook_state
 from gradpress.ddp.buckets import SPARSE_BUCKET, Job, UnusedWatch, UsedTracker, param_layout, sparse_refusal
 from gradpress.ddp.comm_thread import CommThread
 from gradpress.ddp.state_format import HOOK_FORMAT, strip_module
