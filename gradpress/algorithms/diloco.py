@@ -173,10 +173,7 @@ class DiLoCo(Algorithm):
                                      momentum=self.outer_momentum,  # type: ignore[attr-defined]
                                      nesterov=self.nesterov)  # type: ignore[attr-defined]
         #: nonfinite=skip: this rank's inner optimizer state and buffers at theta (a dropped sync restores them)
-        self.restart = (LocalCopy(self.optimizer, [p for _, p in self.named], self.model.buffers())
-                        if self.engine is not None and self.engine.nonfinite == "skip" else None)
-        if self.restart is not None:
-            self.restart.take()
+        self.restart = LocalCopy.for_skip(self)
 
     def step(self) -> None:
         switch = getattr(self, "switch", 0)
@@ -295,10 +292,7 @@ class DiLoCo(Algorithm):
             a.copy_(saved)
         self.outer.load_state_dict(state["outer"])
         if self.restart is not None:
-            if "restart" in state:
-                self.restart.load_state_dict(state["restart"], self.name)
-            else:  # a checkpoint before 2026-12: the state as loaded (exact at a synchronization; the model and
-                self.restart.take()  # optimizer are loaded first), not this fresh run's (empty, initial buffers)
+            self.restart.load_extra(state, self.name)
         if getattr(self, "keep_residual", False):  # checkpoints before the fix saved the engine's decay as 0
             assert self.engine is not None
             self.engine.feedback.beta = 1.0

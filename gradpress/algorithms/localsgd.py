@@ -61,6 +61,7 @@ from typing import Any
 import torch
 
 from gradpress.algorithms.base import Algorithm
+from gradpress.algorithms.presence import flags
 from gradpress.algorithms.registry import register
 from gradpress.algorithms.restart import LocalCopy
 from gradpress.compress.base import Param
@@ -97,10 +98,7 @@ class LocalSGD(Algorithm):
         #: local steps since the last average (or since the switch)
         self.since = 0
         #: nonfinite=skip: this rank's optimizer state and buffers at the anchor (a dropped sync restores them)
-        self.restart = (LocalCopy(self.optimizer, [p for _, p in self.named], self.model.buffers())
-                        if self.engine is not None and self.engine.nonfinite == "skip" else None)
-        if self.restart is not None:
-            self.restart.take()
+        self.restart = LocalCopy.for_skip(self)
 
     def current_period(self) -> int:
         """The period in force at the current local step (warm-up aware)."""
@@ -139,16 +137,11 @@ class LocalSGD(Algorithm):
         states = self.optimizer_state_tensors() if self.averages_optimizer_state else None
         if states is not None and deltas and self.world_size > 1:
             # 1 where this rank holds no state for the parameter; averaged with the deltas (no collective of its
-            # own): above 0 where some rank lacks it
-            missing = torch.tensor([0.0 if ts else 1.0 for ts in states], dtype=deltas[0].dtype)
-            missing = missing.to(deltas[0].device)
+            # own): above 0 where some rank lacks it (a call nonfinite=skip dropped zeroed them: no state is
+            # averaged then, each rank's is restored below)
+            missing = flags([not ts for ts in states], deltas[0])
             self.sync([*deltas, missing], keys=[*(n for n, _ in self.named), STATE_MISSING_KEY])
-            if self.engine is not None and self.engine.last_step_skipped:
-                # nonfinite=skip dropped the call on every rank and zeroed the flags with the deltas: which
-                # ranks lack a state is unknown, so every state stays local (the replicas restart from the anchor)
-                states = None
-            else:
-                states = [ts for ts, gone in zip(states, (missing > 0).tolist()) if not gone]
+            states = [ts for ts, gone in zip(states, (missing > 0).tolist()) if not gone]
         else:
             self.sync(deltas)
         for p, a, d in zip(params, self.anchor, deltas):
@@ -211,10 +204,7 @@ class LocalSGD(Algorithm):
             a.copy_(saved)
         self.since = int(state.get("since", self._steps % self.period))
         if self.restart is not None:
-            if "restart" in state:
-                self.restart.load_state_dict(state["restart"], self.name)
-            else:  # a checkpoint before 2026-12: the state as loaded (exact at a synchronization; the model and
-                self.restart.take()  # optimizer are loaded first), not this fresh run's (empty, initial buffers)
+            self.restart.load_extra(state, self.name)
 
 
 @register

@@ -29,9 +29,14 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+from gradpress.compress.base import all_finite
+
+if TYPE_CHECKING:
+    from gradpress.algorithms.base import Algorithm
 
 __all__ = ["LocalCopy"]
 
@@ -60,7 +65,7 @@ def _all_finite(tensors: Sequence[torch.Tensor]) -> bool:
     flags: dict[torch.device, list[torch.Tensor]] = {}
     for t in tensors:
         if t.is_floating_point() and t.numel():
-            flags.setdefault(t.device, []).append(torch.isfinite(t).all())
+            flags.setdefault(t.device, []).append(all_finite(t))
     return all(bool(torch.stack(fs).all()) for fs in flags.values())
 
 
@@ -76,6 +81,27 @@ class LocalCopy:
         #: per parameter: its optimizer state (None: it had none), in ``params``' order
         self.states: list[dict[str, Any] | None] = [None] * len(self.params)
         self.saved_buffers: list[torch.Tensor] = [b.detach().clone() for b in self.buffers]
+
+    @classmethod
+    def for_skip(cls, algo: Algorithm) -> LocalCopy | None:
+        """``algo``'s copy (its local optimizer, trainable parameters and
+        buffers), taken now, when its engine drops non-finite exchanges
+        (``nonfinite='skip'``); None otherwise (nothing is copied)."""
+        if algo.engine is None or algo.engine.nonfinite != "skip":
+            return None
+        local = cls(algo.optimizer, [p for _, p in algo.named], algo.model.buffers())
+        local.take()
+        return local
+
+    def load_extra(self, state: Mapping[str, Any], what: str) -> None:
+        """From an algorithm's saved extra state: its ``restart`` entry, or,
+        for a checkpoint written before there was one, the state as loaded
+        (exact at a synchronization: the model and optimizer load before the
+        algorithm), not this fresh run's (empty state, initial buffers)."""
+        if "restart" in state:
+            self.load_state_dict(state["restart"], what)
+        else:
+            self.take()
 
     @torch.no_grad()
     def take(self, idx: Iterable[int] | None = None, buffers: bool = True) -> None:
