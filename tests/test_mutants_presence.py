@@ -23,8 +23,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gradpress.algorithms.presence import owner
-from gradpress.exchange.feedback import Feedback
+from gradpress.exchange.feedback import Feedback, owner
 from gradpress.exchange.strategies.hierarchical import HOST
 from gradpress.exchange.strategies.ps import ROOT
 from gradpress.exchange.strategies.ring import RING

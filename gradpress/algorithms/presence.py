@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from gradpress.exchange.feedback import owner, owner_among
+from gradpress.exchange.feedback import owner_among
 
 if TYPE_CHECKING:
     from gradpress.algorithms.base import Algorithm
 
-__all__ = ["PRESENT_KEY", "agreed", "flags", "owner", "sync_agreeing"]
+__all__ = ["PRESENT_KEY", "agreed", "flags", "sync_agreeing"]
 
 #: the key under which an exchange carries the per-parameter "has a contribution" flags (1-D: uncompressed)
 PRESENT_KEY = "gradpress/present"

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Job", "param_layout", "UsedTracker", "UnusedWatch", "unused_warning", "sparse_refusal", "SPARSE_BUCKET"]
+__all__ = ["Job", "restrided", "param_layout", "UsedTracker", "UnusedWatch", "unused_warning", "sparse_refusal", "SPARSE_BUCKET"]
 
 
 class Job:
@@ -51,13 +51,17 @@ def _dense_layout(t: torch.Tensor) -> bool:
     return True
 
 
+def restrided(param: torch.Tensor) -> bool:
+    """Whether DDP lays ``param``'s gradient out in ``param``'s own strides, unlike a contiguous tensor's
+    (dense in another order of its dimensions: channels_last, a transposed parameter)."""
+    return param.numel() > 1 and not param.is_contiguous() and _dense_layout(param)
+
+
 def param_layout(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """``grad`` (a bucket view as ``GradBucket.gradients()`` returns it,
     contiguous strides) with the layout DDP gave it in the bucket: the
-    parameter's own strides when the parameter is dense in another order."""
-    if grad.stride() == param.stride() or param.numel() <= 1 or not _dense_layout(param):
-        return grad
-    return grad.as_strided(param.shape, param.stride())
+    parameter's own strides when :func:`restrided`."""
+    return grad.as_strided(param.shape, param.stride()) if restrided(param) else grad
 
 
 def _note(used: set[int], key: int, param: torch.Tensor) -> None:

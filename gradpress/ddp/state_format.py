@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from gradpress.ddp.buckets import restrided
 from gradpress.exchange.feedback import Feedback, owner_among, tensor_owner
 
 __all__ = ["HOOK_FORMAT", "LAYOUT", "strip_module", "upgrade_layout"]
@@ -47,13 +48,6 @@ def _upgrade_v1(state: Mapping[str, Any]) -> dict[str, Any]:
         **state, "config": config, "strategies": strategies,
         "feedback": {"beta": memory.get("beta", 1.0), "gamma": memory.get("gamma", 1.0), "residuals": residuals},
     }
-
-
-def _restrided(p: torch.Tensor) -> bool:
-    """Whether DDP lays ``p``'s gradient out in ``p``'s own strides, unlike a contiguous tensor's."""
-    from gradpress.ddp.buckets import _dense_layout
-
-    return p.numel() > 1 and not p.is_contiguous() and _dense_layout(p)
 
 
 def _reindexed(r: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -95,7 +89,7 @@ def upgrade_layout(state: Mapping[str, Any], params: Mapping[str, torch.Tensor],
     restart at zero, as a new parameter's)."""
     if state.get("layout") == LAYOUT or not isinstance(state.get("feedback"), Mapping):
         return state
-    moved = {k: p for k, p in params.items() if _restrided(p)}
+    moved = {k: p for k, p in params.items() if restrided(p)}
     if not moved:
         return state
     dropped: list[str] = []
