@@ -19,6 +19,7 @@ import torch
 
 from gradpress.ddp.state_format import _OLD_FORMAT, HOOK_FORMAT, LAYOUT, _upgrade_v1, upgrade_layout
 from gradpress.exchange import Synchronizer
+from gradpress.exchange.state import STATE_FORMAT
 
 __all__ = ["save", "check_format", "load"]
 
@@ -28,32 +29,26 @@ def save(engine: Synchronizer, step: int) -> dict[str, Any]:
     return {**engine.state_dict(), "format": HOOK_FORMAT, "step": step, "layout": LAYOUT}
 
 
-def _refuse(fmt: Any) -> ValueError:
-    return ValueError(f"not a gradpress hook state dict (format {fmt!r}; expected {HOOK_FORMAT!r} "
-                      f"or {_OLD_FORMAT!r})")
-
-
 def check_format(state: Any) -> None:
     """Raise ``ValueError`` unless ``state`` is a mapping in a format a hook loads
     (what an unbound hook checks before keeping it)."""
     fmt = state.get("format") if isinstance(state, Mapping) else None
     if fmt not in (HOOK_FORMAT, _OLD_FORMAT):
-        raise _refuse(fmt)
+        raise ValueError(f"not a gradpress hook state dict (format {fmt!r}; expected {HOOK_FORMAT!r} "
+                         f"or {_OLD_FORMAT!r})")
 
 
 def load(engine: Synchronizer, by_name: Mapping[str, torch.nn.Parameter], state: Mapping[str, Any]) -> int:
     """Restore ``engine`` from a hook state dict (``gradpress-hook/1`` and
     states written before gradients had their parameter's layout upgraded);
     ``by_name``: the bound parameters by key. Returns the saved step."""
-    fmt = state.get("format") if isinstance(state, Mapping) else None
-    if fmt == _OLD_FORMAT:
+    check_format(state)
+    if state["format"] == _OLD_FORMAT:
         try:
             state = _upgrade_v1(state)
         except (KeyError, TypeError, AttributeError, ValueError) as exc:
             raise ValueError(f"gradpress hook state dict ({_OLD_FORMAT}) is malformed "
                              f"({type(exc).__name__}: {exc}); nothing was loaded") from None
-    elif fmt != HOOK_FORMAT:
-        raise _refuse(fmt)
     step = state.get("step")
     if isinstance(step, torch.Tensor) and step.numel() == 1 and not step.is_floating_point():
         step = int(step)
@@ -62,6 +57,6 @@ def load(engine: Synchronizer, by_name: Mapping[str, torch.nn.Parameter], state:
                          "nothing was loaded")
     state = upgrade_layout(state, by_name, engine.compressor.element_state)
     engine_state = {k: v for k, v in state.items() if k not in ("step", "layout")}
-    engine_state["format"] = engine.state_dict()["format"]
+    engine_state["format"] = STATE_FORMAT  # the engine's own (not a copy of its whole state to read it)
     engine.load_state_dict(engine_state)  # validates fully, changes nothing on error
     return step
