@@ -10,7 +10,9 @@ are held until its last one arrives and averaged in one engine call; held
 buckets of a step whose backward ended before its last bucket came fail with
 a ``RuntimeError``. A ``nonfinite='raise'`` error is kept in ``deferred``
 (set before the Futures complete, their buffers zeroed) for the training
-thread to raise as itself when backward ends.
+thread to raise as itself when backward ends. A stop is queued once, behind
+the jobs already queued; the wait for the thread to end is bounded (the exit
+shares one :data:`CLOSE_WAIT_S` among every hook still open).
 """
 
 from __future__ import annotations
@@ -24,7 +26,11 @@ import torch
 from gradpress.ddp.buckets import Job
 from gradpress.exchange import Synchronizer
 
-__all__ = ["CommThread"]
+__all__ = ["CommThread", "CLOSE_WAIT_S"]
+
+#: the longest wait for a hook's thread to finish its queued jobs when the hook closes; at interpreter exit, for
+#: every hook still open together (a stuck peer holds the exit that long once, not once per hook)
+CLOSE_WAIT_S = 5.0
 
 
 class Owner(Protocol):
@@ -46,6 +52,7 @@ class CommThread:
         self.deferred: FloatingPointError | None = None  # nonfinite='raise': read by the training thread
         self._held: list[Job] = []  # buckets of the current step waiting for its last one
         self._queue: queue.Queue[Job | None] = queue.Queue()
+        self._stopping = False
         self.thread = threading.Thread(target=self._worker, name="gradpress-comm", daemon=True)
         self.thread.start()
 
@@ -58,11 +65,18 @@ class CommThread:
         error, self.deferred = self.deferred, None
         return error
 
-    def stop(self, timeout: float = 5.0) -> None:
-        """End the thread once the jobs queued before are done (waits up to ``timeout`` seconds)."""
-        if self.thread.is_alive():
+    def request_stop(self) -> None:
+        """Queue the thread's end behind the jobs queued before (once); does not wait."""
+        if not self._stopping and self.thread.is_alive():
+            self._stopping = True
             self._queue.put(None)
-            self.thread.join(timeout=timeout)
+
+    def stop(self, timeout: float = CLOSE_WAIT_S) -> bool:
+        """End the thread once the jobs queued before are done, waiting at most ``timeout`` seconds; whether it
+        ended (False: a job still in flight, a collective a peer never joined)."""
+        self.request_stop()
+        self.thread.join(timeout=max(0.0, timeout))
+        return not self.thread.is_alive()
 
     def _worker(self) -> None:
         while True:

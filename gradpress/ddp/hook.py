@@ -49,6 +49,7 @@ backward, at its last bucket); a bound state's keys never change.
 from __future__ import annotations
 
 import functools
+import time
 import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -59,7 +60,7 @@ import torch.distributed as dist
 
 import gradpress.ddp.hook_state as hook_state
 from gradpress.ddp.buckets import SPARSE_BUCKET, Job, UnusedWatch, UsedTracker, param_layout, sparse_refusal
-from gradpress.ddp.comm_thread import CommThread
+from gradpress.ddp.comm_thread import CLOSE_WAIT_S, CommThread
 from gradpress.ddp.state_format import HOOK_FORMAT, strip_module
 from gradpress.exchange import Synchronizer
 from gradpress.exchange.feedback import Feedback
@@ -289,10 +290,10 @@ class GradpressHook:
             return
         self._step = hook_state.load(self.engine, self._by_name, state)
 
-    def close(self) -> None:
-        """Stop the communication thread (the hook must not be used after).
-        Called at interpreter exit for every hook still open."""
-        self._comm.stop(timeout=5)
+    def close(self, timeout: float = CLOSE_WAIT_S) -> None:
+        """Stop the communication thread once its queued buckets are averaged, waiting at most ``timeout``
+        seconds (the hook must not be used after). Called at interpreter exit for every hook still open."""
+        self._comm.stop(timeout=timeout)
         if self._used is not None:
             self._used.close()
         self._watch.start(None, 0)
@@ -304,10 +305,16 @@ _OPEN_HOOKS: weakref.WeakSet[GradpressHook] = weakref.WeakSet()
 
 def _close_open_hooks() -> bool:
     """At interpreter exit (a step of :data:`gradpress.transport.groups.EXIT_STEPS`, before the groups go):
-    close every hook still open; whether all their threads ended."""
+    close every hook still open; whether all their threads ended. One deadline, :data:`CLOSE_WAIT_S` from now,
+    for all of them (as the background threads' :data:`gradpress.exchange.background.EXIT_WAIT_S`): every
+    thread is told to stop first, so their queued buckets finish side by side, then each is waited for what is
+    left of it; several hooks stuck on one peer hold the exit that long once, not once per hook."""
     hooks = list(_OPEN_HOOKS)
+    deadline = time.monotonic() + CLOSE_WAIT_S
     for hook in hooks:
-        hook.close()
+        hook._comm.request_stop()
+    for hook in hooks:
+        hook.close(timeout=deadline - time.monotonic())
     return not any(hook._thread.is_alive() for hook in hooks)
 
 
