@@ -45,7 +45,10 @@ float32 flag per parameter rides in the step's collective (phase 2: the
 values' allgather; ring: the latents' allreduce; ps: the innovations'
 allgather, or an allreduce of its own without innovations); a parameter no
 rank has a gradient for keeps ``.grad`` None (the optimizer skips it) and
-its residual; one some rank lacks gets zeros there.
+its residual; one some rank lacks gets zeros there. Where a selection spans
+several parameters (``per_tensor=false``; ps's innovation top-k) the flags
+are summed first, in an allreduce of their own, and such a parameter's
+entries rank below every other in the selection: it takes no slot.
 Limits: one floating dtype for all trainable parameters; NaN/Inf gradients
 are not screened in phases 2 and 3 (``nonfinite`` must be ``propagate``).
 """
@@ -176,8 +179,13 @@ class LGC(Algorithm):
         leader = self.leader_at(step)
         t0 = time.perf_counter()
         train_s = 0.0
+        first, absent, flag_bytes = None, None, 0
+        if self._flags_first(phase):  # summed before the selections, which then skip what no rank has
+            first, flag_bytes = self.wire.allreduce(flags)
+            absent = self._absent(agreed(mine, first))
+            flags = None  # not sent again with the step's values
         if phase == 2:
-            ex = shared_topk(self.wire, acc, self.quotas, leader, flags)
+            ex = shared_topk(self.wire, acc, self.quotas, leader, flags, absent)
             t1 = time.perf_counter()
             assert ex.batch is not None
             self.ae_losses.append(train_step(self.ae, self.ae_optimizer, ex.batch / rms(ex.batch[leader]),
@@ -186,10 +194,13 @@ class LGC(Algorithm):
         else:
             if not self.frozen:
                 self.freeze()
-            ex = self._latent_exchange(acc, leader, flags)
+            ex = self._latent_exchange(acc, leader, flags, absent)
             if ex.rel_error is not None:
                 self._err = (self._err[0] + ex.rel_error, self._err[1] + 1)
-        present = agreed(mine, ex.flags)
+        if flag_bytes:
+            ex.sent += flag_bytes
+            ex.parts["flags"] = flag_bytes
+        present = agreed(mine, first if first is not None else ex.flags)
         self.residual = self._keep_absent(ex.residual, acc, present)
         self._apply(params, ex, present)
         self._count(ex, comm_s=time.perf_counter() - t0 - train_s, compress_s=train_s)
@@ -212,10 +223,27 @@ class LGC(Algorithm):
                 self.residual[offset : offset + p.numel()] += held.reshape(-1).to(self.residual.dtype)
             offset += p.numel()
 
-    def _latent_exchange(self, acc: torch.Tensor, leader: int, flags: torch.Tensor) -> Exchanged:
+    def _latent_exchange(self, acc: torch.Tensor, leader: int, flags: torch.Tensor | None,
+                         absent: torch.Tensor | None) -> Exchanged:
         if self.variant == "ps":  # type: ignore[attr-defined]
-            return ps_latent(self.wire, acc, self.quotas, self.k_inn, leader, self.ae, flags)
-        return ring_latent(self.wire, acc, self.quotas, leader, self.ae, flags)
+            return ps_latent(self.wire, acc, self.quotas, self.k_inn, leader, self.ae, flags, absent)
+        return ring_latent(self.wire, acc, self.quotas, leader, self.ae, flags, absent)
+
+    def _flags_first(self, phase: int) -> bool:
+        """Whether this step's presence flags are summed before its exchange (an allreduce of their own, the
+        same 4P bytes that otherwise ride in it): when a selection spans several parameters (one top-k over
+        the whole model, ``per_tensor=false``; ps's innovation top-k), so that DDP's rule holds there too (a
+        parameter no rank has takes no slot). Per-tensor quotas need no flags first: a tensor's quota is
+        its own."""
+        return not self.per_tensor or (phase == 3 and self.variant == "ps" and self.k_inn > 0)  # type: ignore[attr-defined]
+
+    def _absent(self, present: list[bool]) -> torch.Tensor | None:
+        """Per flat entry, whether its parameter is one no rank has a gradient for (None: there is none)."""
+        if all(present):
+            return None
+        sizes = [p.numel() for _, p in self.named]
+        flags = torch.tensor([not some for some in present], device=self.residual.device)
+        return flags.repeat_interleave(torch.tensor(sizes, device=self.residual.device))
 
     def _keep_absent(self, residual: torch.Tensor, acc: torch.Tensor, present: list[bool]) -> torch.Tensor:
         """DDP's rule for a parameter no rank has a gradient for: nothing of

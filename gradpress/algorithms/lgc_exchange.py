@@ -121,24 +121,35 @@ def total(quotas: Quotas) -> int:
     return sum(q for _, _, q in quotas)
 
 
-def select(acc: torch.Tensor, quotas: Quotas) -> torch.Tensor:
+def select(acc: torch.Tensor, quotas: Quotas, absent: torch.Tensor | None = None) -> torch.Tensor:
     """The int32 indices of the ``kept`` largest |acc| of each segment,
     ordered by decreasing signed value of ``acc`` there: the autoencoder then
     sees a monotone curve, which a 4:1 convolutional code represents well,
     and the order costs nothing (the indices travel in it). One loop over
-    segments (parameter tensors), none over elements."""
+    segments (parameter tensors), none over elements. ``absent`` (bool, per
+    entry): entries of parameters no rank has a gradient for, which a segment
+    that also holds others' entries (one top-k over the whole model) ranks
+    below all of those: they take a slot only when nothing else is left."""
     mag = acc.abs()
-    idx = torch.cat([torch.topk(mag[o : o + n], q, sorted=False).indices + o for o, n, q in quotas])
+    idx = torch.cat([torch.topk(_ranked(mag[o : o + n], None if absent is None else absent[o : o + n]), q,
+                                sorted=False).indices + o for o, n, q in quotas])
     order = torch.sort(acc[idx], descending=True, stable=True).indices
     return idx[order].to(torch.int32)
 
 
+def _ranked(mag: torch.Tensor, absent: torch.Tensor | None) -> torch.Tensor:
+    """``mag`` with the ``absent`` entries below every other one (-1 < 0 <= |x|), unless all are absent."""
+    if absent is None or not bool(absent.any()) or bool(absent.all()):
+        return mag
+    return mag.masked_fill(absent, -1.0)
+
+
 def shared_topk(wire: Wire, acc: torch.Tensor, quotas: Quotas, leader: int,
-                flags: torch.Tensor | None = None) -> Exchanged:
-    """Phase 2: top-k at the leader's indices, values allgathered (with
+                flags: torch.Tensor | None = None, absent: torch.Tensor | None = None) -> Exchanged:
+    """Phase 2: top-k at the leader's indices (``absent``: see :func:`select`), values allgathered (with
     ``flags``, float32, which come back summed over ranks)."""
     k = total(quotas)
-    mine = select(acc, quotas) if wire.rank == leader else torch.zeros(k, dtype=torch.int32, device=acc.device)
+    mine = select(acc, quotas, absent) if wire.rank == leader else torch.zeros(k, dtype=torch.int32, device=acc.device)
     (idx,), sent_idx = wire.broadcast([mine], leader)
     idx = idx.long()
     gathered, sent_val = wire.allgather([acc[idx], *([flags] if flags is not None else [])])
@@ -154,12 +165,15 @@ def shared_topk(wire: Wire, acc: torch.Tensor, quotas: Quotas, leader: int,
 
 @torch.no_grad()
 def ps_latent(wire: Wire, acc: torch.Tensor, quotas: Quotas, k_inn: int, master: int,
-              ae: LGCAutoencoder, flags: torch.Tensor | None = None) -> Exchanged:
+              ae: LGCAutoencoder, flags: torch.Tensor | None = None,
+              absent: torch.Tensor | None = None) -> Exchanged:
     """Phase 3, parameter-server variant (module doc); ``flags`` ride with
-    the innovations (an allreduce of their own without innovations)."""
+    the innovations (an allreduce of their own without innovations);
+    ``absent`` entries rank last in the master's selection (:func:`select`)
+    and in the innovation top-k, which spans the whole model."""
     latent, k = ae.latent, total(quotas)
     if wire.rank == master:
-        idx = select(acc, quotas)
+        idx = select(acc, quotas, absent)
         scale = rms(acc[idx.long()]).reshape(1)
         z = ae.encode((acc[idx.long()] / scale).reshape(1, -1)).reshape(-1)
     else:
@@ -171,7 +185,7 @@ def ps_latent(wire: Wire, acc: torch.Tensor, quotas: Quotas, k_inn: int, master:
     decoded = (ae.decode_all(z) * scale).to(acc.dtype)  # (N, k): node j's estimate by decoder j
     missed = acc.clone()
     missed[idx] -= decoded[wire.rank]
-    inn_idx = torch.topk(missed.abs(), k_inn, sorted=False).indices.sort().values
+    inn_idx = torch.topk(_ranked(missed.abs(), absent), k_inn, sorted=False).indices.sort().values
     extra = [flags] if flags is not None else []
     flags_sum, sent_flags = None, 0
     if k_inn:
@@ -198,12 +212,12 @@ def ps_latent(wire: Wire, acc: torch.Tensor, quotas: Quotas, k_inn: int, master:
 
 @torch.no_grad()
 def ring_latent(wire: Wire, acc: torch.Tensor, quotas: Quotas, leader: int, ae: LGCAutoencoder,
-                flags: torch.Tensor | None = None) -> Exchanged:
+                flags: torch.Tensor | None = None, absent: torch.Tensor | None = None) -> Exchanged:
     """Phase 3, ring-allreduce variant (module doc); ``flags`` are summed
-    in the latents' allreduce."""
+    in the latents' allreduce; ``absent``: see :func:`select`."""
     k = total(quotas)
     if wire.rank == leader:
-        idx = select(acc, quotas)
+        idx = select(acc, quotas, absent)
         scale = rms(acc[idx.long()]).reshape(1)
     else:
         idx = torch.zeros(k, dtype=torch.int32, device=acc.device)
