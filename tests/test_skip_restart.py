@@ -34,15 +34,40 @@ WORLD = 2
 LR_SGD, MU = 0.05, 0.9
 LR_ADAM, B1, B2, EPS = 0.01, 0.9, 0.999, 1e-8
 
-# (spec, inner optimizer, steps, the step (0-based) at which rank 0's gradient holds an Inf)
+LOCALSGD, DILOCO = "localsgd:period=3", "diloco:period=3,outer_lr=0.7,outer_momentum=0.9"
+STREAMING = "streaming-diloco:period=4,fragments=2,overlap=1,alpha=0.5"
+# (spec, inner optimizer, steps, the step (0-based) of the fault on rank 0, the fault: FAULTS)
 CASES = {
-    "localsgd": ("localsgd:period=3", "momentum", 10, 4),
-    "diloco": ("diloco:period=3,outer_lr=0.7,outer_momentum=0.9", "adam", 10, 4),
-    "streaming": ("streaming-diloco:period=4,fragments=2,overlap=1,alpha=0.5", "adam", 14, 4),
+    "localsgd": (LOCALSGD, "momentum", 10, 4, "inf"),
+    "diloco": (DILOCO, "adam", 10, 4, "inf"),
+    "streaming": (STREAMING, "adam", 14, 4, "inf"),
     # the Inf one step earlier: the fragment in flight (launched finite) is merged after the NaN spread; its copy
     # was refreshed with NaN Adam moments, so every later exchange was dropped (4 in 14 steps, NaN at the end: a dead run)
-    "streaming-early": ("streaming-diloco:period=4,fragments=2,overlap=1,alpha=0.5", "adam", 14, 3),
+    "streaming-early": (STREAMING, "adam", 14, 3, "inf"),
+    # the parameters stay finite, the state does not (no synchronization was dropped: localsgd averaged the Inf
+    # moment, or the Inf BatchNorm variance, into every rank; diloco and streaming kept rank 0's for good)
+    "localsgd-overflow": (LOCALSGD, "adam", 10, 4, "overflow"),
+    "localsgd-buffer": (LOCALSGD, "momentum", 10, 4, "buffer"),
+    "diloco-overflow": (DILOCO, "adam", 10, 4, "overflow"),
+    "diloco-buffer": (DILOCO, "adam", 10, 4, "buffer"),
+    "streaming-overflow": (STREAMING, "adam", 14, 4, "overflow"),
+    # step 5: a fault at step 4 is overwritten at once by the merge of the buffers launched at step 3
+    "streaming-buffer": (STREAMING, "adam", 14, 5, "buffer"),
 }
+#: inf: one gradient entry is Inf (parameters and state go NaN); overflow: one gradient entry is 1e200, finite,
+#: whose square overflows Adam's exp_avg_sq to Inf (that entry's update is then 0: the parameters stay finite);
+#: buffer: one BatchNorm running_var entry becomes Inf (an overflowed activation under fp16/bf16 autocast; the
+#: training forward pass uses the batch's statistics: the parameters stay finite)
+FAULTS = ("inf", "overflow", "buffer")
+
+
+def fault(model: nn.Module, kind: str) -> None:
+    """Rank 0's fault at its bad step, after the backward pass, before the optimizer step."""
+    with torch.no_grad():
+        if kind == "buffer":
+            model.bn.running_var[0] = math.inf
+        else:
+            model.a.weight.grad[0, 0] = math.inf if kind == "inf" else 1e200
 #: resumed from a checkpoint written at this step (a synchronization) without the copy (before 2026-12)
 RESUME_AT = 3
 
@@ -67,7 +92,7 @@ def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _build(case: str) -> tuple[nn.Module, torch.optim.Optimizer, gradpress.algorithms.Algorithm]:
-    spec, inner, _, _ = CASES[case]
+    spec, inner, _, _, _ = CASES[case]
     model = Net()
     opt = (torch.optim.SGD(model.parameters(), lr=LR_SGD, momentum=MU) if inner == "momentum"
            else torch.optim.Adam(model.parameters(), lr=LR_ADAM, betas=(B1, B2), eps=EPS))
@@ -75,18 +100,20 @@ def _build(case: str) -> tuple[nn.Module, torch.optim.Optimizer, gradpress.algor
 
 
 def _run(rank: int, case: str, start: int = 0, built: tuple | None = None) -> dict:
-    _, _, steps, bad = CASES[case]
+    _, _, steps, bad, kind = CASES[case]
     model, opt, algo = built if built is not None else _build(case)
     out: dict = {"steps": []}
     for step in range(start, steps):
         opt.zero_grad()
         model(batch(rank, step)).square().mean().backward()
         if rank == 0 and step == bad:
-            model.a.weight.grad[0, 0] = math.inf
+            fault(model, kind)
         algo.step()
         out["steps"].append(snapshot(model))
     algo.close()
     out["skipped_steps"] = algo.stats["skipped_steps"]
+    out["state"] = {f"{k} of {n}": v.clone() for n, p in model.named_parameters()
+                    for k, v in opt.state.get(p, {}).items() if torch.is_tensor(v)}
     return out
 
 
@@ -140,12 +167,12 @@ class Replica:
         return dict(self.model.named_buffers())
 
     @torch.no_grad()
-    def local_step(self, step: int, bad: bool) -> None:
+    def local_step(self, step: int, bad: str | None) -> None:
         with torch.enable_grad():
             self.model.zero_grad()
             self.model(batch(self.rank, step)).square().mean().backward()
-        if bad:
-            self.model.a.weight.grad[0, 0] = math.inf
+        if bad is not None:
+            fault(self.model, bad)
         for n, p in self.params().items():
             g, s = p.grad, self.state.setdefault(n, {})
             if self.inner == "momentum":
@@ -187,7 +214,8 @@ class OuterSGD:
 @torch.no_grad()
 def reference(case: str) -> list[list[dict[str, torch.Tensor]]]:
     """Per step, per rank, the model's state (parameters and buffers)."""
-    _, inner, steps, bad = CASES[case]
+    spec, inner, steps, bad, kind = CASES[case]
+    algo = spec.split(":")[0]
     reps = [Replica(r, inner) for r in range(WORLD)]
     names = reps[0].names
     anchor = {n: p.clone() for n, p in reps[0].params().items()}
@@ -209,24 +237,31 @@ def reference(case: str) -> list[list[dict[str, torch.Tensor]]]:
                 for r in reps:
                     r.buffers()[k].copy_(mean)
 
-    if case in ("localsgd", "diloco"):
+    def local_state(names_: list[str], buffers: bool) -> list[torch.Tensor]:
+        """Every rank's optimizer state of ``names_`` (and, with ``buffers``, floating buffers)."""
+        ts = [v for r in reps for n in names_ for v in r.state.get(n, {}).values() if torch.is_tensor(v)]
+        return ts + [b for r in reps for b in r.buffers().values() if buffers and b.is_floating_point()]
+
+    if algo in ("localsgd", "diloco"):
         period = 3
         for step in range(steps):
             for r in reps:
-                r.local_step(step, r.rank == 0 and step == bad)
+                r.local_step(step, kind if r.rank == 0 and step == bad else None)
             if (step + 1) % period == 0:
                 deltas = [{n: p - anchor[n] for n, p in r.params().items()} for r in reps]
-                if not finite([d for ds in deltas for d in ds.values()]):
+                # the rule: dropped when some rank's delta, optimizer state or floating buffers are not finite
+                if not finite([d for ds in deltas for d in ds.values()] + local_state(names, True)):
                     for r, keep in zip(reps, saved):
                         restart(r, keep)
                 else:
                     mean = {n: sum(d[n] for d in deltas) / WORLD for n in names}
-                    if case == "localsgd":
+                    if algo == "localsgd":
                         anchor = {n: anchor[n] + mean[n] for n in names}
-                        for n in names:  # optimizer_state=auto with no compressor: momenta averaged
-                            m = sum(r.state[n]["m"] for r in reps) / WORLD
-                            for r in reps:
-                                r.state[n]["m"] = m.clone()
+                        for n in names:  # optimizer_state=auto with no compressor: momenta (Adam: m, v) averaged
+                            for k in ("m", "v") if inner == "adam" else ("m",):
+                                m = sum(r.state[n][k] for r in reps) / WORLD
+                                for r in reps:
+                                    r.state[n][k] = m.clone()
                     else:
                         outer.step(anchor, {n: -mean[n] for n in names})
                     for r in reps:
@@ -253,17 +288,21 @@ def reference(case: str) -> list[list[dict[str, torch.Tensor]]]:
     for step in range(steps):
         t = step + 1
         for r in reps:
-            r.local_step(step, r.rank == 0 and step == bad)
+            r.local_step(step, kind if r.rank == 0 and step == bad else None)
         f = launch_at.get(t % period)
         if f is not None:
             pending.append({"f": f, "due": t + overlap,
                             "deltas": [{n: anchor[n] - r.params()[n] for n in frags[f]} for r in reps],
                             "buffers": [{k: b.clone() for k, b in r.buffers().items()} for r in reps]
-                            if f == with_buffers else None})
+                            if f == with_buffers else None,
+                            # the rule: some rank's optimizer state of the fragment, or the buffers it carries,
+                            # not finite at its launch: the exchange is dropped (at its merge)
+                            "state_ok": finite(local_state(frags[f], f == with_buffers))})
         while pending and pending[0]["due"] <= t:
             item = pending.pop(0)
             f = item["f"]
-            if not finite([d for ds in item["deltas"] for d in ds.values()]):  # every fragment from theta
+            if not item["state_ok"] or not finite([d for ds in item["deltas"] for d in ds.values()]):
+                # every fragment from theta
                 for r, st, bf in zip(reps, states, bufs):
                     for n, p in r.params().items():
                         p.copy_(anchor[n])
@@ -313,11 +352,12 @@ def test_a_skipped_synchronization_undoes_the_period_and_the_run_recovers(result
     want = reference(case)
     for rank in range(WORLD):
         run = results[rank][case]
-        assert run["skipped_steps"] == 1, f"{case} rank {rank}: {run['skipped_steps']} synchronizations dropped"
         _check(run["steps"], want, rank, case)
+        assert run["skipped_steps"] == 1, f"{case} rank {rank}: {run['skipped_steps']} synchronizations dropped"
     final = [results[r][case]["steps"][-1] for r in range(WORLD)]
-    for k, v in final[0].items():  # the run is alive: finite everywhere at the end
-        assert torch.isfinite(v.double()).all(), f"{case} {k} not finite at the end: {v}"
+    for rank in range(WORLD):  # the run is alive: finite everywhere at the end, the optimizer state included
+        for k, v in {**final[rank], **results[rank][case]["state"]}.items():
+            assert torch.isfinite(v.double()).all(), f"{case} rank {rank}: {k} not finite at the end: {v}"
 
 
 @pytest.mark.parametrize("case", ["localsgd", "diloco"])
