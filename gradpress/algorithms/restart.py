@@ -36,10 +36,15 @@ state kept local stayed poisoned on that rank for good. Now, before the
 exchange, :meth:`LocalCopy.flag_into` makes one element of the rank's
 outgoing delta NaN where its state or buffers are not finite, so the
 engine's own verdict, which every rank already agrees on, drops the whole
-synchronization and the period is undone as above. Cost, with ``skip``
-only: one ``aminmax`` read of each optimizer state tensor and buffer per
-synchronization, on its device (Adam: two parameter-sized reads), no host
-read, no collective and no byte of its own.
+synchronization and the period is undone as above; unless this rank's copy
+of that state is itself not finite (a synchronous phase, ``switch``, is
+DDP's step and averages the buffers whatever they hold, so an Inf there is
+in every rank's copy at the switch): restoring it would not help, and every
+later synchronization would be dropped (the replicas would never meet
+again), so such a synchronization goes through as before. Cost, with ``skip``
+only: one ``aminmax`` read of each optimizer state tensor and buffer, and
+of its copy, per synchronization, on its device (Adam: four parameter-sized
+reads), no host read, no collective and no byte of its own.
 """
 
 from __future__ import annotations
@@ -159,18 +164,28 @@ class LocalCopy:
                   buffers: bool = True) -> None:
         """Make this rank's outgoing ``deltas`` non-finite (one element NaN)
         where its optimizer state of the parameters ``idx`` (default: all) or,
-        with ``buffers``, its floating buffers are not finite, so the engine's
-        own verdict on the exchange (every rank agrees on it) drops the whole
-        synchronization and :meth:`restore` undoes the period, as for a
-        non-finite delta. One ``aminmax`` read per tensor on its device, no
-        host read and no collective of its own."""
+        with ``buffers``, its floating buffers are not finite while this
+        copy of them is, so the engine's own verdict on the exchange (every
+        rank agrees on it) drops the whole synchronization and
+        :meth:`restore` undoes the period, as for a non-finite delta. A copy
+        that is itself not finite (buffers averaged in a synchronous phase,
+        as DDP's step does, whatever they held) drops nothing: restoring it
+        would not help, and every later synchronization would be dropped.
+        One ``aminmax`` read per tensor and per copied tensor, on its device;
+        no host read and no collective of its own."""
         target = next((d for d in deltas if d.numel()), None)
         if target is None:
             return
-        ok = _finite_by_device(self._state_tensors(idx) + (self.buffers if buffers else []))
-        if ok:
-            bad = ~torch.stack([f.to(target.device) for f in ok]).all()
-            target[(0,) * target.dim()].masked_fill_(bad, float("nan"))
+        idx = range(len(self.params)) if idx is None else list(idx)
+        now = _finite_by_device(self._state_tensors(idx) + (self.buffers if buffers else []))
+        if not now:
+            return
+        then = _finite_by_device([v for i in idx for v in (self.states[i] or {}).values() if torch.is_tensor(v)]
+                                 + (self.saved_buffers if buffers else []))
+        bad = ~torch.stack([f.to(target.device) for f in now]).all()
+        if then:
+            bad &= torch.stack([f.to(target.device) for f in then]).all()
+        target[(0,) * target.dim()].masked_fill_(bad, float("nan"))
 
     def finite(self, idx: Iterable[int]) -> bool:
         """Whether the parameters ``idx`` and their optimizer state are finite on this rank."""
