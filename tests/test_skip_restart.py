@@ -419,23 +419,71 @@ def test_a_checkpoint_without_the_copy_resumes_with_the_loaded_state_as_the_copy
                                            msg=f"resumed {case} rank {rank} step {step} {k}: not bit for bit")
 
 
-@pytest.mark.parametrize("capturable", [False, True])
-def test_a_loaded_copy_is_placed_as_the_optimizers_own_load_state_dict_places_its_state(capturable: bool) -> None:
+@pytest.mark.parametrize("optimizer", ["adam", "adam-capturable", "adagrad", "rprop"])
+def test_a_loaded_copy_is_placed_as_the_optimizers_own_load_state_dict_places_its_state(optimizer: str) -> None:
     """``gradpress train`` loads checkpoints with ``map_location='cpu'``: the copy's tensors came back on the CPU
     and a dropped synchronization put them into the optimizer of a CUDA model (its next step failed on mixed
     devices). They go where ``Optimizer.load_state_dict`` puts the same values: the parameter's device and
-    dtype, a step count on the CPU unless ``capturable``/``fused``. (``meta`` stands for the accelerator.)"""
+    dtype (float32 moments of a float64 parameter become float64), a step count on the CPU unless
+    ``capturable``/``fused`` (Adagrad's groups have no ``capturable``: not capturable; Rprop's ``step_size`` is a
+    per-element tensor, not a step count). (``meta`` stands for the accelerator.)"""
     from gradpress.algorithms.restart import LocalCopy
+
+    def make() -> torch.optim.Optimizer:
+        if optimizer in ("adagrad", "rprop"):
+            return torch.optim.Adagrad([p]) if optimizer == "adagrad" else torch.optim.Rprop([p])
+        return torch.optim.Adam([p], capturable=optimizer == "adam-capturable")
 
     p = nn.Parameter(torch.empty(3, dtype=torch.float64, device="meta"))
     buf = torch.zeros(2, device="meta")
-    saved = {"step": torch.tensor(3.0), "exp_avg": torch.ones(3, dtype=F64), "exp_avg_sq": torch.ones(3, dtype=F64)}
-    opt = torch.optim.Adam([p], capturable=capturable)
+    moments = {"adagrad": ("sum",), "rprop": ("prev", "step_size")}.get(optimizer, ("exp_avg", "exp_avg_sq"))
+    saved = {"step": torch.tensor(3.0), **{k: torch.ones(3, dtype=torch.float32) for k in moments}}
+    opt = make()
     copy = LocalCopy(opt, [p], [buf])
     copy.load_state_dict({"states": [saved], "buffers": [torch.zeros(2)]}, "diloco")
     copy.restore()
-    want = torch.optim.Adam([p], capturable=capturable)  # the reference: torch's own placement
+    want = make()  # the reference: torch's own placement
     want.load_state_dict({"state": {0: saved}, "param_groups": want.state_dict()["param_groups"]})
+    assert set(opt.state[p]) == set(want.state[p])
     for k, w in want.state[p].items():
         got = opt.state[p][k]
         assert (got.device, got.dtype) == (w.device, w.dtype), f"{k}: on {got.device} {got.dtype}, want {w.device} {w.dtype}"
+
+
+def test_a_saved_copy_loads_into_a_model_of_many_tensors_and_one_of_another_model_is_refused() -> None:
+    """The copy's ``state_dict`` round-trips for a model of 300 parameter tensors (its check compared the counts,
+    not their identity: beyond 256 two equal counts are distinct ints), and one of another model (a tensor
+    fewer, or other buffer shapes) is refused with an error naming the algorithm."""
+    from gradpress.algorithms.restart import LocalCopy
+
+    params = [nn.Parameter(torch.full((2,), float(i), dtype=F64)) for i in range(300)]
+    opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    copy = LocalCopy(opt, params, [torch.zeros(3, dtype=F64)])
+    copy.take()
+    state = copy.state_dict()
+    other = LocalCopy(opt, params, [torch.ones(3, dtype=F64)])
+    other.load_state_dict(state, "localsgd")
+    assert all(torch.equal(a["momentum_buffer"], b["momentum_buffer"]) for a, b in zip(other.states, copy.states))
+    assert torch.equal(other.saved_buffers[0], torch.zeros(3, dtype=F64))
+    for bad in ({**state, "states": state["states"][:-1]}, {**state, "buffers": [torch.zeros(4, dtype=F64)]}):
+        with pytest.raises(ValueError, match="localsgd state: the copy of the optimizer state and buffers"):
+            other.load_state_dict(bad, "localsgd")
+
+
+@pytest.mark.parametrize("mode", ["propagate", "raise", "skip"])
+def test_only_skip_keeps_a_copy(mode: str) -> None:
+    """The copy (and its cost) exists with ``nonfinite='skip'`` only; without an engine (one process) none."""
+    from types import SimpleNamespace
+
+    from gradpress.algorithms.restart import LocalCopy
+
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    algo = SimpleNamespace(engine=SimpleNamespace(nonfinite=mode), optimizer=opt, model=model,
+                           named=list(model.named_parameters()))
+    copy = LocalCopy.for_skip(algo)  # type: ignore[arg-type]
+    assert (copy is not None) == (mode == "skip"), f"{mode}: {copy}"
+    assert LocalCopy.for_skip(SimpleNamespace(engine=None)) is None  # type: ignore[arg-type]
