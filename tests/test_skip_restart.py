@@ -393,7 +393,7 @@ def test_a_skipped_synchronization_undoes_the_period_and_the_run_recovers(result
 @pytest.mark.parametrize("case", IN_THE_COPY)
 def test_a_fault_already_in_the_copy_drops_nothing(results: list[dict], case: str) -> None:
     """An Inf buffer in the synchronous phase reaches every rank (DDP's step averages the buffers) and the copy
-    taken at the switch: restoring it cannot help. It used to drop every later synchronization (3 of 3: the
+    taken at the switch: restoring it cannot help. It used to drop every later synchronization (2 of 2: the
     replicas never met again); now none is dropped, as before the buffers were checked."""
     want = reference(case)
     for rank in range(WORLD):
