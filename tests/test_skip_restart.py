@@ -34,15 +34,45 @@ WORLD = 2
 LR_SGD, MU = 0.05, 0.9
 LR_ADAM, B1, B2, EPS = 0.01, 0.9, 0.999, 1e-8
 
-# (spec, inner optimizer, steps, the step (0-based) at which rank 0's gradient holds an Inf)
+LOCALSGD, DILOCO = "localsgd:period=3", "diloco:period=3,outer_lr=0.7,outer_momentum=0.9"
+STREAMING = "streaming-diloco:period=4,fragments=2,overlap=1,alpha=0.5"
+# (spec, inner optimizer, steps, the step (0-based) of the fault on rank 0, the fault: FAULTS)
 CASES = {
-    "localsgd": ("localsgd:period=3", "momentum", 10, 4),
-    "diloco": ("diloco:period=3,outer_lr=0.7,outer_momentum=0.9", "adam", 10, 4),
-    "streaming": ("streaming-diloco:period=4,fragments=2,overlap=1,alpha=0.5", "adam", 14, 4),
+    "localsgd": (LOCALSGD, "momentum", 10, 4, "inf"),
+    "diloco": (DILOCO, "adam", 10, 4, "inf"),
+    "streaming": (STREAMING, "adam", 14, 4, "inf"),
     # the Inf one step earlier: the fragment in flight (launched finite) is merged after the NaN spread; its copy
     # was refreshed with NaN Adam moments, so every later exchange was dropped (4 in 14 steps, NaN at the end: a dead run)
-    "streaming-early": ("streaming-diloco:period=4,fragments=2,overlap=1,alpha=0.5", "adam", 14, 3),
+    "streaming-early": (STREAMING, "adam", 14, 3, "inf"),
+    # the parameters stay finite, the state does not (no synchronization was dropped: localsgd averaged the Inf
+    # moment, or the Inf BatchNorm variance, into every rank; diloco and streaming kept rank 0's for good)
+    "localsgd-overflow": (LOCALSGD, "adam", 10, 4, "overflow"),
+    "localsgd-buffer": (LOCALSGD, "momentum", 10, 4, "buffer"),
+    "diloco-overflow": (DILOCO, "adam", 10, 4, "overflow"),
+    "diloco-buffer": (DILOCO, "adam", 10, 4, "buffer"),
+    "streaming-overflow": (STREAMING, "adam", 14, 4, "overflow"),
+    # step 5: a fault at step 4 is overwritten at once by the merge of the buffers launched at step 3
+    "streaming-buffer": (STREAMING, "adam", 14, 5, "buffer"),
+    # in the synchronous phase (DDP's step: buffers averaged, whatever they hold): the Inf is in every rank's copy at
+    # the switch, so restoring it would not help; nothing is dropped (every synchronization was: a dead run)
+    "postlocalsgd-buffer-early": ("postlocalsgd:period=3,switch=2", "momentum", 10, 0, "buffer"),
 }
+#: the cases whose fault is already in the copy at the last agreed point: no synchronization dropped
+IN_THE_COPY = ("postlocalsgd-buffer-early",)
+#: inf: one gradient entry is Inf (parameters and state go NaN); overflow: one gradient entry is 1e200, finite,
+#: whose square overflows Adam's exp_avg_sq to Inf (that entry's update is then 0: the parameters stay finite);
+#: buffer: one BatchNorm running_var entry becomes Inf (an overflowed activation under fp16/bf16 autocast; the
+#: training forward pass uses the batch's statistics: the parameters stay finite)
+FAULTS = ("inf", "overflow", "buffer")
+
+
+def fault(model: nn.Module, kind: str) -> None:
+    """Rank 0's fault at its bad step, after the backward pass, before the optimizer step."""
+    with torch.no_grad():
+        if kind == "buffer":
+            model.bn.running_var[0] = math.inf
+        else:
+            model.a.weight.grad[0, 0] = math.inf if kind == "inf" else 1e200
 #: resumed from a checkpoint written at this step (a synchronization) without the copy (before 2026-12)
 RESUME_AT = 3
 
@@ -67,7 +97,7 @@ def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _build(case: str) -> tuple[nn.Module, torch.optim.Optimizer, gradpress.algorithms.Algorithm]:
-    spec, inner, _, _ = CASES[case]
+    spec, inner, _, _, _ = CASES[case]
     model = Net()
     opt = (torch.optim.SGD(model.parameters(), lr=LR_SGD, momentum=MU) if inner == "momentum"
            else torch.optim.Adam(model.parameters(), lr=LR_ADAM, betas=(B1, B2), eps=EPS))
@@ -75,18 +105,20 @@ def _build(case: str) -> tuple[nn.Module, torch.optim.Optimizer, gradpress.algor
 
 
 def _run(rank: int, case: str, start: int = 0, built: tuple | None = None) -> dict:
-    _, _, steps, bad = CASES[case]
+    _, _, steps, bad, kind = CASES[case]
     model, opt, algo = built if built is not None else _build(case)
     out: dict = {"steps": []}
     for step in range(start, steps):
         opt.zero_grad()
         model(batch(rank, step)).square().mean().backward()
         if rank == 0 and step == bad:
-            model.a.weight.grad[0, 0] = math.inf
+            fault(model, kind)
         algo.step()
         out["steps"].append(snapshot(model))
     algo.close()
     out["skipped_steps"] = algo.stats["skipped_steps"]
+    out["state"] = {f"{k} of {n}": v.clone() for n, p in model.named_parameters()
+                    for k, v in opt.state.get(p, {}).items() if torch.is_tensor(v)}
     return out
 
 
@@ -140,12 +172,19 @@ class Replica:
         return dict(self.model.named_buffers())
 
     @torch.no_grad()
-    def local_step(self, step: int, bad: bool) -> None:
+    def local_step(self, step: int, bad: str | None) -> None:
+        self.backward(step, bad)
+        self.apply()
+
+    def backward(self, step: int, bad: str | None) -> None:
         with torch.enable_grad():
             self.model.zero_grad()
             self.model(batch(self.rank, step)).square().mean().backward()
-        if bad:
-            self.model.a.weight.grad[0, 0] = math.inf
+        if bad is not None:
+            fault(self.model, bad)
+
+    @torch.no_grad()
+    def apply(self) -> None:
         for n, p in self.params().items():
             g, s = p.grad, self.state.setdefault(n, {})
             if self.inner == "momentum":
@@ -187,7 +226,8 @@ class OuterSGD:
 @torch.no_grad()
 def reference(case: str) -> list[list[dict[str, torch.Tensor]]]:
     """Per step, per rank, the model's state (parameters and buffers)."""
-    _, inner, steps, bad = CASES[case]
+    spec, inner, steps, bad, kind = CASES[case]
+    algo = spec.split(":")[0]
     reps = [Replica(r, inner) for r in range(WORLD)]
     names = reps[0].names
     anchor = {n: p.clone() for n, p in reps[0].params().items()}
@@ -209,24 +249,49 @@ def reference(case: str) -> list[list[dict[str, torch.Tensor]]]:
                 for r in reps:
                     r.buffers()[k].copy_(mean)
 
-    if case in ("localsgd", "diloco"):
-        period = 3
+    def local_state(names_: list[str], buffers: bool) -> list[torch.Tensor]:
+        """Every rank's optimizer state of ``names_`` (and, with ``buffers``, floating buffers)."""
+        ts = [v for r in reps for n in names_ for v in r.state.get(n, {}).values() if torch.is_tensor(v)]
+        return ts + [b for r in reps for b in r.buffers().values() if buffers and b.is_floating_point()]
+
+    if algo in ("localsgd", "postlocalsgd", "diloco"):
+        period, switch = 3, int(spec.partition("switch=")[2] or 0)
         for step in range(steps):
             for r in reps:
-                r.local_step(step, r.rank == 0 and step == bad)
-            if (step + 1) % period == 0:
+                r.backward(step, kind if r.rank == 0 and step == bad else None)
+            if step < switch:  # DDP's step: the gradients and the buffers averaged, the same optimizer step
+                for n in names:
+                    mean_grad = sum(r.params()[n].grad for r in reps) / WORLD
+                    for r in reps:
+                        r.params()[n].grad = mean_grad.clone()
+                for r in reps:
+                    r.apply()
+                average_buffers()
+                if step + 1 == switch:
+                    anchor = {n: p.clone() for n, p in reps[0].params().items()}
+                    saved = [(r.copy_state(names), {k: b.clone() for k, b in r.buffers().items()}) for r in reps]
+            for r in reps:
+                if step >= switch:
+                    r.apply()
+            if step >= switch and (step + 1 - switch) % period == 0:
                 deltas = [{n: p - anchor[n] for n, p in r.params().items()} for r in reps]
-                if not finite([d for ds in deltas for d in ds.values()]):
+                # the rule: dropped when some rank's delta is not finite, or its optimizer state or floating
+                # buffers are while its copy of them (at the last agreed point) is finite
+                copies = [v for st, bf in saved for s_ in st.values() for v in s_.values() if torch.is_tensor(v)]
+                copies += [b for _, bf in saved for b in bf.values() if b.is_floating_point()]
+                if not finite([d for ds in deltas for d in ds.values()]) or (
+                        not finite(local_state(names, True)) and finite(copies)):
                     for r, keep in zip(reps, saved):
                         restart(r, keep)
                 else:
                     mean = {n: sum(d[n] for d in deltas) / WORLD for n in names}
-                    if case == "localsgd":
+                    if algo != "diloco":
                         anchor = {n: anchor[n] + mean[n] for n in names}
-                        for n in names:  # optimizer_state=auto with no compressor: momenta averaged
-                            m = sum(r.state[n]["m"] for r in reps) / WORLD
-                            for r in reps:
-                                r.state[n]["m"] = m.clone()
+                        for n in names:  # optimizer_state=auto with no compressor: momenta (Adam: m, v) averaged
+                            for k in ("m", "v") if inner == "adam" else ("m",):
+                                m = sum(r.state[n][k] for r in reps) / WORLD
+                                for r in reps:
+                                    r.state[n][k] = m.clone()
                     else:
                         outer.step(anchor, {n: -mean[n] for n in names})
                     for r in reps:
@@ -253,17 +318,21 @@ def reference(case: str) -> list[list[dict[str, torch.Tensor]]]:
     for step in range(steps):
         t = step + 1
         for r in reps:
-            r.local_step(step, r.rank == 0 and step == bad)
+            r.local_step(step, kind if r.rank == 0 and step == bad else None)
         f = launch_at.get(t % period)
         if f is not None:
             pending.append({"f": f, "due": t + overlap,
                             "deltas": [{n: anchor[n] - r.params()[n] for n in frags[f]} for r in reps],
                             "buffers": [{k: b.clone() for k, b in r.buffers().items()} for r in reps]
-                            if f == with_buffers else None})
+                            if f == with_buffers else None,
+                            # the rule: some rank's optimizer state of the fragment, or the buffers it carries,
+                            # not finite at its launch: the exchange is dropped (at its merge)
+                            "state_ok": finite(local_state(frags[f], f == with_buffers))})
         while pending and pending[0]["due"] <= t:
             item = pending.pop(0)
             f = item["f"]
-            if not finite([d for ds in item["deltas"] for d in ds.values()]):  # every fragment from theta
+            if not item["state_ok"] or not finite([d for ds in item["deltas"] for d in ds.values()]):
+                # every fragment from theta
                 for r, st, bf in zip(reps, states, bufs):
                     for n, p in r.params().items():
                         p.copy_(anchor[n])
@@ -308,16 +377,29 @@ def _check(got_steps: list[dict], want: list[list[dict]], rank: int, what: str, 
             assert err <= tol, f"{what} rank {rank} step {step} {k}: {got} vs {w}"
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [c for c in CASES if c not in IN_THE_COPY])
 def test_a_skipped_synchronization_undoes_the_period_and_the_run_recovers(results: list[dict], case: str) -> None:
     want = reference(case)
     for rank in range(WORLD):
         run = results[rank][case]
-        assert run["skipped_steps"] == 1, f"{case} rank {rank}: {run['skipped_steps']} synchronizations dropped"
         _check(run["steps"], want, rank, case)
+        assert run["skipped_steps"] == 1, f"{case} rank {rank}: {run['skipped_steps']} synchronizations dropped"
     final = [results[r][case]["steps"][-1] for r in range(WORLD)]
-    for k, v in final[0].items():  # the run is alive: finite everywhere at the end
-        assert torch.isfinite(v.double()).all(), f"{case} {k} not finite at the end: {v}"
+    for rank in range(WORLD):  # the run is alive: finite everywhere at the end, the optimizer state included
+        for k, v in {**final[rank], **results[rank][case]["state"]}.items():
+            assert torch.isfinite(v.double()).all(), f"{case} rank {rank}: {k} not finite at the end: {v}"
+
+
+@pytest.mark.parametrize("case", IN_THE_COPY)
+def test_a_fault_already_in_the_copy_drops_nothing(results: list[dict], case: str) -> None:
+    """An Inf buffer in the synchronous phase reaches every rank (DDP's step averages the buffers) and the copy
+    taken at the switch: restoring it cannot help. It used to drop every later synchronization (2 of 2: the
+    replicas never met again); now none is dropped, as before the buffers were checked."""
+    want = reference(case)
+    for rank in range(WORLD):
+        run = results[rank][case]
+        _check(run["steps"], want, rank, case)
+        assert run["skipped_steps"] == 0, f"{case} rank {rank}: {run['skipped_steps']} synchronizations dropped"
 
 
 @pytest.mark.parametrize("case", ["localsgd", "diloco"])
@@ -337,23 +419,71 @@ def test_a_checkpoint_without_the_copy_resumes_with_the_loaded_state_as_the_copy
                                            msg=f"resumed {case} rank {rank} step {step} {k}: not bit for bit")
 
 
-@pytest.mark.parametrize("capturable", [False, True])
-def test_a_loaded_copy_is_placed_as_the_optimizers_own_load_state_dict_places_its_state(capturable: bool) -> None:
+@pytest.mark.parametrize("optimizer", ["adam", "adam-capturable", "adagrad", "rprop"])
+def test_a_loaded_copy_is_placed_as_the_optimizers_own_load_state_dict_places_its_state(optimizer: str) -> None:
     """``gradpress train`` loads checkpoints with ``map_location='cpu'``: the copy's tensors came back on the CPU
     and a dropped synchronization put them into the optimizer of a CUDA model (its next step failed on mixed
     devices). They go where ``Optimizer.load_state_dict`` puts the same values: the parameter's device and
-    dtype, a step count on the CPU unless ``capturable``/``fused``. (``meta`` stands for the accelerator.)"""
+    dtype (float32 moments of a float64 parameter become float64), a step count on the CPU unless
+    ``capturable``/``fused`` (Adagrad's groups have no ``capturable``: not capturable; Rprop's ``step_size`` is a
+    per-element tensor, not a step count). (``meta`` stands for the accelerator.)"""
     from gradpress.algorithms.restart import LocalCopy
+
+    def make() -> torch.optim.Optimizer:
+        if optimizer in ("adagrad", "rprop"):
+            return torch.optim.Adagrad([p]) if optimizer == "adagrad" else torch.optim.Rprop([p])
+        return torch.optim.Adam([p], capturable=optimizer == "adam-capturable")
 
     p = nn.Parameter(torch.empty(3, dtype=torch.float64, device="meta"))
     buf = torch.zeros(2, device="meta")
-    saved = {"step": torch.tensor(3.0), "exp_avg": torch.ones(3, dtype=F64), "exp_avg_sq": torch.ones(3, dtype=F64)}
-    opt = torch.optim.Adam([p], capturable=capturable)
+    moments = {"adagrad": ("sum",), "rprop": ("prev", "step_size")}.get(optimizer, ("exp_avg", "exp_avg_sq"))
+    saved = {"step": torch.tensor(3.0), **{k: torch.ones(3, dtype=torch.float32) for k in moments}}
+    opt = make()
     copy = LocalCopy(opt, [p], [buf])
     copy.load_state_dict({"states": [saved], "buffers": [torch.zeros(2)]}, "diloco")
     copy.restore()
-    want = torch.optim.Adam([p], capturable=capturable)  # the reference: torch's own placement
+    want = make()  # the reference: torch's own placement
     want.load_state_dict({"state": {0: saved}, "param_groups": want.state_dict()["param_groups"]})
+    assert set(opt.state[p]) == set(want.state[p])
     for k, w in want.state[p].items():
         got = opt.state[p][k]
         assert (got.device, got.dtype) == (w.device, w.dtype), f"{k}: on {got.device} {got.dtype}, want {w.device} {w.dtype}"
+
+
+def test_a_saved_copy_loads_into_a_model_of_many_tensors_and_one_of_another_model_is_refused() -> None:
+    """The copy's ``state_dict`` round-trips for a model of 300 parameter tensors (its check compared the counts,
+    not their identity: beyond 256 two equal counts are distinct ints), and one of another model (a tensor
+    fewer, or other buffer shapes) is refused with an error naming the algorithm."""
+    from gradpress.algorithms.restart import LocalCopy
+
+    params = [nn.Parameter(torch.full((2,), float(i), dtype=F64)) for i in range(300)]
+    opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    copy = LocalCopy(opt, params, [torch.zeros(3, dtype=F64)])
+    copy.take()
+    state = copy.state_dict()
+    other = LocalCopy(opt, params, [torch.ones(3, dtype=F64)])
+    other.load_state_dict(state, "localsgd")
+    assert all(torch.equal(a["momentum_buffer"], b["momentum_buffer"]) for a, b in zip(other.states, copy.states))
+    assert torch.equal(other.saved_buffers[0], torch.zeros(3, dtype=F64))
+    for bad in ({**state, "states": state["states"][:-1]}, {**state, "buffers": [torch.zeros(4, dtype=F64)]}):
+        with pytest.raises(ValueError, match="localsgd state: the copy of the optimizer state and buffers"):
+            other.load_state_dict(bad, "localsgd")
+
+
+@pytest.mark.parametrize("mode", ["propagate", "raise", "skip"])
+def test_only_skip_keeps_a_copy(mode: str) -> None:
+    """The copy (and its cost) exists with ``nonfinite='skip'`` only; without an engine (one process) none."""
+    from types import SimpleNamespace
+
+    from gradpress.algorithms.restart import LocalCopy
+
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    algo = SimpleNamespace(engine=SimpleNamespace(nonfinite=mode), optimizer=opt, model=model,
+                           named=list(model.named_parameters()))
+    copy = LocalCopy.for_skip(algo)  # type: ignore[arg-type]
+    assert (copy is not None) == (mode == "skip"), f"{mode}: {copy}"
+    assert LocalCopy.for_skip(SimpleNamespace(engine=None)) is None  # type: ignore[arg-type]

@@ -233,14 +233,18 @@ class DiLoCo(Algorithm):
     def outer_step(self, idx: Sequence[int]) -> None:
         """Average the outer gradient of ``idx`` through the engine, step
         ``theta`` and restart those parameters from it. An exchange the
-        engine skipped (``nonfinite=skip``: some rank's outer gradient was
-        not finite) leaves ``theta`` and the outer momentum untouched (the
+        engine skipped (``nonfinite=skip``: some rank's outer gradient, or
+        its inner optimizer state or floating buffers, which
+        :meth:`LocalCopy.flag_into` marks in the outer gradient, were not
+        finite) leaves ``theta`` and the outer momentum untouched (the
         outer optimizer is not stepped on the zeroed average); the workers
         still restart from ``theta``, and :meth:`step` puts each rank's inner
         optimizer state and buffers back to its copy taken at ``theta``
         (:mod:`gradpress.algorithms.restart`)."""
         idx = list(idx)
         deltas = self.outer_gradient(idx)
+        if self.restart is not None:  # a non-finite inner state or buffer drops the synchronization too
+            self.restart.flag_into(deltas, idx)
         assert self.engine is not None
         keep = getattr(self, "keep_residual", False)
         model = getattr(self, "select", "tensor") == "model"  # DiLoCo only: idx is every parameter

@@ -25,8 +25,8 @@ exchange is uncompressed (an identity compressor) and keeps it local when a
 compressor shrinks the deltas. The state is averaged per parameter, for the
 parameters whose state every rank holds (a rank that never stepped one has
 none; it then stays local): :meth:`LocalSGD.optimizer_state_tensors`. A
-synchronization that ``nonfinite='skip'`` drops (some rank's delta is not
-finite) restarts every replica from the anchor and averages no state; each
+synchronization that ``nonfinite='skip'`` drops (some rank's delta, optimizer
+state or floating buffers are not finite) restarts every replica from the anchor and averages no state; each
 rank's optimizer state and buffers go back to its copy taken at the anchor
 (:mod:`gradpress.algorithms.restart`: the period never happened).
 Between synchronizations the replicas differ: :meth:`eval_model` evaluates
@@ -134,6 +134,8 @@ class LocalSGD(Algorithm):
         optimizer's state) over the group; every replica restarts there."""
         params = [p for _, p in self.named]
         deltas = [p.detach() - a for p, a in zip(params, self.anchor)]
+        if self.restart is not None:  # a non-finite optimizer state or buffer drops the synchronization too
+            self.restart.flag_into(deltas)
         states = self.optimizer_state_tensors() if self.averages_optimizer_state else None
         if states is not None and deltas and self.world_size > 1:
             # 1 where this rank holds no state for the parameter; averaged with the deltas (no collective of its

@@ -23,6 +23,28 @@ optimizer's ``param_groups``, hence a learning-rate schedule, go on).
 Cost: one copy of the optimizer's state and buffers per rank, on their
 device (Adam: two parameter-sized tensors), refreshed at every
 synchronization; nothing without ``skip``.
+
+What drops a synchronization: some rank's delta, *or its optimizer state or
+floating buffers*, not finite. A rank's state can go non-finite while its
+parameters stay finite: a gradient entry of 1e20 in fp32 (finite) overflows
+Adam's ``exp_avg_sq`` to Inf and that entry's update becomes 0; an
+overflowed activation under fp16/bf16 autocast puts Inf into BatchNorm's
+running statistics, which the training forward pass does not use. Such a
+synchronization used to go through: averaged buffers (and with local SGD's
+averaged optimizer state, the moments) carried the Inf to every rank;
+state kept local stayed poisoned on that rank for good. Now, before the
+exchange, :meth:`LocalCopy.flag_into` makes one element of the rank's
+outgoing delta NaN where its state or buffers are not finite, so the
+engine's own verdict, which every rank already agrees on, drops the whole
+synchronization and the period is undone as above; unless this rank's copy
+of that state is itself not finite (a synchronous phase, ``switch``, is
+DDP's step and averages the buffers whatever they hold, so an Inf there is
+in every rank's copy at the switch): restoring it would not help, and every
+later synchronization would be dropped (the replicas would never meet
+again), so such a synchronization goes through as before. Cost, with ``skip``
+only: one ``aminmax`` read of each optimizer state tensor and buffer, and
+of its copy, per synchronization, on its device (Adam: four parameter-sized
+reads), no host read, no collective and no byte of its own.
 """
 
 from __future__ import annotations
@@ -60,13 +82,18 @@ def _placed(value: Any, param: torch.Tensor, key: Any, group: Mapping[str, Any])
     return value.to(device=param.device, copy=True)
 
 
-def _all_finite(tensors: Sequence[torch.Tensor]) -> bool:
-    """Whether every floating tensor of ``tensors`` is finite (one host read per device)."""
+def _finite_by_device(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """Per device of ``tensors``, a 0-d bool tensor there: its floating tensors are all finite (no host read)."""
     flags: dict[torch.device, list[torch.Tensor]] = {}
     for t in tensors:
         if t.is_floating_point() and t.numel():
             flags.setdefault(t.device, []).append(all_finite(t))
-    return all(bool(torch.stack(fs).all()) for fs in flags.values())
+    return [torch.stack(fs).all() for fs in flags.values()]
+
+
+def _all_finite(tensors: Iterable[torch.Tensor]) -> bool:
+    """Whether every floating tensor of ``tensors`` is finite (one host read per device)."""
+    return all(bool(f) for f in _finite_by_device(tensors))
 
 
 class LocalCopy:
@@ -128,13 +155,42 @@ class LocalCopy:
             for saved_b, b in zip(self.saved_buffers, self.buffers):
                 b.copy_(saved_b)
 
+    def _state_tensors(self, idx: Iterable[int] | None) -> list[torch.Tensor]:
+        return [v for i in (range(len(self.params)) if idx is None else idx)
+                for v in self.optimizer.state.get(self.params[i], {}).values() if torch.is_tensor(v)]
+
+    @torch.no_grad()
+    def flag_into(self, deltas: Sequence[torch.Tensor], idx: Iterable[int] | None = None,
+                  buffers: bool = True) -> None:
+        """Make this rank's outgoing ``deltas`` non-finite (one element NaN)
+        where its optimizer state of the parameters ``idx`` (default: all) or,
+        with ``buffers``, its floating buffers are not finite while this
+        copy of them is, so the engine's own verdict on the exchange (every
+        rank agrees on it) drops the whole synchronization and
+        :meth:`restore` undoes the period, as for a non-finite delta. A copy
+        that is itself not finite (buffers averaged in a synchronous phase,
+        as DDP's step does, whatever they held) drops nothing: restoring it
+        would not help, and every later synchronization would be dropped.
+        One ``aminmax`` read per tensor and per copied tensor, on its device;
+        no host read and no collective of its own."""
+        target = next((d for d in deltas if d.numel()), None)
+        if target is None:
+            return
+        idx = range(len(self.params)) if idx is None else list(idx)
+        now = _finite_by_device(self._state_tensors(idx) + (self.buffers if buffers else []))
+        if not now:
+            return
+        then = _finite_by_device([v for i in idx for v in (self.states[i] or {}).values() if torch.is_tensor(v)]
+                                 + (self.saved_buffers if buffers else []))
+        bad = ~torch.stack([f.to(target.device) for f in now]).all()
+        if then:
+            bad &= torch.stack([f.to(target.device) for f in then]).all()
+        target[(0,) * target.dim()].masked_fill_(bad, float("nan"))
+
     def finite(self, idx: Iterable[int]) -> bool:
         """Whether the parameters ``idx`` and their optimizer state are finite on this rank."""
-        ts: list[torch.Tensor] = []
-        for i in idx:
-            ts.append(self.params[i].detach())
-            ts += [v for v in self.optimizer.state.get(self.params[i], {}).values() if torch.is_tensor(v)]
-        return _all_finite(ts)
+        idx = list(idx)
+        return _all_finite([self.params[i].detach() for i in idx] + self._state_tensors(idx))
 
     def buffers_finite(self) -> bool:
         """Whether the floating buffers are finite on this rank."""

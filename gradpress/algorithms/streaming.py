@@ -30,8 +30,9 @@ worker's fragment is never more than H + T inner steps away from the last
 outer parameters it merged. ``stats`` count an exchange's bytes when it is
 merged (independent of the thread's timing).
 
-``nonfinite='skip'``: a dropped exchange (some rank's outer gradient not
-finite) restarts every fragment from ``theta`` on every rank, each with the
+``nonfinite='skip'``: a dropped exchange (some rank's outer gradient, or at
+its launch the fragment's inner optimizer state or the buffers it carries,
+not finite) restarts every fragment from ``theta`` on every rank, each with the
 inner optimizer state it had at its own last merge, and the buffers of the
 last merge that carried them (:mod:`gradpress.algorithms.restart`): a NaN
 in one fragment reaches every fragment at the next forward pass, so
@@ -130,6 +131,8 @@ class StreamingDiLoCo(DiLoCo):
             "buffers": [b.detach().clone() for b in self._float_buffers()] if frag == self.launch_at.get(0) else [],
             "exchange": self._exchanges, "bytes": 0,
         }
+        if self.restart is not None:  # the fragment's inner state, or the buffers it carries, not finite: dropped
+            self.restart.flag_into(item["deltas"], idx, buffers=bool(item["buffers"]))
         self._exchanges += 1
         if self.overlap == 0:  # type: ignore[attr-defined]
             item["bytes"] = self._exchange(item)
