@@ -17,10 +17,24 @@ import torch
 
 from gradpress.compress import Context, create, registry
 
-SPECS_CONTRACTIVE = ["topk:ratio=0.05", "randomk:ratio=0.05", "efsignsgd", "onebit", "fp16", "bf16", "rangefloat",
-                     "fft", "threshold", "sidco", "dgc_threshold", "gaussiank", "redsync"]
-SPECS_UNBIASED = ["qsgd", "qsgd:levels=4,bucket=64", "natural", "dithering", "dithering:natural=true,levels=3",
-                  "randomk:ratio=0.1,scale=true"]
+
+def _registered(trait) -> list[str]:
+    """Every registered name whose default instance has ``trait``, so a
+    method added later is held too (these lists were written out, and a new
+    unbiased method with a ``variance_factor`` was left out)."""
+    return [n for n in registry.names() if trait(create(n))]
+
+
+def _with(specs: list[str], names: list[str]) -> list[str]:
+    return specs + [n for n in names if n not in specs]
+
+
+SPECS_CONTRACTIVE = _with(["topk:ratio=0.05", "randomk:ratio=0.05", "efsignsgd", "onebit", "fp16", "bf16", "rangefloat",
+                           "fft", "threshold", "sidco", "dgc_threshold", "gaussiank", "redsync"],
+                          _registered(lambda c: c.is_contractive and not c.identity))
+SPECS_UNBIASED = _with(["qsgd", "qsgd:levels=4,bucket=64", "natural", "dithering", "dithering:natural=true,levels=3",
+                        "randomk:ratio=0.1,scale=true"],
+                       _registered(lambda c: c.is_unbiased and bool(c.variance_factor(2048))))
 
 
 def _vectors(n: int = 2048) -> list[torch.Tensor]:

@@ -318,7 +318,7 @@ def _spilling(kernel_pack: bool) -> kit.KitCompressor:
 
     def encode(self, flat, dtype, ctx):
         if kernel_pack:
-            return {"codes": kit.elementwise(codes_of, flat, 8, pack=2)}
+            return {"codes": kit.elementwise(codes_of, flat, 8, pack=2, fuse_pack=True)}  # its own row packs
         return {"codes": kit.pack(torch.where(flat > 2.5, 5, 0).to(torch.uint8), 2)}
 
     decl = _plain(fields=(kit.Field("codes", torch.uint8, "numel", bits=2),), encode_fields=encode,

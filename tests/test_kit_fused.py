@@ -15,8 +15,9 @@ import warnings
 import pytest
 import torch
 from kit_compare import std_reference
+from test_compressors import spec_for
 
-from gradpress.compress import Context, create, kit
+from gradpress.compress import Context, create, kit, registry
 from gradpress.compress.kit import compiler, primitives
 
 
@@ -156,16 +157,23 @@ def test_packing_kernels_give_the_lsb_first_stream(bits: int, mode: str) -> None
     want = list(stream.to_bytes((len(codes) * bits + 7) // 8, "little"))
     with compiler.forced(mode), warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # no failed (or partial) compile
-        got = kit.elementwise(_codes_kernel, x, 512, pack=bits)
+        got = kit.elementwise(_codes_kernel, x, 512, pack=bits, fuse_pack=True)  # fused on CPU too
     assert got.tolist() == want
 
 
-@pytest.mark.parametrize("spec", ["qsgd", "qsgd:levels=7", "terngrad", "natural", "onebit", "minmax8:stochastic=true",
-                                  "minmax8"])
+def _kit_specs() -> list[str]:
+    """Every registered kit declaration (its small spec), so a method added
+    to gradpress/compress/ is compiled here too (this list was written out,
+    and a new declaration was left out), and a few other parameterizations."""
+    names = [n for n in registry.names() if isinstance(registry.create(spec_for(n)), kit.KitCompressor)]
+    return [spec_for(n) for n in names] + ["qsgd", "qsgd:levels=7", "minmax8:stochastic=true"]
+
+
+@pytest.mark.parametrize("spec", _kit_specs())
 def test_every_kit_kernel_compiles_as_one_graph(spec: str) -> None:
     """fullgraph: a graph break is a failed compile, which warns and marks
     the kernel failed; neither may happen for the registered kit methods
-    with kernels (``topk``, a declaration too, compiles nothing)."""
+    (``topk``, a declaration too, compiles nothing)."""
     x = torch.randn(40_000 + 3, generator=torch.Generator().manual_seed(1))
     ctx = Context(key="k", step=1, rank=0, world_size=2, seed=4)
     comp = create(spec)

@@ -187,7 +187,7 @@ def test_kernels_that_pack_their_rows_get_keys_without_lanes() -> None:
 
     flat = torch.randn(2 * 64 + 8)
     with compiler.forced("off"):
-        kit.elementwise(codes, flat, 64, key=seed_words(5), pack=2)
+        kit.elementwise(codes, flat, 64, key=seed_words(5), pack=2, fuse_pack=True)  # fused: off CPU by default
         assert sorted(set(seen)) == [(3, True), (3 + LANES, False)]
         seen.clear()
         kit.elementwise(codes, flat, 64, key=seed_words(5), pack=2, fuse_pack=False)

@@ -49,6 +49,20 @@ __all__ = ["KitCompressor"]
 _STREAMS = ("counter", "torch")
 
 
+def _size_hint(decl: Field, want: FieldSize, t: torch.Tensor, numel: int, comp: KitCompressor) -> str:
+    """What to fix when an encoded field is not its declared layout: a scale not written by
+    ``kit.pack_scale``, codes not packed, a per-chunk field whose chunk is not ``chunk_size``."""
+    if decl.dtype == "scale" and t.dtype != want.dtype:
+        return " (write a 'scale' field with kit.pack_scale(t, dtype))"
+    if want.bits is not None and t.dtype == want.dtype and t.numel() == want.count and want.count != want.nbytes:
+        return (f" (a field with bits={want.bits} holds packed codes: kit.pack(codes, {want.bits}) or "
+                f"kit.elementwise(..., pack={want.bits}))")
+    if decl.count == "chunks" and t.dtype == want.dtype:
+        return (f" (count='chunks': one per chunk_size({numel}) = {comp.chunk_size(numel)} entries; define "
+                "chunk_size(numel) to return the chunk encode_fields uses)")
+    return ""
+
+
 class KitCompressor(Compressor):
     """Base class of kit declarations (see the module doc)."""
 
@@ -198,8 +212,7 @@ class KitCompressor(Compressor):
                                 "allowed: a torch.Tensor")
             t = t.reshape(-1).contiguous()
             if t.dtype != want.dtype or (want.count is not None and t.numel() * t.element_size() != want.nbytes):
-                hint = " (write a 'scale' field with kit.pack_scale(t, dtype))" \
-                    if decl.dtype == "scale" and t.dtype != want.dtype else ""
+                hint = _size_hint(decl, want, t, x.numel(), self)
                 raise RuntimeError(f"compressor {self.name!r}: field {want.name!r} is {t.numel()} x {t.dtype}; "
                                    f"the declared layout says {want.nbytes} bytes of {want.dtype}{hint}")
             tensors.append(t)

@@ -54,7 +54,7 @@ FUSED_WIDTHS = (1, 2, 4)
 
 def elementwise(kernel: Callable[..., torch.Tensor], flat: torch.Tensor, chunk: int,
                 per_chunk: tuple[torch.Tensor, ...] = (), key: torch.Tensor | None = None,
-                drawn: torch.Tensor | None = None, pack: int | None = None, fuse_pack: bool = True,
+                drawn: torch.Tensor | None = None, pack: int | None = None, fuse_pack: bool | None = None,
                 out: torch.Tensor | None = None, **static: Any) -> torch.Tensor:
     """Flat result of ``kernel(v, *stats, key=, drawn=, **static)``
     over ``flat`` cut into chunks (:func:`chunks`); ``v`` is a ``(rows,
@@ -79,7 +79,12 @@ def elementwise(kernel: Callable[..., torch.Tensor], flat: torch.Tensor, chunk: 
     (:mod:`gradpress.compress.kit.streams`: compiled word-wide groups).
     ``fuse_pack=False`` takes that way for every width: whether a fused pack
     pays depends on the kernel (25M entries, one thread: QSGD's 2- and 4-bit
-    codes 90-100 ms fused against 32-33 ms apart, docs/bench.md). A fused
+    codes 90-100 ms fused against 32-33 ms apart, docs/bench.md). The
+    default, ``fuse_pack=None``, fuses off the CPU only: compiled on CPU
+    (torch 2.13, one thread, 1M entries) every kernel measured packed faster
+    apart (docs/authoring.md's TBQ 0.5 against 5.9 ms fused, a 1-bit sign
+    with a per-chunk scale 1.5 against 22, TernGrad 1.9 against 4.9);
+    ``True`` fuses on every device. A fused
     kernel's random index comes from an iota, since its packing groups cross
     the key's lane table (:func:`gradpress.compress.kit.rng.element_index`);
     apart, from the lane table (TernGrad's choice: gradpress/compress/terngrad.py).
@@ -89,7 +94,10 @@ def elementwise(kernel: Callable[..., torch.Tensor], flat: torch.Tensor, chunk: 
     is ``out``. Any other ``out`` is a ValueError naming both, on every path (never cast into).
     """
     parts = chunks(flat, max(chunk, 1))
+    _check_per_chunk(per_chunk, sum(v.shape[0] for v in parts), max(chunk, 1), flat.numel())
     # GRADPRESS_KIT_CHECK: every code stream is packed apart (the same bytes), where its codes are checked
+    if fuse_pack is None:  # the default: fused off the CPU only (on CPU the fused pack measured slower)
+        fuse_pack = flat.device.type != "cpu"
     fuse = fuse_pack and pack in FUSED_WIDTHS and (chunk * pack) % 8 == 0 and not streams.checking()
     calls = []
     start = row = 0
@@ -134,6 +142,16 @@ def elementwise(kernel: Callable[..., torch.Tensor], flat: torch.Tensor, chunk: 
         _check_out(out, sum(o.numel() for o in outs), outs[0].dtype, flat.device)
         return torch.cat(outs, out=out) if len(outs) > 1 else out.copy_(outs[0])
     return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def _check_per_chunk(per_chunk: tuple[torch.Tensor, ...], rows: int, chunk: int, numel: int) -> None:
+    """ValueError unless every ``per_chunk`` statistic is 0-dim or has one entry per chunk of ``flat`` (one
+    reduced with another chunk was used silently, its first entries scaling the wrong chunks)."""
+    for i, s in enumerate(per_chunk):
+        if s.dim() and s.shape[0] != rows:
+            raise ValueError(f"kit.elementwise: per_chunk[{i}] has {s.shape[0]} entries; flat has {rows} chunks of "
+                             f"{chunk} ({numel} entries); allowed: one entry per chunk (kit.reduce(flat, op, {chunk}) "
+                             "with the same chunk) or a 0-dim tensor")
 
 
 def _check_out(out: torch.Tensor | None, numel: int, dtype: torch.dtype | None, device: torch.device,

@@ -132,7 +132,10 @@ def _stream_key(key: torch.Tensor | None, drawn: torch.Tensor | None, stream: in
     if stream and drawn is not None:
         raise ValueError(f"kit.{what}: stream={stream} needs the counter stream; random_stream='torch' pre-draws "
                          "one stream only (allowed there: stream=0)")
-    assert key is not None, f"kit.{what}: the kernel was given neither a key nor drawn values"
+    if key is None:
+        raise ValueError(f"kit.{what}: the kernel was given neither a key nor drawn values; allowed: pass "
+                         "**self.randomness(flat, ctx) (key=, drawn=) to kit.elementwise, in a declaration with "
+                         "RANDOM = 'private' or 'shared'")
     if not stream:
         return key
     salt = (stream * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
