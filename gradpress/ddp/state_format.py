@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from gradpress.ddp.buckets import restrided
-from gradpress.exchange.feedback import Feedback, owner_among, tensor_owner
+from gradpress.exchange.feedback import Feedback, escape, owner_among, tensor_owner
 
 __all__ = ["HOOK_FORMAT", "LAYOUT", "strip_module", "upgrade_layout"]
 
@@ -61,14 +61,15 @@ def _upgraded(entries: Mapping[str, Any], names: Collection[str], moved: Mapping
               shaped: bool, dropped: list[str]) -> dict[str, Any]:
     """``entries`` (by key) with those of a ``moved`` parameter re-indexed: a worker key (the parameter's own)
     holding a tensor of its shape (``shaped``) or of its size, flat; any other key of it goes to ``dropped``.
-    Store keys (``shaped``: residuals) or exchanged keys (compressor buffers), owned among ``names``."""
+    Store keys (``shaped``: residuals) or exchanged keys (compressor buffers), owned among ``names``, both
+    today's (:func:`~gradpress.exchange.keys.upgrade_keys` first)."""
     fixed = {}
     for key, r in entries.items():
         name = owner_among(key, names) if shaped else tensor_owner(key, names)
         p = moved.get(name) if name is not None else None
         if p is None or not isinstance(r, torch.Tensor):
             fixed[key] = r
-        elif name == key and (r.shape == p.shape if shaped else (r.dim() == 1 and r.numel() == p.numel())):
+        elif key == escape(name) and (r.shape == p.shape if shaped else (r.dim() == 1 and r.numel() == p.numel())):
             fixed[key] = _reindexed(r, p)
         else:
             dropped.append(key)
