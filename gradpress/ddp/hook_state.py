@@ -57,7 +57,7 @@ def load(engine: Synchronizer, by_name: Mapping[str, torch.nn.Parameter], state:
         raise ValueError(f"gradpress hook state dict: 'step' must be an integer >= 0, got {step!r}; "
                          "nothing was loaded")
     state = upgrade_keys(state, [p[0] for p in engine.params])  # today's keys first: upgrade_layout reads them
-    state = upgrade_layout(state, by_name, engine.compressor.element_state)
+    state = upgrade_layout(state, by_name, engine.compressor.element_state, engine.compressor.matrix_state)
     engine_state = {k: v for k, v in state.items() if k not in ("step", "layout")}
     engine_state["format"] = STATE_FORMAT  # the engine's own (not a copy of its whole state to read it)
     engine.load_state_dict(engine_state)  # validates fully, changes nothing on error
