@@ -111,13 +111,15 @@ def _new_keys(key: str, names: Mapping[str, int], store: bool) -> set[str]:
                 ok = not tail  # the worker's own residual: the whole name
             else:
                 m = (_OLD_STORE_SUFFIX if store else _OLD_CONTEXT_SUFFIX).fullmatch(tail)
-                ok = m is not None and (m.group(1) is None or 1 < names[name] > int(m.group(1)[1:]))
+                part = None if m is None or m.group(1) is None else int(m.group(1)[1:])
+                ok = m is not None and (part is None or part < names[name] and names[name] > 1)
             if ok:
                 out.add(head + escape(name) + tail)
     return out
 
 
 def _rekeyed(entries: Mapping[Any, Any], names: Mapping[str, int], store: bool, shared: list[str]) -> dict:
+    """``entries`` under today's keys; a key with two readings goes to ``shared`` (and is left out)."""
     out = {}
     for key, value in entries.items():
         new = _new_keys(key, names, store) if isinstance(key, str) else set()
@@ -126,6 +128,11 @@ def _rekeyed(entries: Mapping[Any, Any], names: Mapping[str, int], store: bool, 
         else:
             out[new.pop() if new else key] = value
     return out
+
+
+def _rekeyed_maps(state: Mapping[str, Any], names: Mapping[str, int], shared: list[str]) -> dict:
+    """A compressor's or strategy's state with its per-tensor maps (by context key) re-keyed."""
+    return {k: _rekeyed(v, names, False, shared) if isinstance(v, Mapping) else v for k, v in state.items()}
 
 
 def _parts(decision: Any) -> int:
@@ -158,15 +165,13 @@ def upgrade_keys(state: Mapping[str, Any], names: Collection[str]) -> Mapping[st
     feedback = state.get("feedback")
     if isinstance(feedback, Mapping) and isinstance(feedback.get("residuals"), Mapping):
         out["feedback"] = {**feedback, "residuals": _rekeyed(feedback["residuals"], parts, True, shared)}
-    for part in ("compressor", "strategies"):
-        owners = state.get(part)
-        if not isinstance(owners, Mapping):
-            continue
-        maps = [owners] if part == "compressor" else [v for v in owners.values() if isinstance(v, Mapping)]
-        fixed = {id(m): {k: _rekeyed(v, parts, False, shared) if isinstance(v, Mapping) else v for k, v in m.items()}
-                 for m in maps}
-        out[part] = fixed[id(owners)] if part == "compressor" else {
-            k: fixed.get(id(v), v) for k, v in owners.items()}
+    compressor = state.get("compressor")
+    if isinstance(compressor, Mapping):
+        out["compressor"] = _rekeyed_maps(compressor, parts, shared)
+    strategies_state = state.get("strategies")
+    if isinstance(strategies_state, Mapping):
+        out["strategies"] = {k: _rekeyed_maps(v, parts, shared) if isinstance(v, Mapping) else v
+                             for k, v in strategies_state.items()}
     if shared:
         warnings.warn(f"gradpress state written before residual keys were escaped: the entries {', '.join(shared)} "
                       "were shared by two tensors (a parameter named like another's residual or partition key) and "
