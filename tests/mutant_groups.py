@@ -8,9 +8,9 @@ from __future__ import annotations
 
 #: name -> (modules, tests, sampled mutants)
 GROUPS: dict[str, tuple[list[str], list[str], int]] = {
-    "feedback": (["gradpress/exchange/feedback.py"],
+    "feedback": (["gradpress/exchange/feedback.py", "gradpress/exchange/keys.py"],
                  ["tests/test_references.py", "tests/test_config_fields.py", "tests/test_mutants_feedback.py",
-                  "tests/test_mutants_presence.py", "tests/test_residual_owner.py"], 6),
+                  "tests/test_mutants_presence.py", "tests/test_residual_owner.py", "tests/test_key_escape.py"], 6),
     "engine": (["gradpress/exchange/engine.py", "gradpress/exchange/base.py"],
                ["tests/test_references.py", "tests/test_accounting.py", "tests/test_config_fields.py",
                 "tests/test_mutants_engine.py"], 4),

@@ -9,10 +9,10 @@ the key without its namespace (declared with
 ``host``; the worker's own residuals have none) and without the partition
 suffixes the engine and the parameter server append (``#k``, ``#ps``,
 ``#k#ps``). The store keys here are built as the exchange builds them
-(``Feedback.key``, ``f"{key}#{k}"``, ``f"{key}#ps"``); the expected owner
-is the parameter key they were built from. Parameter names may hold '/'
-and '#': ``nn.ModuleDict({"enc/x": ...})`` names its parameters
-``enc/x.weight``.
+(``Feedback.key``, ``f"{key}#{k}"``, ``f"{key}#ps"`` from the escaped name,
+:func:`gradpress.exchange.keys.escape`); the expected owner is the parameter
+key they were built from. Parameter names may hold '/' and '#':
+``nn.ModuleDict({"enc/x": ...})`` names its parameters ``enc/x.weight``.
 
 Also ``sync_agreeing``'s invariant (one gloo process): a parameter no rank
 has gets no residual from the exchange it takes part in.
@@ -23,7 +23,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gradpress.exchange.feedback import Feedback, owner
+from gradpress.exchange.feedback import Feedback, escape, owner
 from gradpress.exchange.strategies.hierarchical import HOST
 from gradpress.exchange.strategies.ps import ROOT
 from gradpress.exchange.strategies.ring import RING
@@ -35,7 +35,7 @@ NAMES = ["fc.weight", "heads.enc/x.weight", "a/b/c.bias", "grad:heads.enc/x.weig
 
 def _store_keys(name: str) -> list[str]:
     suffixes = ["", "#0", "#3", "#ps", "#1#ps"]
-    return [Feedback.key(ns, name + s) for ns in ("", RING, ROOT, HOST) for s in suffixes]
+    return [Feedback.key(ns, escape(name) + s) for ns in ("", RING, ROOT, HOST) for s in suffixes]
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -109,8 +109,10 @@ def _memory_order(r: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 def test_an_old_worker_residual_is_re_indexed_whatever_the_parameter_is_named(name):
     """A channels_last parameter's worker residual in a state from before the layout change is re-indexed,
     also for a parameter named with '/' or '#' (``nn.ModuleDict({"enc/conv": ...})``): the name is the whole
-    key of a worker residual; a parameter named like its last part is not touched."""
+    key of a worker residual; a parameter named like its last part is not touched. As the hook loads it: its
+    keys first made today's (``upgrade_keys``: the name escaped), then the layout."""
     from gradpress.ddp.state_format import upgrade_layout
+    from gradpress.exchange.keys import escape, upgrade_keys
 
     p = torch.empty(3, 4, 2, 2).to(memory_format=torch.channels_last)
     other = torch.empty(3, 4, 2, 2).to(memory_format=torch.channels_last)
@@ -118,7 +120,7 @@ def test_an_old_worker_residual_is_re_indexed_whatever_the_parameter_is_named(na
     untouched = -torch.arange(p.numel(), dtype=torch.float32).reshape(p.shape)
     state = {"feedback": {"residuals": {name: r, "conv.weight#0": untouched}}}
     params = {name: p} if name == "conv.weight" else {name: p, "other": other}
-    fixed = upgrade_layout(state, params)["feedback"]["residuals"]
-    torch.testing.assert_close(fixed[name].double(), _memory_order(r, p), rtol=0, atol=0)
+    fixed = upgrade_layout(upgrade_keys(state, list(params)), params)["feedback"]["residuals"]
+    torch.testing.assert_close(fixed[escape(name)].double(), _memory_order(r, p), rtol=0, atol=0)
     if name != "conv.weight":  # conv.weight is no parameter here: its partition residual is kept as it was
         assert torch.equal(fixed["conv.weight#0"], untouched)

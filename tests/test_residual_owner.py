@@ -4,15 +4,17 @@ its parameter ``pd.w#0``; ``register_parameter`` and ``nn.ModuleDict`` take
 '#' and '/').
 
 The store keys are built by the test as the exchange builds them (the
-worker's own residual: the parameter's key, whole; a strategy's:
+worker's own residual: the parameter's key escaped, whole; a strategy's:
 ``Feedback.key(namespace, key)`` with the ``#ps`` suffix at a PS root). A
 parameter's residuals are those built from its own key, whatever other
-parameters are called. ``owner()`` parses a key without knowing the
-parameters, so it cuts ``pd.w#0`` to ``pd.w``: ``upgrade_layout`` then left
+parameters are called. ``owner()`` parsed a key without knowing the
+parameters, so it cut ``pd.w#0`` to ``pd.w``: ``upgrade_layout`` then left
 such a parameter's old worker residual in bucket memory order (or dropped
 another parameter's), and ``sync_agreeing`` let the exchange change the PS
-root residual of a parameter no rank had (both fixed: the owner is looked
-up among the parameters' keys). About 3 s (one spawn of 2 gloo workers).
+root residual of a parameter no rank had (both fixed: the owner was looked
+up among the parameters' keys; since keys are built from escaped names,
+:mod:`gradpress.exchange.keys`, ``pd.w%230`` is no partition of anything).
+About 3 s (one spawn of 2 gloo workers).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import warnings
 import torch
 from torch import nn
 
-from gradpress.exchange.feedback import Feedback
+from gradpress.exchange.feedback import Feedback, escape
 from gradpress.exchange.strategies.ps import ROOT
 from gradpress.exchange.strategies.ring import RING
 
@@ -39,8 +41,10 @@ def _memory_order(r: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 def test_an_old_worker_residual_of_a_parameter_named_like_a_partition_is_re_indexed() -> None:
     """A transposed parameter ``pd.w#0`` (its worker residual's key is its name) is re-indexed; the worker
     residual of ``pd.v#1`` (contiguous: nothing to re-index) is kept as it was although a transposed ``pd.v``
-    exists, and ``pd.v``'s own ring residual (a strategy's: cannot be re-indexed) is dropped."""
+    exists, and ``pd.v``'s own ring residual (a strategy's: cannot be re-indexed) is dropped. The state is from
+    before keys were escaped: loaded as the hook loads it, keys first (``upgrade_keys``), then the layout."""
     from gradpress.ddp.state_format import upgrade_layout
+    from gradpress.exchange.keys import upgrade_keys
 
     pd = nn.ParameterDict({"w#0": nn.Parameter(torch.zeros(4, 3).t()), "v": nn.Parameter(torch.zeros(5, 2).t()),
                            "v#1": nn.Parameter(torch.zeros(2, 5))})
@@ -52,9 +56,10 @@ def test_an_old_worker_residual_of_a_parameter_named_like_a_partition_is_re_inde
     state = {"feedback": {"residuals": {"pd.w#0": r_w, "pd.v#1": r_v1, Feedback.key(RING, "pd.v"): ring_v}}}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        fixed = upgrade_layout(state, params)["feedback"]["residuals"]
-    torch.testing.assert_close(fixed["pd.w#0"].double(), _memory_order(r_w, params["pd.w#0"]), rtol=0, atol=0)
-    assert "pd.v#1" in fixed and torch.equal(fixed["pd.v#1"], r_v1), sorted(fixed)
+        fixed = upgrade_layout(upgrade_keys(state, list(params)), params)["feedback"]["residuals"]
+    torch.testing.assert_close(fixed[escape("pd.w#0")].double(), _memory_order(r_w, params["pd.w#0"]), rtol=0,
+                               atol=0)
+    assert escape("pd.v#1") in fixed and torch.equal(fixed[escape("pd.v#1")], r_v1), sorted(fixed)
     assert Feedback.key(RING, "pd.v") not in fixed, sorted(fixed)
     assert any(Feedback.key(RING, "pd.v") in str(w.message) for w in caught)
 
@@ -95,11 +100,11 @@ def _steps_without_the_head(rank: int, world: int) -> dict:
 
 def test_a_parameter_named_like_a_partition_that_no_rank_has_keeps_its_residuals() -> None:
     """``sync_agreeing``: a parameter no rank has is exchanged, but every residual of it (the worker's and the
-    PS root's, keys built here from its engine key ``grad:side.h#0``) stays exactly as it was; the root's was
-    changed by the exchange (its key was taken for a partition of ``grad:side.h``)."""
+    PS root's, keys built here from its escaped engine key ``grad:side.h#0``) stays exactly as it was; the
+    root's was changed by the exchange (its key was taken for a partition of ``grad:side.h``)."""
     from distributed import run_workers
 
-    key = "grad:side.h#0"
+    key = escape("grad:side.h#0")
     mine = {key, Feedback.key(ROOT, key + "#ps")}
     runs = run_workers(_steps_without_the_head, 2)
     held = [k for r in runs for k in r["snaps"][1] if k in mine]

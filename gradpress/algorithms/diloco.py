@@ -79,6 +79,7 @@ from gradpress.algorithms.localsgd import GRAD
 from gradpress.algorithms.registry import register
 from gradpress.algorithms.restart import LocalCopy
 from gradpress.compress.base import Param
+from gradpress.exchange.feedback import Feedback
 
 PARAMS = (
     Param("period", int, 100, "integer >= 1", lambda v: v >= 1, "inner steps between outer steps (H; 500 in the paper)"),
@@ -250,18 +251,19 @@ class DiLoCo(Algorithm):
         model = getattr(self, "select", "tensor") == "model"  # DiLoCo only: idx is every parameter
         if keep:  # e_i is already in theta - x_i: nothing is fed back (p = Delta_i)
             for key in [MODEL_KEY] if model else [self.named[i][0] for i in idx]:
-                self.engine.feedback.residuals.pop(key, None)
+                self.engine.feedback.residuals.pop(Feedback.of(key), None)
         if model:
             flat = torch.cat([d.reshape(-1) for d in deltas]).reshape(1, -1)
             self.sync([flat], keys=[MODEL_KEY])
             deltas = [v.view_as(d) for v, d in zip(flat.reshape(-1).split([d.numel() for d in deltas]), deltas)]
             if keep:
-                resid = self.engine.feedback.current(MODEL_KEY, flat).reshape(-1).split([d.numel() for d in deltas])
+                resid = self.engine.feedback.current(Feedback.of(MODEL_KEY), flat).reshape(-1).split(
+                    [d.numel() for d in deltas])
                 kept = [r.view_as(d) for r, d in zip(resid, deltas)]
         else:
             self.sync(deltas, keys=[self.named[i][0] for i in idx])
             if keep:
-                kept = [self.engine.feedback.current(self.named[i][0], self.named[i][1]) for i in idx]
+                kept = [self.engine.feedback.current(Feedback.of(self.named[i][0]), self.named[i][1]) for i in idx]
         if not self.engine.last_step_skipped:  # nonfinite=skip: theta and its momentum stay, workers restart
             self.apply_outer(idx, deltas)
         for n, i in enumerate(idx):

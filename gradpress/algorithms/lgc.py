@@ -68,6 +68,7 @@ from gradpress.algorithms.lgc_exchange import Exchanged, Wire, ps_latent, ring_l
 from gradpress.algorithms.presence import agreed
 from gradpress.algorithms.registry import register
 from gradpress.compress.base import Param
+from gradpress.exchange.feedback import Feedback
 
 
 @register
@@ -218,7 +219,7 @@ class LGC(Algorithm):
         store = self.engine.feedback.residuals
         offset = 0
         for name, p in self.named:
-            held = store.pop(name, None)
+            held = store.pop(Feedback.of(name), None)
             if held is not None and held.numel() == p.numel():
                 self.residual[offset : offset + p.numel()] += held.reshape(-1).to(self.residual.dtype)
             offset += p.numel()

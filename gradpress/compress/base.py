@@ -12,7 +12,9 @@ and back. It declares the traits the strategies rely on:
 * ``stateful``: keeps per-tensor state (momentum, factors, counters) that goes
   into ``state_dict``; ``element_state`` names its entries that map a tensor's
   key to a buffer of that tensor's elements in ``x.reshape(-1)`` order (DGC's
-  momentum: a checkpoint's re-indexing must move them with the elements).
+  momentum: a checkpoint's re-indexing must move them with the elements), and
+  ``matrix_state`` those that map it to a factor with one row per column of
+  ``x`` seen as a ``shape[0] x m`` matrix (PowerSGD's warm-start Q).
 * ``identity``: decode(encode(x)) == x exactly and the packet is x itself:
   nothing to compress (``none``). Policy asks this trait, never the name.
 
@@ -187,6 +189,8 @@ class Compressor:
     stateful: ClassVar[bool] = False
     #: ``state_dict`` entries {tensor key: buffer of its elements, flat in x.reshape(-1) order}
     element_state: ClassVar[tuple[str, ...]] = ()
+    #: ``state_dict`` entries {tensor key: m x r factor, one row per column of x seen as a shape[0] x m matrix}
+    matrix_state: ClassVar[tuple[str, ...]] = ()
     #: decode(encode(x)) == x exactly and the packet is x itself: nothing to
     #: compress (``none``); decide dense/identity policy with this, not the name
     identity: ClassVar[bool] = False

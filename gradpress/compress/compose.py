@@ -74,6 +74,10 @@ class Composed(Compressor):
     def element_state(self) -> tuple[str, ...]:  # type: ignore[override]
         return self.first.element_state  # its state_dict is the first stage's
 
+    @property
+    def matrix_state(self) -> tuple[str, ...]:  # type: ignore[override]
+        return self.first.matrix_state
+
     def config(self) -> dict[str, Any]:
         return {"first": self.first.spec(), "second": self.second.spec()}
 

@@ -19,6 +19,7 @@ import torch
 
 from gradpress.ddp.state_format import _OLD_FORMAT, HOOK_FORMAT, LAYOUT, _upgrade_v1, upgrade_layout
 from gradpress.exchange import Synchronizer
+from gradpress.exchange.keys import upgrade_keys
 from gradpress.exchange.state import STATE_FORMAT
 
 __all__ = ["save", "check_format", "load"]
@@ -55,7 +56,8 @@ def load(engine: Synchronizer, by_name: Mapping[str, torch.nn.Parameter], state:
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"gradpress hook state dict: 'step' must be an integer >= 0, got {step!r}; "
                          "nothing was loaded")
-    state = upgrade_layout(state, by_name, engine.compressor.element_state)
+    state = upgrade_keys(state, [p[0] for p in engine.params])  # today's keys first: upgrade_layout reads them
+    state = upgrade_layout(state, by_name, engine.compressor.element_state, engine.compressor.matrix_state)
     engine_state = {k: v for k, v in state.items() if k not in ("step", "layout")}
     engine_state["format"] = STATE_FORMAT  # the engine's own (not a copy of its whole state to read it)
     engine.load_state_dict(engine_state)  # validates fully, changes nothing on error

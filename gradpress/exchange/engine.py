@@ -5,7 +5,8 @@ call, :meth:`Synchronizer.sync`, averages a list of keyed tensors over the
 group in place. It owns:
 
 * the plan (per tensor: uncompressed, or compressed by a strategy in K
-  partitions keyed ``name#k``; see :mod:`gradpress.exchange.planner`);
+  partitions keyed ``name#k``, the name escaped as every key built from it:
+  :mod:`gradpress.exchange.keys`; see :mod:`gradpress.exchange.planner`);
 * error feedback (:class:`~gradpress.exchange.feedback.Feedback`: worker,
   ring and PS-root residuals in one store, staged per step);
 * the NaN/Inf protocol (:mod:`gradpress.exchange.nonfinite`);
@@ -41,6 +42,7 @@ from gradpress.compress import Compressor, Context, create
 from gradpress.compress.base import all_finite
 from gradpress.exchange.base import Encoded, ExchangeResult, Prelude, Strategy
 from gradpress.exchange.feedback import Feedback
+from gradpress.exchange.keys import escape
 from gradpress.exchange.nonfinite import NONFINITE_MODES, StepGuard, local_flags
 from gradpress.exchange.planner import Decision, Plan
 from gradpress.exchange.plans import StrategyChoice, plain_where_unused
@@ -173,11 +175,12 @@ class Synchronizer(EngineState):
             return None
         t0 = time.perf_counter()
         fb = self.feedback if self.error_feedback else None
-        payload = [fb.compensate(keys[i], tensors[i]) if fb is not None else tensors[i] for i in comp_idx]
-        encoded: Encoded = strategy.encode(self.compressor, payload, [self._ctx(keys[i], step) for i in comp_idx], fb)
+        tkeys = [escape(k) for k in keys]
+        payload = [fb.compensate(tkeys[i], tensors[i]) if fb is not None else tensors[i] for i in comp_idx]
+        encoded: Encoded = strategy.encode(self.compressor, payload, [self._ctx(tkeys[i], step) for i in comp_idx], fb)
         if fb is not None and encoded.residuals is not None:
             for i, r in zip(comp_idx, encoded.residuals):
-                fb.keep_now(keys[i], r.reshape(tensors[i].shape))
+                fb.keep_now(tkeys[i], r.reshape(tensors[i].shape))
         encoded.seconds = time.perf_counter() - t0
         return encoded
 
@@ -309,13 +312,14 @@ class Synchronizer(EngineState):
                 split[name] = split.get(name, 0) + nbytes
         t0 = time.perf_counter()
         fb = self.feedback if self.error_feedback else None
+        tkeys = {i: escape(keys[i]) for i in comp_idx}  # every key built from a tensor's name starts here
         if prepared is not None:  # encoded (and its residuals kept) by prepare(): nothing to compensate or stage
             compensated, fb = [tensors[i] for i in comp_idx], None
         else:
-            compensated = [fb.compensate(keys[i], tensors[i]) if fb is not None else tensors[i] for i in comp_idx]
+            compensated = [fb.compensate(tkeys[i], tensors[i]) if fb is not None else tensors[i] for i in comp_idx]
         groups: dict[str, list[tuple[int, torch.Tensor, Context, torch.Tensor | None]]] = {}
         for pos, i in enumerate(comp_idx):
-            d, p, key = decisions[i], compensated[pos], keys[i]
+            d, p, key = decisions[i], compensated[pos], tkeys[i]
             if d.parts <= 1:
                 groups.setdefault(d.strategy, []).append((pos, p, self._ctx(key, step), tensors[i]))
             else:
@@ -369,7 +373,7 @@ class Synchronizer(EngineState):
             avg = outs[pos][0] if len(outs[pos]) == 1 else torch.cat([o.reshape(-1) for o in outs[pos]])
             if fb is not None and len(resids[pos]) == len(outs[pos]):
                 r = resids[pos][0] if len(resids[pos]) == 1 else torch.cat([e.reshape(-1) for e in resids[pos]])
-                fb.stage(key, r.reshape(x.shape))
+                fb.stage(tkeys[i], r.reshape(x.shape))
             if avg is not x:
                 x.copy_(avg.reshape(x.shape))
             tensor_bytes[key] = nbytes[pos]

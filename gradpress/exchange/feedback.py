@@ -6,7 +6,8 @@ Residual memory (Seide et al. 2014, "1-bit SGD"; Karimireddy et al. 2019,
 that re-compress on the way, under their own namespace
 (:func:`namespace`, :meth:`Feedback.key`): a compressed ring's per-position hop residuals
 (Comprex; HiPress Ring) and a parameter-server root's re-compression
-residuals (HiPress CaSync-PS).
+residuals (HiPress CaSync-PS). Keys: :mod:`gradpress.exchange.keys` (a
+tensor's name escaped, so that no two tensors share one).
 
 Invariant (the one NaN rule): a non-finite value never enters a residual.
 New residuals are *staged* and committed together once the step's outcome is
@@ -25,81 +26,31 @@ sparsifiers only the kept entries change: see ``Compressor.residual``), one
 
 from __future__ import annotations
 
-import re
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from gradpress.compress.base import all_finite
+from gradpress.exchange.keys import (
+    WORKER,
+    escape,
+    namespace,
+    owner,
+    owner_among,
+    split_key,
+    store_key,
+    tensor_owner,
+)
 
-__all__ = ["Feedback", "WORKER", "namespace", "split_key", "owner", "owner_among", "tensor_owner"]
-
-#: the worker's own residuals: keyed by the tensor key itself
-WORKER = ""
-_NAMESPACES: set[str] = set()
-
-
-def namespace(name: str) -> str:
-    """Declare a strategy's residual namespace (``"ring"``, ``"root"``) and
-    return it; its keys are ``name/key``."""
-    if not name or "/" in name:
-        raise ValueError(f"a residual namespace is a non-empty name without '/', got {name!r}")
-    _NAMESPACES.add(name)
-    return name
-
-
-def split_key(key: str) -> tuple[str, str]:
-    """The namespace (:data:`WORKER` for the worker's own) and tensor key of
-    the store key ``key``: the inverse of :meth:`Feedback.key`. Only a
-    declared namespace is one (a tensor key may hold '/', e.g. a parameter
-    of ``nn.ModuleDict({"enc/x": ...})``)."""
-    head, sep, tail = key.partition("/")
-    return (head, tail) if sep and head in _NAMESPACES else (WORKER, key)
-
-
-#: the suffixes of a partitioned tensor's store key (the engine's ``#k``) and of a PS root's (``#ps``)
-_SUFFIXES = re.compile(r"(#[0-9]+)?(#ps)?$")
-
-
-def owner(key: str) -> str:
-    """The tensor (parameter) key a store key belongs to: the key without
-    its namespace (:func:`split_key`) and partition suffixes (``#k``,
-    ``#ps``, ``#k#ps``). A parameter name may hold '/' or '#' itself; one
-    that ends like a suffix (``w#0``) is cut all the same: to tell whose
-    residual a key is, use :func:`owner_among` with the parameters' keys."""
-    return _SUFFIXES.sub("", split_key(key)[1])
-
-
-def tensor_owner(tensor_key: str, names: Collection[str]) -> str | None:
-    """The key of ``names`` that the exchanged key ``tensor_key`` was built
-    from (the tensor's own key, a partition's ``key#k``, a PS root's
-    ``key#ps`` or ``key#k#ps``), or None. Unlike :func:`owner` it knows the
-    names, so a name that ends like a suffix (``nn.ParameterDict({"w#0": ...})``:
-    ``pd.w#0``) is its own; the least cut candidate wins."""
-    if tensor_key in names:
-        return tensor_key
-    base = tensor_key[: -len("#ps")] if tensor_key.endswith("#ps") else tensor_key
-    candidates = [base, re.sub(r"#[0-9]+$", "", base)]
-    return next((c for c in candidates if c in names), None)
-
-
-def owner_among(key: str, names: Collection[str]) -> str | None:
-    """The key of ``names`` whose residual the store key ``key`` is, or None:
-    the worker's own residual is keyed by the tensor key, whole (never a
-    partition's); a strategy's by its namespace and the key it exchanged
-    (:func:`tensor_owner`)."""
-    if key in names:
-        return key
-    space, tail = split_key(key)
-    return None if space == WORKER else tensor_owner(tail, names)
+__all__ = ["Feedback", "WORKER", "escape", "namespace", "split_key", "owner", "owner_among", "tensor_owner"]
 
 
 class Feedback:
-    """Residuals keyed by namespace and stable tensor key: the worker's by
-    parameter name (whole, even when the plan partitions the tensor), the
-    strategies' by the key they exchanged (``name#k`` for the k-th
-    partition, ``name#k#ps`` at a PS root)."""
+    """Residuals keyed by namespace and stable tensor key (:mod:`gradpress.exchange.keys`:
+    the tensor's name escaped): the worker's by that key (whole, even when the plan
+    partitions the tensor), the strategies' by the key they exchanged (``key#k`` for
+    the k-th partition, ``key#k#ps`` at a PS root)."""
 
     def __init__(self, beta: float = 1.0, gamma: float = 1.0) -> None:
         self.beta = float(beta)
@@ -109,8 +60,13 @@ class Feedback:
 
     @staticmethod
     def key(namespace: str, key: str) -> str:
-        """The store key of ``key`` in ``namespace`` (the worker's own: the key itself)."""
-        return f"{namespace}/{key}" if namespace else key
+        """The store key of the exchanged ``key`` in ``namespace`` (the worker's own: the key itself)."""
+        return store_key(namespace, key)
+
+    @staticmethod
+    def of(name: str) -> str:
+        """The store key of the worker's own residual of the tensor ``name`` (its escaped name)."""
+        return escape(name)
 
     def compensate(self, key: str, grad: torch.Tensor) -> torch.Tensor:
         """``p = beta * e + gamma * g``: a fresh tensor the caller owns (the
@@ -164,12 +120,13 @@ class Feedback:
         self.residuals[key] = torch.where(ok, new, old)
 
     def namespace(self, namespace: str) -> dict[str, torch.Tensor]:
-        """The residuals of one namespace, by tensor key (a view for reading)."""
-        if not namespace:
-            others = tuple(f"{ns}/" for ns in _NAMESPACES)
-            return {k: v for k, v in self.residuals.items() if not k.startswith(others)}
-        prefix = namespace + "/"
-        return {k[len(prefix):]: v for k, v in self.residuals.items() if k.startswith(prefix)}
+        """The residuals of one namespace, by exchanged key (a view for reading)."""
+        out = {}
+        for k, v in self.residuals.items():
+            space, key = split_key(k)
+            if space == namespace:
+                out[key] = v
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         return {"beta": self.beta, "gamma": self.gamma, "residuals": {k: v.clone() for k, v in self.residuals.items()}}

@@ -3,8 +3,10 @@
 per-step snapshot that ``nonfinite='skip'`` restores, and ``memory_bytes``.
 
 Format ``gradpress-exchange/2``: config, feedback (every residual, every
-namespace), compressor and strategy state, plan, stats. Loadable with
-``torch.load(weights_only=True)``.
+namespace), compressor and strategy state, plan, stats, and ``keys``
+(:data:`~gradpress.exchange.keys.KEYS_FORMAT`: keys built from escaped
+names; a state without it is read by :func:`~gradpress.exchange.keys.upgrade_keys`).
+Loadable with ``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 import torch
 
 from gradpress.exchange.feedback import WORKER
+from gradpress.exchange.keys import KEYS_FORMAT, upgrade_keys
 from gradpress.exchange.planner import Plan
 
 __all__ = ["EngineState", "STATE_FORMAT"]
@@ -65,6 +68,7 @@ class EngineState:
             "strategies": {n: st.state_dict() for n, st in self.strategies.items()},
             "plan": self.plan.to_dict(),
             "stats": self.stats_counter.state_dict(),
+            "keys": KEYS_FORMAT,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -85,6 +89,7 @@ class EngineState:
         theirs, mine = state["config"], self.config()
         if not same_config(theirs, mine):
             raise ValueError(f"gradpress state dict is from a different configuration ({config_diff(theirs, mine)})")
+        state = upgrade_keys(state, [p[0] for p in self.params])  # one written before keys were escaped
         backup, plan = copy.deepcopy(self.state_dict()), self.plan
         part = "feedback"
         try:
