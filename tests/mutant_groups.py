@@ -249,6 +249,15 @@ GROUPS: dict[str, tuple[list[str], list[str], int]] = {
                   + [f"tests/test_bench_e2e.py::test_{t}" for t in (
                       "per_configuration_learning_rate", "cli_rejects_bad_arguments_before_building_a_cluster",
                       "cli_refuses_out_of_range_values_before_any_namespace")], 20),
+    "e2e": ([f"gradpress/bench/{m}.py" for m in ("e2e_worker", "e2e_run", "e2e_profile", "e2e")],
+            ["tests/test_mutants_e2e.py", "tests/test_mutants_e2e_run.py"]
+            + [f"tests/test_bench_e2e.py::test_{t}" for t in (
+                "payload_formulas", "interface_bytes_reads_this_namespace", "e2e_is_a_bench_subcommand",
+                "seeds_need_train_to", "profile_phases_of_the_allgather_step", "wire_factor_and_command_line",
+                "cli_rejects_bad_arguments_before_building_a_cluster",
+                "cli_refuses_out_of_range_values_before_any_namespace",
+                "cli_refuses_an_out_it_cannot_create_before_any_namespace",
+                "worker_step_and_train_modes_on_two_local_workers")], 25),
     "compat": (["gradpress/torch_compat.py", "gradpress/train/cli.py", "gradpress/cli.py", "gradpress/workloads/__init__.py",
                 "gradpress/cluster/selftest.py", "gradpress/compress/kit/__init__.py"],
                ["tests/test_mutants_compat.py", "tests/test_torch_compat.py", "tests/test_cli_strategies.py",
@@ -325,6 +334,16 @@ FOCUS: dict[str, dict[str, list[str]]] = {
         # e2e_jobs.py (its cluster is an argument) and args.py are drawn whole
         "gradpress/bench/plan.py": ["register_bench", "main"],
         "gradpress/bench/strategies.py": ["build_model", "format_table", "main"],
+    },
+    "e2e": {  # the worker's figures (step timing, byte and link accounting, the train-to loop's stop and time),
+        # the run's compute-only median, speed-ups and notes, the profile's phases, the command (not the worker's
+        # thread, group and file plumbing, _set_threads/_setup/_finish/_write, nor the profile script's argument
+        # parsing, which test_usable_cpus.py checks)
+        "gradpress/bench/e2e_worker.py": ["interface_bytes", "payload_bytes_per_step", "_batches", "_build_algorithm",
+                                          "run_compute", "run_step", "run_train", "run_train.after", "main"],
+        "gradpress/bench/e2e_run.py": ["_compute", "run_e2e", "_parameters"],
+        "gradpress/bench/e2e_profile.py": ["_median_s", "profile"],
+        "gradpress/bench/e2e.py": ["register_bench", "_seeds", "main", "write_outputs"],
     },
     "compat": {  # selftest.py's training steps (not its ``__main__`` block, which only hands main's status to leave)
         "gradpress/cluster/selftest.py": ["main"],
