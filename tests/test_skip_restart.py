@@ -36,7 +36,8 @@ LR_ADAM, B1, B2, EPS = 0.01, 0.9, 0.999, 1e-8
 
 LOCALSGD, DILOCO = "localsgd:period=3", "diloco:period=3,outer_lr=0.7,outer_momentum=0.9"
 STREAMING = "streaming-diloco:period=4,fragments=2,overlap=1,alpha=0.5"
-# (spec, inner optimizer, steps, the step (0-based) of the fault on rank 0, the fault: FAULTS)
+# (spec, inner optimizer, steps, the step (0-based) of the fault on rank 0, the fault: FAULTS; or a tuple of steps
+# and one of faults)
 CASES = {
     "localsgd": (LOCALSGD, "momentum", 10, 4, "inf"),
     "diloco": (DILOCO, "adam", 10, 4, "inf"),
@@ -56,14 +57,29 @@ CASES = {
     # in the synchronous phase (DDP's step: buffers averaged, whatever they hold): the Inf is in every rank's copy at
     # the switch, so restoring it would not help; nothing is dropped (every synchronization was: a dead run)
     "postlocalsgd-buffer-early": ("postlocalsgd:period=3,switch=2", "momentum", 10, 0, "buffer"),
+    # that Inf buffer in every rank's copy, then Adam's exp_avg_sq overflows on rank 0 in the first local period: a
+    # fault the copy does not hold (the copy's Inf buffer is another tensor), so that synchronization is dropped;
+    # it went through (one non-finite tensor anywhere in the copy switched the check off for every other one):
+    # the Inf moment was averaged into both ranks, that entry frozen for good
+    "postlocalsgd-buffer-early-then-overflow": ("postlocalsgd:period=3,switch=2", "adam", 10, (0, 3),
+                                                ("buffer", "overflow")),
 }
 #: the cases whose fault is already in the copy at the last agreed point: no synchronization dropped
 IN_THE_COPY = ("postlocalsgd-buffer-early",)
+#: a fault in the copy (an Inf buffer, which stays), then a new one elsewhere: that one's synchronization dropped
+IN_THE_COPY_AND_NEW = ("postlocalsgd-buffer-early-then-overflow",)
 #: inf: one gradient entry is Inf (parameters and state go NaN); overflow: one gradient entry is 1e200, finite,
 #: whose square overflows Adam's exp_avg_sq to Inf (that entry's update is then 0: the parameters stay finite);
 #: buffer: one BatchNorm running_var entry becomes Inf (an overflowed activation under fp16/bf16 autocast; the
 #: training forward pass uses the batch's statistics: the parameters stay finite)
 FAULTS = ("inf", "overflow", "buffer")
+
+
+def fault_at(case: str, rank: int, step: int) -> str | None:
+    """The fault (FAULTS) rank ``rank`` gets at ``step`` in ``case`` (rank 0 only; a case may name several)."""
+    _, _, _, bad, kind = CASES[case]
+    faults = dict(zip(bad, kind)) if isinstance(bad, tuple) else {bad: kind}
+    return faults.get(step) if rank == 0 else None
 
 
 def fault(model: nn.Module, kind: str) -> None:
@@ -105,13 +121,14 @@ def _build(case: str) -> tuple[nn.Module, torch.optim.Optimizer, gradpress.algor
 
 
 def _run(rank: int, case: str, start: int = 0, built: tuple | None = None) -> dict:
-    _, _, steps, bad, kind = CASES[case]
+    steps = CASES[case][2]
     model, opt, algo = built if built is not None else _build(case)
     out: dict = {"steps": []}
     for step in range(start, steps):
         opt.zero_grad()
         model(batch(rank, step)).square().mean().backward()
-        if rank == 0 and step == bad:
+        kind = fault_at(case, rank, step)
+        if kind is not None:
             fault(model, kind)
         algo.step()
         out["steps"].append(snapshot(model))
@@ -211,6 +228,21 @@ def finite(ts: list[torch.Tensor]) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in ts)
 
 
+def newly_not_finite(reps: list[Replica], saved: list[tuple], names: list[str]) -> bool:
+    """Whether some rank holds an optimizer state tensor or a floating buffer that is not finite while its own
+    copy of that same tensor, taken at the last agreed point, is finite (or was not there)."""
+    for r, (states, buffers) in zip(reps, saved):
+        for n in names:
+            for k, v in r.state.get(n, {}).items():
+                copy = states.get(n, {}).get(k)
+                if torch.is_tensor(v) and not finite([v]) and (not torch.is_tensor(copy) or finite([copy])):
+                    return True
+        for k, b in r.buffers().items():
+            if b.is_floating_point() and not finite([b]) and finite([buffers[k]]):
+                return True
+    return False
+
+
 class OuterSGD:
     """torch's SGD with Nesterov momentum, by hand."""
 
@@ -226,7 +258,7 @@ class OuterSGD:
 @torch.no_grad()
 def reference(case: str) -> list[list[dict[str, torch.Tensor]]]:
     """Per step, per rank, the model's state (parameters and buffers)."""
-    spec, inner, steps, bad, kind = CASES[case]
+    spec, inner, steps, _, _ = CASES[case]
     algo = spec.split(":")[0]
     reps = [Replica(r, inner) for r in range(WORLD)]
     names = reps[0].names
@@ -258,7 +290,7 @@ def reference(case: str) -> list[list[dict[str, torch.Tensor]]]:
         period, switch = 3, int(spec.partition("switch=")[2] or 0)
         for step in range(steps):
             for r in reps:
-                r.backward(step, kind if r.rank == 0 and step == bad else None)
+                r.backward(step, fault_at(case, r.rank, step))
             if step < switch:  # DDP's step: the gradients and the buffers averaged, the same optimizer step
                 for n in names:
                     mean_grad = sum(r.params()[n].grad for r in reps) / WORLD
@@ -275,12 +307,9 @@ def reference(case: str) -> list[list[dict[str, torch.Tensor]]]:
                     r.apply()
             if step >= switch and (step + 1 - switch) % period == 0:
                 deltas = [{n: p - anchor[n] for n, p in r.params().items()} for r in reps]
-                # the rule: dropped when some rank's delta is not finite, or its optimizer state or floating
-                # buffers are while its copy of them (at the last agreed point) is finite
-                copies = [v for st, bf in saved for s_ in st.values() for v in s_.values() if torch.is_tensor(v)]
-                copies += [b for _, bf in saved for b in bf.values() if b.is_floating_point()]
-                if not finite([d for ds in deltas for d in ds.values()]) or (
-                        not finite(local_state(names, True)) and finite(copies)):
+                # the rule: dropped when some rank's delta is not finite, or one of its optimizer state tensors
+                # or floating buffers is while that tensor's copy (at the last agreed point) is finite (or absent)
+                if not finite([d for ds in deltas for d in ds.values()]) or newly_not_finite(reps, saved, names):
                     for r, keep in zip(reps, saved):
                         restart(r, keep)
                 else:
@@ -318,7 +347,7 @@ def reference(case: str) -> list[list[dict[str, torch.Tensor]]]:
     for step in range(steps):
         t = step + 1
         for r in reps:
-            r.local_step(step, kind if r.rank == 0 and step == bad else None)
+            r.local_step(step, fault_at(case, r.rank, step))
         f = launch_at.get(t % period)
         if f is not None:
             pending.append({"f": f, "due": t + overlap,
@@ -377,7 +406,7 @@ def _check(got_steps: list[dict], want: list[list[dict]], rank: int, what: str, 
             assert err <= tol, f"{what} rank {rank} step {step} {k}: {got} vs {w}"
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c not in IN_THE_COPY])
+@pytest.mark.parametrize("case", [c for c in CASES if c not in IN_THE_COPY + IN_THE_COPY_AND_NEW])
 def test_a_skipped_synchronization_undoes_the_period_and_the_run_recovers(results: list[dict], case: str) -> None:
     want = reference(case)
     for rank in range(WORLD):
@@ -400,6 +429,21 @@ def test_a_fault_already_in_the_copy_drops_nothing(results: list[dict], case: st
         run = results[rank][case]
         _check(run["steps"], want, rank, case)
         assert run["skipped_steps"] == 0, f"{case} rank {rank}: {run['skipped_steps']} synchronizations dropped"
+
+
+@pytest.mark.parametrize("case", IN_THE_COPY_AND_NEW)
+def test_a_fault_in_the_copy_does_not_hide_a_new_one_in_another_tensor(results: list[dict], case: str) -> None:
+    """The Inf buffer of the synchronous phase is in every rank's copy (it stays, nothing to undo); then rank 0's
+    Adam ``exp_avg_sq`` overflows (finite parameters): its synchronization is dropped and undone, since that
+    tensor's copy is finite. It went through (the check asked whether the copy as a whole was finite): local SGD
+    averaged the Inf moment into both ranks, that entry frozen for good, no synchronization dropped."""
+    want = reference(case)
+    for rank in range(WORLD):
+        run = results[rank][case]
+        _check(run["steps"], want, rank, case)
+        assert run["skipped_steps"] == 1, f"{case} rank {rank}: {run['skipped_steps']} synchronizations dropped"
+        for k, v in run["state"].items():  # the optimizer state recovered (the Inf buffer stays, as in the copy)
+            assert torch.isfinite(v.double()).all(), f"{case} rank {rank}: {k} not finite at the end: {v}"
 
 
 @pytest.mark.parametrize("case", ["localsgd", "diloco"])

@@ -239,7 +239,8 @@ class DiLoCo(Algorithm):
         :meth:`LocalCopy.flag_into` marks in the outer gradient, were not
         finite) leaves ``theta`` and the outer momentum untouched (the
         outer optimizer is not stepped on the zeroed average); the workers
-        still restart from ``theta``, and :meth:`step` puts each rank's inner
+        still restart from ``theta`` (``keep_residual``: minus each one's
+        residual of the last agreed point, which stays), and :meth:`step` puts each rank's inner
         optimizer state and buffers back to its copy taken at ``theta``
         (:mod:`gradpress.algorithms.restart`)."""
         idx = list(idx)
@@ -249,21 +250,29 @@ class DiLoCo(Algorithm):
         assert self.engine is not None
         keep = getattr(self, "keep_residual", False)
         model = getattr(self, "select", "tensor") == "model"  # DiLoCo only: idx is every parameter
+        held: dict[str, torch.Tensor] = {}
         if keep:  # e_i is already in theta - x_i: nothing is fed back (p = Delta_i)
             for key in [MODEL_KEY] if model else [self.named[i][0] for i in idx]:
-                self.engine.feedback.residuals.pop(Feedback.of(key), None)
+                store_key = Feedback.of(key)
+                e = self.engine.feedback.residuals.pop(store_key, None)
+                if e is not None:
+                    held[store_key] = e
         if model:
             flat = torch.cat([d.reshape(-1) for d in deltas]).reshape(1, -1)
             self.sync([flat], keys=[MODEL_KEY])
             deltas = [v.view_as(d) for v, d in zip(flat.reshape(-1).split([d.numel() for d in deltas]), deltas)]
-            if keep:
-                resid = self.engine.feedback.current(Feedback.of(MODEL_KEY), flat).reshape(-1).split(
-                    [d.numel() for d in deltas])
-                kept = [r.view_as(d) for r, d in zip(resid, deltas)]
         else:
             self.sync(deltas, keys=[self.named[i][0] for i in idx])
-            if keep:
-                kept = [self.engine.feedback.current(Feedback.of(self.named[i][0]), self.named[i][1]) for i in idx]
+        if keep and self.engine.last_step_skipped:
+            # the period never happened: each worker's residual of the last agreed point stays, and it restarts
+            # from theta minus it (the store kept zeros for the keys taken out above: the unsent change was lost)
+            self.engine.feedback.residuals.update(held)
+        if keep and model:
+            resid = self.engine.feedback.current(Feedback.of(MODEL_KEY), flat).reshape(-1).split(
+                [d.numel() for d in deltas])
+            kept = [r.view_as(d) for r, d in zip(resid, deltas)]
+        elif keep:
+            kept = [self.engine.feedback.current(Feedback.of(self.named[i][0]), self.named[i][1]) for i in idx]
         if not self.engine.last_step_skipped:  # nonfinite=skip: theta and its momentum stay, workers restart
             self.apply_outer(idx, deltas)
         for n, i in enumerate(idx):

@@ -34,14 +34,17 @@ synchronization used to go through: averaged buffers (and with local SGD's
 averaged optimizer state, the moments) carried the Inf to every rank;
 state kept local stayed poisoned on that rank for good. Now, before the
 exchange, :meth:`LocalCopy.flag_into` makes one element of the rank's
-outgoing delta NaN where its state or buffers are not finite, so the
-engine's own verdict, which every rank already agrees on, drops the whole
-synchronization and the period is undone as above; unless this rank's copy
-of that state is itself not finite (a synchronous phase, ``switch``, is
-DDP's step and averages the buffers whatever they hold, so an Inf there is
-in every rank's copy at the switch): restoring it would not help, and every
-later synchronization would be dropped (the replicas would never meet
-again), so such a synchronization goes through as before. Cost, with ``skip``
+outgoing delta NaN where one of its state tensors or buffers is not
+finite, so the engine's own verdict, which every rank already agrees on,
+drops the whole synchronization and the period is undone as above; unless
+this rank's copy of that same tensor is itself not finite (a synchronous
+phase, ``switch``, is DDP's step and averages the buffers whatever they
+hold, so an Inf there is in every rank's copy at the switch): restoring it
+would not help, and every later synchronization would be dropped (the
+replicas would never meet again), so such a tensor drops nothing. It is
+asked per tensor: a non-finite copy of one buffer does not hide an
+overflowed Adam moment (when the copy as a whole was asked, it did, and
+local SGD averaged the Inf moment into every rank). Cost, with ``skip``
 only: one ``aminmax`` read of each optimizer state tensor and buffer, and
 of its copy, per synchronization, on its device (Adam: four parameter-sized
 reads), no host read, no collective and no byte of its own.
@@ -89,6 +92,17 @@ def _finite_by_device(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
         if t.is_floating_point() and t.numel():
             flags.setdefault(t.device, []).append(all_finite(t))
     return [torch.stack(fs).all() for fs in flags.values()]
+
+
+def _newly_not_finite(now: torch.Tensor, then: Any) -> torch.Tensor | None:
+    """A 0-d bool on ``now``'s device: ``now`` is not finite while its copy ``then`` is (or is none); None
+    when ``now`` is not a floating tensor with entries (integer buffers, step counts kept as ints)."""
+    if not now.is_floating_point() or not now.numel():
+        return None
+    bad = ~all_finite(now)
+    if torch.is_tensor(then) and then.is_floating_point() and then.numel():
+        bad = bad & all_finite(then).to(bad.device)
+    return bad
 
 
 def _all_finite(tensors: Iterable[torch.Tensor]) -> bool:
@@ -163,28 +177,35 @@ class LocalCopy:
     def flag_into(self, deltas: Sequence[torch.Tensor], idx: Iterable[int] | None = None,
                   buffers: bool = True) -> None:
         """Make this rank's outgoing ``deltas`` non-finite (one element NaN)
-        where its optimizer state of the parameters ``idx`` (default: all) or,
-        with ``buffers``, its floating buffers are not finite while this
-        copy of them is, so the engine's own verdict on the exchange (every
-        rank agrees on it) drops the whole synchronization and
-        :meth:`restore` undoes the period, as for a non-finite delta. A copy
-        that is itself not finite (buffers averaged in a synchronous phase,
-        as DDP's step does, whatever they held) drops nothing: restoring it
-        would not help, and every later synchronization would be dropped.
-        One ``aminmax`` read per tensor and per copied tensor, on its device;
-        no host read and no collective of its own."""
+        where one of its optimizer state tensors of the parameters ``idx``
+        (default: all) or, with ``buffers``, one of its floating buffers is
+        not finite while this copy of that same tensor is (or there was none),
+        so the engine's own verdict on the exchange (every rank agrees on it)
+        drops the whole synchronization and :meth:`restore` undoes the period,
+        as for a non-finite delta. A tensor whose copy is itself not finite
+        (a buffer averaged in a synchronous phase, as DDP's step does,
+        whatever it held) drops nothing: restoring it would not help, and
+        every later synchronization would be dropped; it hides no fault of
+        another tensor (the copy as a whole was asked first: one Inf buffer
+        there let an overflowed Adam moment through for good). One ``aminmax``
+        read per tensor and per copied tensor, on its device; no host read
+        and no collective of its own."""
         target = next((d for d in deltas if d.numel()), None)
         if target is None:
             return
         idx = range(len(self.params)) if idx is None else list(idx)
-        now = _finite_by_device(self._state_tensors(idx) + (self.buffers if buffers else []))
-        if not now:
+        pairs = [(v, (self.states[i] or {}).get(k)) for i in idx
+                 for k, v in self.optimizer.state.get(self.params[i], {}).items() if torch.is_tensor(v)]
+        if buffers:
+            pairs += list(zip(self.buffers, self.saved_buffers))
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for now, then in pairs:
+            flag = _newly_not_finite(now, then)
+            if flag is not None:
+                by_device.setdefault(flag.device, []).append(flag)
+        if not by_device:
             return
-        then = _finite_by_device([v for i in idx for v in (self.states[i] or {}).values() if torch.is_tensor(v)]
-                                 + (self.saved_buffers if buffers else []))
-        bad = ~torch.stack([f.to(target.device) for f in now]).all()
-        if then:
-            bad &= torch.stack([f.to(target.device) for f in then]).all()
+        bad = torch.stack([torch.stack(fs).any().to(target.device) for fs in by_device.values()]).any()
         target[(0,) * target.dim()].masked_fill_(bad, float("nan"))
 
     def finite(self, idx: Iterable[int]) -> bool:

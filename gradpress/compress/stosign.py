@@ -16,8 +16,13 @@ kernel): the uniform's grid (2^-24 for fp32/fp16/bf16 inputs, 2^-32 for
 fp64) biases P(+) by less than one grid step, |E[Q(x)] - x| < 2 m 2^-24.
 m is exact for fp32/fp16/bf16 inputs (the maximum of their values) and, for
 fp64 inputs, sent as the upper 32 bits of its fp64 value rounded away from
-zero (so |x| / m <= 1, relative precision 2^-20). A zero chunk decodes to
-zeros; a chunk with inf or NaN decodes non-finite.
+zero (so |x| / m <= 1, relative precision 2^-20). Two fp64 ends the upper
+word cannot hold (measured): within 2^-20 of fp64's maximum m is capped
+below max|x| (a finite scale never rounds to inf), so those entries decode
+to +-m with a bias below 2^-20 |x|; below 2^-1022 the word holds fewer
+bits, and under 2^-1042 (about 2.1e-314) m rounds up to that, still
+unbiased but with a variance far above the (c - 1) ||x||^2 bound. A zero
+chunk decodes to zeros; a chunk with inf or NaN decodes non-finite.
 
 Packet: ``[scales (fp32, or int32 upper words for fp64 inputs; ceil(d/c)),
 signs (uint8, 1 bit per entry, LSB first)]``. Wire size: 4 ceil(d/c) +
