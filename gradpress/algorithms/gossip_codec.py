@@ -47,6 +47,7 @@ import torch
 from gradpress.compress import Compressor, Context, Packet, create
 from gradpress.compress import registry as compressor_registry
 from gradpress.compress.compose import Composed
+from gradpress.exchange.keys import escape
 from gradpress.transport.wire import pack_packets, unpack_packets
 
 __all__ = ["gossip_scale", "accepted_compressors", "Codec"]
@@ -130,6 +131,7 @@ class Codec:
         self.compressor = compressor
         self.plain = create("none")
         self.keys = keys
+        self.ctx_keys = [escape(k) for k in keys]  # the compressor's state keys: every path's (exchange/keys.py)
         self.shapes = shapes
         self.compressed = [c and not compressor.identity for c in compressed]
         self.scales = [gossip_scale(compressor, math.prod(s), method) if c else 1.0
@@ -142,7 +144,7 @@ class Codec:
         return any(self.compressed)
 
     def _ctx(self, i: int, step: int) -> Context:
-        return Context(key=self.keys[i], step=step, rank=self.rank, world_size=self.world, seed=self.seed)
+        return Context(key=self.ctx_keys[i], step=step, rank=self.rank, world_size=self.world, seed=self.seed)
 
     def encode(self, tensors: list[torch.Tensor], step: int, scalars: list[torch.Tensor] = ()  # type: ignore[assignment]
                ) -> tuple[torch.Tensor, list[Packet]]:

@@ -42,7 +42,7 @@ from gradpress.compress import Compressor, Context, create
 from gradpress.compress.base import all_finite
 from gradpress.exchange.base import Encoded, ExchangeResult, Prelude, Strategy
 from gradpress.exchange.feedback import Feedback
-from gradpress.exchange.keys import escape
+from gradpress.exchange.keys import escape, part_key
 from gradpress.exchange.nonfinite import NONFINITE_MODES, StepGuard, local_flags
 from gradpress.exchange.planner import Decision, Plan
 from gradpress.exchange.plans import StrategyChoice, plain_where_unused
@@ -324,7 +324,7 @@ class Synchronizer(EngineState):
                 groups.setdefault(d.strategy, []).append((pos, p, self._ctx(key, step), tensors[i]))
             else:
                 for k, part in enumerate(torch.tensor_split(p.reshape(-1), d.parts)):
-                    groups.setdefault(d.strategy, []).append((pos, part, self._ctx(f"{key}#{k}", step), None))
+                    groups.setdefault(d.strategy, []).append((pos, part, self._ctx(part_key(key, k), step), None))
         missing = [name for name in groups if name not in self.strategies]
         if missing:
             raise RuntimeError(f"plan uses strategy {missing[0]!r}, which this engine cannot use with {self.compressor.name!r}")

@@ -21,13 +21,14 @@ their keys, so such a state loads unchanged.
 
 from __future__ import annotations
 
+import functools
 import re
 import warnings
 from collections.abc import Collection, Mapping
 from typing import Any
 
-__all__ = ["KEYS_FORMAT", "WORKER", "escape", "unescape", "namespace", "store_key", "split_key", "owner",
-           "owner_among", "tensor_owner", "upgrade_keys"]
+__all__ = ["KEYS_FORMAT", "WORKER", "escape", "unescape", "namespace", "store_key", "part_key", "root_key",
+           "hop_key", "split_key", "owner", "owner_among", "tensor_owner", "upgrade_keys"]
 
 #: the ``keys`` entry of an engine state whose keys are built from escaped names
 KEYS_FORMAT = "escaped/1"
@@ -39,8 +40,10 @@ _RESERVED = re.compile(r"[%/#]")
 _ESCAPED = re.compile(r"%(25|2F|23)")
 
 
+@functools.lru_cache(maxsize=65536)
 def escape(name: str) -> str:
-    """The key of the tensor ``name``: '%', '/' and '#' percent-escaped (a name without them unchanged)."""
+    """The key of the tensor ``name``: '%', '/' and '#' percent-escaped (a name without them unchanged).
+    Cached: the engine asks it for every tensor of every call (a dict look-up after the first)."""
     return _RESERVED.sub(lambda m: _ESCAPES[m.group(0)], name)
 
 
@@ -61,6 +64,21 @@ def namespace(name: str) -> str:
 def store_key(space: str, key: str) -> str:
     """The store key of the (escaped, exchanged) ``key`` in namespace ``space`` (the worker's own: the key)."""
     return f"{space}/{key}" if space else key
+
+
+def part_key(key: str, part: int) -> str:
+    """The exchanged key of part ``part`` of the tensor keyed ``key`` (a plan partition; a hierarchical piece)."""
+    return f"{key}#{part}"
+
+
+def root_key(key: str) -> str:
+    """The exchanged key of ``key``'s re-encoding at its parameter-server root."""
+    return f"{key}#ps"
+
+
+def hop_key(key: str, chunk: int) -> str:
+    """The exchanged key of chunk ``chunk`` of ``key`` re-compressed on a ring hop."""
+    return f"{key}#ring{chunk}"
 
 
 def split_key(key: str) -> tuple[str, str]:
@@ -92,33 +110,48 @@ def tensor_owner(tensor_key: str, names: Collection[str]) -> str | None:
 # ---------------------------------------------------------------- states written before the encoding
 #: what followed a name in a key built before the encoding: a store key of a namespace, a context key
 _OLD_STORE_SUFFIX = re.compile(r"(#[0-9]+)?(#ps)?")
-_OLD_CONTEXT_SUFFIX = re.compile(r"(#[0-9]+)?(#ring[0-9]+|#ps)?")
+_OLD_CONTEXT_SUFFIX = re.compile(r"((?:#[0-9]+)*)(#ring[0-9]+|#ps)?")
 
 
-def _new_keys(key: str, names: Mapping[str, int], store: bool) -> set[str]:
+def _numbers_fit(numbers: list[int], parts: int, pieces: bool) -> bool:
+    """Whether the ``#n`` suffixes of an old context key are what the exchange appended to a tensor of
+    ``parts`` plan partitions: ``#k`` (k < parts) when it has several, then a hierarchical piece ``#j``
+    when its strategy pipelines (``pieces``; any j, the pieces depend on ``chunk`` and the shapes)."""
+    lead = 1 if parts > 1 else 0
+    if len(numbers) not in ((lead, lead + 1) if pieces else (lead,)):
+        return False
+    return not lead or numbers[0] < parts
+
+
+def _new_keys(key: str, names: Mapping[str, tuple[int, bool]], store: bool) -> set[str]:
     """Every key today's encoding gives to what the old ``key`` may have been
     (a store key when ``store``, else a compressor context key); ``names``:
-    the parts of each tensor's plan (a ``#k`` suffix is partition k of it)."""
+    each tensor's plan partitions (a ``#k`` suffix is partition k of it) and
+    whether its strategy pipelines in pieces (``hierarchical``: ``#j``)."""
     heads = [""] + ([f"{ns}/" for ns in _NAMESPACES if key.startswith(f"{ns}/")] if store else [])
     out = set()
     for head in heads:
         rest = key[len(head):]
-        for name in names:
+        for name, (parts, pieces) in names.items():
             if not rest.startswith(name):
                 continue
             tail = rest[len(name):]
             if store and not head:
                 ok = not tail  # the worker's own residual: the whole name
-            else:
-                m = (_OLD_STORE_SUFFIX if store else _OLD_CONTEXT_SUFFIX).fullmatch(tail)
+            elif store:
+                m = _OLD_STORE_SUFFIX.fullmatch(tail)
                 part = None if m is None or m.group(1) is None else int(m.group(1)[1:])
-                ok = m is not None and (part is None or part < names[name] and names[name] > 1)
+                ok = m is not None and (part is None or part < parts and parts > 1)
+            else:
+                m = _OLD_CONTEXT_SUFFIX.fullmatch(tail)
+                ok = m is not None and _numbers_fit([int(n) for n in m.group(1).split("#")[1:]], parts, pieces)
             if ok:
                 out.add(head + escape(name) + tail)
     return out
 
 
-def _rekeyed(entries: Mapping[Any, Any], names: Mapping[str, int], store: bool, shared: list[str]) -> dict:
+def _rekeyed(entries: Mapping[Any, Any], names: Mapping[str, tuple[int, bool]], store: bool,
+             shared: list[str]) -> dict:
     """``entries`` under today's keys; a key with two readings goes to ``shared`` (and is left out)."""
     out = {}
     for key, value in entries.items():
@@ -130,15 +163,21 @@ def _rekeyed(entries: Mapping[Any, Any], names: Mapping[str, int], store: bool, 
     return out
 
 
-def _rekeyed_maps(state: Mapping[str, Any], names: Mapping[str, int], shared: list[str]) -> dict:
-    """A compressor's or strategy's state with its per-tensor maps (by context key) re-keyed."""
-    return {k: _rekeyed(v, names, False, shared) if isinstance(v, Mapping) else v for k, v in state.items()}
+def _rekeyed_maps(state: Mapping[str, Any], names: Mapping[str, tuple[int, bool]], shared: list[str]) -> dict:
+    """A compressor's or strategy's state with its per-tensor maps (by context key) re-keyed, at any depth
+    (a threshold selector's ``correction``: ``scales``, ``slopes``). A structural key (``q``, ``scales``)
+    holds no '%', '/' or '#', so no reading changes it."""
+    return {k: _rekeyed_maps(_rekeyed(v, names, False, shared), names, shared) if isinstance(v, Mapping) else v
+            for k, v in state.items()}
 
 
-def _parts(decision: Any) -> int:
-    """The partitions of a saved plan's decision (1 when there is none to read)."""
+def _parts(decision: Any) -> tuple[int, bool]:
+    """The partitions of a saved plan's decision (1 when there is none to read), and whether its strategy
+    cuts a call in pieces (``hierarchical``, when it pipelines)."""
     value = decision.get("parts", 1) if isinstance(decision, Mapping) else 1
-    return value if isinstance(value, int) and not isinstance(value, bool) else 1
+    strategy = decision.get("strategy") if isinstance(decision, Mapping) else None
+    pieces = isinstance(strategy, str) and strategy.split(":", 1)[0] == "hierarchical"
+    return (value if isinstance(value, int) and not isinstance(value, bool) else 1), pieces
 
 
 def upgrade_keys(state: Mapping[str, Any], names: Collection[str]) -> Mapping[str, Any]:

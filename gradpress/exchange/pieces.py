@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from gradpress.compress.base import Context
+from gradpress.exchange.keys import part_key
 
 __all__ = ["Piece", "cut", "piece_context"]
 
@@ -79,4 +80,4 @@ def cut(tensors: list[torch.Tensor], chunk: int) -> list[Piece]:
 
 def piece_context(ctx: Context, piece: Piece) -> Context:
     """``ctx`` for a tensor that is one piece; else ``ctx`` keyed ``"<key>#<part>"``."""
-    return ctx if piece.parts == 1 else dataclasses.replace(ctx, key=f"{ctx.key}#{piece.part}")
+    return ctx if piece.parts == 1 else dataclasses.replace(ctx, key=part_key(ctx.key, piece.part))

@@ -47,6 +47,7 @@ from gradpress.exchange.base import (
 )
 from gradpress.exchange.costs import CostModel
 from gradpress.exchange.feedback import Feedback, namespace
+from gradpress.exchange.keys import root_key
 from gradpress.exchange.strategies.recompress import densified, recompress, template, unsupported_reason
 from gradpress.transport import wire
 from gradpress.transport.p2p import exchange_bytes, global_rank
@@ -165,7 +166,7 @@ class ParameterServer(Strategy):
                 out_packets.append(Packet(payloads, own.shape, own.dtype, dict(own.meta)))
             else:
                 avg = aggregate_packets(compressor, [by_rank[q][j] for q in range(n)], n)
-                rctx = Context(key=f"{ctxs[i].key}#ps", step=ctxs[i].step, rank=me, world_size=n, seed=ctxs[i].seed)
+                rctx = Context(key=root_key(ctxs[i].key), step=ctxs[i].step, rank=me, world_size=n, seed=ctxs[i].seed)
                 pk, _ = recompress(root_comp, avg, rctx, feedback, Feedback.key(ROOT, rctx.key))
                 out_packets.append(pk)
         # 3. broadcast each root's bytes; everyone decodes them

@@ -49,6 +49,7 @@ from gradpress.compress.base import Compressor, Context, Packet
 from gradpress.exchange.base import ExchangeResult, Prelude, Strategy, register_strategy
 from gradpress.exchange.costs import CostModel
 from gradpress.exchange.feedback import Feedback, namespace
+from gradpress.exchange.keys import hop_key
 from gradpress.exchange.strategies.recompress import template, unsupported_reason
 from gradpress.transport import wire
 from gradpress.transport.p2p import exchange_bytes
@@ -153,7 +154,7 @@ class Ring(Strategy):
         payload = [0] * m
 
         def ctx(i: int, c: int) -> Context:
-            return Context(key=f"{ctxs[i].key}#ring{c}", step=c0.step, rank=r, world_size=n, seed=c0.seed)
+            return Context(key=hop_key(ctxs[i].key, c), step=c0.step, rank=r, world_size=n, seed=c0.seed)
 
         def piece(values: list[torch.Tensor], i: int, c: int) -> torch.Tensor:
             a, b = bounds[i][c]
