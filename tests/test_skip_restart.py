@@ -54,20 +54,29 @@ CASES = {
     "streaming-overflow": (STREAMING, "adam", 14, 4, "overflow"),
     # step 5: a fault at step 4 is overwritten at once by the merge of the buffers launched at step 3
     "streaming-buffer": (STREAMING, "adam", 14, 5, "buffer"),
-    # in the synchronous phase (DDP's step: buffers averaged, whatever they hold): the Inf is in every rank's copy at
-    # the switch, so restoring it would not help; nothing is dropped (every synchronization was: a dead run)
+    # in the synchronous phase (DDP's step): an Inf buffer on rank 0 drops that step too, and every rank's buffers go
+    # back to the last step's average (the step's own BatchNorm updates undone, as its optimizer step); it was
+    # averaged into every rank (and so into every rank's copy at the switch), the step went through
     "postlocalsgd-buffer-early": ("postlocalsgd:period=3,switch=2", "momentum", 10, 0, "buffer"),
-    # that Inf buffer in every rank's copy, then Adam's exp_avg_sq overflows on rank 0 in the first local period: a
-    # fault the copy does not hold (the copy's Inf buffer is another tensor), so that synchronization is dropped;
-    # it went through (one non-finite tensor anywhere in the copy switched the check off for every other one):
-    # the Inf moment was averaged into both ranks, that entry frozen for good
-    "postlocalsgd-buffer-early-then-overflow": ("postlocalsgd:period=3,switch=2", "adam", 10, (0, 3),
-                                                ("buffer", "overflow")),
+    "diloco-switch-buffer": (DILOCO + ",switch=2", "adam", 10, 1, "buffer"),
+    # an Inf gradient in the synchronous phase: the step is dropped, the buffers too (they were averaged: the dropped
+    # step's statistics reached every rank)
+    "postlocalsgd-inf-early": ("postlocalsgd:period=3,switch=2", "momentum", 10, 1, "inf"),
+    # in the synchronous phase a finite 1e200 gradient entry (averaged: finite) overflows Adam's exp_avg_sq to Inf on
+    # every rank alike (the averaged step), so every rank's copy at the switch holds it: restoring it would not
+    # help; nothing is dropped (every synchronization was: a dead run)
+    "postlocalsgd-overflow-early": ("postlocalsgd:period=3,switch=2", "adam", 10, 0, "overflow"),
+    # that Inf moment in every rank's copy, then an Inf BatchNorm variance on rank 0 in the first local period: a
+    # fault the copy does not hold (the copy's Inf moment is another tensor), so that synchronization is dropped;
+    # with the copy asked as a whole it went through (one non-finite tensor anywhere in the copy switched the check
+    # off for every other one)
+    "postlocalsgd-overflow-early-then-buffer": ("postlocalsgd:period=3,switch=2", "adam", 10, (0, 3),
+                                                ("overflow", "buffer")),
 }
 #: the cases whose fault is already in the copy at the last agreed point: no synchronization dropped
-IN_THE_COPY = ("postlocalsgd-buffer-early",)
-#: a fault in the copy (an Inf buffer, which stays), then a new one elsewhere: that one's synchronization dropped
-IN_THE_COPY_AND_NEW = ("postlocalsgd-buffer-early-then-overflow",)
+IN_THE_COPY = ("postlocalsgd-overflow-early",)
+#: a fault in the copy (an Inf moment, which stays), then a new one elsewhere: that one's synchronization dropped
+IN_THE_COPY_AND_NEW = ("postlocalsgd-overflow-early-then-buffer",)
 #: inf: one gradient entry is Inf (parameters and state go NaN); overflow: one gradient entry is 1e200, finite,
 #: whose square overflows Adam's exp_avg_sq to Inf (that entry's update is then 0: the parameters stay finite);
 #: buffer: one BatchNorm running_var entry becomes Inf (an overflowed activation under fp16/bf16 autocast; the
@@ -292,13 +301,22 @@ def reference(case: str) -> list[list[dict[str, torch.Tensor]]]:
             for r in reps:
                 r.backward(step, fault_at(case, r.rank, step))
             if step < switch:  # DDP's step: the gradients and the buffers averaged, the same optimizer step
-                for n in names:
-                    mean_grad = sum(r.params()[n].grad for r in reps) / WORLD
+                # dropped when some rank's gradient is not finite, or one of its floating buffers is while that
+                # buffer's copy (the last step's average) is finite: every rank's buffers back to that copy
+                if not finite([p.grad for r in reps for p in r.params().values()]) or newly_not_finite(
+                        reps, [({}, keep[1]) for keep in saved], []):
+                    for r, keep in zip(reps, saved):
+                        for k, b in r.buffers().items():
+                            b.copy_(keep[1][k])
+                else:
+                    for n in names:
+                        mean_grad = sum(r.params()[n].grad for r in reps) / WORLD
+                        for r in reps:
+                            r.params()[n].grad = mean_grad.clone()
                     for r in reps:
-                        r.params()[n].grad = mean_grad.clone()
-                for r in reps:
-                    r.apply()
-                average_buffers()
+                        r.apply()
+                    average_buffers()
+                    saved = [(keep[0], {k: b.clone() for k, b in r.buffers().items()}) for r, keep in zip(reps, saved)]
                 if step + 1 == switch:
                     anchor = {n: p.clone() for n, p in reps[0].params().items()}
                     saved = [(r.copy_state(names), {k: b.clone() for k, b in r.buffers().items()}) for r in reps]
@@ -421,9 +439,9 @@ def test_a_skipped_synchronization_undoes_the_period_and_the_run_recovers(result
 
 @pytest.mark.parametrize("case", IN_THE_COPY)
 def test_a_fault_already_in_the_copy_drops_nothing(results: list[dict], case: str) -> None:
-    """An Inf buffer in the synchronous phase reaches every rank (DDP's step averages the buffers) and the copy
-    taken at the switch: restoring it cannot help. It used to drop every later synchronization (2 of 2: the
-    replicas never met again); now none is dropped, as before the buffers were checked."""
+    """An Inf Adam moment from the synchronous phase (a finite 1e200 gradient, averaged: the same step on every
+    rank) is in every rank's copy taken at the switch: restoring it cannot help, so nothing is dropped (the first
+    version of the check dropped every later synchronization: the replicas never met again)."""
     want = reference(case)
     for rank in range(WORLD):
         run = results[rank][case]
@@ -433,16 +451,16 @@ def test_a_fault_already_in_the_copy_drops_nothing(results: list[dict], case: st
 
 @pytest.mark.parametrize("case", IN_THE_COPY_AND_NEW)
 def test_a_fault_in_the_copy_does_not_hide_a_new_one_in_another_tensor(results: list[dict], case: str) -> None:
-    """The Inf buffer of the synchronous phase is in every rank's copy (it stays, nothing to undo); then rank 0's
-    Adam ``exp_avg_sq`` overflows (finite parameters): its synchronization is dropped and undone, since that
-    tensor's copy is finite. It went through (the check asked whether the copy as a whole was finite): local SGD
-    averaged the Inf moment into both ranks, that entry frozen for good, no synchronization dropped."""
+    """The Inf Adam moment of the synchronous phase is in every rank's copy (it stays, nothing to undo); then rank
+    0's BatchNorm running variance goes Inf (finite parameters): its synchronization is dropped and undone, since
+    that tensor's copy is finite. With the copy asked as a whole it went through (local SGD averaged the Inf
+    buffer, or in the first version of this case an Inf moment, into both ranks for good)."""
     want = reference(case)
     for rank in range(WORLD):
         run = results[rank][case]
         _check(run["steps"], want, rank, case)
         assert run["skipped_steps"] == 1, f"{case} rank {rank}: {run['skipped_steps']} synchronizations dropped"
-        for k, v in run["state"].items():  # the optimizer state recovered (the Inf buffer stays, as in the copy)
+        for k, v in run["steps"][-1].items():  # the buffers recovered (the Inf moment stays, as in the copy)
             assert torch.isfinite(v.double()).all(), f"{case} rank {rank}: {k} not finite at the end: {v}"
 
 

@@ -32,7 +32,7 @@ import datetime
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -46,6 +46,9 @@ from gradpress.exchange.agree import agree, config_diff, same_config
 from gradpress.transport.collectives import flat_by_dtype, fused_allreduce
 from gradpress.transport.groups import own_group
 from gradpress.transport.p2p import global_rank
+
+if TYPE_CHECKING:
+    from gradpress.algorithms.restart import LocalCopy
 
 __all__ = ["Algorithm", "Preflight", "STATE_FORMAT"]
 
@@ -82,6 +85,10 @@ class Algorithm:
     PARAMS: ClassVar[tuple[Param, ...]] = ()
     summary: ClassVar[str] = ""
     default_compressor: ClassVar[str] = "none"
+    #: ``nonfinite='skip'``: this rank's copy of the optimizer state and buffers at the last agreed point
+    #: (:mod:`gradpress.algorithms.restart`; the model-averaging algorithms set it), which :meth:`ddp_step`
+    #: also keeps for the buffers
+    restart: LocalCopy | None = None
 
     def __init__(
         self,
@@ -236,15 +243,33 @@ class Algorithm:
         zeros there; on every rank, its ``.grad`` stays None, so the optimizer
         skips it (no momentum, no weight decay), as DDP leaves it: one flag per
         parameter rides in the same exchange
-        (:func:`~gradpress.algorithms.presence.sync_agreeing`)."""
+        (:func:`~gradpress.algorithms.presence.sync_agreeing`).
+
+        With :attr:`restart` (``nonfinite=skip``) a floating buffer that is
+        not finite on some rank (BatchNorm statistics overflowed under
+        autocast) drops the step too, while its copy is finite
+        (:meth:`~gradpress.algorithms.restart.LocalCopy.flag_into`), and a
+        dropped step puts every rank's buffers back to their copy, the
+        previous step's average (the step never happened: its forward
+        passes' statistics go with it; averaging them carried an Inf buffer,
+        or the dropped step's statistics, to every rank); a step that goes
+        through refreshes the copy (one copy of the buffers per step)."""
         grads = self.gradients()
         self._last["bytes"] = self._last["host"] = 0
+        kept = self.restart
+        if kept is not None:  # a buffer newly non-finite on this rank: every rank drops the step
+            kept.flag_into(grads, idx=[], buffers=True)
         present = sync_agreeing(self, grads, [p.grad is not None for _, p in self.named], keys)
         for (_, p), g, some in zip(self.named, grads, present or []):
             if p.grad is None and some:
                 p.grad = g
         skipped = present is None
-        self.average_plain(list(self.model.buffers()))
+        if skipped and kept is not None:
+            kept.restore(idx=[], buffers=True)
+        else:
+            self.average_plain(list(self.model.buffers()))
+            if kept is not None:
+                kept.take(idx=[], buffers=True)
         sent, host = self._last["bytes"], self._last["host"]
         if skipped:  # nonfinite=skip dropped this step on every rank: DDP skips the optimizer step too
             self._steps += 1

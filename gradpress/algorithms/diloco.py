@@ -44,7 +44,9 @@ local steps after a synchronous phase: the first N steps are DDP's steps
 (:meth:`~gradpress.algorithms.base.Algorithm.ddp_step`, as ``postlocalsgd``:
 gradients averaged through the engine under keys ``grad:<name>``, compressed
 by the configured compressor with their own error-feedback residuals, and
-counted; ``switch_exchange=dense``: plain, uncompressed, as DDP), then
+counted; ``switch_exchange=dense``: plain, uncompressed, as DDP; buffers
+averaged plain, and with ``nonfinite=skip`` put back on every rank at a
+dropped step, which a buffer not finite on some rank drops too), then
 ``theta`` is set to the synchronized model and the outer
 optimizer starts with no momentum (it has never stepped); outer steps fall
 every H steps counted from the switch. ``inner_state=reset`` (DiLoCo only,

@@ -40,7 +40,11 @@ same class with both off:
   as DDP: the *gradients* are averaged through the engine (keys
   ``grad:<name>``, compressed like the deltas, their own residuals) before
   every optimizer step, so parameters and optimizer state stay identical on
-  every rank; local SGD starts at step N + 1 from that common point.
+  every rank (the floating buffers are averaged too; a step ``nonfinite=skip``
+  drops, for a gradient or a floating buffer not finite on some rank, steps
+  no optimizer and puts every rank's buffers back to the previous step's
+  average: :meth:`~gradpress.algorithms.base.Algorithm.ddp_step`); local SGD
+  starts at step N + 1 from that common point.
 * ``warmup=W``: after the switch, the period grows linearly from 1 to H
   over W steps (period ``1 + floor((H - 1) * min(s, W) / W)`` at the s-th
   local step), instead of jumping to H.

@@ -37,17 +37,25 @@ exchange, :meth:`LocalCopy.flag_into` makes one element of the rank's
 outgoing delta NaN where one of its state tensors or buffers is not
 finite, so the engine's own verdict, which every rank already agrees on,
 drops the whole synchronization and the period is undone as above; unless
-this rank's copy of that same tensor is itself not finite (a synchronous
-phase, ``switch``, is DDP's step and averages the buffers whatever they
-hold, so an Inf there is in every rank's copy at the switch): restoring it
-would not help, and every later synchronization would be dropped (the
-replicas would never meet again), so such a tensor drops nothing. It is
-asked per tensor: a non-finite copy of one buffer does not hide an
-overflowed Adam moment (when the copy as a whole was asked, it did, and
-local SGD averaged the Inf moment into every rank). Cost, with ``skip``
-only: one ``aminmax`` read of each optimizer state tensor and buffer, and
-of its copy, per synchronization, on its device (Adam: four parameter-sized
-reads), no host read, no collective and no byte of its own.
+this rank's copy of that same tensor is itself not finite (in a synchronous
+phase, ``switch``, a finite 1e200 gradient entry, averaged, overflows Adam's
+``exp_avg_sq`` on every rank alike, so the Inf is in every rank's copy at the
+switch): restoring it would not help, and every later synchronization would
+be dropped (the replicas would never meet again), so such a tensor drops
+nothing. It is asked per tensor: a non-finite copy of one tensor does not
+hide a fault in another (when the copy as a whole was asked, it did, and
+local SGD averaged the Inf into every rank). Cost, with ``skip`` only: one
+``aminmax`` read of each optimizer state tensor and buffer, and of its copy,
+per synchronization, on its device (Adam: four parameter-sized reads), no
+host read, no collective and no byte of its own.
+
+The synchronous phase itself
+(:meth:`~gradpress.algorithms.base.Algorithm.ddp_step`) uses the same copy
+for the buffers: a buffer newly non-finite on some rank drops the step
+(:meth:`LocalCopy.flag_into` with no parameter), and a dropped step puts
+every rank's buffers back to their copy, the previous step's average,
+refreshed at every step that goes through (an Inf running variance used to
+be averaged into every rank, and the statistics of a dropped step too).
 """
 
 from __future__ import annotations
@@ -183,11 +191,11 @@ class LocalCopy:
         so the engine's own verdict on the exchange (every rank agrees on it)
         drops the whole synchronization and :meth:`restore` undoes the period,
         as for a non-finite delta. A tensor whose copy is itself not finite
-        (a buffer averaged in a synchronous phase, as DDP's step does,
-        whatever it held) drops nothing: restoring it would not help, and
-        every later synchronization would be dropped; it hides no fault of
-        another tensor (the copy as a whole was asked first: one Inf buffer
-        there let an overflowed Adam moment through for good). One ``aminmax``
+        (an Adam moment that overflowed in a synchronous phase, alike on
+        every rank) drops nothing: restoring it would not help, and every
+        later synchronization would be dropped; it hides no fault of another
+        tensor (the copy as a whole was asked first: one Inf tensor there let
+        an overflowed Adam moment through for good). One ``aminmax``
         read per tensor and per copied tensor, on its device; no host read
         and no collective of its own."""
         target = next((d for d in deltas if d.numel()), None)
