@@ -98,6 +98,21 @@ def fault(model: nn.Module, kind: str) -> None:
             model.bn.running_var[0] = math.inf
         else:
             model.a.weight.grad[0, 0] = math.inf if kind == "inf" else 1e200
+#: nonfinite='raise' on a case of CASES: (the step (0-based) whose ``algo.step()`` raises on every rank, the tensor
+#: the message names); the parameters stay finite, so the engine alone raised nothing (the Inf was averaged in)
+RAISES = {
+    "localsgd-buffer": (5, "buffer 'bn.running_var'"),
+    "localsgd-overflow": (5, "optimizer state of 'a.weight'"),
+    "diloco-buffer": (5, "buffer 'bn.running_var'"),
+    "diloco-overflow": (5, "optimizer state of 'a.weight'"),
+    # launched at step 5 (a.weight's fragment) and 7 (the one that carries the buffers), merged a step later
+    "streaming-overflow": (6, "optimizer state of 'a.weight'"),
+    "streaming-buffer": (8, "buffer 'bn.running_var'"),
+    "postlocalsgd-buffer-early": (0, "buffer 'bn.running_var'"),  # the synchronous phase: before it is averaged
+    "postlocalsgd-overflow-early": (4, "optimizer state of 'a.weight'"),  # Inf on every rank: the first average
+}
+
+
 #: resumed from a checkpoint written at this step (a synchronization) without the copy (before 2026-12)
 RESUME_AT = 3
 
@@ -121,12 +136,33 @@ def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _build(case: str) -> tuple[nn.Module, torch.optim.Optimizer, gradpress.algorithms.Algorithm]:
+def _build(case: str, nonfinite: str = "skip") -> tuple[nn.Module, torch.optim.Optimizer,
+                                                         gradpress.algorithms.Algorithm]:
     spec, inner, _, _, _ = CASES[case]
     model = Net()
     opt = (torch.optim.SGD(model.parameters(), lr=LR_SGD, momentum=MU) if inner == "momentum"
            else torch.optim.Adam(model.parameters(), lr=LR_ADAM, betas=(B1, B2), eps=EPS))
-    return model, opt, gradpress.algorithms.create(spec, model, opt, nonfinite="skip")
+    return model, opt, gradpress.algorithms.create(spec, model, opt, nonfinite=nonfinite)
+
+
+def _raised(rank: int, case: str) -> dict:
+    """``nonfinite='raise'``: the step whose ``algo.step()`` raised FloatingPointError and its message (None:
+    every step went through)."""
+    model, opt, algo = _build(case, "raise")
+    try:
+        for step in range(CASES[case][2]):
+            opt.zero_grad()
+            model(batch(rank, step)).square().mean().backward()
+            kind = fault_at(case, rank, step)
+            if kind is not None:
+                fault(model, kind)
+            try:
+                algo.step()
+            except FloatingPointError as exc:
+                return {"step": step, "error": str(exc)}
+        return {"step": None, "error": None}
+    finally:
+        algo.close()
 
 
 def _run(rank: int, case: str, start: int = 0, built: tuple | None = None) -> dict:
@@ -174,6 +210,8 @@ def _worker(rank: int, world: int) -> dict:
     out = {case: _run(rank, case) for case in CASES}
     for case in ("localsgd", "diloco"):
         out[f"resumed/{case}"] = _resumed_from_an_old_checkpoint(rank, case)
+    for case in RAISES:
+        out[f"raise/{case}"] = _raised(rank, case)
     return out
 
 
@@ -464,6 +502,22 @@ def test_a_fault_in_the_copy_does_not_hide_a_new_one_in_another_tensor(results: 
             assert torch.isfinite(v.double()).all(), f"{case} rank {rank}: {k} not finite at the end: {v}"
 
 
+@pytest.mark.parametrize("case", RAISES)
+def test_raise_fails_on_every_rank_naming_a_non_finite_optimizer_state_or_buffer(results: list[dict],
+                                                                                 case: str) -> None:
+    """``nonfinite='raise'`` with finite parameters but rank 0's Adam moment or BatchNorm variance Inf: every rank
+    raises the same FloatingPointError at the synchronization that would carry it (or, with the state kept local,
+    leave it in that rank for good), naming the tensor; every rank leaves its collectives (the spawn goes on to
+    the next case). It went through: the raise mode looked at the exchanged values only."""
+    step, named = RAISES[case]
+    got = [results[rank][f"raise/{case}"] for rank in range(WORLD)]
+    for rank, run in enumerate(got):
+        assert run["error"] is not None, f"{case} rank {rank}: nothing raised"
+        assert run["step"] == step, f"{case} rank {rank}: raised at step {run['step']}, want {step}: {run['error']}"
+        assert named in run["error"] and "nonfinite='raise'" in run["error"], f"{case} rank {rank}: {run['error']}"
+    assert got[0]["error"] == got[1]["error"], got
+
+
 @pytest.mark.parametrize("case", ["localsgd", "diloco"])
 def test_a_checkpoint_without_the_copy_resumes_with_the_loaded_state_as_the_copy(results: list[dict],
                                                                                   case: str) -> None:
@@ -537,9 +591,11 @@ def test_a_saved_copy_loads_into_a_model_of_many_tensors_and_one_of_another_mode
 
 @pytest.mark.parametrize("mode", ["propagate", "raise", "skip"])
 def test_only_skip_keeps_a_copy(mode: str) -> None:
-    """The copy (and its cost) exists with ``nonfinite='skip'`` only; without an engine (one process) none."""
+    """The copy (and its cost) exists with ``nonfinite='skip'`` only, the alarm with ``raise`` only; without an
+    engine (one process) neither."""
     from types import SimpleNamespace
 
+    from gradpress.algorithms.alarm import StateAlarm
     from gradpress.algorithms.restart import LocalCopy
 
     model = Net()
@@ -549,3 +605,6 @@ def test_only_skip_keeps_a_copy(mode: str) -> None:
     copy = LocalCopy.for_skip(algo)  # type: ignore[arg-type]
     assert (copy is not None) == (mode == "skip"), f"{mode}: {copy}"
     assert LocalCopy.for_skip(SimpleNamespace(engine=None)) is None  # type: ignore[arg-type]
+    alarm = StateAlarm.for_raise(algo)  # type: ignore[arg-type]  # and the raise mode's check with raise only
+    assert (alarm is not None) == (mode == "raise"), f"{mode}: {alarm}"
+    assert StateAlarm.for_raise(SimpleNamespace(engine=None)) is None  # type: ignore[arg-type]

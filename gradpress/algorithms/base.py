@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 import torch.distributed as dist
 
+from gradpress.algorithms.alarm import STATE_FLAGS_KEY
 from gradpress.algorithms.presence import sync_agreeing
 from gradpress.compress import Compressor, create
 from gradpress.compress.base import Param
@@ -48,6 +49,7 @@ from gradpress.transport.groups import own_group
 from gradpress.transport.p2p import global_rank
 
 if TYPE_CHECKING:
+    from gradpress.algorithms.alarm import StateAlarm
     from gradpress.algorithms.restart import LocalCopy
 
 __all__ = ["Algorithm", "Preflight", "STATE_FORMAT"]
@@ -89,6 +91,9 @@ class Algorithm:
     #: (:mod:`gradpress.algorithms.restart`; the model-averaging algorithms set it), which :meth:`ddp_step`
     #: also keeps for the buffers
     restart: LocalCopy | None = None
+    #: ``nonfinite='raise'``: the optimizer state and buffers a synchronization checks
+    #: (:mod:`gradpress.algorithms.alarm`; the model-averaging algorithms set it; :meth:`ddp_step`: the buffers)
+    alarm: StateAlarm | None = None
 
     def __init__(
         self,
@@ -253,13 +258,19 @@ class Algorithm:
         previous step's average (the step never happened: its forward
         passes' statistics go with it; averaging them carried an Inf buffer,
         or the dropped step's statistics, to every rank); a step that goes
-        through refreshes the copy (one copy of the buffers per step)."""
+        through refreshes the copy (one copy of the buffers per step). With
+        :attr:`alarm` (``nonfinite='raise'``) such a buffer makes every rank
+        raise, before the buffers are averaged."""
         grads = self.gradients()
         self._last["bytes"] = self._last["host"] = 0
         kept = self.restart
         if kept is not None:  # a buffer newly non-finite on this rank: every rank drops the step
             kept.flag_into(grads, idx=[], buffers=True)
-        present = sync_agreeing(self, grads, [p.grad is not None for _, p in self.named], keys)
+        alarm = self.alarm.flags(grads[0], idx=[]) if self.alarm is not None else None
+        present = sync_agreeing(self, grads, [p.grad is not None for _, p in self.named], keys,
+                                [(STATE_FLAGS_KEY, alarm)] if alarm is not None else [])
+        if self.alarm is not None:
+            self.alarm.check(alarm, f"step {self._steps + 1}", idx=[])
         for (_, p), g, some in zip(self.named, grads, present or []):
             if p.grad is None and some:
                 p.grad = g

@@ -76,6 +76,7 @@ from typing import Any
 
 import torch
 
+from gradpress.algorithms.alarm import STATE_FLAGS_KEY, StateAlarm
 from gradpress.algorithms.base import Algorithm
 from gradpress.algorithms.localsgd import GRAD
 from gradpress.algorithms.registry import register
@@ -177,6 +178,8 @@ class DiLoCo(Algorithm):
                                      nesterov=self.nesterov)  # type: ignore[attr-defined]
         #: nonfinite=skip: this rank's inner optimizer state and buffers at theta (a dropped sync restores them)
         self.restart = LocalCopy.for_skip(self)
+        #: nonfinite=raise: a non-finite inner optimizer state or buffer on some rank raises at a synchronization
+        self.alarm = StateAlarm.for_raise(self)
 
     def step(self) -> None:
         switch = getattr(self, "switch", 0)
@@ -244,7 +247,9 @@ class DiLoCo(Algorithm):
         still restart from ``theta`` (``keep_residual``: minus each one's
         residual of the last agreed point, which stays), and :meth:`step` puts each rank's inner
         optimizer state and buffers back to its copy taken at ``theta``
-        (:mod:`gradpress.algorithms.restart`)."""
+        (:mod:`gradpress.algorithms.restart`). With ``nonfinite='raise'``
+        a non-finite inner state or buffer on some rank raises on every rank
+        after the exchange (:mod:`gradpress.algorithms.alarm`)."""
         idx = list(idx)
         deltas = self.outer_gradient(idx)
         if self.restart is not None:  # a non-finite inner state or buffer drops the synchronization too
@@ -259,12 +264,16 @@ class DiLoCo(Algorithm):
                 e = self.engine.feedback.residuals.pop(store_key, None)
                 if e is not None:
                     held[store_key] = e
+        alarm = self.alarm.flags(deltas[0], idx) if self.alarm is not None else None
+        rides = [(STATE_FLAGS_KEY, alarm)] if alarm is not None else []  # nonfinite=raise: rides in the exchange
         if model:
             flat = torch.cat([d.reshape(-1) for d in deltas]).reshape(1, -1)
-            self.sync([flat], keys=[MODEL_KEY])
+            self.sync([flat, *(t for _, t in rides)], keys=[MODEL_KEY, *(k for k, _ in rides)])
             deltas = [v.view_as(d) for v, d in zip(flat.reshape(-1).split([d.numel() for d in deltas]), deltas)]
         else:
-            self.sync(deltas, keys=[self.named[i][0] for i in idx])
+            self.sync([*deltas, *(t for _, t in rides)], keys=[*(self.named[i][0] for i in idx), *(k for k, _ in rides)])
+        if self.alarm is not None:  # before anything is applied, the same error on every rank
+            self.alarm.check(alarm, f"step {self._steps}", idx)
         if keep and self.engine.last_step_skipped:
             # the period never happened: each worker's residual of the last agreed point stays, and it restarts
             # from theta minus it (the store kept zeros for the keys taken out above: the unsent change was lost)

@@ -28,7 +28,9 @@ none; it then stays local): :meth:`LocalSGD.optimizer_state_tensors`. A
 synchronization that ``nonfinite='skip'`` drops (some rank's delta, optimizer
 state or floating buffers are not finite) restarts every replica from the anchor and averages no state; each
 rank's optimizer state and buffers go back to its copy taken at the anchor
-(:mod:`gradpress.algorithms.restart`: the period never happened).
+(:mod:`gradpress.algorithms.restart`: the period never happened). With
+``nonfinite='raise'`` such a synchronization raises on every rank, naming
+the tensor (:mod:`gradpress.algorithms.alarm`).
 Between synchronizations the replicas differ: :meth:`eval_model` evaluates
 their average (:meth:`~gradpress.algorithms.base.Algorithm.consensus_model`).
 
@@ -64,6 +66,7 @@ from typing import Any
 
 import torch
 
+from gradpress.algorithms.alarm import STATE_FLAGS_KEY, StateAlarm
 from gradpress.algorithms.base import Algorithm
 from gradpress.algorithms.presence import flags
 from gradpress.algorithms.registry import register
@@ -103,6 +106,8 @@ class LocalSGD(Algorithm):
         self.since = 0
         #: nonfinite=skip: this rank's optimizer state and buffers at the anchor (a dropped sync restores them)
         self.restart = LocalCopy.for_skip(self)
+        #: nonfinite=raise: a non-finite optimizer state or buffer on some rank raises at a synchronization
+        self.alarm = StateAlarm.for_raise(self)
 
     def current_period(self) -> int:
         """The period in force at the current local step (warm-up aware)."""
@@ -140,16 +145,22 @@ class LocalSGD(Algorithm):
         deltas = [p.detach() - a for p, a in zip(params, self.anchor)]
         if self.restart is not None:  # a non-finite optimizer state or buffer drops the synchronization too
             self.restart.flag_into(deltas)
+        alarm = self.alarm.flags(deltas[0]) if self.alarm is not None else None
+        rides = [(STATE_FLAGS_KEY, alarm)] if alarm is not None else []  # nonfinite=raise: rides in the exchange
+        names = [n for n, _ in self.named]
         states = self.optimizer_state_tensors() if self.averages_optimizer_state else None
         if states is not None and deltas and self.world_size > 1:
             # 1 where this rank holds no state for the parameter; averaged with the deltas (no collective of its
             # own): above 0 where some rank lacks it (a call nonfinite=skip dropped zeroed them: no state is
             # averaged then, each rank's is restored below)
             missing = flags([not ts for ts in states], deltas[0])
-            self.sync([*deltas, missing], keys=[*(n for n, _ in self.named), STATE_MISSING_KEY])
+            self.sync([*deltas, missing, *(t for _, t in rides)],
+                      keys=[*names, STATE_MISSING_KEY, *(k for k, _ in rides)])
             states = [ts for ts, gone in zip(states, (missing > 0).tolist()) if not gone]
         else:
-            self.sync(deltas)
+            self.sync([*deltas, *(t for _, t in rides)], keys=[*names, *(k for k, _ in rides)])
+        if self.alarm is not None:  # before anything is applied, the same error on every rank
+            self.alarm.check(alarm, f"step {self._steps}")
         for p, a, d in zip(params, self.anchor, deltas):
             a.add_(d)
             p.copy_(a)

@@ -14,6 +14,7 @@ Adam variants (:mod:`gradpress.algorithms.compressed_adam`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -45,7 +46,8 @@ def agreed(mine: list[bool], summed: torch.Tensor | None) -> list[bool]:
 
 
 def sync_agreeing(algo: Algorithm, tensors: list[torch.Tensor], mine: list[bool],
-                  keys: list[str] | None = None) -> list[bool] | None:
+                  keys: list[str] | None = None,
+                  extra: Sequence[tuple[str, torch.Tensor]] = ()) -> list[bool] | None:
     """Average ``tensors`` (one per trainable parameter, engine keys ``keys``,
     default the parameters' names) through ``algo``'s engine, with ``mine``
     (whether this rank has each parameter's contribution) summed over ranks
@@ -56,7 +58,8 @@ def sync_agreeing(algo: Algorithm, tensors: list[torch.Tensor], mine: list[bool]
     (worker and strategies': every key of the parameter) are put back as
     they were and the caller leaves the rest of it alone, so for it the call
     changed nothing but the compressor's own state (e.g. PowerSGD's warm
-    start) and the bytes counted."""
+    start) and the bytes counted. ``extra``: (key, 1-D tensor) pairs that
+    ride in the same call, averaged in place (plain)."""
     engine = algo.engine
     names = keys if keys is not None else [n for n, _ in algo.named]
     assert engine is not None
@@ -69,7 +72,7 @@ def sync_agreeing(algo: Algorithm, tensors: list[torch.Tensor], mine: list[bool]
         lacking = {n for n, ok in zip(names, mine) if not ok}
         kept = {k: v.clone() for k, v in fb.residuals.items() if owner_among(k, known) in lacking}
     present_flags = flags(mine, tensors[0])
-    algo.sync([*tensors, present_flags], keys=[*names, PRESENT_KEY])
+    algo.sync([*tensors, present_flags, *(t for _, t in extra)], keys=[*names, PRESENT_KEY, *(k for k, _ in extra)])
     if engine.last_step_skipped:
         return None
     present = agreed(mine, present_flags)

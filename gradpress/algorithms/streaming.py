@@ -41,6 +41,9 @@ A merge refreshes this rank's copy of the fragment (and of the buffers) only
 where they are finite: a fragment launched before a divergence is merged T
 steps later with a finite outer step while its local state already holds
 the NaN (copying that made every later restart NaN again: a dead run).
+``nonfinite='raise'``: the same state and buffers, not finite on some rank
+at the launch, make every rank raise at the merge
+(:mod:`gradpress.algorithms.alarm`).
 
 Invariants: ``theta`` and the outer momentum are bit-identical on every rank
 (the averages are); with A = 0 the merged fragment is bit-identical on
@@ -60,6 +63,7 @@ from typing import Any
 
 import torch
 
+from gradpress.algorithms.alarm import STATE_FLAGS_KEY
 from gradpress.algorithms.diloco import PARAMS as DILOCO_PARAMS
 from gradpress.algorithms.diloco import DiLoCo
 from gradpress.algorithms.registry import register
@@ -133,6 +137,8 @@ class StreamingDiLoCo(DiLoCo):
         }
         if self.restart is not None:  # the fragment's inner state, or the buffers it carries, not finite: dropped
             self.restart.flag_into(item["deltas"], idx, buffers=bool(item["buffers"]))
+        if self.alarm is not None:  # nonfinite=raise: the same, checked after the exchange (which raises)
+            item["alarm"] = self.alarm.flags(item["deltas"][0], idx, buffers=bool(item["buffers"]))
         self._exchanges += 1
         if self.overlap == 0:  # type: ignore[attr-defined]
             item["bytes"] = self._exchange(item)
@@ -148,9 +154,15 @@ class StreamingDiLoCo(DiLoCo):
         bytes handed to collectives. Runs on the exchange thread when T > 0."""
         assert self.engine is not None
         before = self.engine.stats["bytes_sent"]
-        self.engine.sync([self.named[i][0] for i in self.frags[item["fragment"]]], item["deltas"],
-                         step=item["exchange"])
+        idx = self.frags[item["fragment"]]
+        alarm = item.get("alarm")
+        rides = [(STATE_FLAGS_KEY, alarm)] if alarm is not None else []
+        self.engine.sync([*(self.named[i][0] for i in idx), *(k for k, _ in rides)],
+                         [*item["deltas"], *(t for _, t in rides)], step=item["exchange"])
         item["skipped"] = self.engine.last_step_skipped  # nonfinite=skip: merged without an outer step
+        if self.alarm is not None:  # re-raised at the merge (or at a drain) on every rank
+            self.alarm.check(alarm, f"step {item['due'] - self.overlap} (fragment {item['fragment']}'s launch)",  # type: ignore[attr-defined]
+                             idx, buffers=bool(item["buffers"]))
         if item["buffers"]:
             t0 = time.perf_counter()
             summed, sent = fused_allreduce([b / self.world_size for b in item["buffers"]], self.group)
