@@ -1,8 +1,10 @@
 """Streaming DiLoCo's floating buffers (BatchNorm statistics) on 2 gloo
 workers: they travel with the fragment launched at offset 0 of each period
 and are averaged plain; at that fragment's merge every worker's buffers are
-the mean, computed here in float64, of the workers' buffers at its launch;
-at the other fragments' merges they stay each worker's own."""
+the mean, computed here in float64, of the workers' buffers at its launch
+(the documented rule: what the overlapped step's forward pass added since
+the launch is discarded on every rank); at the other fragments' merges they
+stay each worker's own."""
 
 from __future__ import annotations
 

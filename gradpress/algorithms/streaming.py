@@ -16,7 +16,11 @@ local value, which has moved on for T steps; 0.5 in the paper; A = 0 takes
 the new outer value). Fragments are whole parameter tensors, assigned
 largest first to the lightest fragment (balanced bytes; the paper assigns
 layers in a strided pattern). Floating buffers ride with the fragment at
-offset 0 (averaged plain, from their value at launch).
+offset 0 (averaged plain, from their value at launch); at its merge every
+rank's floating buffers are set to that average, so what the T overlapped
+forward passes added since the launch is discarded on every rank (the
+replicas agree right after; a buffer gone non-finite in those T steps is
+overwritten too, and drops or raises nothing).
 
 Overlap: with T >= 1 the exchanges run, in launch order, on one background
 thread that alone issues this algorithm's collectives (its own process
