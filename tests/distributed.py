@@ -1,14 +1,26 @@
 """Run a function on N gloo workers on 127.0.0.1 and collect what each returns.
 
-Workers are spawned processes (``torch.multiprocessing``); the function must be
+Workers are new processes (``torch.multiprocessing``); the function must be
 importable (module level). Exceptions in a worker are re-raised in the test
 with the worker's traceback text.
+
+Gloo workers on Linux are forked from the fork server that ``gradpress train``
+uses (:func:`gradpress.train.launch._start_forkserver`: a fresh process that
+imported torch and gradpress once), not spawned: a spawned worker imports torch
+and gradpress again, 2-3 s of CPU each on 2 cores, for each of the suite's
+hundreds of worker launches. A worker still gets what a spawned one gets: the
+test's environment as it is at this launch (the fork server keeps the one it
+started with), its ``sys.path`` and working directory (multiprocessing's
+preparation data), the test's stdout and stderr (the fork server's would be
+the capture of whichever test started it), and a fresh import of the test
+module. NCCL workers and other platforms are spawned as before.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import sys
 import tempfile
 import time
 import traceback
@@ -20,6 +32,47 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from gradpress import torch_compat
+from gradpress.train.launch import _start_forkserver
+
+# taken at import: a test that replaces launch._start_forkserver (with a recorder) must not stop this one
+_START_FORKSERVER = _start_forkserver
+
+
+class _Stdio:
+    """The launching process's stdout and stderr, handed to a worker that the
+    fork server forks (its own are those it started with)."""
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        from multiprocessing import reduction
+
+        return _Stdio._restore, (reduction.DupFd(1), reduction.DupFd(2))
+
+    @staticmethod
+    def _restore(out: Any, err: Any) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, dup in ((1, out), (2, err)):
+            got = dup.detach()
+            os.dup2(got, fd)
+            os.close(got)
+
+
+def _bootstrap(rank: int, environ: dict[str, str], stdio: None, entry: Callable[..., Any], *args: Any) -> None:
+    """In a worker: the launching test's environment of this launch, then ``entry(rank, *args)`` (its stdout
+    and stderr were put in place while its arguments were unpickled, ``_Stdio``)."""
+    os.environ.clear()
+    os.environ.update(environ)
+    entry(rank, *args)
+
+
+def start_workers(entry: Callable[..., Any], world: int, args: tuple, join: bool, backend: str = "gloo") -> Any:
+    """``torch.multiprocessing.start_processes(entry, args, world, join)``: gloo workers on Linux forked from
+    the fork server (module doc), others spawned."""
+    if backend != "gloo" or not sys.platform.startswith("linux"):
+        return mp.start_processes(entry, args=args, nprocs=world, join=join, start_method="spawn")
+    _START_FORKSERVER()
+    return mp.start_processes(_bootstrap, args=(dict(os.environ), _Stdio(), entry, *args), nprocs=world, join=join,
+                              start_method="forkserver")
 
 
 def free_port() -> int:
@@ -61,7 +114,7 @@ def run_workers(fn: Callable[..., Any], world: int, *args: Any, allow_errors: bo
     (``nccl``: rank r on CUDA device r mod the device count); return the list
     of results (or of ``{"error": ...}`` dicts when ``allow_errors``)."""
     with tempfile.TemporaryDirectory() as outdir:
-        mp.start_processes(_entry, args=(world, free_port(), fn, args, outdir, backend), nprocs=world, join=True, start_method="spawn")
+        start_workers(_entry, world, (world, free_port(), fn, args, outdir, backend), join=True, backend=backend)
         results = [torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
     if allow_errors:
         return [r.get("ok", r) if "ok" in r else r for r in results]
@@ -72,15 +125,14 @@ def run_workers(fn: Callable[..., Any], world: int, *args: Any, allow_errors: bo
 
 
 def run_until_rank0_reports(entry: Callable[..., None], world: int, args: tuple, deadline: float) -> tuple[Any, float]:
-    """Start ``entry(rank, world, port, *args, outdir)`` on ``world`` spawned
+    """Start ``entry(rank, world, port, *args, outdir)`` on ``world`` new
     workers that are expected to fail (a dead or stuck peer); wait until rank 0
     writes ``outdir/rank0.pt`` or dies, at most ``deadline`` seconds; then stop
     every worker. Returns rank 0's result (None if it wrote none) and the
     seconds waited."""
     with tempfile.TemporaryDirectory() as outdir:
         start = time.monotonic()
-        ctx = mp.start_processes(entry, args=(world, free_port(), *args, outdir), nprocs=world, join=False,
-                                 start_method="spawn")
+        ctx = start_workers(entry, world, (world, free_port(), *args, outdir), join=False)
         path = os.path.join(outdir, "rank0.pt")
         result = None
         try:

@@ -21,8 +21,7 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from distributed import free_port, stop_processes
+from distributed import free_port, start_workers, stop_processes
 
 WORLD, PER_HOST = 4, 2
 SHAPES = [(64, 48), (40, 33), (5000,)]
@@ -81,8 +80,7 @@ def _run(chunk: int, fail_at: int) -> tuple[list[dict | None], float]:
     """Every rank's result (None: it had not reported by the deadline) and the seconds waited."""
     with tempfile.TemporaryDirectory() as outdir:
         start = time.monotonic()
-        ctx = mp.start_processes(_entry, args=(WORLD, free_port(), chunk, fail_at, outdir), nprocs=WORLD,
-                                 join=False, start_method="spawn")
+        ctx = start_workers(_entry, WORLD, (WORLD, free_port(), chunk, fail_at, outdir), join=False)
         paths = [os.path.join(outdir, f"rank{r}.pt") for r in range(WORLD)]
         try:
             while time.monotonic() - start < DEADLINE_S:
