@@ -110,6 +110,29 @@ def test_drawing_without_a_key_is_a_value_error_naming_randomness(draw) -> None:
         kit.elementwise(lambda v, *, key, drawn: draw(v, key, drawn), torch.zeros(8), 4)
 
 
+# ----- a packing kernel without bits/fuse: a ValueError that says what to add ----------------------------
+@pytest.mark.parametrize("kernel", [lambda v, *, key, drawn: (v >= 0).to(torch.int32),
+                                    lambda v, *, key, drawn, bits: (v >= 0).to(torch.int32)],
+                         ids=["neither", "no-fuse"])
+def test_a_packing_kernel_without_bits_and_fuse_names_what_to_add(kernel) -> None:
+    """With ``pack=`` the kit calls the kernel with ``bits`` and ``fuse``; a
+    kernel written without them failed inside the call with "unexpected
+    keyword argument 'bits'", which did not say what the kit expects."""
+    with pytest.raises(ValueError, match=r"kit.elementwise: pack=1 calls the kernel with bits= and fuse=; .* "
+                                         r"allowed: def kernel\(v, \*stats, key, drawn, bits, fuse\) ending with "
+                                         r"return kit.pack_rows\(codes, bits, fuse\)"):
+        kit.elementwise(kernel, torch.zeros(8), 4, pack=1)
+
+
+def test_a_packing_kernel_taking_keywords_by_kwargs_is_accepted() -> None:
+    def codes(v, **kw):
+        return kit.pack_rows((v >= 0).to(torch.int32), kw["bits"], kw["fuse"])
+
+    x = torch.randn(37, generator=torch.Generator().manual_seed(5))
+    with compiler.forced("off"):
+        assert torch.equal(kit.elementwise(codes, x, 8, pack=1), kit.pack((x >= 0).to(torch.uint8), 1))
+
+
 # ----- the fused pack: not by default on CPU, where it was the slower way ---------------------------------
 def test_a_row_packing_kernel_packs_apart_on_cpu_by_default() -> None:
     """Compiled on CPU (torch 2.13, one thread, 1M entries) the fused pack

@@ -22,6 +22,8 @@ is over at most two views (the whole chunks and the short last one).
 
 from __future__ import annotations
 
+import functools
+import inspect
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -93,6 +95,8 @@ def elementwise(kernel: Callable[..., torch.Tensor], flat: torch.Tensor, chunk: 
     kernel writes straight into (decoders: no fresh output, docs/bench.md "Decoding into a buffer"); the result
     is ``out``. Any other ``out`` is a ValueError naming both, on every path (never cast into).
     """
+    if pack is not None:
+        _check_packing_kernel(kernel, pack)
     parts = chunks(flat, max(chunk, 1))
     _check_per_chunk(per_chunk, sum(v.shape[0] for v in parts), max(chunk, 1), flat.numel())
     # GRADPRESS_KIT_CHECK: every code stream is packed apart (the same bytes), where its codes are checked
@@ -152,6 +156,32 @@ def _check_per_chunk(per_chunk: tuple[torch.Tensor, ...], rows: int, chunk: int,
             raise ValueError(f"kit.elementwise: per_chunk[{i}] has {s.shape[0]} entries; flat has {rows} chunks of "
                              f"{chunk} ({numel} entries); allowed: one entry per chunk (kit.reduce(flat, op, {chunk}) "
                              "with the same chunk) or a 0-dim tensor")
+
+
+def _check_packing_kernel(kernel: Callable[..., Any], pack: int) -> None:
+    """ValueError unless ``kernel`` takes the ``bits`` and ``fuse`` keywords that ``pack=`` calls it with
+    (written without them it failed inside the call, "unexpected keyword argument 'bits'")."""
+    try:
+        missing = _missing_keywords(kernel, ("bits", "fuse"))
+    except TypeError:  # an unhashable callable: not checked (the call itself says what is wrong)
+        return
+    if missing:
+        raise ValueError(f"kit.elementwise: pack={pack} calls the kernel with bits= and fuse=; "
+                         f"{getattr(kernel, '__qualname__', kernel)!r} does not take {' or '.join(missing)}; "
+                         "allowed: def kernel(v, *stats, key, drawn, bits, fuse) ending with "
+                         "return kit.pack_rows(codes, bits, fuse)")
+
+
+@functools.lru_cache(maxsize=256)
+def _missing_keywords(kernel: Callable[..., Any], names: tuple[str, ...]) -> tuple[str, ...]:
+    """Those of ``names`` that ``kernel`` cannot take as keywords (none where its signature is unknown)."""
+    try:
+        params = inspect.signature(kernel).parameters
+    except (TypeError, ValueError):
+        return ()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return ()
+    return tuple(n for n in names if n not in params or params[n].kind is inspect.Parameter.POSITIONAL_ONLY)
 
 
 def _check_out(out: torch.Tensor | None, numel: int, dtype: torch.dtype | None, device: torch.device,
