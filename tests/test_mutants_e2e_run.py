@@ -275,3 +275,14 @@ def test_main_runs_every_seed_from_seed_on(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(e2e_seeds, "run_seeds", broken)
     assert e2e.main(_args(tmp_path, *argv)) == 1
     assert capsys.readouterr().err == "gradpress bench e2e: error: seed 6 failed\n"
+
+
+def test_a_step_row_without_link_counters_logs_no_ideal_instead_of_failing(tmp_path, monkeypatch, capsys):
+    """A worker that reports no link counters (no GLOO_SOCKET_IFNAME: EmulatedCluster always sets it, a cluster
+    of another kind may not) has no ideal step time; the progress line formatted it as a float (TypeError)."""
+    bare = [{"median_step_s": 0.5, "step_s": [0.5], "payload_bytes_per_step": 100.0}] * 2
+    _use(monkeypatch, FakeCluster({"compute": _compute([1.0], [1.0]), "c00": bare, "c01": bare}))
+    result = e2e_run.run_e2e(_args(tmp_path, "--baselines", "ddp", "--configs", "topk:ratio=0.1"))
+    assert [r["ok"] for r in result["rows"]] == [True, True]
+    assert all(r["ideal_s"] is None and r["measured_over_ideal"] is None for r in result["rows"])
+    assert "0.500 s/step, 100 B payload, ideal n/a" in capsys.readouterr().err

@@ -77,7 +77,7 @@ def run_e2e(args: argparse.Namespace) -> dict[str, Any]:
                 row = _step_row(cfg, res, results, tbf, compute["shared_s"], rate, world, runner, tag)
                 if row["ok"]:
                     _log(f"e2e:     {row['median_step_s']:.3f} s/step, {row['payload_bytes_per_step']:.0f} B payload, "
-                         f"ideal {row['ideal_s']:.3f} s")
+                         f"ideal {'n/a' if row['ideal_s'] is None else format(row['ideal_s'], '.3f') + ' s'}")
             else:
                 job = runner.job(tag, "train", cfg, target=args.train_to, eval_every=args.eval_every,
                                  max_steps=args.max_steps, time_limit=args.time_limit)
