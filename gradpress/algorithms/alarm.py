@@ -40,10 +40,21 @@ from gradpress.compress.base import all_finite
 if TYPE_CHECKING:
     from gradpress.algorithms.base import Algorithm
 
-__all__ = ["STATE_FLAGS_KEY", "StateAlarm"]
+__all__ = ["STATE_FLAGS_KEY", "StateAlarm", "riding"]
 
 #: the engine key of the per-tensor "not finite on this rank" flags (1-D: plain)
 STATE_FLAGS_KEY = "gradpress/state-nonfinite"
+
+
+def riding(keys: Sequence[str], tensors: Sequence[torch.Tensor],
+           flags: torch.Tensor | None) -> tuple[list[str], list[torch.Tensor]]:
+    """A synchronization's engine keys and tensors with this rank's state
+    ``flags`` (:meth:`StateAlarm.flags`) riding in it under
+    :data:`STATE_FLAGS_KEY` (1-D: averaged plain, in place); unchanged
+    without flags (``nonfinite`` is not ``raise``)."""
+    if flags is None:
+        return list(keys), list(tensors)
+    return [*keys, STATE_FLAGS_KEY], [*tensors, flags]
 
 
 class StateAlarm:

@@ -76,7 +76,7 @@ from typing import Any
 
 import torch
 
-from gradpress.algorithms.alarm import STATE_FLAGS_KEY, StateAlarm
+from gradpress.algorithms.alarm import StateAlarm, riding
 from gradpress.algorithms.base import Algorithm
 from gradpress.algorithms.localsgd import GRAD
 from gradpress.algorithms.registry import register
@@ -265,13 +265,14 @@ class DiLoCo(Algorithm):
                 if e is not None:
                     held[store_key] = e
         alarm = self.alarm.flags(deltas[0], idx) if self.alarm is not None else None
-        rides = [(STATE_FLAGS_KEY, alarm)] if alarm is not None else []  # nonfinite=raise: rides in the exchange
         if model:
             flat = torch.cat([d.reshape(-1) for d in deltas]).reshape(1, -1)
-            self.sync([flat, *(t for _, t in rides)], keys=[MODEL_KEY, *(k for k, _ in rides)])
+            keys, tensors = riding([MODEL_KEY], [flat], alarm)
+            self.sync(tensors, keys=keys)
             deltas = [v.view_as(d) for v, d in zip(flat.reshape(-1).split([d.numel() for d in deltas]), deltas)]
         else:
-            self.sync([*deltas, *(t for _, t in rides)], keys=[*(self.named[i][0] for i in idx), *(k for k, _ in rides)])
+            keys, tensors = riding([self.named[i][0] for i in idx], deltas, alarm)
+            self.sync(tensors, keys=keys)
         if self.alarm is not None:  # before anything is applied, the same error on every rank
             self.alarm.check(alarm, f"step {self._steps}", idx)
         if keep and self.engine.last_step_skipped:

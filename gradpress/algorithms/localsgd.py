@@ -66,7 +66,7 @@ from typing import Any
 
 import torch
 
-from gradpress.algorithms.alarm import STATE_FLAGS_KEY, StateAlarm
+from gradpress.algorithms.alarm import StateAlarm, riding
 from gradpress.algorithms.base import Algorithm
 from gradpress.algorithms.presence import flags
 from gradpress.algorithms.registry import register
@@ -146,7 +146,6 @@ class LocalSGD(Algorithm):
         if self.restart is not None:  # a non-finite optimizer state or buffer drops the synchronization too
             self.restart.flag_into(deltas)
         alarm = self.alarm.flags(deltas[0]) if self.alarm is not None else None
-        rides = [(STATE_FLAGS_KEY, alarm)] if alarm is not None else []  # nonfinite=raise: rides in the exchange
         names = [n for n, _ in self.named]
         states = self.optimizer_state_tensors() if self.averages_optimizer_state else None
         if states is not None and deltas and self.world_size > 1:
@@ -154,11 +153,12 @@ class LocalSGD(Algorithm):
             # own): above 0 where some rank lacks it (a call nonfinite=skip dropped zeroed them: no state is
             # averaged then, each rank's is restored below)
             missing = flags([not ts for ts in states], deltas[0])
-            self.sync([*deltas, missing, *(t for _, t in rides)],
-                      keys=[*names, STATE_MISSING_KEY, *(k for k, _ in rides)])
+            keys, tensors = riding([*names, STATE_MISSING_KEY], [*deltas, missing], alarm)
+            self.sync(tensors, keys=keys)
             states = [ts for ts, gone in zip(states, (missing > 0).tolist()) if not gone]
         else:
-            self.sync([*deltas, *(t for _, t in rides)], keys=[*names, *(k for k, _ in rides)])
+            keys, tensors = riding(names, deltas, alarm)
+            self.sync(tensors, keys=keys)
         if self.alarm is not None:  # before anything is applied, the same error on every rank
             self.alarm.check(alarm, f"step {self._steps}")
         for p, a, d in zip(params, self.anchor, deltas):

@@ -67,7 +67,7 @@ from typing import Any
 
 import torch
 
-from gradpress.algorithms.alarm import STATE_FLAGS_KEY
+from gradpress.algorithms.alarm import riding
 from gradpress.algorithms.diloco import PARAMS as DILOCO_PARAMS
 from gradpress.algorithms.diloco import DiLoCo
 from gradpress.algorithms.registry import register
@@ -160,9 +160,8 @@ class StreamingDiLoCo(DiLoCo):
         before = self.engine.stats["bytes_sent"]
         idx = self.frags[item["fragment"]]
         alarm = item.get("alarm")
-        rides = [(STATE_FLAGS_KEY, alarm)] if alarm is not None else []
-        self.engine.sync([*(self.named[i][0] for i in idx), *(k for k, _ in rides)],
-                         [*item["deltas"], *(t for _, t in rides)], step=item["exchange"])
+        keys, tensors = riding([self.named[i][0] for i in idx], item["deltas"], alarm)
+        self.engine.sync(keys, tensors, step=item["exchange"])
         item["skipped"] = self.engine.last_step_skipped  # nonfinite=skip: merged without an outer step
         if self.alarm is not None:  # re-raised at the merge (or at a drain) on every rank
             self.alarm.check(alarm, f"step {item['due'] - self.overlap} (fragment {item['fragment']}'s launch)",  # type: ignore[attr-defined]
