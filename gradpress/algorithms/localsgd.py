@@ -78,6 +78,16 @@ GRAD = "grad:"
 STATE_MISSING_KEY = "gradpress/state-missing"
 
 
+def warmed_period(period: int, warmup: int, local_steps: int) -> int:
+    """The period in force after ``local_steps`` local steps when it grows
+    linearly from 1 to ``period`` over ``warmup`` steps (``warmup=0``: always
+    ``period``): ``1 + floor((period - 1) * min(s, W) / W)``. Shared by every
+    model-averaging algorithm with a ``warmup`` parameter."""
+    if not warmup:
+        return period
+    return 1 + (period - 1) * min(local_steps, warmup) // warmup
+
+
 @register
 class LocalSGD(Algorithm):
     name = "localsgd"
@@ -111,11 +121,7 @@ class LocalSGD(Algorithm):
 
     def current_period(self) -> int:
         """The period in force at the current local step (warm-up aware)."""
-        period, warmup = self.period, self.warmup  # type: ignore[attr-defined]
-        if not warmup:
-            return period
-        s = min(self._steps - self.switch, warmup)
-        return 1 + (period - 1) * s // warmup
+        return warmed_period(self.period, self.warmup, self._steps - self.switch)  # type: ignore[attr-defined]
 
     def step(self) -> None:
         if self._steps < self.switch:

@@ -1,0 +1,206 @@
+"""``scaffold:period=K,global_lr=1``: SCAFFOLD, local steps corrected by
+control variates, models averaged every K steps.
+
+SCAFFOLD (Karimireddy et al., ICML 2020, "SCAFFOLD: Stochastic Controlled
+Averaging for Federated Learning"), with every worker participating in every
+round: each worker i holds a control variate ``c_i`` (its own) and every
+worker holds the same server control variate ``c``, both one tensor per
+trainable parameter, zero at the start. From the common model ``x`` each
+worker takes K local steps on the *corrected* gradient ``g_i - c_i + c``
+(its local optimizer steps with that as ``.grad``), reaching ``y_i``; then,
+with the paper's option II,
+
+* ``c_i+ = c_i - c + (x - y_i) / (K * lr)``,
+* ``x <- x + global_lr * mean_i(y_i - x)``,
+* ``c <- c + mean_i(c_i+ - c_i)`` and ``c_i <- c_i+``.
+
+Non-IID data makes plain local SGD drift towards each worker's own optimum;
+``c - c_i`` estimates the difference between the mean gradient and worker
+i's, and cancels that drift.
+
+The local learning rate is read from the optimizer's ``param_groups`` at
+every step, before the optimizer steps (what that step uses): ``K * lr``
+is, per parameter, the sum of the learning rates of the K steps of its
+group (so a scheduler that changes ``lr`` within a period, and per-group
+learning rates, are followed exactly: with plain SGD ``(x - y_i) / sum(lr)``
+is the lr-weighted mean of the corrected gradients and ``c_i+`` the
+lr-weighted mean of the local gradients, the paper's quantity; with a
+constant lr it is the paper's ``K * lr``). A step where a parameter's
+``.grad`` is None does not step it (torch's rule, left None: no correction)
+and adds nothing to its sum; a parameter whose sum is 0 over the period
+(never stepped, or lr 0) keeps its ``c_i`` (``c_i+ - c_i = 0``: 0/0 has no
+estimate). With momentum or Adam the corrected gradient is what the
+optimizer steps with and ``c_i+`` is still read from the displacement by
+the formula (the paper analyses plain SGD); the local optimizer's state stays
+local. An optimizer with ``maximize=True`` is refused (the correction's sign
+assumes descent).
+
+Exchange: one engine call per synchronization carries the model change
+``y_i - x`` (keyed by parameter name) and the control change
+``c_i+ - c_i`` (keyed ``control:<name>``), so a compressor shrinks both,
+each with its own error-feedback residual: twice local SGD's bytes per
+synchronization. With compression ``c`` is the running sum of the averaged
+*compressed* control changes (identical on every rank) and no longer equals
+``mean_i c_i`` exactly; error feedback sends the rest later. Floating
+buffers are averaged plain at each synchronization, as local SGD's.
+
+``warmup=W``: the period grows linearly from 1 to K over the first W steps
+(as ``postlocalsgd``'s). ``nonfinite='skip'``: a synchronization dropped
+(some rank's change, optimizer state or floating buffer not finite) puts
+every replica back at ``x``, leaves ``c`` and every ``c_i`` as they were, and
+restores each rank's optimizer state and buffers from ``x``
+(:mod:`gradpress.algorithms.restart`); ``raise`` raises on every rank,
+naming the tensor (:mod:`gradpress.algorithms.alarm`).
+
+Invariants (tests/test_scaffold.py, float64 references computed there):
+after every synchronization all replicas hold bit-identical parameters and
+``c``; with K = 1 and zero control variates the first period is one step of
+synchronous SGD on the mean gradient; resume from ``state_dict`` (``x``,
+``c``, ``c_i``, the period's lr sums) is bit-identical.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from gradpress.algorithms.alarm import StateAlarm, riding
+from gradpress.algorithms.base import Algorithm
+from gradpress.algorithms.localsgd import warmed_period
+from gradpress.algorithms.registry import register
+from gradpress.algorithms.restart import LocalCopy
+from gradpress.compress.base import Param
+
+#: the engine key prefix of the control variates' changes
+CONTROL = "control:"
+
+
+@register
+class Scaffold(Algorithm):
+    name = "scaffold"
+    PARAMS = (
+        Param("period", int, 8, "integer >= 1", lambda v: v >= 1, "local steps between averages (K)"),
+        Param("global_lr", float, 1.0, "number > 0", lambda v: v > 0,
+              "server learning rate: x <- x + global_lr * mean(y_i - x)"),
+        Param("warmup", int, 0, "integer >= 0", lambda v: v >= 0,
+              "the period grows linearly from 1 to K over this many steps"),
+    )
+    summary = ("SCAFFOLD: K local steps on the gradient corrected by control variates (g - c_i + c), then the "
+               "model change and the control change are averaged (2x local SGD's bytes)")
+    period: int
+    global_lr: float
+    warmup: int
+
+    def exchanged_params(self) -> list[tuple[str, torch.Size, torch.dtype]]:
+        own = super().exchanged_params()
+        return own + [(CONTROL + n, shape, dtype) for n, shape, dtype in own]
+
+    def setup(self) -> None:
+        for i, group in enumerate(self.optimizer.param_groups):
+            if group.get("maximize", False):
+                raise ValueError(f"algorithm {self.name!r}: optimizer param_groups[{i}] has maximize=True "
+                                 "(the control variates correct a descent direction); allowed: maximize=False")
+
+    def after_broadcast(self) -> None:
+        params = [p for _, p in self.named]
+        #: the model x every rank agreed on at the last synchronization
+        self.anchor = [p.detach().clone() for p in params]
+        #: the server control variate c (identical on every rank) and this rank's own c_i
+        self.c = [torch.zeros_like(p) for p in params]
+        self.c_local = [torch.zeros_like(p) for p in params]
+        #: c - c_i, added to each gradient (recomputed from c and c_i at each synchronization and load)
+        self.correction = [torch.zeros_like(p) for p in params]
+        #: per parameter, the learning rates of this period's steps that stepped it (K * lr with a constant lr)
+        self.lr_sums = [0.0] * len(params)
+        #: local steps since the last synchronization
+        self.since = 0
+        self.restart = LocalCopy.for_skip(self)
+        self.alarm = StateAlarm.for_raise(self)
+
+    def step(self) -> None:
+        self.correct_gradients()
+        self.local_step()
+        self.since += 1
+        if self.since >= warmed_period(self.period, self.warmup, self._steps):
+            self.average()
+
+    @torch.no_grad()
+    def correct_gradients(self) -> None:
+        """``g_i - c_i + c`` in place in each ``.grad``, and this step's
+        learning rate (read now, before the optimizer steps) added to the
+        period's sum of every parameter it steps."""
+        lr_of = {id(p): group["lr"] for group in self.optimizer.param_groups for p in group["params"]}
+        for i, (_, p) in enumerate(self.named):
+            if p.grad is None:
+                continue
+            p.grad.add_(self.correction[i].to(p.grad.dtype))
+            self.lr_sums[i] += float(lr_of.get(id(p), 0.0))
+
+    @torch.no_grad()
+    def average(self) -> None:
+        """Average the model change and the control change (one engine call);
+        every replica restarts from the new ``x``."""
+        names = [n for n, _ in self.named]
+        deltas = [p.detach() - a for (_, p), a in zip(self.named, self.anchor)]  # y_i - x
+        # c_i+ - c_i = (x - y_i) / (K lr) - c; 0 where nothing stepped the parameter this period
+        controls = [-d / s - c if s > 0 else torch.zeros_like(c) for d, s, c in zip(deltas, self.lr_sums, self.c)]
+        own = [t.clone() for t in controls]
+        if self.restart is not None:  # a non-finite optimizer state or buffer drops the synchronization too
+            self.restart.flag_into(deltas)
+        alarm = self.alarm.flags(deltas[0]) if self.alarm is not None else None
+        keys, tensors = riding([*names, *(CONTROL + n for n in names)], [*deltas, *controls], alarm)
+        self.sync(tensors, keys=keys)
+        if self.alarm is not None:  # before anything is applied, the same error on every rank
+            self.alarm.check(alarm, f"step {self._steps}")
+        assert self.engine is not None
+        skipped = self.engine.last_step_skipped
+        for i, (_, p) in enumerate(self.named):
+            if not skipped:
+                self.anchor[i].add_(deltas[i], alpha=self.global_lr)
+                self.c[i].add_(controls[i])
+                self.c_local[i].add_(own[i])
+                torch.sub(self.c[i], self.c_local[i], out=self.correction[i])
+            p.copy_(self.anchor[i])
+        self.lr_sums = [0.0] * len(self.named)
+        self.since = 0
+        if skipped and self.restart is not None:
+            self.restart.restore()  # the period never happened: optimizer state and buffers as they were at x
+            return
+        self.average_plain(list(self.model.buffers()))
+        if self.restart is not None:
+            self.restart.take()
+
+    def eval_model(self) -> torch.nn.Module:
+        """Right after a synchronization the replicas are identical: the
+        model itself; otherwise their average (collective)."""
+        return self.model if self.since == 0 else self.consensus_model()
+
+    def extra_state(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "anchor": [a.clone() for a in self.anchor], "c": [t.clone() for t in self.c],
+            "c_local": [t.clone() for t in self.c_local], "lr_sums": list(self.lr_sums), "since": self.since,
+        }
+        if self.restart is not None:
+            out["restart"] = self.restart.state_dict()
+        return out
+
+    def load_extra_state(self, state: Mapping[str, Any]) -> None:
+        for key in ("anchor", "c", "c_local"):
+            saved, mine = state.get(key), getattr(self, key)
+            if not isinstance(saved, list) or [tuple(t.shape) for t in saved] != [tuple(t.shape) for t in mine]:
+                raise ValueError(f"{self.name} state: {key!r} missing or of another model (expected "
+                                 f"{len(mine)} tensors shaped as the trainable parameters)")
+            for t, s in zip(mine, saved):
+                t.copy_(s)
+        lr_sums = state.get("lr_sums")
+        if not isinstance(lr_sums, list) or len(lr_sums) != len(self.named):
+            raise ValueError(f"{self.name} state: 'lr_sums' missing or of another model "
+                             f"(expected {len(self.named)} numbers)")
+        self.lr_sums = [float(v) for v in lr_sums]
+        self.since = int(state.get("since", 0))
+        for c, ci, corr in zip(self.c, self.c_local, self.correction):
+            torch.sub(c, ci, out=corr)
+        if self.restart is not None:
+            self.restart.load_extra(state, self.name)
