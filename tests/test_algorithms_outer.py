@@ -327,7 +327,7 @@ def _rows(out) -> list[dict]:  # noqa: ANN001
 
 
 @pytest.mark.parametrize("spec", ["streaming-diloco:period=4,fragments=2,overlap=1",
-                                  "lsgd:tau=3,c=0.5"])
+                                  "lsgd:tau=3,c=0.5", "scaffold:period=3"])
 def test_train_runs_the_algorithm_and_resumes_exactly(tmp_path, spec: str) -> None:  # noqa: ANN001
     """Through ``gradpress train`` on 2 workers: a checkpoint taken mid-period
     (streaming: with the exchange launched at step 8 in flight, merged at 9;
