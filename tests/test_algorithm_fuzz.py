@@ -47,6 +47,7 @@ ALGORITHMS = {
     "onebit_adam": ["freeze_step=3", "freeze_step=2,bias_correction=false"],
     "zeroone_adam": ["var_freeze_step=4,local_step_clipper=2,local_step_scaler=2", "var_freeze_step=100"],
     "lgc": ["dense_steps=2,ae_steps=2,ratio=0.1", "dense_steps=1,ae_steps=2,ratio=0.1,variant=ps"],
+    "scaffold": ["period=2", "period=3,control=displacement", "period=2,warmup=3,global_lr=0.8"],
 }
 STRATEGIES = [None, "collective", "allgather", "ring", "ps", "hierarchical:workers_per_host=1", "union", "auto"]
 CUT, STEPS = 5, 10

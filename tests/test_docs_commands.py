@@ -15,6 +15,7 @@ import shlex
 from pathlib import Path
 
 import pytest
+from test_authoring_algorithms_doc import my_scaffold  # noqa: F401 - the algorithm guide's example, likewise
 from test_kit_authoring import tbq  # noqa: F401 - the worked example's compressor, registered for its page's lines
 
 from gradpress.cli import build_parser as _build_parser
@@ -146,11 +147,15 @@ TRAIN = [c for c in COMMANDS if c[2][0] == "train"]
 @pytest.mark.parametrize("doc, line, argv", TRAIN, ids=[f"{d}:{n}" for d, n, _ in TRAIN])
 def test_every_train_command_the_docs_show_passes_the_configuration_checks(doc: str, line: int, argv: list[str],
                                                                          tmp_path: Path,
-                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                         monkeypatch: pytest.MonkeyPatch,
+                                                                         request: pytest.FixtureRequest) -> None:
     """Beyond parsing: workload, algorithm and compressor specs, strategy,
     numbers and their combinations, as ``gradpress train`` checks them before
-    any worker starts (in a scratch directory, where ``--out`` is writable)."""
+    any worker starts (in a scratch directory, where ``--out`` is writable);
+    docs/authoring-algorithms.md's lines with its worked example registered."""
     monkeypatch.chdir(tmp_path)
+    if doc == "authoring-algorithms.md":
+        request.getfixturevalue("my_scaffold")
     try:
         make_config(build_parser().parse_args(argv))
     except ValueError as exc:
@@ -171,6 +176,8 @@ def test_every_compare_command_the_docs_show_plans_valid_runs(doc: str, line: in
 
     if doc == "authoring.md":
         request.getfixturevalue("tbq")
+    if doc == "authoring-algorithms.md":
+        request.getfixturevalue("my_scaffold")
     args = build_parser().parse_args(argv)
     opts = {k: v for k, v in vars(args).items() if k in train.FIELDS or k == "config"}
     opts.pop("out", None)
