@@ -17,6 +17,20 @@ from gradpress.compress.base import Packet
 
 #: specs whose compiled scale field (packet tensor 0) may differ from eager's in the last bit
 FP64_SCALES = ("onebit", "terngrad")
+#: kit declarations that compile no kernel (``topk``: a selection, ``kit.select_topk``, and a scatter):
+#: left out of the compiled-against-eager comparisons; tests/test_kit_compile.py checks they compile nothing
+UNCOMPILED = ("topk",)
+
+
+def kit_methods() -> list[str]:
+    """Every registered kit declaration that compiles a kernel, by name (its
+    default parameters), read from the registry: a kit method added to
+    gradpress/compress/ is compared compiled against eager without editing a
+    list (these lists were written out, and ``stosign`` was left out)."""
+    from gradpress.compress import kit, registry
+
+    return [n for n in registry.names()
+            if n not in UNCOMPILED and isinstance(registry.create(n), kit.KitCompressor)]
 
 
 def std_reference(x: torch.Tensor) -> float:

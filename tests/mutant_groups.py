@@ -91,7 +91,8 @@ GROUPS: dict[str, tuple[list[str], list[str], int]] = {
                + ["gradpress/compress/kit/streams.py"],
                ["tests/test_mutants_codecs.py", "tests/test_compressors.py", "tests/test_compressor_traits.py",
                 "tests/test_literature.py", "tests/test_kit_streams.py", "tests/test_extreme.py"], 20),
-    "algobase": ([f"gradpress/algorithms/{m}.py" for m in ("base", "loss_probe", "registry", "presence", "restart")],
+    "algobase": ([f"gradpress/algorithms/{m}.py" for m in ("base", "exchange_helpers", "loss_probe", "registry",
+                                                            "presence", "restart")],
                  ["tests/test_mutants_algobase.py", "tests/test_mutants_presence.py", "tests/test_algorithms.py",
                   "tests/test_review_sync_skip.py", "tests/test_algorithms_lsgd.py", "tests/test_algorithms_models.py",
                   "tests/test_review_adam_presence.py", "tests/test_algorithms_models2.py",
@@ -296,10 +297,11 @@ FOCUS: dict[str, dict[str, list[str]]] = {
                                          "Algorithm.load_state_dict", "Algorithm.stats"],
     },
     "algobase": {  # the algorithm's exchange helpers (its configuration and state: the state group)
-        "gradpress/algorithms/base.py": ["Algorithm.__init__", "Algorithm.exchanged_params", "Algorithm.gradients",
-                                         "Algorithm.local_step", "Algorithm._reset_last", "Algorithm.ddp_step",
-                                         "Algorithm.sync", "Algorithm.average_plain", "Algorithm.broadcast_model",
-                                         "Algorithm.consensus_model"],
+        "gradpress/algorithms/base.py": ["Algorithm.__init__", "Algorithm.exchanged_params"],
+        "gradpress/algorithms/exchange_helpers.py": [
+            "ExchangeHelpers.gradients", "ExchangeHelpers.local_step", "ExchangeHelpers._reset_last",
+            "ExchangeHelpers.ddp_step", "ExchangeHelpers.sync", "ExchangeHelpers.average_plain",
+            "ExchangeHelpers.broadcast_model", "ExchangeHelpers.consensus_model"],
     },
     "config": {  # the launcher's world and environment resolution, testable in one process (not init_group,
         # _worker_entry, _start_forkserver: they start a group or a process)

@@ -10,12 +10,11 @@ bit-identical resume."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import torch.distributed as dist
 from distributed import checkpoint, restore, run_workers
+from references import topk
 from test_algorithms import LR, loss_of, make_model
 
 import gradpress.algorithms as algorithms
@@ -343,9 +342,7 @@ def reference_compressed(world: int, steps: int, tau: int, c: float, ratio: floa
                     sent.append(d)
                     continue
                 p = (d + resid[rank][i]).reshape(-1)
-                kept = torch.zeros_like(p)
-                idx = torch.topk(p.abs(), max(1, math.ceil(ratio * p.numel()))).indices
-                kept[idx] = p[idx]
+                kept = topk(p, ratio)
                 resid[rank][i] = (p - kept).view(shape)
                 sent.append(kept.view(shape))
             ref[i] = ref[i] + sum(sent) / world

@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import torch
 from distributed import run_workers
+from references import kept, topk_indices
 from test_algorithms_models import (
     BF16,
     F64,
@@ -324,7 +325,7 @@ def test_lgc_phases_by_their_formula(results: list[dict]) -> None:
                 if g is not None:
                     lead = at[1]["grads"][n]
                     lead = lead.double().reshape(-1) if lead is not None else torch.zeros(g.numel(), dtype=F64)
-                    idx = lead.abs().topk(math.ceil(0.2 * lead.numel())).indices
+                    idx = topk_indices(lead, kept(lead.numel(), 0.2))
                     sparse = torch.zeros(g.numel(), dtype=F64)
                     sparse[idx] = g.reshape(-1)[idx]
                     g = sparse.view_as(g)

@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+from references import kept, topk_support
 
 from gradpress.compress import Compressor, Context, Packet, Param
 from gradpress.compress.spec import parse_stage
@@ -56,10 +57,6 @@ def ctx_for(key: str, step: int = 3, rank: int = 0, world_size: int = 1) -> Cont
 def sample(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     return torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
-
-
-def kept(d: int, ratio: float) -> int:
-    return 0 if d == 0 else min(d, max(1, math.ceil(ratio * d)))
 
 
 def expected_nbytes(comp: Compressor, x: torch.Tensor) -> int | None:
@@ -425,9 +422,8 @@ def test_composition_round_trip(spec: str) -> None:
             assert torch.equal(comp.decode(through_wire(comp, packet, template)), out)
             # only top-k positions can be non-zero
             flat = x.reshape(-1).float()
-            k = kept(flat.numel(), 0.1)
             support = torch.zeros(flat.numel(), dtype=torch.bool)
-            support[torch.topk(flat.abs(), k).indices] = True
+            support[topk_support(flat, 0.1)] = True
             assert not out.reshape(-1)[~support].any()
     # cheaper than top-k alone: the values are quantized
     x = sample((64, 33), torch.float32, 7)

@@ -16,6 +16,7 @@ from collections.abc import Callable
 import pytest
 import torch
 from distributed import fault_entry, run_until_rank0_reports, run_workers
+from references import topk_dense
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradpress
@@ -137,9 +138,7 @@ def reference(world: int, steps: int, *, staleness: int, mode: str, clip: float,
                     continue
                 q = (m[r][i] + e[r][i]).reshape(-1)
                 k = min(q.numel(), max(1, math.ceil(ratio_at(t, start, ratio, warmup) * q.numel())))
-                idx = torch.topk(q.abs(), k).indices
-                s = torch.zeros_like(q)
-                s[idx] = q[idx]
+                s = topk_dense(q, k)
                 e[r][i] = (q - s).reshape(p.shape)
                 sent.append(s.reshape(p.shape))
             sent_all.append(sent)

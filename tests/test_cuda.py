@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn as nn
 from distributed import run_workers
-from kit_compare import assert_compiled_matches_eager, std_reference
+from kit_compare import assert_compiled_matches_eager, kit_methods, std_reference
 from regression import fit, regression_data
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -38,7 +38,7 @@ SPECS = {"topk": "topk:ratio=0.05", "randomk": "randomk:ratio=0.05", "dgc": "dgc
          "dgc_threshold": "dgc_threshold:ratio=0.05", "sidco": "sidco:ratio=0.05", "gaussiank": "gaussiank:ratio=0.05",
          "redsync": "redsync:ratio=0.05", "threshold": "threshold:tau=0.5", "powersgd": "powersgd:rank=2,start_iter=0",
          "fft": "fft:theta=0.5"}
-KIT = ["qsgd", "terngrad", "terngrad:clip=0", "natural", "onebit", "minmax8:stochastic=true"]
+KIT = kit_methods() + ["terngrad:clip=0", "minmax8:stochastic=true"]  # from the registry, as test_kit_compile.py
 
 
 def _spec(name: str) -> str:

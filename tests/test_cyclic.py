@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 from distributed import run_workers
+from references import topk_support
 from regression import train_hook_and_diloco
 
 from gradpress.compress import Context, create
@@ -49,18 +50,13 @@ def direct(request: pytest.FixtureRequest) -> tuple[int, list[dict]]:
     return request.param, run_workers(_direct, request.param)
 
 
-def _support(x: torch.Tensor) -> torch.Tensor:
-    k = max(1, math.ceil(RATIO * x.numel()))
-    return torch.sort(torch.topk(x.double().reshape(-1).abs(), k).indices).values
-
-
 def test_cyclic_is_the_leaders_support_and_the_exact_mean(direct: tuple[int, list[dict]]) -> None:
     world, results = direct
     for step in range(world + 1):
         leader = step % world
         xs = [_tensors(r, step) for r in range(world)]
         for i in range(len(SHAPES)):
-            idx = _support(xs[leader][i])
+            idx = topk_support(xs[leader][i], RATIO)
             want = torch.zeros(xs[0][i].numel(), dtype=torch.float64)
             want[idx] = sum(xs[r][i].double().reshape(-1)[idx] for r in range(world)) / world
             for r in range(world):
@@ -137,7 +133,7 @@ def test_cyclic_through_the_engine_is_the_definition() -> None:
             for i in range(len(ENGINE_SHAPES)):
                 support, offset = [], 0
                 for piece in torch.tensor_split(comp[leader][i], parts):
-                    support.append(torch.topk(piece.abs(), math.ceil(0.1 * piece.numel())).indices + offset)
+                    support.append(topk_support(piece, 0.1) + offset)
                     offset += piece.numel()
                 idx = torch.cat(support)
                 want = torch.zeros_like(comp[0][i])
@@ -180,7 +176,7 @@ def test_cyclic_on_extreme_finite_inputs_stays_finite_exact_and_identical() -> N
     results = run_workers(_extreme, world)
     for dtype in EXTREME:
         xs = [results[r][dtype][0] for r in range(world)]
-        idx = _support(xs[0])  # rank 0 leads step 0
+        idx = topk_support(xs[0], RATIO)  # rank 0 leads step 0; NaN first
         want = torch.zeros(xs[0].numel(), dtype=torch.float64)
         want[idx] = sum(x.double().reshape(-1)[idx] / world for x in xs)  # float64's own sum would overflow
         got = results[0][dtype][1]

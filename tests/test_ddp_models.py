@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from distributed import checkpoint, run_workers
+from references import topk
 from test_accounting import Shim
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -295,16 +296,6 @@ def results() -> list[dict]:
 
 
 # ------------------------------------------------------------------ reference
-def _topk(p: torch.Tensor) -> torch.Tensor:
-    """The k = ceil(RATIO d) entries of largest magnitude, ties to the lower index."""
-    flat = p.reshape(-1)
-    k = 0 if flat.numel() == 0 else min(flat.numel(), max(1, math.ceil(RATIO * flat.numel())))
-    order = torch.sort(-flat.abs(), stable=True).indices[:k]
-    kept = torch.zeros_like(flat)
-    kept[order] = flat[order]
-    return kept.reshape(p.shape)
-
-
 def _compressed(shape: torch.Size, min_numel: int) -> bool:
     return len(shape) > 1 and math.prod(shape) >= min_numel
 
@@ -352,7 +343,7 @@ def test_topk_error_feedback_follows_the_definition(results: list[dict], name: s
             else:
                 if _compressed(shapes[n], min_numel):
                     ps = [(e[n] + x).to(dtypes[n]).double() for e, x in zip(residual, g)]
-                    sent = [_topk(p) for p in ps]
+                    sent = [topk(p, RATIO) for p in ps]  # ties to the lower index
                     for e, p, s in zip(residual, ps, sent):
                         e[n] = p - s
                 else:  # a plain average

@@ -18,9 +18,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_workers
+from references import topk as ref_topk  # the shared float64 top-k reference
 from test_algorithms import WORLD
 from test_algorithms_outer import Workers, build, close, resumed, train
-from test_diloco_switch import MIN_NUMEL, RATIO, _topk  # the same float64 top-k reference
+from test_diloco_switch import MIN_NUMEL, RATIO
 
 STEPS = 14
 SWITCH = 5
@@ -61,7 +62,7 @@ def ref_keep_switch(steps: int, switch: int, period: int, lr: float, mu: float, 
                             sent.append(g)
                             continue
                         acc = gres.get((r, i), torch.zeros_like(g)) + g if grad_feedback else g
-                        q = _topk(acc)
+                        q = ref_topk(acc, RATIO)
                         gres[(r, i)] = acc - q
                         sent.append(q)
                     mean = sum(sent) / WORLD
@@ -81,7 +82,7 @@ def ref_keep_switch(steps: int, switch: int, period: int, lr: float, mu: float, 
                     if not keep and i in kept[r]:
                         delta = beta * kept[r][i] + delta
                     if _compressed(delta):
-                        q = _topk(delta)
+                        q = ref_topk(delta, RATIO)
                         kept[r][i] = delta - q
                         sent.append(q)
                     else:

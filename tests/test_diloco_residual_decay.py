@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed import checkpoint, restore, run_workers, value_errors
+from references import topk
 from test_algorithms import WORLD, make_model
 from test_algorithms_outer import Workers, build, close, flat, resumed, train
 
@@ -56,13 +57,9 @@ def ref_diloco_topk(steps: int, period: int, lr: float, mu: float, nesterov: boo
                         continue
                     e = resid[r][i]
                     acc = delta if e is None or keep else beta * e + delta
-                    flat = acc.reshape(-1)
-                    k = math.ceil(RATIO * flat.numel())
-                    sent_part = torch.zeros_like(flat)
-                    idx = flat.abs().topk(k).indices
-                    sent_part[idx] = flat[idx]
-                    resid[r][i] = (flat - sent_part).reshape(acc.shape)
-                    sent.append(sent_part.reshape(acc.shape))
+                    sent_part = topk(acc, RATIO)
+                    resid[r][i] = acc - sent_part
+                    sent.append(sent_part)
                 d = sum(sent) / WORLD
                 if mu:
                     buf[i] = d.clone() if buf[i] is None else mu * buf[i] + d
@@ -95,10 +92,7 @@ def ref_diloco_topk_model(steps: int, period: int, lr: float, mu: float, nestero
             for r, m in enumerate(w.models):
                 delta = torch.cat([(t - p.detach()).reshape(-1) for t, p in zip(theta, m.parameters())])
                 acc = delta if resid[r] is None or keep else resid[r] + delta
-                k = math.ceil(RATIO * acc.numel())
-                part = torch.zeros_like(acc)
-                idx = acc.abs().topk(k).indices
-                part[idx] = acc[idx]
+                part = topk(acc, RATIO)
                 resid[r] = acc - part
                 sent.append(part)
             mean = (sum(sent) / WORLD).split(sizes)

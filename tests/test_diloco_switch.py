@@ -7,27 +7,17 @@ top-k and error feedback; no gradpress code in the references)."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_workers, value_errors
+from references import topk as ref_topk
 from test_algorithms import WORLD, make_model
 from test_algorithms_outer import Workers, build, close, resumed, train
 
 STEPS = 14
 RATIO = 0.1
 MIN_NUMEL = 64
-
-
-def _topk(acc: torch.Tensor) -> torch.Tensor:
-    """The ceil(RATIO * d) entries of largest magnitude of ``acc``, the rest 0."""
-    flat = acc.reshape(-1)
-    part = torch.zeros_like(flat)
-    idx = flat.abs().topk(math.ceil(RATIO * flat.numel())).indices
-    part[idx] = flat[idx]
-    return part.reshape(acc.shape)
 
 
 def ref_switch(steps: int, switch: int, period: int, lr: float, mu: float, kind: str = "sgd",
@@ -53,7 +43,7 @@ def ref_switch(steps: int, switch: int, period: int, lr: float, mu: float, kind:
         if not topk or (dense_start and store is gres) or t.dim() < 2 or t.numel() < MIN_NUMEL:
             return t
         acc = store.get((r, i), torch.zeros_like(t)) + t
-        sent = _topk(acc)
+        sent = ref_topk(acc, RATIO)
         store[(r, i)] = acc - sent
         return sent
 

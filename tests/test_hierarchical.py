@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_workers
+from references import topk
 
 from gradpress.exchange.engine import Synchronizer
 
@@ -248,14 +249,6 @@ def test_none_is_the_exact_mean_on_every_rank(results: list[dict]) -> None:
                 assert torch.allclose(a.double(), want, rtol=1e-6, atol=1e-6), name
 
 
-def _topk64(x: torch.Tensor, k: int) -> torch.Tensor:
-    flat = x.reshape(-1)
-    keep = torch.zeros_like(flat)
-    idx = flat.abs().topk(k).indices
-    keep[idx] = flat[idx]
-    return keep.view_as(x)
-
-
 def _topk_rows(x: torch.Tensor, ratio: float, chunk: int) -> torch.Tensor:
     """top-k of each block of ``max(1, chunk // row length)`` whole rows
     (one block when ``chunk`` is 0 or the tensor fits), each keeping
@@ -263,7 +256,7 @@ def _topk_rows(x: torch.Tensor, ratio: float, chunk: int) -> torch.Tensor:
     rows = x.shape[0]
     per = rows if not chunk or x.numel() <= chunk else max(1, chunk // (x.numel() // rows))
     blocks = [x[r : r + per] for r in range(0, rows, per)]
-    return torch.cat([_topk64(b, math.ceil(ratio * b.numel())) for b in blocks])
+    return torch.cat([topk(b, ratio) for b in blocks])
 
 
 def _reference_topk(steps: int, per_host: int = PER_HOST, chunk: int = 0) -> list[list[torch.Tensor]]:

@@ -261,20 +261,9 @@ def _launch(framework: str, out) -> list[dict]:  # noqa: ANN001
     return [torch.load(out / f"{framework}-rank{r}.pt", weights_only=True) for r in range(2)]
 
 
-def _topk(p):  # noqa: ANN001,ANN202
-    """The k = ceil(RATIO d) entries of largest magnitude, ties to the lower index."""
-    import torch
-
-    flat = p.reshape(-1)
-    k = min(flat.numel(), max(1, math.ceil(RATIO * flat.numel())))
-    order = torch.sort(-flat.abs(), stable=True).indices[:k]
-    kept = torch.zeros_like(flat)
-    kept[order] = flat[order]
-    return kept.reshape(p.shape)
-
-
 def _check(ranks: list[dict]) -> None:
     import torch
+    from references import topk  # the k = ceil(RATIO d) largest magnitudes in float64, ties to the lower index
 
     for r, res in enumerate(ranks):
         plain, none = res["plain"], res["none"]
@@ -306,7 +295,7 @@ def _check(ranks: list[dict]) -> None:
                 g = [x if x is not None else torch.zeros(shapes[n], dtype=torch.float64) for x in local]
                 if compressed:
                     ps = [(e[n] + x).float().double() for e, x in zip(residual, g)]
-                    sent = [_topk(p) for p in ps]
+                    sent = [topk(p, RATIO) for p in ps]
                     for e, p, s in zip(residual, ps, sent):
                         e[n] = p - s
                 else:

@@ -18,11 +18,10 @@ its own residual). One spawn of 2 gloo workers, about 10 s.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from distributed import run_workers
+from references import topk
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -194,15 +193,6 @@ def runs() -> list[dict]:
 
 
 # ------------------------------------------------------------------ references (float64, by the definitions)
-def _topk(x: torch.Tensor, ratio: float) -> torch.Tensor:
-    flat = x.reshape(-1)
-    k = min(flat.numel(), max(1, math.ceil(ratio * flat.numel())))
-    out = torch.zeros_like(flat)
-    idx = flat.abs().topk(k).indices
-    out[idx] = flat[idx]
-    return out.reshape(x.shape)
-
-
 def _scaled_sign(x: torch.Tensor) -> torch.Tensor:
     """efsignsgd: ``mean |x| * sign(x)``, sign(0) = +1."""
     return x.abs().mean() * torch.where(x >= 0, 1.0, -1.0).to(x.dtype)
@@ -217,7 +207,7 @@ def _ef_allgather(grads: list[list[torch.Tensor]]) -> list[torch.Tensor]:
         sent = []
         for r, g in enumerate(step):
             p = g + e[r]
-            sent.append(_topk(p, RATIO))
+            sent.append(topk(p, RATIO))
             e[r] = p - sent[-1]
         out.append(sum(sent) / world)
     return out
@@ -228,7 +218,7 @@ def _ps(grads: list[list[torch.Tensor]], parts: int, spec: str = TOPK) -> list[t
     cuts it into ``parts`` flat pieces and sends C(piece) (top-k, or the scaled sign); the root of a piece
     averages what it got, adds its own residual ``E`` and re-encodes (top-k at density ``ratio * N``)
     with ``E = q - sent``; everyone gets the root's result."""
-    comp = _scaled_sign if spec == "efsignsgd" else (lambda x: _topk(x, RATIO))
+    comp = _scaled_sign if spec == "efsignsgd" else (lambda x: topk(x, RATIO))
     world = len(grads[0])
     e = [torch.zeros_like(grads[0][0]) for _ in range(world)]
     root_e: list[torch.Tensor | None] = [None] * parts
@@ -245,7 +235,7 @@ def _ps(grads: list[list[torch.Tensor]], parts: int, spec: str = TOPK) -> list[t
         for k in range(parts):
             avg = sum(pieces_by_rank[r][k] for r in range(world)) / world
             q = avg + (root_e[k] if root_e[k] is not None else 0)
-            s = _scaled_sign(q) if spec == "efsignsgd" else _topk(q, min(1.0, RATIO * world))
+            s = _scaled_sign(q) if spec == "efsignsgd" else topk(q, min(1.0, RATIO * world))
             root_e[k] = q - s
             results.append(s)
         out.append(torch.cat([s.reshape(-1) for s in results]).reshape(step[0].shape) if parts > 1 else results[0])

@@ -15,6 +15,7 @@ import math
 
 import pytest
 import torch
+from references import topk_support
 
 from gradpress.compress import Context, create
 from gradpress.compress.handwritten import HANDWRITTEN, handwritten
@@ -34,21 +35,11 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
             and torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)))
 
 
-def _topk_reference(x: torch.Tensor, k: int) -> torch.Tensor:
-    """The top-k rule by its definition, in Python floats (float64): rank by
-    |x| descending with NaN above every number, ties to the lower index;
-    the k kept indices in ascending order."""
-    mags = [abs(v) for v in x.double().tolist()]
-    order = sorted(range(len(mags)), key=lambda i: (0 if math.isnan(mags[i]) else 1,
-                                                     0.0 if math.isnan(mags[i]) else -mags[i], i))
-    return torch.tensor(sorted(order[:k]), dtype=torch.int64)
-
-
 def _check_topk(comp, x: torch.Tensor, ratio: float) -> None:  # noqa: ANN001
-    """``topk``'s packet against :func:`_topk_reference`: int32 indices,
+    """``topk``'s packet against ``references.topk_indices`` (NaN first, ties to the lower index: the
+    extreme inputs and the low-precision dtypes have both): int32 indices,
     the input's own bytes as values; the decode places them in zeros."""
-    k = min(x.numel(), max(1, math.ceil(ratio * x.numel()))) if x.numel() else 0
-    want = _topk_reference(x, k)
+    want = topk_support(x, ratio)
     packet = comp.encode(x)
     values, indices = packet.tensors
     assert _same(indices, want.to(torch.int32)), (x.dtype, x.numel())

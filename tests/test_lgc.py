@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 from distributed import run_workers
+from references import topk_support
 
 import gradpress.algorithms as algorithms
 
@@ -70,7 +71,7 @@ def top_per_tensor(acc: torch.Tensor, ratio: float = 0.05) -> torch.Tensor:
     """The reference selection: the ceil(ratio * n) largest |acc| of each parameter tensor."""
     out, offset = [], 0
     for n in sizes():
-        out.append(torch.topk(acc[offset:offset + n].abs(), math.ceil(ratio * n)).indices + offset)
+        out.append(topk_support(acc[offset:offset + n], ratio) + offset)
         offset += n
     return torch.cat(out)
 

@@ -17,6 +17,7 @@ import math
 import pytest
 import torch
 from distributed import run_workers
+from references import topk_indices
 
 import gradpress.algorithms as algorithms
 
@@ -92,7 +93,7 @@ def _reference_indices(acc: torch.Tensor, mask: torch.Tensor, k: int) -> torch.T
     """The k largest |acc| among the entries of parameters some rank has (the leader's selection)."""
     candidates = torch.nonzero(mask).reshape(-1)
     assert candidates.numel() >= k
-    return candidates[torch.topk(acc[candidates].abs(), k).indices]
+    return candidates[topk_indices(acc[candidates], k)]
 
 
 def test_head_is_absent_where_the_test_says(results: list[dict]) -> None:

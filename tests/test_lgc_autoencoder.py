@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from references import topk_indices
 
 from gradpress.algorithms.lgc_autoencoder import LGCAutoencoder, latent_length, rms, train_step
 from gradpress.algorithms.lgc_exchange import select
@@ -24,10 +25,6 @@ def sample(g: torch.Generator) -> torch.Tensor:
     shared = sum(a[b] * torch.exp(-0.5 * ((pos - c) / 25.0) ** 2) for b, c in enumerate(CENTERS))
     shared = shared + 0.02 * torch.randn(D, generator=g, dtype=torch.float64)
     return shared + 0.05 * torch.randn(N, D, generator=g, dtype=torch.float64)
-
-
-def top_indices(x: torch.Tensor, k: int) -> torch.Tensor:
-    return torch.topk(x.abs(), k).indices.sort().values
 
 
 def test_latent_is_a_quarter_and_shapes() -> None:
@@ -74,7 +71,7 @@ def test_autoencoder_learns_and_beats_topk_at_the_same_bytes() -> None:
             grads = sample(g)
             mean = grads.mean(0)
             idx = select(grads[0], [(0, D, K)]).long()
-            assert torch.equal(idx.sort().values, top_indices(grads[0], K))
+            assert torch.equal(idx.sort().values, topk_indices(grads[0], K))
             scale = rms(grads[0, idx])
             z = ae.encode((grads[0:1, idx] / scale).float())[0]
             estimate = torch.zeros(D, dtype=torch.float64)
@@ -82,7 +79,7 @@ def test_autoencoder_learns_and_beats_topk_at_the_same_bytes() -> None:
             err_lgc.append(float((estimate - mean).norm() / mean.norm()))
             sparse = torch.zeros(D, dtype=torch.float64)
             for j in range(N):
-                i = top_indices(grads[j], k_topk)
+                i = topk_indices(grads[j], k_topk)
                 sparse[i] += grads[j, i] / N
             err_topk.append(float((sparse - mean).norm() / mean.norm()))
     lgc, topk = sum(err_lgc) / len(err_lgc), sum(err_topk) / len(err_topk)
@@ -93,6 +90,6 @@ def test_autoencoder_learns_and_beats_topk_at_the_same_bytes() -> None:
 def test_select_keeps_each_segments_largest_in_decreasing_value_order(quotas: list[tuple[int, int, int]]) -> None:
     acc = torch.randn(300, generator=torch.Generator().manual_seed(4))
     idx = select(acc, quotas).long()
-    expected = torch.cat([torch.topk(acc[o:o + n].abs(), q).indices + o for o, n, q in quotas])
+    expected = torch.cat([topk_indices(acc[o:o + n], q) + o for o, n, q in quotas])
     assert torch.equal(idx.sort().values, expected.sort().values)
     assert torch.all(acc[idx][:-1] >= acc[idx][1:])  # the master's values form a monotone curve

@@ -30,6 +30,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed import worlds_fixture
+from references import topk as ref_topk  # the k largest |x| in float64, ties to the lower index
 
 import gradpress
 import gradpress.algorithms as algorithms
@@ -141,21 +142,6 @@ world_results = worlds_fixture(_worker)
 
 
 # --------------------------------------------------------------- references
-def kept(d: int, ratio: float) -> int:
-    """k = ceil(ratio * d), at least 1."""
-    return min(d, max(1, math.ceil(ratio * d)))
-
-
-def ref_topk(x: torch.Tensor, ratio: float) -> torch.Tensor:
-    flat = x.reshape(-1)
-    k = kept(flat.numel(), ratio)
-    order = sorted(range(flat.numel()), key=lambda i: -abs(float(flat[i])))
-    out = torch.zeros_like(flat)
-    for i in order[:k]:
-        out[i] = flat[i]
-    return out.reshape(x.shape)
-
-
 def ref_fp16(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float16).to(F64)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 from distributed import run_workers
+from references import topk_dense
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradpress
@@ -26,14 +27,6 @@ class Wrapper(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.tanh(self.module(x)) @ self.weight
-
-
-def _topk(a: torch.Tensor) -> torch.Tensor:
-    flat = a.reshape(-1)
-    out = torch.zeros_like(flat)
-    idx = flat.abs().topk(K).indices
-    out[idx] = flat[idx]
-    return out.reshape(a.shape)
 
 
 def _worker(rank: int, world: int) -> dict:
@@ -58,7 +51,7 @@ def _worker(rank: int, world: int) -> dict:
         step = {}
         for n, p in ref_model.named_parameters():
             acc = p.grad.double() + residual[n]
-            step[n] = _topk(acc)
+            step[n] = topk_dense(acc, K)
             residual[n] = acc - step[n]
         want.append(step)
     return {"got": got, "want": want, "keys": keys}

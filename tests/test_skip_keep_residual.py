@@ -15,6 +15,7 @@ import math
 import pytest
 import torch
 from distributed import run_workers
+from references import topk
 from test_algorithms import WORLD, loss_of
 from test_algorithms_outer import Workers, build, flat
 
@@ -47,14 +48,6 @@ def _worker(rank: int, world: int) -> dict:
 @pytest.fixture(scope="module")
 def results() -> list[dict]:
     return run_workers(_worker, WORLD)
-
-
-def _topk(acc: torch.Tensor) -> torch.Tensor:
-    flat_ = acc.reshape(-1)
-    sent = torch.zeros_like(flat_)
-    idx = flat_.abs().topk(math.ceil(RATIO * flat_.numel())).indices
-    sent[idx] = flat_[idx]
-    return sent.reshape(acc.shape)
 
 
 def reference(select: str) -> list[list[torch.Tensor]]:
@@ -91,10 +84,10 @@ def _outer_step(theta: list[torch.Tensor], buf: list[torch.Tensor | None], resid
         sent = []
         for r in range(WORLD):
             if select == "model":
-                whole = _topk(torch.cat([d.reshape(-1) for d in deltas[r]]))
+                whole = topk(torch.cat([d.reshape(-1) for d in deltas[r]]), RATIO)
                 mine = [v.view_as(d) for v, d in zip(whole.split([d.numel() for d in deltas[r]]), deltas[r])]
             else:
-                mine = [_topk(d) if d.dim() > 1 and d.numel() >= MIN_NUMEL else d for d in deltas[r]]
+                mine = [topk(d, RATIO) if d.dim() > 1 and d.numel() >= MIN_NUMEL else d for d in deltas[r]]
             resid[r] = [d - m for d, m in zip(deltas[r], mine)]
             sent.append(mine)
         for i in range(len(theta)):

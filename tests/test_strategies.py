@@ -223,7 +223,8 @@ def test_direct_exact_and_identical(results):
 def _ref_direct(world: int, name: str, ratio: float, bucket: int) -> list[torch.Tensor]:
     """Top-k through the ring or the PS, residuals starting at zero, by the
     strategies' definitions (float64; see tests/test_references.py)."""
-    from test_references import chunks, ref_topk
+    from references import topk as ref_topk
+    from test_references import chunks
 
     xs = [[t.double() for t in rank_tensors(r, bucket)] for r in range(world)]
     out = []

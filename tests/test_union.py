@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 from distributed import run_workers
+from references import topk_support
 from regression import train_hook_and_diloco
 from test_cyclic import ENGINE_SHAPES, EXTREME, RATIO, SHAPES, _engine_inputs, _extreme, _tensors
 
@@ -66,11 +67,6 @@ def direct(request: pytest.FixtureRequest) -> tuple[int, list[dict]]:
     return request.param, run_workers(_direct, request.param)
 
 
-def _topk_support(x: torch.Tensor) -> torch.Tensor:
-    k = max(1, math.ceil(RATIO * x.numel()))
-    return torch.topk(x.double().reshape(-1).abs(), k).indices
-
-
 def _threshold_support(x: torch.Tensor) -> torch.Tensor:
     return torch.nonzero(x.double().reshape(-1).abs() >= TAU).reshape(-1)
 
@@ -100,7 +96,7 @@ def test_union_is_the_exact_mean_on_every_ranks_support(direct: tuple[int, list[
     world, results = direct
     for step in range(3):
         xs = [_tensors(r, step) for r in range(world)]
-        sizes = _check_union(xs, results, ("topk", step), lambda r, i, xs=xs: _topk_support(xs[r][i]))
+        sizes = _check_union(xs, results, ("topk", step), lambda r, i, xs=xs: topk_support(xs[r][i], RATIO))
         ks = [max(1, math.ceil(RATIO * math.prod(s))) for s in SHAPES]
         assert all(k < u <= world * k for k, u in zip(ks, sizes))  # random tensors: supports differ, may overlap
 
@@ -110,7 +106,8 @@ def test_union_bytes_are_indices_gathered_and_union_values_summed(direct: tuple[
     its indices padded to the largest rank's (8-byte multiple), the union's
     values; ``tensor_bytes``: its own indices and the union's values."""
     world, results = direct
-    for key, tensors, select in [(("topk", s), lambda r, s=s: _tensors(r, s), _topk_support) for s in range(3)] + [
+    for key, tensors, select in [(("topk", s), lambda r, s=s: _tensors(r, s),
+                                     lambda x: topk_support(x, RATIO)) for s in range(3)] + [
             (("threshold", 7), _threshold_tensors, _threshold_support)]:
         xs = [tensors(r) for r in range(world)]
         unions = [torch.unique(torch.cat([select(xs[r][i]) for r in range(world)])).numel() for i in range(len(SHAPES))]
@@ -128,8 +125,8 @@ def test_union_sends_int64_indices_when_a_tensor_is_beyond_int32(direct: tuple[i
     (int32 would wrap to negative indices: values land elsewhere, silently)."""
     world, results = direct
     xs = [_tensors(r, 0) for r in range(world)]
-    sizes = _check_union(xs, results, ("wide", 0), lambda r, i: _topk_support(xs[r][i]))
-    counts = [[_topk_support(xs[r][i]).numel() for i in range(len(SHAPES))] for r in range(world)]
+    sizes = _check_union(xs, results, ("wide", 0), lambda r, i: topk_support(xs[r][i], RATIO))
+    counts = [[topk_support(xs[r][i], RATIO).numel() for i in range(len(SHAPES))] for r in range(world)]
     for r in range(world):
         assert results[r]["wide", 0]["tensor_bytes"] == [4 * u + 8 * c for u, c in zip(sizes, counts[r])]
         assert results[r]["wide", 0]["bytes"] == 8 * len(SHAPES) + 8 + max(8 * sum(c) for c in counts) + 4 * sum(sizes)
@@ -181,7 +178,7 @@ def test_union_through_the_engine_is_the_definition() -> None:
                 comp = [[t.double().reshape(-1) + (resid[r][i] if fb else 0)
                          for i, t in enumerate(_engine_inputs(r, step, transpose))] for r in range(world)]
                 for i in range(len(ENGINE_SHAPES)):
-                    union = torch.unique(torch.cat([torch.topk(comp[r][i].abs(), math.ceil(0.1 * comp[r][i].numel())).indices
+                    union = torch.unique(torch.cat([topk_support(comp[r][i], 0.1)
                                                     for r in range(world)]))
                     want = torch.zeros_like(comp[0][i])
                     want[union] = sum(comp[r][i][union] for r in range(world)) / world
@@ -198,7 +195,7 @@ def test_union_on_extreme_finite_inputs_stays_finite_exact_and_identical() -> No
     results = run_workers(_extreme, world, "union")
     for dtype in EXTREME:
         xs = [results[r][dtype][0] for r in range(world)]
-        union = torch.unique(torch.cat([_topk_support(x) for x in xs]))
+        union = torch.unique(torch.cat([topk_support(x, RATIO) for x in xs]))
         want = torch.zeros(xs[0].numel(), dtype=torch.float64)
         want[union] = sum(x.double().reshape(-1)[union] / world for x in xs)  # float64's own sum would overflow
         got = results[0][dtype][1]
@@ -299,7 +296,7 @@ def test_the_result_goes_into_out_unless_it_is_the_input_with_feedback(name: str
     ctx = [Context(key="w", step=0, rank=0, world_size=1)]
     x = torch.randn(40, 25, generator=torch.Generator().manual_seed(3))
     want = torch.zeros(x.numel())
-    idx = _topk_support(x)
+    idx = topk_support(x, RATIO)
     want[idx] = x.reshape(-1)[idx]
     want = want.view_as(x)
     buf = torch.zeros(2 * x.numel())

@@ -93,13 +93,17 @@ def _placed(value: Any, param: torch.Tensor, key: Any, group: Mapping[str, Any])
     return value.to(device=param.device, copy=True)
 
 
+def _stacked_by_device(flags: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """The 0-d bool ``flags``, one 1-d stack per device they are on (no host read, no copy between devices)."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for f in flags:
+        by_device.setdefault(f.device, []).append(f)
+    return [torch.stack(fs) for fs in by_device.values()]
+
+
 def _finite_by_device(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     """Per device of ``tensors``, a 0-d bool tensor there: its floating tensors are all finite (no host read)."""
-    flags: dict[torch.device, list[torch.Tensor]] = {}
-    for t in tensors:
-        if t.is_floating_point() and t.numel():
-            flags.setdefault(t.device, []).append(all_finite(t))
-    return [torch.stack(fs).all() for fs in flags.values()]
+    return [s.all() for s in _stacked_by_device(all_finite(t) for t in tensors if t.is_floating_point() and t.numel())]
 
 
 def _newly_not_finite(now: torch.Tensor, then: Any) -> torch.Tensor | None:
@@ -206,14 +210,10 @@ class LocalCopy:
                  for k, v in self.optimizer.state.get(self.params[i], {}).items() if torch.is_tensor(v)]
         if buffers:
             pairs += list(zip(self.buffers, self.saved_buffers))
-        by_device: dict[torch.device, list[torch.Tensor]] = {}
-        for now, then in pairs:
-            flag = _newly_not_finite(now, then)
-            if flag is not None:
-                by_device.setdefault(flag.device, []).append(flag)
-        if not by_device:
+        stacks = _stacked_by_device(f for f in (_newly_not_finite(now, then) for now, then in pairs) if f is not None)
+        if not stacks:
             return
-        bad = torch.stack([torch.stack(fs).any().to(target.device) for fs in by_device.values()]).any()
+        bad = torch.stack([s.any().to(target.device) for s in stacks]).any()
         target[(0,) * target.dim()].masked_fill_(bad, float("nan"))
 
     def finite(self, idx: Iterable[int]) -> bool:

@@ -1,0 +1,56 @@
+"""Shared float64 references the tests compute themselves, by the
+definitions, with no gradpress code: the dense top-k (``topk`` and every
+method that keeps "the k entries of largest magnitude").
+
+The rule, everywhere: rank the entries of the flattened tensor by their
+magnitude in float64 (exact for every float dtype), largest first, NaN above
+every number; ties go to the lower index (gradpress's own rule,
+:func:`gradpress.compress.sparse.topk_magnitude`). A test whose data has no
+tie at the k-th magnitude (continuous random data) does not depend on the
+tie rule; the tests that need it (ties, NaN) say so where they call these.
+
+The selection is two stable sorts of the float64 magnitudes (not
+``torch.topk``, whose tie order and unsorted output depend on its kernel).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["kept", "topk", "topk_dense", "topk_indices", "topk_support"]
+
+
+def kept(d: int, ratio: float) -> int:
+    """k = ceil(ratio * d), at least 1 and at most d for a non-empty tensor; 0 for an empty one."""
+    return 0 if d == 0 else min(d, max(1, math.ceil(ratio * d)))
+
+
+def topk_indices(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Flat indices (int64, ascending) of the ``k`` entries of ``x`` of largest
+    magnitude: NaN first, then |x| descending in float64, ties to the lower index."""
+    mag = x.detach().reshape(-1).double().abs().cpu()
+    nan = torch.isnan(mag)
+    order = torch.sort(torch.where(nan, 0.0, -mag), stable=True).indices  # largest first, ties by index
+    order = order[torch.sort((~nan[order]).to(torch.int8), stable=True).indices]  # NaN ahead, order kept
+    return order[:max(0, k)].sort().values.to(x.device)
+
+
+def topk_support(x: torch.Tensor, ratio: float) -> torch.Tensor:
+    """What ``topk:ratio=...`` keeps of ``x``: :func:`topk_indices` with k = :func:`kept`."""
+    return topk_indices(x, kept(x.numel(), ratio))
+
+
+def topk_dense(x: torch.Tensor, k: int) -> torch.Tensor:
+    """``x`` where :func:`topk_indices` keeps it, 0 elsewhere (``x``'s shape, dtype and device)."""
+    flat = x.detach().reshape(-1)
+    out = torch.zeros_like(flat)
+    idx = topk_indices(flat, k)
+    out[idx] = flat[idx]
+    return out.reshape(x.shape)
+
+
+def topk(x: torch.Tensor, ratio: float) -> torch.Tensor:
+    """The ``topk:ratio=...`` compressor's decode(encode(x)): :func:`topk_dense` with k = :func:`kept`."""
+    return topk_dense(x, kept(x.numel(), ratio))
