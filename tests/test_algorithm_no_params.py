@@ -32,5 +32,7 @@ def test_a_model_without_trainable_parameters_is_refused_naming_the_algorithm(on
     optimizer = torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))], lr=0.1)  # Adam: every algorithm accepts it
     with pytest.raises(ValueError) as exc:
         algorithms.create(name, model, optimizer)
+    # one error on every rank, naming the stage: construction (it said "registration", the DDP hook's word)
+    assert str(exc.value).startswith(f"algorithm {name!r} construction failed: rank 0: "), str(exc.value)
     assert (f"algorithm {name!r}: the model has no trainable parameter (none with requires_grad=True): nothing to "
             "train or synchronize; allowed: a model with at least one") in str(exc.value)

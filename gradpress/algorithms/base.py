@@ -128,7 +128,8 @@ class Algorithm(ExchangeHelpers):
             self.setup()
         except Exception as exc:  # noqa: BLE001 - every rank must reach agree(), or the others hang
             error = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
-        agree(self.config() if error is None else None, error, self.group, what=f"algorithm {self.name!r}")
+        agree(self.config() if error is None else None, error, self.group, what=f"algorithm {self.name!r}",
+              stage="construction")
         assert self.engine is not None
         if self.engine.strategy_name == "auto":
             self.engine.replan()  # collective: every rank measures together, rank 0 fits

@@ -43,15 +43,18 @@ def config_diff(theirs: dict[str, Any], mine: dict[str, Any], theirs_name: str =
     ) or "parameters: names or shapes differ"
 
 
-def agree(mine: dict[str, Any] | None, error: str | None, group: dist.ProcessGroup | None, what: str = "gradpress") -> None:
+def agree(mine: dict[str, Any] | None, error: str | None, group: dist.ProcessGroup | None, what: str = "gradpress",
+          stage: str = "registration") -> None:
     """Raise on every rank if any rank failed (``error``) or the
-    configurations differ; return silently when all agree."""
+    configurations differ; return silently when all agree. ``stage`` names
+    what failed in the message (``"registration"`` of a DDP hook,
+    ``"construction"`` of an algorithm)."""
     world = dist.get_world_size(group)
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, {"config": mine, "error": error}, group=group)
     errors = [f"rank {r}: {e['error']}" for r, e in enumerate(everyone) if e["error"]]
     if errors:
-        raise ValueError(f"{what} registration failed: " + "; ".join(errors))
+        raise ValueError(f"{what} {stage} failed: " + "; ".join(errors))
     configs = [e["config"] for e in everyone]
     if all(c == configs[0] for c in configs):
         return
