@@ -177,17 +177,58 @@ def _worker(rank: int, world: int) -> dict:
     return out
 
 
+#: scripted training losses of 4 workers, one election per step: ties, NaN, +-inf
+SCRIPTED = [[1.0, 1.0, 1.0, 1.0], [3.0, 2.0, 5.0, 2.0], [math.nan, 4.0, 4.0, math.nan],
+            [math.nan] * 4, [math.inf, math.nan, 7.0, math.inf], [-1.0, -1.0, -math.inf, -math.inf],
+            [0.5, math.nan, 0.5, 0.25]]
+
+
+def elected(losses: list[float], ranks: list[int]) -> int:
+    """The doc's rule: the lowest loss leads, ties to the lowest rank; a NaN
+    loss never leads unless every loss is NaN (then the lowest rank)."""
+    numbers = [r for r in ranks if not math.isnan(losses[r])]
+    if not numbers:
+        return ranks[0]
+    best = min(losses[r] for r in numbers)
+    return min(r for r in numbers if losses[r] == best)
+
+
+def _scripted(rank: int, spec: str) -> dict:
+    """Elections on the scripted losses (given to ``step``, lr 0); before each
+    step every worker holds parameters equal to its rank + 1."""
+    model, _, algo = build(rank, spec)
+    opt = algo.optimizer
+    opt.param_groups[0]["lr"] = 0.0
+    leaders, held = [], []
+    for losses in SCRIPTED:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(rank + 1.0)
+        opt.zero_grad()
+        algo.step(torch.tensor(losses[rank], dtype=torch.float64))
+        leaders.append((algo.leaders["global"], list(algo.leaders["local"])))
+        held.append(flat(model))
+    return {"leaders": leaders, "held": held}
+
+
 def _worker4(rank: int, world: int) -> dict:
     model, opt, algo = build(rank, "lsgd:tau=2,groups=2,c_local=0.5,c_global=0.25,tau_global=4")
     out = train(rank, model, opt, algo, 0, 8)
     model, opt, algo = build(rank, "lsgd:tau=2,groups=2,c_local=0.5,c_global=0.25,tau_global=4,prox=0.5")
     out["prox"] = train(rank, model, opt, algo, 0, 8)
+    out["scripted"] = _scripted(rank, "lsgd:tau=1,c=1")
+    out["scripted_groups"] = _scripted(rank, "lsgd:tau=1,groups=2,c_local=1,tau_global=1000")
     return out
 
 
 @pytest.fixture(scope="module")
 def results() -> list[dict]:
     return run_workers(_worker, 2)
+
+
+@pytest.fixture(scope="module")
+def four() -> list[dict]:
+    return run_workers(_worker4, 4)
 
 
 def close(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -286,8 +327,8 @@ def test_groups_must_divide_the_world(results: list[dict]) -> None:
         assert "parameter 'groups' got 3; allowed: a divisor of the world size 2" in res["groups_error"]
 
 
-def test_local_and_global_leaders_on_four_workers() -> None:
-    res = run_workers(_worker4, 4)
+def test_local_and_global_leaders_on_four_workers(four: list[dict]) -> None:
+    res = four
     ref, leaders = reference(4, 8, 2, 0.0, groups=2, c_local=0.5, c_global=0.25, tau_global=4)
     for rank in range(4):
         assert close(res[rank]["params"][-1], ref[rank]), (res[rank]["params"][-1] - ref[rank]).abs().max()
@@ -297,6 +338,23 @@ def test_local_and_global_leaders_on_four_workers() -> None:
         got = res[rank]["prox"]["params"][-1]
         assert close(got, ref[rank]), (got - ref[rank]).abs().max()
         assert [res[rank]["prox"]["leaders"][t - 1] for t in (2, 4, 6, 8)] == leaders
+
+
+def test_elections_break_ties_to_the_lowest_rank_and_never_elect_a_nan_loss(four: list[dict]) -> None:
+    """Scripted losses (ties, NaN, +-inf) on 4 workers: every rank elects the
+    global leader and each group's (2 groups of 2) by the doc's rule, and
+    with c = 1 every worker then holds the global leader's parameters (its
+    rank + 1), with c_local = 1 its group leader's."""
+    for key, groups in (("scripted", 1), ("scripted_groups", 2)):
+        size = 4 // groups
+        for t, losses in enumerate(SCRIPTED):
+            want = (elected(losses, list(range(4))),
+                    [elected(losses, list(range(g * size, (g + 1) * size))) for g in range(groups)])
+            for rank in range(4):
+                assert four[rank][key]["leaders"][t] == want, (key, t, losses, four[rank][key]["leaders"][t])
+                source = want[0] if groups == 1 else want[1][rank // size]
+                held = four[rank][key]["held"][t]
+                assert torch.equal(held, torch.full_like(held, source + 1.0)), (key, t, rank)
 
 
 def local_sgd_step(models: list[torch.nn.Module], step: int, window: list[list[float]]) -> None:

@@ -201,6 +201,8 @@ def _worker(rank: int, world: int) -> dict:
     out["streaming"] = train(rank, model, opt, algo, 0, STEPS)
     out["streaming_frags"] = algo.frags
     out["streaming_anchor"] = [torch.cat([a.reshape(-1) for a in algo.anchor])]
+    algo.drain()  # step 12's exchange done, not merged (a checkpoint drains so)
+    out["streaming_stats"] = algo.stats
     algo.close()
     model, opt, algo = build(rank, "streaming-diloco:period=3,fragments=1,overlap=0,alpha=0")
     out["streaming_as_diloco"] = train(rank, model, opt, algo, 0, STEPS)
@@ -282,6 +284,19 @@ def test_streaming_diloco_matches_reference_with_staggered_fragments_and_overlap
     assert torch.equal(results[0]["streaming_anchor"][0], results[1]["streaming_anchor"][0])
     for a, b in zip(results[0]["streaming_as_diloco"], results[0]["diloco"]):
         assert torch.equal(a, b)
+
+
+def test_streaming_stats_count_the_merged_exchanges_only(results: list[dict]) -> None:
+    """period 4, 2 fragments, overlap 1, 12 steps: fragment 0 (240 float64
+    weights) launches at steps 2, 6, 10, fragment 1 (40 + 120 + 3) at 4, 8,
+    12, each merged one step later; the exchange of step 12 has finished
+    (drained) but is not merged yet, so ``exchanges`` is 5 and ``bytes_sent``
+    the dense bytes of the five merged ones, whatever the exchange thread
+    has sent."""
+    for res in results:
+        s = res["streaming_stats"]
+        assert s["exchanges"] == 5, s["exchanges"]
+        assert s["bytes_sent"] == 3 * 240 * 8 + 2 * (40 + 120 + 3) * 8, s["bytes_sent"]
 
 
 def test_streaming_resume_with_an_exchange_in_flight_is_bit_identical(results: list[dict]) -> None:

@@ -166,6 +166,117 @@ def reference_onebit(steps: int, freeze: int, min_numel: int, chunk: int = 0) ->
     return out
 
 
+def compressed_average(xs: list[torch.Tensor], werr: list[torch.Tensor], serr: list[torch.Tensor],
+                       chunk: int = 0) -> torch.Tensor:
+    """DeepSpeed's compressed allreduce of one flat tensor per rank, float64:
+    worker r adds its residual ``werr[r]`` and sends the scaled sign of each of
+    the N partitions; the owner k of partition k averages the N decoded
+    partitions, adds its residual (partition k of ``serr[k]``) and sends the
+    scaled sign of that. Both residuals are updated in place with what each
+    compression dropped; returns the flat result every rank decodes."""
+    n = len(xs)
+    local = [x + e for x, e in zip(xs, werr)]
+    sent = [[scaled_sign(c, chunk) for c in torch.tensor_split(x, n)] for x in local]
+    for r in range(n):
+        werr[r].copy_(local[r] - torch.cat(sent[r]))
+    result = []
+    for k in range(n):
+        owned = torch.tensor_split(serr[k], n)[k]
+        s = sum(sent[r][k] for r in range(n)) / n + owned
+        c = scaled_sign(s, chunk)
+        owned.copy_(s - c)
+        result.append(c)
+    return torch.cat(result)
+
+
+def reference_zeroone_compressed(steps: int, freeze: int, kappa: int, scaler: int, clipper: int,
+                                 min_numel: int) -> list[list[torch.Tensor]]:
+    """0/1 Adam (Lu et al. 2022) with its default compressor (scaled sign,
+    one scale per partition) through DeepSpeed's compressed allreduce,
+    float64. Variance phase (t <= ``freeze``): v is updated on the steps
+    where t % I == 0 (I = 1, doubling after every ``kappa`` such updates)
+    with the exactly averaged gradient; on the other steps the gradient
+    goes through the compressed allreduce with both residuals (2-D tensors
+    of at least ``min_numel`` entries; the others are averaged plain), is
+    zeroed where v == 0, and only m is updated. At the freeze both residuals
+    are cleared (they held gradient errors; they will hold update errors).
+    Local phase: every worker steps its own m with the frozen variance; when
+    t % H == 0 the changes since the anchor times the denominator go through
+    the compressed allreduce, m becomes ``-mean (1 - b1^t) / sum(lr)`` and
+    every replica ``anchor + mean / denom``; H doubles every ``scaler``
+    local steps up to ``clipper``. Returns each rank's flat parameters
+    after each step."""
+    b1, b2 = BETAS
+    params = [p.detach().clone() for p in make_model().parameters()]
+    compressed = [p.dim() >= 2 and p.numel() >= min_numel for p in params]
+    m = [torch.zeros_like(p) for p in params]
+    v = [torch.zeros_like(p) for p in params]
+    werr = [[torch.zeros(p.numel(), dtype=p.dtype) for _ in range(WORLD)] for p in params]
+    serr = [[torch.zeros(p.numel(), dtype=p.dtype) for _ in range(WORLD)] for p in params]
+
+    def average(i: int, xs: list[torch.Tensor]) -> torch.Tensor:
+        if not compressed[i]:
+            return sum(xs) / WORLD
+        flat_xs = [x.reshape(-1) for x in xs]
+        return compressed_average(flat_xs, werr[i], serr[i]).reshape(xs[0].shape)
+
+    out: list[list[torch.Tensor]] = [[] for _ in range(WORLD)]
+    interval, updates, s = 1, 0, 0
+    for t in range(1, freeze + 1):
+        per_rank = [grads_at(params, r, t - 1) for r in range(WORLD)]
+        exact = t % interval == 0
+        if exact:
+            s += 1
+            updates += 1
+            if updates == kappa:
+                updates, interval = 0, interval * 2
+        for i, p in enumerate(params):
+            if exact:
+                g = sum(gr[i] for gr in per_rank) / WORLD
+                v[i] = b2 * v[i] + (1 - b2) * g * g
+            else:
+                g = torch.where(v[i] == 0, 0.0, average(i, [gr[i] for gr in per_rank]))
+            m[i] = b1 * m[i] + (1 - b1) * g
+            p -= LR / (1 - b1 ** t) * m[i] / ((v[i] / (1 - b2 ** s)).sqrt() + EPS)
+        for r in range(WORLD):
+            out[r].append(flat(params))
+    for i in range(len(params)):  # the freeze clears both residuals
+        for e in (*werr[i], *serr[i]):
+            e.zero_()
+    denom = [(vi / (1 - b2 ** s)).sqrt() + EPS for vi in v]
+    anchor = [p.clone() for p in params]
+    local = [[p.clone() for p in params] for _ in range(WORLD)]
+    moms = [[mi.clone() for mi in m] for _ in range(WORLD)]
+    interval, counter, lrs = 1, 0, 0.0
+    for t in range(freeze + 1, steps + 1):
+        for r in range(WORLD):
+            g = grads_at(local[r], r, t - 1)
+            for i in range(len(params)):
+                moms[r][i] = b1 * moms[r][i] + (1 - b1) * g[i]
+                local[r][i] = local[r][i] - LR / (1 - b1 ** t) * moms[r][i] / denom[i]
+        lrs += LR
+        if t % interval == 0:
+            for i in range(len(params)):
+                mean = average(i, [(local[r][i] - anchor[i]) * denom[i] for r in range(WORLD)])
+                mean = torch.where(v[i] == 0, 0.0, mean)
+                anchor[i] = anchor[i] + mean / denom[i]
+                for r in range(WORLD):
+                    moms[r][i] = -mean * (1 - b1 ** t) / lrs
+                    local[r][i] = anchor[i].clone()
+            lrs = 0.0
+        counter += 1
+        if counter == scaler:
+            counter, interval = 0, min(clipper, interval * 2)
+        for r in range(WORLD):
+            out[r].append(flat(local[r]))
+    return out
+
+
+#: 0/1 Adam compressed: variance steps 1, 2, 4 (kappa 1), compressed gradients at 3 and 5, the freeze after
+#: step 5, local steps synchronized (compressed) at 6 and 8 (H = 1, then 2)
+ZO_COMPRESSED = ("zeroone_adam:var_update_scaler=1,var_freeze_step=5,local_step_scaler=1,local_step_clipper=2", 8)
+
+
 def _run(rank: int, spec: str, compressor: str | None, steps: int, opt_cls: type = torch.optim.Adam,
          wd: float = 0.0, watch: bool = False, unused: bool = False, **kw) -> dict:  # noqa: ANN003
     model = make_model()
@@ -231,6 +342,7 @@ def _worker(rank: int, world: int) -> dict:
     out["zo_frozen_none"] = _run(rank, "zeroone_adam:var_update_scaler=1000,var_freeze_step=3,local_step_clipper=1",
                                  "none", 7)["params"]
     out["zo_local_none"] = _run(rank, ZO_LOCAL, "none", 9)["params"]
+    out["zo_compressed"] = _run(rank, ZO_COMPRESSED[0], None, ZO_COMPRESSED[1], min_numel=64)["params"]
     run = _run(rank, "zeroone_adam:var_update_scaler=2,var_freeze_step=9,local_step_scaler=2,local_step_clipper=4",
                None, 16, watch=True, min_numel=64)
     out["zo"] = {k: run[k] for k in ("params", "v", "m", "stats")}
@@ -289,6 +401,19 @@ def test_zeroone_local_steps_rebuild_the_momentum_at_each_synchronization(result
     for rank, res in enumerate(results):
         _close(res["zo_local_none"], want[rank], 1e-12)
     assert not torch.equal(results[0]["zo_local_none"][4], results[1]["zo_local_none"][4])  # step 5 is local
+
+
+def test_zeroone_compressed_gradients_and_local_steps_match_the_reference(results: list[dict]) -> None:
+    """0/1 Adam with its default compressor against the float64 reference:
+    compressed gradients between the variance steps (worker and owner
+    residuals carried from step 3 to step 5), both residuals cleared at the
+    freeze, compressed synchronizations of the local steps (float64 scales
+    travel with 2^-21 relative precision: loose tolerance, as for 1-bit Adam)."""
+    spec, steps = ZO_COMPRESSED
+    want = reference_zeroone_compressed(steps, freeze=5, kappa=1, scaler=1, clipper=2, min_numel=64)
+    for rank, res in enumerate(results):
+        _close(res["zo_compressed"], want[rank], 1e-5)
+    assert not torch.equal(results[0]["zo_compressed"][6], results[1]["zo_compressed"][6])  # step 7 is local
 
 
 def test_onebit_compressed_allreduce_with_both_residuals(results: list[dict]) -> None:

@@ -80,13 +80,14 @@ def ratio_at(t: int, start: float, target: float, warmup: int) -> float:
 
 
 def reference(world: int, steps: int, *, staleness: int, mode: str, clip: float, ratio: float | None,
-              start: float = 1.0, warmup: int = 0, momentum: float = 0.9,
+              start: float = 1.0, warmup: int = 0, momentum: float = 0.9, wd: float = 0.0,
               lookahead: bool = False) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
     """Comprex by its definition in float64, all workers in one process.
 
     Every worker computes its gradient at the common parameters x_t on its
     own batch; clips it to ``clip`` (total 2-norm, torch's formula);
-    ``mode='comprex'``: m <- momentum m + LR g, p = m + e, sent = top-k(p)
+    ``mode='comprex'``: m <- momentum m + LR (g + wd x) (x: the shared
+    weights, also under the look-ahead), p = m + e, sent = top-k(p)
     (k = ceil(ratio_t d), ratio_t of the exponential schedule), e <- p - sent,
     and x <- x - mean(sent) applied at step t + staleness; ``mode='sgd'``:
     x <- x - LR mean(g) applied at step t + staleness. 1-D tensors and tensors
@@ -132,7 +133,7 @@ def reference(world: int, steps: int, *, staleness: int, mode: str, clip: float,
                 continue
             sent = []
             for i, (g, p) in enumerate(zip(grads, params)):
-                m[r][i] = momentum * m[r][i] + LR * g
+                m[r][i] = momentum * m[r][i] + LR * (g + wd * x[i])
                 if ratio is None or p.dim() < 2 or p.numel() < MIN_NUMEL:
                     sent.append(m[r][i].clone())
                     continue
@@ -205,6 +206,9 @@ CASES = {
     "stale2-lookahead-topk": ("comprex:staleness=2,clip=0,momentum=0.5", "topk:ratio=0.2",
                               {"staleness": 2, "mode": "comprex", "clip": 0.0, "ratio": 0.2, "momentum": 0.5,
                                "lookahead": True}),
+    "stale1-lookahead-wd": ("comprex:staleness=1,clip=1.0", "topk:ratio=0.1",
+                            {"staleness": 1, "mode": "comprex", "clip": 1.0, "ratio": 0.1, "lookahead": True,
+                             "wd": 0.05}),
     "stale0-comprex-none": ("comprex:staleness=0,clip=2.0,momentum=0.5", "none",
                             {"staleness": 0, "mode": "comprex", "clip": 2.0, "ratio": None, "momentum": 0.5}),
     "stale1-sgd-none": ("comprex:staleness=1,update=optimizer,clip=0", "none",
@@ -215,9 +219,9 @@ REF_STEPS = 7
 
 def _against_reference(rank: int, world: int) -> dict:
     out = {}
-    for name, (spec, compressor, _) in CASES.items():
+    for name, (spec, compressor, kw) in CASES.items():
         model = make_model()
-        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        opt = torch.optim.SGD(model.parameters(), lr=LR, weight_decay=kw.get("wd", 0.0))
         algo = algorithms.create(spec, model, opt, compressor=compressor, strategy="collective", min_numel=MIN_NUMEL)
         densities = []
         hist: list[torch.Tensor] = []

@@ -53,13 +53,18 @@ def exp_offsets(n: int) -> list[int]:
 
 
 def ref_pushsum(v: list[torch.Tensor], rounds: int, tau: int, lr: float = 0.0,
-                grad=None) -> list[tuple[list[torch.Tensor], list[float]]]:  # noqa: ANN001
-    """PushSum with one out-peer per round, weights 1/2, the messages of
-    round t absorbed at the start of round t + tau (tau = 0: at once); an
-    optional gradient step x_i -= lr * grad(i, t, z_i), with z_i = x_i / w_i
-    as it was when the round began. Returns (x, w) after every round."""
+                grad=None, peers: int = 1, gamma: float = 1.0) -> list[tuple[list[torch.Tensor], list[float]]]:  # noqa: ANN001
+    """PushSum with ``peers`` = k out-peers per round (the offsets
+    ``offs[(t k + j) mod L]``, j < k), each given gamma/(k+1) of (x, w), the
+    rest kept (P_gamma = (1 - gamma) I + gamma P; k = 1, gamma = 1: weights
+    1/2); the messages of round t absorbed at the start of round t + tau
+    (tau = 0: at once); an optional gradient step x_i -= lr * grad(i, t, z_i),
+    with z_i = x_i / w_i as it was when the round began. Returns (x, w) after
+    every round."""
     n = len(v)
     offs = exp_offsets(n)
+    share = gamma / (peers + 1)
+    keep = 1.0 - peers * share
     x, w = [t.clone() for t in v], [1.0] * n
     flight: dict[int, list] = {}
     out = []
@@ -75,9 +80,9 @@ def ref_pushsum(v: list[torch.Tensor], rounds: int, tau: int, lr: float = 0.0,
             absorb(t - tau)
         if g is not None:
             x = [x[i] - lr * g[i] for i in range(n)]
-        o = offs[t % len(offs)]
-        flight[t] = [((i + o) % n, x[i] * 0.5, w[i] * 0.5) for i in range(n)]
-        x, w = [xi * 0.5 for xi in x], [wi * 0.5 for wi in w]
+        outs = [offs[(t * peers + j) % len(offs)] for j in range(peers)]
+        flight[t] = [((i + o) % n, x[i] * share, w[i] * share) for i in range(n) for o in outs]
+        x, w = [xi * keep for xi in x], [wi * keep for wi in w]
         if not tau:
             absorb(t)
         out.append(([xi.clone() for xi in x], list(w)))
@@ -149,6 +154,9 @@ def _quadratic(rank: int, world: int, spec: str, comp: str | None, steps: int) -
     return {"z": model.w.detach().clone(), "avg": algo.eval_model().w.detach().clone(), "c": c}
 
 
+#: overlap tau -> the exact SGP with two out-peers per round and lazy mixing (gamma 0.5)
+LAZY = {0: "sgp:peers=2,gamma=0.5", 2: "sgp:peers=2,gamma=0.5,overlap=2"}
+
 #: (spec, compressor) -> (compress_s, comm_s) per step under a clock that ticks 1 s per reading:
 #: the phases each algorithm's step times, read off its update rule's order (post, overlap, wait, mix)
 TICKED = {("dpsgd", None): (0, 2), ("choco:gamma=0.5", "topk:ratio=0.1"): (2, 1), ("sgp", None): (1, 1),
@@ -172,6 +180,8 @@ def _workers4(rank: int, world: int) -> dict:
     for spec, comp in (("sgp", None), ("sgp:overlap=1", None), ("sgp:overlap=2", None),
                        ("sgp:gamma=0.3", "topk:ratio=0.1"), ("choco:gamma=0.1", "topk:ratio=0.1")):
         out[("consensus", spec, comp)] = consensus_run(rank, world, spec, comp, 300 if comp else 150)
+    for spec in LAZY.values():  # two out-peers per round and lazy mixing, exact
+        out[("consensus", spec, None)] = consensus_run(rank, world, spec, None, 100)
     for spec, comp in (("sgp", None), ("sgp:overlap=1", None), ("choco:gamma=1.0", "none"),
                        ("dpsgd", None), ("dpsgd:topology=exponential", None)):
         out[("grads", spec, comp)] = _with_grads(rank, world, spec, comp, 6)
@@ -189,14 +199,14 @@ def four() -> list[dict]:
 
 
 # ------------------------------------------------------------------- tests
-def check_pushsum(results: list[dict], key, tau: int) -> None:  # noqa: ANN001
+def check_pushsum(results: list[dict], key, tau: int, peers: int = 1, gamma: float = 1.0) -> None:  # noqa: ANN001
     """The (x, w) of every rank after every round equal the hand-computed
     PushSum's; sums preserved; z reaches the initial average. (3 workers:
     tests/test_gossip_state.py, whose 3-worker run records them.)"""
     n = len(results)
     v = [start(r) for r in range(n)]
     rounds = len(results[0][key]["hist"])
-    ref = ref_pushsum(v, rounds, tau)
+    ref = ref_pushsum(v, rounds, tau, peers=peers, gamma=gamma)
     for t in range(rounds):
         xs, ws = ref[t]
         for r in range(n):
@@ -217,6 +227,15 @@ def check_pushsum(results: list[dict], key, tau: int) -> None:  # noqa: ANN001
 def test_pushsum_matches_hand_computed_graph_on_4(four: list[dict], tau: int) -> None:
     spec = "sgp" if tau == 0 else f"sgp:overlap={tau}"
     check_pushsum(four, ("consensus", spec, None), tau)
+
+
+@pytest.mark.parametrize("tau,spec", list(LAZY.items()))
+def test_pushsum_with_two_peers_and_lazy_mixing_matches_hand_computed_graph(four: list[dict], tau: int,
+                                                                            spec: str) -> None:
+    """k = 2 out-peers per round (both offsets of 4 nodes), gamma = 0.5:
+    each gets gamma/(k+1) = 1/6 of (x, w) and 1 - k gamma/(k+1) = 2/3 stays
+    (a node that kept 1 - gamma/(k+1), as with one peer, created mass)."""
+    check_pushsum(four, ("consensus", spec, None), tau, peers=2, gamma=0.5)
 
 
 @pytest.mark.parametrize("spec,comp", [("sgp:gamma=0.3", "topk:ratio=0.1"), ("choco:gamma=0.1", "topk:ratio=0.1")])

@@ -93,3 +93,53 @@ def test_select_keeps_each_segments_largest_in_decreasing_value_order(quotas: li
     expected = torch.cat([topk_indices(acc[o:o + n], q) + o for o, n, q in quotas])
     assert torch.equal(idx.sort().values, expected.sort().values)
     assert torch.all(acc[idx][:-1] >= acc[idx][1:])  # the master's values form a monotone curve
+
+
+def _ref_encode(ae: LGCAutoencoder, x: torch.Tensor) -> torch.Tensor:
+    """The encoder by its architecture (module doc), float64, on the
+    autoencoder's weights: zero-pad to 4 L, Conv1d(1,c,5,pad 2), LeakyReLU,
+    Conv1d(c,c,4,stride 2,pad 1), LeakyReLU, Conv1d(c,1,4,stride 2,pad 1)."""
+    f = torch.nn.functional
+    c1, a1, c2, a2, c3 = ae.encoder
+    h = f.pad(x, (0, ae.padded - ae.k)).unsqueeze(1)
+    h = f.leaky_relu(f.conv1d(h, c1.weight.double(), c1.bias.double(), padding=2), a1.negative_slope)
+    h = f.leaky_relu(f.conv1d(h, c2.weight.double(), c2.bias.double(), stride=2, padding=1), a2.negative_slope)
+    return f.conv1d(h, c3.weight.double(), c3.bias.double(), stride=2, padding=1).squeeze(1)
+
+
+def _ref_decode(ae: LGCAutoencoder, z: torch.Tensor, j: int) -> torch.Tensor:
+    """Decoder ``j`` by its architecture, float64: the encoder mirrored with
+    transposed convolutions, cropped back to k."""
+    f = torch.nn.functional
+    t1, a1, t2, a2, c = ae.decoders[j]
+    h = z.unsqueeze(1)
+    h = f.leaky_relu(f.conv_transpose1d(h, t1.weight.double(), t1.bias.double(), stride=2, padding=1),
+                     a1.negative_slope)
+    h = f.leaky_relu(f.conv_transpose1d(h, t2.weight.double(), t2.bias.double(), stride=2, padding=1),
+                     a2.negative_slope)
+    return f.conv1d(h, c.weight.double(), c.bias.double(), padding=2).squeeze(1)[:, : ae.k]
+
+
+@pytest.mark.parametrize("decoders", [N, 1])
+def test_losses_are_the_papers_reconstruction_and_similarity_terms(decoders: int) -> None:
+    """On 4 nodes' values (k = 106, latent 27): the reconstruction term is
+    mean_j MSE(dec_j(enc(x_j)), x_j) (PS: decoder j for node j; ring: the one
+    decoder for every node), the similarity term the paper's pairwise
+    sum_{i<j} |z_i - z_j|^2 scaled to mean_j MSE(z_j, mean_i z_i), that is
+    divided by N^2 L; train_step's first loss is 0.5 of each (w_rec = w_sim =
+    0.5). References in float64 from the architecture and the weights."""
+    ae = LGCAutoencoder(106, decoders, 4, seed=3)
+    x = torch.randn(N, 106, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    x = x + torch.linspace(2.0, -2.0, 106, dtype=torch.float64)  # a shared, decreasing curve
+    x = x.float().double()  # the values the float32 autoencoder sees
+    with torch.no_grad():
+        z = _ref_encode(ae, x)
+        recon = torch.cat([_ref_decode(ae, z[j : j + 1], j if decoders > 1 else 0) for j in range(N)])
+        want_rec = float(((recon - x) ** 2).mean())
+        pairs = sum(float(((z[i] - z[j]) ** 2).sum()) for i in range(N) for j in range(i + 1, N))
+        want_sim = pairs / (N * N * ae.latent)
+        rec, sim = ae.losses(x)
+    assert float(rec) == pytest.approx(want_rec, rel=1e-5)
+    assert float(sim) == pytest.approx(want_sim, rel=1e-5)
+    first = train_step(ae, torch.optim.SGD(ae.parameters(), lr=0.0), x.float())
+    assert float(first) == pytest.approx(0.5 * want_rec + 0.5 * want_sim, rel=1e-5)
