@@ -10,6 +10,8 @@ bit-identical resume."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
