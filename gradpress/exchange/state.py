@@ -3,7 +3,10 @@
 per-step snapshot that ``nonfinite='skip'`` restores, and ``memory_bytes``.
 
 Format ``gradpress-exchange/2``: config, feedback (every residual, every
-namespace), compressor and strategy state, plan, stats, and ``keys``
+namespace), compressor and strategy state, plan, stats, ``rank`` (the rank
+in the engine's group that saved it: a state is per rank, and another
+rank's is refused; a state without it, written before 2026-11-29, loads
+anywhere), and ``keys``
 (:data:`~gradpress.exchange.keys.KEYS_FORMAT`: keys built from escaped
 names; a state without it is read by :func:`~gradpress.exchange.keys.upgrade_keys`).
 Loadable with ``torch.load(weights_only=True)``.
@@ -68,12 +71,14 @@ class EngineState:
             "strategies": {n: st.state_dict() for n, st in self.strategies.items()},
             "plan": self.plan.to_dict(),
             "stats": self.stats_counter.state_dict(),
+            "rank": self.rank,
             "keys": KEYS_FORMAT,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore from :meth:`state_dict`. Refuses a state of another
-        configuration (compressor, strategy, world size, parameters...).
+        configuration (compressor, strategy, world size, parameters...) or
+        of another rank (residuals differ between ranks).
 
         Validates fully, then changes: a malformed state (a missing or
         mistyped part) raises ValueError naming the part, and leaves this
@@ -89,6 +94,11 @@ class EngineState:
         theirs, mine = state["config"], self.config()
         if not same_config(theirs, mine):
             raise ValueError(f"gradpress state dict is from a different configuration ({config_diff(theirs, mine)})")
+        if state.get("rank", self.rank) != self.rank:
+            raise ValueError(f"gradpress state dict: rank: saved by rank {state['rank']}, loaded on rank {self.rank}; "
+                             "the compression state is per rank (residuals differ between ranks): save each rank's "
+                             "state_dict() (e.g. to a file named with dist.get_rank()) and load its own on every "
+                             "rank; nothing was loaded")
         state = upgrade_keys(state, [p[0] for p in self.params])  # one written before keys were escaped
         backup, plan = copy.deepcopy(self.state_dict()), self.plan
         part = "feedback"
@@ -156,6 +166,8 @@ def _check_state(state: Mapping[str, Any]) -> None:
     need(plan is None or isinstance(plan, Mapping), "'plan' must be a dict", plan)
     stats = state.get("stats", {})
     need(isinstance(stats, Mapping), "'stats' must be a dict", stats)
+    rank = state.get("rank", 0)
+    need(isinstance(rank, int) and not isinstance(rank, bool) and rank >= 0, "'rank' must be an integer >= 0", rank)
 
 
 def _tensor_bytes(obj: Any) -> int:
