@@ -245,3 +245,29 @@ def test_an_interrupted_run_kills_every_rank(cluster, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         c.run(["sh", "-c", "trap '' TERM; sleep 20"])
     assert [p.returncode for p in c._procs] == [-signal.SIGKILL] * 2
+
+
+def test_the_default_grace_is_the_documented_5_s(cluster, monkeypatch):
+    """docs/cluster.md: the others are terminated, "SIGKILL after 5 s". On a scripted clock (each poll of the
+    loop 0.25 s later) the first SIGKILL goes out one poll past 5 s after the SIGTERM, not at 6."""
+    c = cluster(2)
+    clock = [0.0]
+    real_sleep, real_kill = time.sleep, processes_mod._kill_group
+
+    def sleep(s):
+        real_sleep(0.005)
+        clock[0] += 0.25
+
+    sent: list[tuple[int, float]] = []
+
+    def kill(p, sig):
+        sent.append((sig, clock[0]))
+        real_kill(p, sig)
+
+    monkeypatch.setattr(processes_mod, "time", SimpleNamespace(monotonic=lambda: clock[0], sleep=sleep))
+    monkeypatch.setattr(processes_mod, "_kill_group", kill)
+    deaf = "trap '' TERM; if [ \"$RANK\" = 1 ]; then sleep 0.5; exit 1; fi; sleep 20"
+    result = c.run(["sh", "-c", deaf])
+    assert result.codes == [-signal.SIGKILL, 1] and result.killed == {0}
+    (term, at), (first_kill, then) = sent[0], sent[1]
+    assert (term, first_kill) == (signal.SIGTERM, signal.SIGKILL) and then - at == 5.25
