@@ -9,10 +9,11 @@ sample of its mutants (seeded: the same sample on every run of the same
 code) and marks the rest skipped. Writes a markdown report (score per module
 and the diff of every survivor) to ``--report``.
 
-Usage: python tests/mutants.py [--report FILE] [--scale X] [--group NAME ...]
+Usage: python tests/mutants.py [--report FILE] [--scale X] [--group NAME ...] [--module PATH ...]
 ``--scale`` multiplies every sample size (0.5 for a quicker look). A group
 named in ``FOCUS`` draws only from the functions listed there, each
-function's first mutant first.
+function's first mutant first. ``--module`` mutates only those modules of
+the groups run (a module new in a group, without re-running the rest).
 """
 
 from __future__ import annotations
@@ -312,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scale", type=float, default=1.0)
     parser.add_argument("--group", action="append", choices=sorted(GROUPS))
     parser.add_argument("--keep", help="keep the work directory (its sessions) at this path")
+    parser.add_argument("--module", action="append", metavar="PATH",
+                        help="mutate only these modules of the groups run (e.g. gradpress/algorithms/alarm.py)")
     parser.add_argument("--recheck", metavar="DIR",
                         help="run the survivors of the groups kept in DIR (--keep) again against the current tests")
     args = parser.parse_args(argv)
@@ -329,14 +332,23 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.report).write_text(text + "\n")
         print(text)
         return 0
+    names = args.group or list(GROUPS)
+    if args.module:
+        listed = {m for n in names for m in GROUPS[n][0]}
+        unknown = [m for m in args.module if m not in listed]
+        if unknown:
+            parser.error(f"--module got {', '.join(unknown)}, in none of the groups run; allowed: "
+                         f"{', '.join(sorted(listed))}")
+        names = [n for n in names if set(GROUPS[n][0]) & set(args.module)]
     work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="gradpress-mutants-"))
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     try:
         copy_tree(work)
         done = []
-        for name in args.group or list(GROUPS):
+        for name in names:
             modules, tests, keep = GROUPS[name]
+            modules = [m for m in modules if not args.module or m in args.module]
             done.append(run_group(work, name, modules, tests, max(1, round(keep * args.scale))))
             Path(args.report).write_text(report(done) + "\n")
         text = report(done) + f"\n\nTotal wall time: {round(time.time() - t0)} s.\n"

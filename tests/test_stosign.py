@@ -85,3 +85,33 @@ def test_variance_factor_is_the_chunk_bound() -> None:
     err = torch.stack([(comp.decode(comp.encode(x, Context(key="v", step=s, seed=2))) - x).pow(2).sum()
                        for s in range(400)]).mean()
     assert abs(float(err) / float(x.pow(2).sum()) - 7.0) < 1e-9  # every other entry is +-2 exactly: 7 * 4 / 4
+
+
+@pytest.mark.mutants
+def test_a_coin_is_plus_exactly_where_the_uniform_is_below_p(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over a whole grid of uniforms u = k/16 the coin comes up + for exactly 16 p of them, p = (1 + x/m) / 2
+    on the grid (the grid biases P(+) by less than one step, so by none here): u < p, not u <= p, which
+    made x = -m come up + at u = 0. ``kit.uniform`` is replaced by the grid, the kernel called unfused."""
+    from gradpress.compress import stosign
+
+    n = 16
+    j = torch.arange(n + 1, dtype=torch.float32)
+    x = ((2 * j / n - 1) * 3.0).unsqueeze(1).expand(n + 1, n).contiguous()  # p = j/16, m = 3
+    m = torch.full((n + 1, 1), 3.0)
+    grid = (torch.arange(n, dtype=torch.float32) / n).expand(n + 1, n)
+    monkeypatch.setattr(stosign.kit, "uniform", lambda v, key, drawn: grid)
+    coins = stosign._coins(x, m, key=None, drawn=None, bits=1, fuse=False)
+    assert coins.to(torch.int64).sum(1).tolist() == [int(v) for v in j.tolist()]
+
+
+@pytest.mark.mutants
+@pytest.mark.parametrize("chunk", [1, 8, 512])
+def test_one_entry_is_sent_exactly_and_its_variance_factor_is_zero(chunk: int) -> None:
+    """A tensor of one entry (or none) is one chunk with m = |x|: P(+) is 1 or 0, E||Q - x||^2 = 0, so
+    omega = min(c, d) - 1 = 0 (it said 1 for any chunk of 2 or more entries under a mutant of max(d, 1))."""
+    comp = create(f"stosign:chunk={chunk}")
+    assert comp.variance_factor(1) == 0.0 and comp.variance_factor(0) == 0.0
+    assert comp.variance_factor(2) == float(min(chunk, 2) - 1)
+    for s, v in enumerate((2.5, -0.75, 1e-3)):  # fp32: m is exact (fp64 sends m rounded away from zero)
+        x = torch.tensor([v], dtype=torch.float32)
+        assert torch.equal(comp.decode(comp.encode(x, Context(key="one", step=s, seed=4))), x)

@@ -66,8 +66,8 @@ def plot_throughput(rows: list[dict[str, Any]], path: str | Path, title: str = "
 
 def _annotate(ax, xy, label, placed, color) -> None:
     """Label a point at the first of a few offsets whose text box (estimated in
-    display pixels) overlaps no label placed before; greedy, good enough for
-    twenty points."""
+    display pixels) overlaps no marker or label placed before (the first
+    offset when every one does); greedy, good enough for twenty points."""
     px, py = ax.transData.transform(xy)
     w, h = 6.2 * len(label), 11.0
     offsets = [(6, 4), (6, -14), (-6 - w, 4), (-6 - w, -14), (6, 16), (6, -26), (-6 - w, 16), (-6 - w, -26),
