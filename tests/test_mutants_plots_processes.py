@@ -128,7 +128,7 @@ def test_exec_timeout_kills_the_whole_process_group(cluster, tmp_path):
     script = f"trap '' TERM; sleep 20 & echo $! > {pid_file}; wait"  # deaf to SIGTERM: only SIGKILL ends it
     t0 = time.monotonic()
     with pytest.raises(subprocess.TimeoutExpired):
-        c.exec(0, ["sh", "-c", script], timeout=0.5)
+        c.exec(0, ["sh", "-c", script], timeout=2.0)  # the shell has set its trap by then, even on a busy machine
     assert time.monotonic() - t0 < 10
     child = int(pid_file.read_text())
     for _ in range(200):
@@ -216,9 +216,17 @@ def test_a_failed_rank_0_is_reported_only_when_it_wrote_to_its_log(cluster, tmp_
     assert len(capsys.readouterr().err.splitlines()) == 1
 
 
-def test_ranks_deaf_to_sigterm_are_killed_after_the_grace(cluster):
+def _deaf_but(failing: int, world: int, ready: Path) -> str:
+    """Every rank but ``failing`` ignores SIGTERM and says so (a file);
+    ``failing`` exits 1 once all of them have: no race with a slow shell."""
+    others = " ".join(str(r) for r in range(world) if r != failing)
+    return (f"if [ \"$RANK\" = {failing} ]; then for r in {others}; do while [ ! -f {ready}/$r ]; do sleep 0.02; "
+            f"done; done; exit 1; fi; trap '' TERM; touch {ready}/$RANK; sleep 20")
+
+
+def test_ranks_deaf_to_sigterm_are_killed_after_the_grace(cluster, tmp_path):
     c = cluster(3)
-    deaf = "trap '' TERM; if [ \"$RANK\" = 2 ]; then sleep 0.5; exit 1; fi; sleep 20"
+    deaf = _deaf_but(2, 3, tmp_path)
     t0 = time.monotonic()
     result = c.run(["sh", "-c", deaf], kill_grace=0.3)
     assert time.monotonic() - t0 < 10
@@ -247,7 +255,7 @@ def test_an_interrupted_run_kills_every_rank(cluster, monkeypatch):
     assert [p.returncode for p in c._procs] == [-signal.SIGKILL] * 2
 
 
-def test_the_default_grace_is_the_documented_5_s(cluster, monkeypatch):
+def test_the_default_grace_is_the_documented_5_s(cluster, monkeypatch, tmp_path):
     """docs/cluster.md: the others are terminated, "SIGKILL after 5 s". On a scripted clock (each poll of the
     loop 0.25 s later) the first SIGKILL goes out one poll past 5 s after the SIGTERM, not at 6."""
     c = cluster(2)
@@ -266,7 +274,7 @@ def test_the_default_grace_is_the_documented_5_s(cluster, monkeypatch):
 
     monkeypatch.setattr(processes_mod, "time", SimpleNamespace(monotonic=lambda: clock[0], sleep=sleep))
     monkeypatch.setattr(processes_mod, "_kill_group", kill)
-    deaf = "trap '' TERM; if [ \"$RANK\" = 1 ]; then sleep 0.5; exit 1; fi; sleep 20"
+    deaf = _deaf_but(1, 2, tmp_path)
     result = c.run(["sh", "-c", deaf])
     assert result.codes == [-signal.SIGKILL, 1] and result.killed == {0}
     (term, at), (first_kill, then) = sent[0], sent[1]
