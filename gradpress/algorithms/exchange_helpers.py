@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from gradpress.algorithms.alarm import STATE_FLAGS_KEY
 from gradpress.algorithms.presence import sync_agreeing
+from gradpress.algorithms.sync_guard import SyncGuard
 from gradpress.exchange import Synchronizer
 from gradpress.transport.collectives import flat_by_dtype, fused_allreduce
 from gradpress.transport.p2p import global_rank
@@ -107,24 +107,16 @@ class ExchangeHelpers:
         raise, before the buffers are averaged."""
         grads = self.gradients()
         self._last["bytes"] = self._last["host"] = 0
-        kept = self.restart
-        if kept is not None:  # a buffer newly non-finite on this rank: every rank drops the step
-            kept.flag_into(grads, idx=[], buffers=True)
-        alarm = self.alarm.flags(grads[0], idx=[]) if self.alarm is not None else None
-        present = sync_agreeing(self, grads, [p.grad is not None for _, p in self.named], keys,
-                                [(STATE_FLAGS_KEY, alarm)] if alarm is not None else [])
-        if self.alarm is not None:
-            self.alarm.check(alarm, f"step {self._steps + 1}", idx=[])
+        # nonfinite: a buffer newly non-finite on this rank drops (skip) or fails (raise) the step on every rank;
+        # the optimizer state is identical on every rank here (idx=[]: not checked)
+        guard = SyncGuard.before(self, grads, idx=[], buffers=True)
+        present = sync_agreeing(self, grads, [p.grad is not None for _, p in self.named], keys, guard.extra)
+        guard.check(f"step {self._steps + 1}")
         for (_, p), g, some in zip(self.named, grads, present or []):
             if p.grad is None and some:
                 p.grad = g
         skipped = present is None
-        if skipped and kept is not None:
-            kept.restore(idx=[], buffers=True)
-        else:
-            self.average_plain(list(self.model.buffers()))
-            if kept is not None:
-                kept.take(idx=[], buffers=True)
+        guard.settle(list(self.model.buffers()))  # dropped: the buffers back to their copy; else averaged
         sent, host = self._last["bytes"], self._last["host"]
         if skipped:  # nonfinite=skip dropped this step on every rank: DDP skips the optimizer step too
             self._steps += 1
