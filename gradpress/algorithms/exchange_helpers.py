@@ -40,7 +40,11 @@ if TYPE_CHECKING:
     from gradpress.algorithms.alarm import StateAlarm
     from gradpress.algorithms.restart import LocalCopy
 
-__all__ = ["ExchangeHelpers"]
+__all__ = ["HELPER_PREFIX", "ExchangeHelpers"]
+
+#: the prefix of the library's helper keys, which ride in an exchange without being registered in
+#: ``exchanged_params()`` (1-D flags, sent plain: presence, ``nonfinite='raise'``'s, local SGD's state-missing)
+HELPER_PREFIX = "gradpress/"
 
 
 class ExchangeHelpers:
@@ -127,10 +131,25 @@ class ExchangeHelpers:
 
     def sync(self, tensors: list[torch.Tensor], keys: list[str] | None = None) -> None:
         """Average ``tensors`` (keyed by parameter name by default) over the
-        group through the engine, in place; counts one exchange."""
+        group through the engine, in place; counts one exchange. Every key
+        is one that ``exchanged_params()`` registers (the engine plans them
+        and the ranks agree on them) or a library helper key under
+        :data:`HELPER_PREFIX` (1-D flags riding in the exchange); another
+        raises ``ValueError`` naming it, before any collective."""
         assert self.engine is not None
+        keys = keys if keys is not None else [n for n, _ in self.named]
+        known = {k for k, _, _ in self.engine.params}
+        unknown = [k for k in keys if k not in known and not k.startswith(HELPER_PREFIX)]
+        if unknown:
+            names = [k for k, _, _ in self.engine.params]
+            shown = ", ".join(map(repr, names[:6])) + (f", ... ({len(names)} in all)" if len(names) > 6 else "")
+            raise ValueError(
+                f"algorithm {getattr(self, 'name', type(self).__name__)!r}: sync key {unknown[0]!r} is not "
+                "registered by exchanged_params() (an unregistered key would get the engine's default plan and "
+                f"be left out of the ranks' agreement); allowed: a key exchanged_params() returns ({shown}), "
+                f"or a helper key under {HELPER_PREFIX!r}")
         before = self.engine.stats
-        self.engine.sync(keys if keys is not None else [n for n, _ in self.named], tensors, step=self._exchanges)
+        self.engine.sync(keys, tensors, step=self._exchanges)
         self._exchanges += 1
         after = self.engine.stats
         self._last["bytes"] += after["bytes_sent"] - before["bytes_sent"]
