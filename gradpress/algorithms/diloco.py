@@ -76,11 +76,12 @@ from typing import Any
 
 import torch
 
-from gradpress.algorithms.alarm import StateAlarm, riding
+from gradpress.algorithms.alarm import StateAlarm
 from gradpress.algorithms.base import Algorithm
 from gradpress.algorithms.localsgd import GRAD
 from gradpress.algorithms.registry import register
 from gradpress.algorithms.restart import LocalCopy
+from gradpress.algorithms.sync_guard import SyncGuard
 from gradpress.compress.base import Param
 from gradpress.exchange.feedback import Feedback
 
@@ -200,14 +201,9 @@ class DiLoCo(Algorithm):
             return
         self.local_step()
         if (self._steps - switch) % self.period == 0:  # type: ignore[attr-defined]
-            self.outer_step(range(len(self.named)))
-            assert self.engine is not None
-            if self.restart is not None and self.engine.last_step_skipped:
-                self.restart.restore()  # the period never happened: inner state and buffers as they were at theta
-            else:
-                self.average_plain(list(self.model.buffers()))
-                if self.restart is not None:
-                    self.restart.take()
+            guard = self.outer_step(range(len(self.named)))
+            # dropped: the period never happened, inner state and buffers as they were at theta; else buffers averaged
+            guard.settle(list(self.model.buffers()))
             if getattr(self, "inner_state", "keep") == "reset":
                 self.reset_inner_state()
 
@@ -236,7 +232,7 @@ class DiLoCo(Algorithm):
             self.anchor[i].grad = None
 
     @torch.no_grad()
-    def outer_step(self, idx: Sequence[int]) -> None:
+    def outer_step(self, idx: Sequence[int]) -> SyncGuard:
         """Average the outer gradient of ``idx`` through the engine, step
         ``theta`` and restart those parameters from it. An exchange the
         engine skipped (``nonfinite=skip``: some rank's outer gradient, or
@@ -247,13 +243,14 @@ class DiLoCo(Algorithm):
         still restart from ``theta`` (``keep_residual``: minus each one's
         residual of the last agreed point, which stays), and :meth:`step` puts each rank's inner
         optimizer state and buffers back to its copy taken at ``theta``
-        (:mod:`gradpress.algorithms.restart`). With ``nonfinite='raise'``
-        a non-finite inner state or buffer on some rank raises on every rank
-        after the exchange (:mod:`gradpress.algorithms.alarm`)."""
+        (:mod:`gradpress.algorithms.restart`) through the returned guard's
+        :meth:`~gradpress.algorithms.sync_guard.SyncGuard.settle`. With
+        ``nonfinite='raise'`` a non-finite inner state or buffer on some rank
+        raises on every rank after the exchange (:mod:`gradpress.algorithms.alarm`)."""
         idx = list(idx)
         deltas = self.outer_gradient(idx)
-        if self.restart is not None:  # a non-finite inner state or buffer drops the synchronization too
-            self.restart.flag_into(deltas, idx)
+        # nonfinite: a non-finite inner state or buffer drops (skip) or fails (raise) the synchronization too
+        guard = SyncGuard.before(self, deltas, idx)
         assert self.engine is not None
         keep = getattr(self, "keep_residual", False)
         model = getattr(self, "select", "tensor") == "model"  # DiLoCo only: idx is every parameter
@@ -264,18 +261,16 @@ class DiLoCo(Algorithm):
                 e = self.engine.feedback.residuals.pop(store_key, None)
                 if e is not None:
                     held[store_key] = e
-        alarm = self.alarm.flags(deltas[0], idx) if self.alarm is not None else None
         if model:
             flat = torch.cat([d.reshape(-1) for d in deltas]).reshape(1, -1)
-            keys, tensors = riding([MODEL_KEY], [flat], alarm)
+            keys, tensors = guard.riding([MODEL_KEY], [flat])
             self.sync(tensors, keys=keys)
             deltas = [v.view_as(d) for v, d in zip(flat.reshape(-1).split([d.numel() for d in deltas]), deltas)]
         else:
-            keys, tensors = riding([self.named[i][0] for i in idx], deltas, alarm)
+            keys, tensors = guard.riding([self.named[i][0] for i in idx], deltas)
             self.sync(tensors, keys=keys)
-        if self.alarm is not None:  # before anything is applied, the same error on every rank
-            self.alarm.check(alarm, f"step {self._steps}", idx)
-        if keep and self.engine.last_step_skipped:
+        skipped = guard.check(f"step {self._steps}")  # raise: before anything is applied, the same on every rank
+        if keep and skipped:
             # the period never happened: each worker's residual of the last agreed point stays, and it restarts
             # from theta minus it (the store kept zeros for the keys taken out above: the unsent change was lost)
             self.engine.feedback.residuals.update(held)
@@ -285,7 +280,7 @@ class DiLoCo(Algorithm):
             kept = [r.view_as(d) for r, d in zip(resid, deltas)]
         elif keep:
             kept = [self.engine.feedback.current(Feedback.of(self.named[i][0]), self.named[i][1]) for i in idx]
-        if not self.engine.last_step_skipped:  # nonfinite=skip: theta and its momentum stay, workers restart
+        if not skipped:  # nonfinite=skip: theta and its momentum stay, workers restart
             self.apply_outer(idx, deltas)
         for n, i in enumerate(idx):
             p = self.named[i][1]
@@ -293,6 +288,7 @@ class DiLoCo(Algorithm):
                 p.copy_(self.anchor[i] - kept[n])
             else:
                 p.copy_(self.anchor[i])
+        return guard
 
     def eval_model(self) -> torch.nn.Module:
         """``evaluate=own``: this worker's model; ``evaluate=average``: the

@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from gradpress.algorithms.alarm import STATE_FLAGS_KEY
 from gradpress.algorithms.presence import sync_agreeing
+from gradpress.algorithms.sync_guard import SyncGuard
 from gradpress.exchange import Synchronizer
 from gradpress.transport.collectives import flat_by_dtype, fused_allreduce
 from gradpress.transport.p2p import global_rank
@@ -40,7 +40,11 @@ if TYPE_CHECKING:
     from gradpress.algorithms.alarm import StateAlarm
     from gradpress.algorithms.restart import LocalCopy
 
-__all__ = ["ExchangeHelpers"]
+__all__ = ["HELPER_PREFIX", "ExchangeHelpers"]
+
+#: the prefix of the library's helper keys, which ride in an exchange without being registered in
+#: ``exchanged_params()`` (1-D flags, sent plain: presence, ``nonfinite='raise'``'s, local SGD's state-missing)
+HELPER_PREFIX = "gradpress/"
 
 
 class ExchangeHelpers:
@@ -107,24 +111,16 @@ class ExchangeHelpers:
         raise, before the buffers are averaged."""
         grads = self.gradients()
         self._last["bytes"] = self._last["host"] = 0
-        kept = self.restart
-        if kept is not None:  # a buffer newly non-finite on this rank: every rank drops the step
-            kept.flag_into(grads, idx=[], buffers=True)
-        alarm = self.alarm.flags(grads[0], idx=[]) if self.alarm is not None else None
-        present = sync_agreeing(self, grads, [p.grad is not None for _, p in self.named], keys,
-                                [(STATE_FLAGS_KEY, alarm)] if alarm is not None else [])
-        if self.alarm is not None:
-            self.alarm.check(alarm, f"step {self._steps + 1}", idx=[])
+        # nonfinite: a buffer newly non-finite on this rank drops (skip) or fails (raise) the step on every rank;
+        # the optimizer state is identical on every rank here (idx=[]: not checked)
+        guard = SyncGuard.before(self, grads, idx=[], buffers=True)
+        present = sync_agreeing(self, grads, [p.grad is not None for _, p in self.named], keys, guard.extra)
+        guard.check(f"step {self._steps + 1}")
         for (_, p), g, some in zip(self.named, grads, present or []):
             if p.grad is None and some:
                 p.grad = g
         skipped = present is None
-        if skipped and kept is not None:
-            kept.restore(idx=[], buffers=True)
-        else:
-            self.average_plain(list(self.model.buffers()))
-            if kept is not None:
-                kept.take(idx=[], buffers=True)
+        guard.settle(list(self.model.buffers()))  # dropped: the buffers back to their copy; else averaged
         sent, host = self._last["bytes"], self._last["host"]
         if skipped:  # nonfinite=skip dropped this step on every rank: DDP skips the optimizer step too
             self._steps += 1
@@ -135,10 +131,25 @@ class ExchangeHelpers:
 
     def sync(self, tensors: list[torch.Tensor], keys: list[str] | None = None) -> None:
         """Average ``tensors`` (keyed by parameter name by default) over the
-        group through the engine, in place; counts one exchange."""
+        group through the engine, in place; counts one exchange. Every key
+        is one that ``exchanged_params()`` registers (the engine plans them
+        and the ranks agree on them) or a library helper key under
+        :data:`HELPER_PREFIX` (1-D flags riding in the exchange); another
+        raises ``ValueError`` naming it, before any collective."""
         assert self.engine is not None
+        keys = keys if keys is not None else [n for n, _ in self.named]
+        known = {k for k, _, _ in self.engine.params}
+        unknown = [k for k in keys if k not in known and not k.startswith(HELPER_PREFIX)]
+        if unknown:
+            names = [k for k, _, _ in self.engine.params]
+            shown = ", ".join(map(repr, names[:6])) + (f", ... ({len(names)} in all)" if len(names) > 6 else "")
+            raise ValueError(
+                f"algorithm {getattr(self, 'name', type(self).__name__)!r}: sync key {unknown[0]!r} is not "
+                "registered by exchanged_params() (an unregistered key would get the engine's default plan and "
+                f"be left out of the ranks' agreement); allowed: a key exchanged_params() returns ({shown}), "
+                f"or a helper key under {HELPER_PREFIX!r}")
         before = self.engine.stats
-        self.engine.sync(keys if keys is not None else [n for n, _ in self.named], tensors, step=self._exchanges)
+        self.engine.sync(keys, tensors, step=self._exchanges)
         self._exchanges += 1
         after = self.engine.stats
         self._last["bytes"] += after["bytes_sent"] - before["bytes_sent"]

@@ -66,11 +66,12 @@ from typing import Any
 
 import torch
 
-from gradpress.algorithms.alarm import StateAlarm, riding
+from gradpress.algorithms.alarm import StateAlarm
 from gradpress.algorithms.base import Algorithm
 from gradpress.algorithms.presence import flags
 from gradpress.algorithms.registry import register
 from gradpress.algorithms.restart import LocalCopy
+from gradpress.algorithms.sync_guard import SyncGuard
 from gradpress.compress.base import Param
 
 GRAD = "grad:"
@@ -149,9 +150,8 @@ class LocalSGD(Algorithm):
         optimizer's state) over the group; every replica restarts there."""
         params = [p for _, p in self.named]
         deltas = [p.detach() - a for p, a in zip(params, self.anchor)]
-        if self.restart is not None:  # a non-finite optimizer state or buffer drops the synchronization too
-            self.restart.flag_into(deltas)
-        alarm = self.alarm.flags(deltas[0]) if self.alarm is not None else None
+        # nonfinite: a non-finite optimizer state or buffer drops (skip) or fails (raise) the synchronization too
+        guard = SyncGuard.before(self, deltas)
         names = [n for n, _ in self.named]
         states = self.optimizer_state_tensors() if self.averages_optimizer_state else None
         if states is not None and deltas and self.world_size > 1:
@@ -159,29 +159,21 @@ class LocalSGD(Algorithm):
             # own): above 0 where some rank lacks it (a call nonfinite=skip dropped zeroed them: no state is
             # averaged then, each rank's is restored below)
             missing = flags([not ts for ts in states], deltas[0])
-            keys, tensors = riding([*names, STATE_MISSING_KEY], [*deltas, missing], alarm)
+            keys, tensors = guard.riding([*names, STATE_MISSING_KEY], [*deltas, missing])
             self.sync(tensors, keys=keys)
             states = [ts for ts, gone in zip(states, (missing > 0).tolist()) if not gone]
         else:
-            keys, tensors = riding(names, deltas, alarm)
+            keys, tensors = guard.riding(names, deltas)
             self.sync(tensors, keys=keys)
-        if self.alarm is not None:  # before anything is applied, the same error on every rank
-            self.alarm.check(alarm, f"step {self._steps}")
+        guard.check(f"step {self._steps}")  # raise: before anything is applied, the same error on every rank
         for p, a, d in zip(params, self.anchor, deltas):
             a.add_(d)
             p.copy_(a)
         self.since = 0
-        if self.restart is not None and self.engine is not None and self.engine.last_step_skipped:
-            # the period never happened: each rank's optimizer state and buffers as they were at the anchor
-            # (the NaN/Inf that made some delta non-finite is in that rank's momentum and BatchNorm statistics)
-            self.restart.restore()
-            return
-        extra = list(self.model.buffers())
-        if states is not None:
-            extra += [t for ts in states for t in ts]
-        self.average_plain(extra)
-        if self.restart is not None:
-            self.restart.take()
+        # dropped: the period never happened, each rank's optimizer state and buffers as they were at the anchor
+        # (the NaN/Inf that made some delta non-finite is in that rank's momentum and BatchNorm statistics);
+        # otherwise the buffers and the states every rank holds are averaged plain
+        guard.settle(list(self.model.buffers()) + [t for ts in states or [] for t in ts])
 
     def optimizer_state_tensors(self) -> list[list[torch.Tensor]]:
         """Per trainable parameter, in the model's order, the optimizer's

@@ -79,11 +79,12 @@ from typing import Any
 
 import torch
 
-from gradpress.algorithms.alarm import StateAlarm, riding
+from gradpress.algorithms.alarm import StateAlarm
 from gradpress.algorithms.base import Algorithm
 from gradpress.algorithms.localsgd import warmed_period
 from gradpress.algorithms.registry import register
 from gradpress.algorithms.restart import LocalCopy
+from gradpress.algorithms.sync_guard import SyncGuard
 from gradpress.compress.base import Param
 
 #: the engine key prefix of the control variates' changes
@@ -175,15 +176,11 @@ class Scaffold(Algorithm):
         deltas = [p.detach() - a for (_, p), a in zip(self.named, self.anchor)]  # y_i - x
         controls = self.control_changes(deltas)
         own = [t.clone() for t in controls]
-        if self.restart is not None:  # a non-finite optimizer state or buffer drops the synchronization too
-            self.restart.flag_into(deltas)
-        alarm = self.alarm.flags(deltas[0]) if self.alarm is not None else None
-        keys, tensors = riding([*names, *(CONTROL + n for n in names)], [*deltas, *controls], alarm)
+        # nonfinite: a non-finite optimizer state or buffer drops (skip) or fails (raise) the synchronization too
+        guard = SyncGuard.before(self, deltas)
+        keys, tensors = guard.riding([*names, *(CONTROL + n for n in names)], [*deltas, *controls])
         self.sync(tensors, keys=keys)
-        if self.alarm is not None:  # before anything is applied, the same error on every rank
-            self.alarm.check(alarm, f"step {self._steps}")
-        assert self.engine is not None
-        skipped = self.engine.last_step_skipped
+        skipped = guard.check(f"step {self._steps}")  # raise: before anything is applied, the same on every rank
         for i, (_, p) in enumerate(self.named):
             if not skipped:
                 self.anchor[i].add_(deltas[i], alpha=self.global_lr)
@@ -195,12 +192,8 @@ class Scaffold(Algorithm):
         for t in self.grad_sums:
             t.zero_()
         self.since = 0
-        if skipped and self.restart is not None:
-            self.restart.restore()  # the period never happened: optimizer state and buffers as they were at x
-            return
-        self.average_plain(list(self.model.buffers()))
-        if self.restart is not None:
-            self.restart.take()
+        # dropped: the period never happened, optimizer state and buffers as they were at x; else buffers averaged
+        guard.settle(list(self.model.buffers()))
 
     def control_changes(self, deltas: list[torch.Tensor]) -> list[torch.Tensor]:
         """``c_i+ - c_i`` per parameter (fresh tensors): option II,

@@ -67,10 +67,10 @@ from typing import Any
 
 import torch
 
-from gradpress.algorithms.alarm import riding
 from gradpress.algorithms.diloco import PARAMS as DILOCO_PARAMS
 from gradpress.algorithms.diloco import DiLoCo
 from gradpress.algorithms.registry import register
+from gradpress.algorithms.sync_guard import SyncGuard
 from gradpress.compress.base import Param
 from gradpress.transport.collectives import fused_allreduce
 
@@ -139,10 +139,9 @@ class StreamingDiLoCo(DiLoCo):
             "buffers": [b.detach().clone() for b in self._float_buffers()] if frag == self.launch_at.get(0) else [],
             "exchange": self._exchanges, "bytes": 0,
         }
-        if self.restart is not None:  # the fragment's inner state, or the buffers it carries, not finite: dropped
-            self.restart.flag_into(item["deltas"], idx, buffers=bool(item["buffers"]))
-        if self.alarm is not None:  # nonfinite=raise: the same, checked after the exchange (which raises)
-            item["alarm"] = self.alarm.flags(item["deltas"][0], idx, buffers=bool(item["buffers"]))
+        # nonfinite: the fragment's inner state, or the buffers it carries, not finite at the launch drops (skip)
+        # or fails (raise, checked after the exchange) it; the merge's restore and refresh are its own (below)
+        item["guard"] = SyncGuard.before(self, item["deltas"], idx, buffers=bool(item["buffers"]))
         self._exchanges += 1
         if self.overlap == 0:  # type: ignore[attr-defined]
             item["bytes"] = self._exchange(item)
@@ -158,14 +157,12 @@ class StreamingDiLoCo(DiLoCo):
         bytes handed to collectives. Runs on the exchange thread when T > 0."""
         assert self.engine is not None
         before = self.engine.stats["bytes_sent"]
-        idx = self.frags[item["fragment"]]
-        alarm = item.get("alarm")
-        keys, tensors = riding([self.named[i][0] for i in idx], item["deltas"], alarm)
+        guard: SyncGuard = item["guard"]
+        keys, tensors = guard.riding([self.named[i][0] for i in self.frags[item["fragment"]]], item["deltas"])
         self.engine.sync(keys, tensors, step=item["exchange"])
-        item["skipped"] = self.engine.last_step_skipped  # nonfinite=skip: merged without an outer step
-        if self.alarm is not None:  # re-raised at the merge (or at a drain) on every rank
-            self.alarm.check(alarm, f"step {item['due'] - self.overlap} (fragment {item['fragment']}'s launch)",  # type: ignore[attr-defined]
-                             idx, buffers=bool(item["buffers"]))
+        item["skipped"] = guard.skipped  # nonfinite=skip: merged without an outer step
+        # nonfinite=raise: re-raised at the merge (or at a drain) on every rank
+        guard.check(f"step {item['due'] - self.overlap} (fragment {item['fragment']}'s launch)")  # type: ignore[attr-defined]
         if item["buffers"]:
             t0 = time.perf_counter()
             summed, sent = fused_allreduce([b / self.world_size for b in item["buffers"]], self.group)
@@ -187,6 +184,8 @@ class StreamingDiLoCo(DiLoCo):
         idx = self.frags[item["fragment"]]
         self._last["bytes"] += item["bytes"]
         self.merged_bytes += item["bytes"]
+        # not SyncGuard.settle (which restores and refreshes what the exchange covered): a dropped fragment restores
+        # every fragment, and a merge refreshes only the finite part of the copy; the buffers were averaged at launch
         if item.get("skipped", False) and self.restart is not None:
             # some rank diverged (a NaN spreads to its whole model at the next forward pass): theta and its
             # momentum stay, every rank restarts every fragment from theta with the inner state each fragment
