@@ -41,8 +41,10 @@ inflated by as much and then amplified by the momentum again: on
 mnist1d-cnn's defaults (momentum SGD 0.9, 2 workers, K = 8) option II
 diverged at step 103. ``control=gradients`` computes ``c_i+ =
 sum_k(lr_k g_k) / sum_k(lr_k)`` from the period's local gradients (``.grad``
-before the correction; one more model-sized tensor per rank), which for
-plain SGD equals option II (``x - y_i = sum_k lr_k (g_k - c_i + c)``;
+before the correction, plus ``weight_decay * y`` for ``torch.optim.SGD``,
+whose weight decay is an L2 term of the gradient it descends; one more
+model-sized tensor per rank), which for plain SGD, with or without weight
+decay, equals option II (``x - y_i = sum_k lr_k (g_k + wd y_k - c_i + c)``;
 tested) and for any other optimizer is the gradient estimate the method
 needs (0.942 on that run, local SGD 0.938; one seed). ``auto`` (the default): option II for
 ``torch.optim.SGD`` without momentum in every group (the paper's setting),
@@ -103,7 +105,7 @@ class Scaffold(Algorithm):
         Param("control", str, "auto", "auto, displacement or gradients",
               lambda v: v in ("auto", "displacement", "gradients"),
               "c_i+ from the displacement (the paper's option II: c_i - c + (x - y_i) / (K lr)) or as the "
-              "lr-weighted mean of the period's local gradients (equal for plain SGD); auto: displacement for "
+              "lr-weighted mean of the period's local gradients (SGD's weight decay included; equal for plain SGD); auto: displacement for "
               "plain SGD (no momentum), gradients for any other optimizer"),
     )
     summary = ("SCAFFOLD: K local steps on the gradient corrected by control variates (g - c_i + c), then the "
@@ -157,14 +159,24 @@ class Scaffold(Algorithm):
     def correct_gradients(self) -> None:
         """``g_i - c_i + c`` in place in each ``.grad``, and this step's
         learning rate (read now, before the optimizer steps) added to the
-        period's sum of every parameter it steps."""
-        lr_of = {id(p): group["lr"] for group in self.optimizer.param_groups for p in group["params"]}
+        period's sum of every parameter it steps; ``control=gradients``: ``lr
+        g`` added to the gradient sums (``lr (g + wd y)`` with SGD's weight
+        decay)."""
+        groups = self.optimizer.param_groups
+        lr_of = {id(p): group["lr"] for group in groups for p in group["params"]}
+        # torch's SGD descends g + wd * y (weight decay as an L2 term of the gradient): so does c_i+
+        l2 = type(self.optimizer) is torch.optim.SGD
+        wd_of = {id(p): float(group.get("weight_decay", 0) or 0) if l2 else 0.0
+                 for group in groups for p in group["params"]}
         for i, (_, p) in enumerate(self.named):
             if p.grad is None:
                 continue
             lr = float(lr_of.get(id(p), 0.0))
             if self.grad_sums:
                 self.grad_sums[i].add_(p.grad.to(self.grad_sums[i].dtype), alpha=lr)
+                wd = wd_of.get(id(p), 0.0)
+                if wd:
+                    self.grad_sums[i].add_(p.detach().to(self.grad_sums[i].dtype), alpha=lr * wd)
             p.grad.add_(self.correction[i].to(p.grad.dtype))
             self.lr_sums[i] += lr
 
