@@ -152,6 +152,9 @@ class AdaComp(Compressor):
         n = -(-numel // size) if numel else 0
         return 4 + (n + 7) // 8 + 4 * n
 
+    def gradient_state(self) -> list[torch.Tensor]:
+        return list(self.residues.values())
+
     def state_dict(self) -> dict[str, Any]:
         return {"residues": {k: v.clone() for k, v in self.residues.items()}}
 

@@ -354,6 +354,12 @@ class Compressor:
         raise NotImplementedError
 
     # ----- state ---------------------------------------------------------------
+    def gradient_state(self) -> list[torch.Tensor]:
+        """The live state buffers in the gradient's units (DGC's momentum and velocity, AdaComp's residue,
+        Signum's momentum), which a loss-scale change multiplies in place; state that is scale-free
+        (PowerSGD's Q, a threshold's scale, counters) is not listed."""
+        return []
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 

@@ -101,6 +101,9 @@ class Composed(Compressor):
         values = self.second.decode(Packet(inner_tensors, torch.Size([count]), self.first.values_dtype(packet.dtype)))
         return self.first.decode(Packet([values] + rest, packet.shape, packet.dtype, dict(packet.meta)))
 
+    def gradient_state(self) -> list[torch.Tensor]:
+        return self.first.gradient_state()  # the second stage keeps no state (checked at construction)
+
     def state_dict(self) -> dict[str, Any]:
         return self.first.state_dict()
 

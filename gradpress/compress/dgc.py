@@ -212,6 +212,9 @@ class DGC(QualityMixin, Compressor):
         """Expected payload at the final ratio: k values and k int32 indices."""
         return kept_count(numel, self.ratio) * (torch.empty(0, dtype=dtype).element_size() + 4)
 
+    def gradient_state(self) -> list[torch.Tensor]:
+        return [*self.momentums.values(), *self.velocities.values()]
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "momentums": {k: v.clone() for k, v in self.momentums.items()},

@@ -71,6 +71,9 @@ class Signum(Compressor):
     def decode_into(self, packet: Packet, out: torch.Tensor) -> torch.Tensor:
         return decode_signs(packet, out)
 
+    def gradient_state(self) -> list[torch.Tensor]:
+        return list(self.buffers.values())
+
     def state_dict(self) -> dict[str, Any]:
         return {"momentum": {k: v.clone() for k, v in self.buffers.items()}}
 

@@ -42,6 +42,8 @@ class Owner(Protocol):
     @property
     def coalescing(self) -> bool: ...
 
+    def follow_scale(self, step: int) -> None: ...
+
 
 class CommThread:
     """The thread (``thread``, started at once) that works through the jobs
@@ -111,6 +113,7 @@ class CommThread:
                 if job.event is not None:
                     torch.cuda.current_stream(job.buffer.device).wait_event(job.event)
             engine = self._owner.engine
+            self._owner.follow_scale(jobs[0].step)  # a loss scaler's change, before the step's first bucket
             if len(jobs) == 1:
                 job = jobs[0]
                 engine.sync(job.keys, job.grads, step=job.step, flat=job.buffer, end_of_step=job.is_last,

@@ -61,6 +61,7 @@ import torch.distributed as dist
 import gradpress.ddp.hook_state as hook_state
 from gradpress.ddp.buckets import SPARSE_BUCKET, Job, UnusedWatch, UsedTracker, param_layout, sparse_refusal
 from gradpress.ddp.comm_thread import CLOSE_WAIT_S, CommThread
+from gradpress.ddp.loss_scale import LossScale, check_mode, check_scaler
 from gradpress.ddp.state_format import HOOK_FORMAT, strip_module
 from gradpress.exchange import Synchronizer
 from gradpress.exchange.feedback import Feedback
@@ -98,6 +99,7 @@ class GradpressHook:
         self._pending_state: Mapping[str, Any] | None = None  # loaded before binding
         self._used: UsedTracker | None = None  # with DDP's find_unused_parameters / static_graph
         self._watch = UnusedWatch()  # without the DDP model's options: warns once of an unused parameter
+        self._scale = LossScale()  # the attached loss scaler and the scale the state is kept in (loss_scale.py)
         self._comm = CommThread(self)  # averages the queued buckets in order (comm_thread.py)
         self._thread = self._comm.thread
         _OPEN_HOOKS.add(self)
@@ -145,6 +147,8 @@ class GradpressHook:
     def _bind_named(self, named: Sequence[tuple[str, torch.nn.Parameter]]) -> None:
         self._engine = self._build(named)
         self._names, self._by_name = {id(p): n for n, p in named}, dict(named)
+        if self._scale.scaler is not None:
+            check_mode(self._engine.nonfinite)
         pending, self._pending_state = self._pending_state, None
         if pending is not None:
             self.load_state_dict(pending)
@@ -196,6 +200,29 @@ class GradpressHook:
             return True
         used = {d.strategy for d in engine.plan.decisions.values() if d.compressed}
         return any(engine.strategies[name].pipelines(engine.compressor) for name in used if name in engine.strategies)
+
+    def attach_scaler(self, scaler: Any) -> None:
+        """Follow ``scaler``'s loss scale (a ``torch.amp.GradScaler``, or any object with ``get_scale()``;
+        None detaches): once per step, before its first bucket is averaged, the scale is read and every
+        residual and compressor buffer in the gradient's units is multiplied by new/old, so a scale change
+        (growth, the back-off after an overflow) is not fed back off by that factor. Every rank attaches
+        its own scaler, before the first step. Needs ``nonfinite='propagate'`` (``ValueError`` otherwise).
+        On CUDA the read (``get_scale()``) syncs the communication thread, not the training thread."""
+        check_scaler(scaler)
+        if scaler is not None and self._engine is not None:
+            check_mode(self._engine.nonfinite)
+        self._scale.scaler = scaler
+
+    @property
+    def loss_scale(self) -> float | None:
+        """The loss scale the residuals are kept in (that of the last step's backward; None before a step
+        with a scaler attached)."""
+        return self._scale.kept
+
+    def follow_scale(self, step: int) -> None:
+        """At the first bucket of ``step`` (the communication thread): bring the state into the scaler's
+        current scale (:class:`~gradpress.ddp.loss_scale.LossScale`). Nothing without a scaler."""
+        self._scale.follow(self.engine, step)
 
     def replan(self, costs: Any = None) -> Plan:
         """Measure the group (or use ``costs``) and rebuild the plan.
@@ -274,11 +301,12 @@ class GradpressHook:
     # ----------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
         """All compression state: the engine's (config, residuals, compressor
-        and strategy state, plan, stats) and the hook's step. Unbound: the
+        and strategy state, plan, stats), the hook's step and the loss scale the
+        state is kept in (``loss_scale``, None without a scaler). Unbound: the
         state loaded and not yet applied, if any."""
         if self._engine is None and self._pending_state is not None:
             return dict(self._pending_state)
-        return hook_state.save(self.engine, self._step)
+        return hook_state.save(self.engine, self._step, self._scale.kept)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore from :meth:`state_dict` (also one written before the exchange engine, ``gradpress-hook/1``, or before
@@ -288,7 +316,8 @@ class GradpressHook:
             hook_state.check_format(state)
             self._pending_state = state
             return
-        self._step = hook_state.load(self.engine, self._by_name, state)
+        self._step, kept = hook_state.load(self.engine, self._by_name, state)
+        self._scale.restore(kept)
 
     def close(self, timeout: float = CLOSE_WAIT_S) -> None:
         """Stop the communication thread once its queued buckets are averaged, waiting at most ``timeout``

@@ -3,9 +3,11 @@ and :meth:`GradpressHook.load_state_dict` reads, older formats upgraded
 through :mod:`gradpress.ddp.state_format`.
 
 Invariant: a hook state dict is the engine's state with ``format``
-(``HOOK_FORMAT``), the hook's ``step`` and the gradients' ``layout``; a load
-either changes nothing (``ValueError`` naming what is wrong) or restores the
-engine's state and returns the step to set with it. A state whose format is
+(``HOOK_FORMAT``), the hook's ``step``, the gradients' ``layout`` and the
+``loss_scale`` its state is kept in (None without a scaler; a state without
+the entry loads as None); a load either changes nothing (``ValueError``
+naming what is wrong) or restores the engine's state and returns the step
+and loss scale to set with it. A state whose format is
 neither ``HOOK_FORMAT`` nor ``gradpress-hook/1`` is refused before anything
 else is read.
 """
@@ -17,6 +19,7 @@ from typing import Any
 
 import torch
 
+from gradpress.ddp.loss_scale import check_kept
 from gradpress.ddp.state_format import _OLD_FORMAT, HOOK_FORMAT, LAYOUT, _upgrade_v1, upgrade_layout
 from gradpress.exchange import Synchronizer
 from gradpress.exchange.keys import upgrade_keys
@@ -25,9 +28,9 @@ from gradpress.exchange.state import STATE_FORMAT
 __all__ = ["save", "check_format", "load"]
 
 
-def save(engine: Synchronizer, step: int) -> dict[str, Any]:
-    """The state dict of a bound hook at ``step``."""
-    return {**engine.state_dict(), "format": HOOK_FORMAT, "step": step, "layout": LAYOUT}
+def save(engine: Synchronizer, step: int, loss_scale: float | None = None) -> dict[str, Any]:
+    """The state dict of a bound hook at ``step``, its state kept in ``loss_scale`` (None: no scaler)."""
+    return {**engine.state_dict(), "format": HOOK_FORMAT, "step": step, "layout": LAYOUT, "loss_scale": loss_scale}
 
 
 def check_format(state: Any) -> None:
@@ -39,10 +42,13 @@ def check_format(state: Any) -> None:
                          f"or {_OLD_FORMAT!r})")
 
 
-def load(engine: Synchronizer, by_name: Mapping[str, torch.nn.Parameter], state: Mapping[str, Any]) -> int:
+def load(engine: Synchronizer, by_name: Mapping[str, torch.nn.Parameter],
+         state: Mapping[str, Any]) -> tuple[int, float | None]:
     """Restore ``engine`` from a hook state dict (``gradpress-hook/1`` and
     states written before gradients had their parameter's layout upgraded);
-    ``by_name``: the bound parameters by key. Returns the saved step."""
+    ``by_name``: the bound parameters by key. Returns the saved step and the
+    loss scale its state is kept in (None: no scaler, or a state written
+    before the hook followed one)."""
     check_format(state)
     if state["format"] == _OLD_FORMAT:
         try:
@@ -56,9 +62,10 @@ def load(engine: Synchronizer, by_name: Mapping[str, torch.nn.Parameter], state:
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"gradpress hook state dict: 'step' must be an integer >= 0, got {step!r}; "
                          "nothing was loaded")
+    kept = check_kept(state.get("loss_scale"))
     state = upgrade_keys(state, [p[0] for p in engine.params])  # today's keys first: upgrade_layout reads them
     state = upgrade_layout(state, by_name, engine.compressor.element_state, engine.compressor.matrix_state)
-    engine_state = {k: v for k, v in state.items() if k not in ("step", "layout")}
+    engine_state = {k: v for k, v in state.items() if k not in ("step", "layout", "loss_scale")}
     engine_state["format"] = STATE_FORMAT  # the engine's own (not a copy of its whole state to read it)
     engine.load_state_dict(engine_state)  # validates fully, changes nothing on error
-    return step
+    return step, kept

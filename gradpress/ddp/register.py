@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from gradpress.compress import Compressor, create
 from gradpress.ddp.hook import GradpressHook, gradpress_hook
+from gradpress.ddp.loss_scale import check_mode, check_scaler
 from gradpress.exchange import Synchronizer
 from gradpress.exchange.agree import agree
 from gradpress.exchange.costs import CostModel
@@ -71,6 +72,7 @@ def make_hook(
     nonfinite: str = "propagate",
     timeout: float | datetime.timedelta | None = None,
     coalesce: bool | None = None,
+    scaler: Any = None,
     **params: Any,
 ) -> tuple[GradpressHook, Hook]:
     """``(state, hook)`` for ``ddp_model.register_comm_hook(state, hook)``.
@@ -83,6 +85,9 @@ def make_hook(
     at the first backward (keys ``param{i}``). ``process_group``: the ranks
     to average over (default: those of ``model`` when it is a DDP wrapper,
     else the world)."""
+    check_scaler(scaler)  # before anything collective: every rank refuses alike
+    if scaler is not None:
+        check_mode(nonfinite)
     if process_group is None and isinstance(model, torch.nn.parallel.DistributedDataParallel):
         process_group = model.process_group
     options = {"error_feedback": error_feedback, "strategy": strategy, "min_numel": min_numel, "seed": seed,
@@ -94,6 +99,7 @@ def make_hook(
         make_compressor = functools.partial(create, spec, **params)  # inside the agreement: every rank reports
     state = GradpressHook(functools.partial(_build, make_compressor, process_group, timeout, options),
                           coalesce=coalesce)
+    state.attach_scaler(scaler)
     if model is not None:
         try:
             state.bind(model)
@@ -116,6 +122,7 @@ def register(
     nonfinite: str = "propagate",
     timeout: float | datetime.timedelta | None = None,
     coalesce: bool | None = None,
+    scaler: Any = None,
     **params: Any,
 ) -> GradpressHook:
     """Register the gradpress comm hook on ``ddp_model`` and return its handle.
@@ -148,6 +155,10 @@ def register(
     (``hierarchical`` with ``chunk`` > 0, a one-round compressor and
     allreduce/allgather between several hosts), off otherwise. Every rank
     must pass the same value.
+    ``scaler``: the ``torch.amp.GradScaler`` of fp16 autocast (each rank its
+    own): the residuals, kept in the scale of their step, follow its scale
+    (read once per step; :meth:`GradpressHook.attach_scaler` attaches one
+    later). Needs ``nonfinite='propagate'``.
     """
     if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
         raise ValueError(f"ddp_model must be torch.nn.parallel.DistributedDataParallel, got {type(ddp_model).__name__}")
@@ -156,6 +167,6 @@ def register(
     state, hook = make_hook(
         spec, ddp_model, error_feedback=error_feedback, strategy=strategy, min_numel=min_numel, seed=seed,
         process_group=process_group if process_group is not None else ddp_model.process_group,
-        plan_costs=plan_costs, nonfinite=nonfinite, timeout=timeout, coalesce=coalesce, **params)
+        plan_costs=plan_costs, nonfinite=nonfinite, timeout=timeout, coalesce=coalesce, scaler=scaler, **params)
     ddp_model.register_comm_hook(state, hook)
     return state

@@ -15,6 +15,7 @@ Loadable with ``torch.load(weights_only=True)``.
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -46,6 +47,22 @@ class EngineState:
         self.compressor.load_state_dict(snapshot["compressor"])
         for name, st in snapshot["strategies"].items():
             self.strategies[name].load_state_dict(st)
+
+    def rescale(self, factor: float) -> None:
+        """Multiply every state kept in the gradient's units by ``factor``, in place and in one fused pass:
+        every residual of the feedback store (the worker's, a ring's, a PS root's) and the compressor's
+        :meth:`~gradpress.compress.Compressor.gradient_state`. For a loss scale that changed from ``old``
+        to ``new`` (``factor = new / old``; the DDP hook's ``scaler``); between steps (nothing staged)."""
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) \
+                or factor <= 0:
+            raise ValueError(f"rescale: factor must be a finite number > 0, got {factor!r}")
+        if factor == 1:
+            return
+        seen: set[int] = set()
+        held = [t for t in [*self.feedback.residuals.values(), *self.compressor.gradient_state()]
+                if id(t) not in seen and not seen.add(id(t))]  # a tensor held twice is multiplied once
+        if held:
+            torch._foreach_mul_(held, float(factor))
 
     def memory_bytes(self) -> dict[str, int]:
         """Extra memory kept, in bytes: ``residuals`` (the worker's error
