@@ -26,7 +26,7 @@ the engine's (:class:`gradpress.exchange.Synchronizer`); this module only
 turns a ``GradBucket`` into keyed views (in each parameter's own layout) and
 keeps the step count. Bound to a DDP model with ``find_unused_parameters`` or
 ``static_graph``, it also tells the engine which parameters got a gradient
-(:mod:`gradpress.ddp.buckets`): one no rank used is averaged plain. State is
+(:mod:`gradpress.ddp.buckets`): one no rank used is not sent. State is
 keyed by parameter name (stable across DDP's bucket rebuild after the first
 iteration; a wrapper's ``module.`` prefix dropped only when every name has
 it), never by ``bucket.index()``.
@@ -140,7 +140,7 @@ class GradpressHook:
                                  "make one state per model")
         else:
             self._bind_named(named)
-        if track and self._used is None:  # a parameter no rank used is then averaged plain (engine.sync's used=)
+        if track and self._used is None:  # a parameter no rank used is then not sent (engine.sync's used=)
             self._used = UsedTracker([p for _, p in named if p.requires_grad])
         self._watch.start(None if is_ddp or self._used is not None else [p for _, p in named], self._step)
 

@@ -20,8 +20,8 @@ error-compensated (whole), cut into their partitions, grouped by strategy
 and exchanged strategy by strategy in a fixed order (``Strategy.order``); the residuals are
 staged; the averages are written back. A step may span several calls (the
 DDP hook's buckets): ``end_of_step=True`` on the last commits the step.
-``used=`` (the DDP hook with ``find_unused_parameters``): a compressed tensor
-no rank used is averaged plain that call, touching no residual or state.
+``used=`` (the DDP hook with ``find_unused_parameters``): a tensor no rank
+used is not sent (left as it is) in a call that compresses something.
 
 Invariant: every rank issues the same collectives in the same order with
 the same sizes (the plan and the keys agree across ranks: checked at
@@ -45,7 +45,7 @@ from gradpress.exchange.feedback import Feedback
 from gradpress.exchange.keys import escape, part_key
 from gradpress.exchange.nonfinite import NONFINITE_MODES, StepGuard, local_flags
 from gradpress.exchange.planner import Decision, Plan
-from gradpress.exchange.plans import StrategyChoice, plain_where_unused
+from gradpress.exchange.plans import StrategyChoice, unused_everywhere
 from gradpress.exchange.state import EngineState
 from gradpress.exchange.stats import ExchangeStats
 from gradpress.transport.collectives import fused_allreduce
@@ -196,10 +196,11 @@ class Synchronizer(EngineState):
         :meth:`prepare`'s encoding of these same keys, tensors and step.
         ``used``: per tensor, whether this rank computed it this step (DDP's
         ``find_unused_parameters``, ``static_graph``; every rank passes it or
-        none does); a compressed tensor no rank used is averaged plain, as
-        DDP's own allreduce would (DDP leaves such a gradient as it was and
-        discards the average): nothing of its residual is sent, and no state
-        of it moves. Costs one allreduce of a flag per compressed tensor."""
+        none does); in a call that compresses something, a tensor no rank
+        used is not sent, left as it is (DDP's reducer keeps such a gradient
+        and discards the bucket's value of it), and no state of it moves, for
+        one allreduce of a flag per tensor; a call that compresses nothing
+        averages every tensor, as DDP does."""
         if used is not None and (prepared is not None or len(used) != len(keys)):
             raise ValueError(f"used: one flag per tensor ({len(keys)}), without prepared=; got {len(used)}")
         try:
@@ -213,11 +214,16 @@ class Synchronizer(EngineState):
               end_of_step: bool, prepared: Encoded | None = None, used: Sequence[bool] | None = None) -> None:
         n = self.world_size
         decisions = [self._decision(k, t) for k, t in zip(keys, tensors)]
-        flag_bytes, flag_s = plain_where_unused(decisions, tensors, used, self.group) if used is not None else (0, 0.0)
+        dense_bytes = flat.numel() * flat.element_size() if flat is not None else sum(_nbytes(t) for t in tensors)
+        unused, flag_bytes, flag_s = ([], 0, 0.0) if used is None else unused_everywhere(decisions, tensors, used,
+                                                                                          self.group)
+        tensor_bytes = {keys[i]: 0 for i in unused}  # sent nothing: left as they are
+        if unused:  # the others only, never the bucket's buffer (it holds these too)
+            gone, flat = set(unused), None
+            keys, tensors, decisions = ([x[i] for i in range(len(x)) if i not in gone] for x in (keys, tensors, decisions))
         dense_idx = [i for i, d in enumerate(decisions) if not d.compressed]
         comp_idx = [i for i, d in enumerate(decisions) if d.compressed]
-        dense_bytes = flat.numel() * flat.element_size() if flat is not None else sum(_nbytes(t) for t in tensors)
-        tensor_bytes = {keys[i]: _nbytes(tensors[i]) for i in dense_idx}
+        tensor_bytes.update({keys[i]: _nbytes(tensors[i]) for i in dense_idx})
         if not comp_idx:
             self._sync_dense(keys, tensors, step, flat, dense_bytes, tensor_bytes, end_of_step, flag_bytes, flag_s)
             return
@@ -267,7 +273,9 @@ class Synchronizer(EngineState):
         every rank sees the same thing: no flag exchange."""
         n = self.world_size
         t = time.perf_counter()
-        if flat is not None:
+        if not tensors:  # every tensor of the call was left as it is (no rank used it): nothing to average
+            sent, bad = 0, None
+        elif flat is not None:
             flat.mul_(1.0 / n)
             if n > 1:
                 dist.all_reduce(flat, group=self.group)
@@ -280,7 +288,8 @@ class Synchronizer(EngineState):
             bad = self.guard.any_bad(tensors)
         comm = time.perf_counter() - t + flag_s
         sent += flag_bytes
-        self.guard.observe_dense(bad, keys, tensors, step, _zero(tensors, flat))
+        if bad is not None:
+            self.guard.observe_dense(bad, keys, tensors, step, _zero(tensors, flat))
         self.stats_counter.record(sent=sent, dense=dense_bytes, compress_s=0.0, comm_s=comm, compressed=0,
                                   plain=len(tensors), tensor_bytes=tensor_bytes, end_of_step=end_of_step,
                                   by_strategy={"uncompressed": sent})

@@ -23,9 +23,9 @@ compressor (the one place that decides it):
 
 Eligible: more than one dimension and at least ``min_numel`` elements.
 
-Per call, :func:`plain_where_unused` turns the decision of a compressed
-tensor that no rank computed (DDP's ``find_unused_parameters``,
-``static_graph``) into a plain average, from flags summed over the group.
+Per call, :func:`unused_everywhere` finds the tensors that no rank computed
+(DDP's ``find_unused_parameters``, ``static_graph``), from flags summed over
+the group: the engine sends nothing of them.
 """
 
 from __future__ import annotations
@@ -209,20 +209,17 @@ class StrategyChoice:
         }, "checkpoint")
 
 
-def plain_where_unused(decisions: list[Decision], tensors: Sequence[torch.Tensor], used: Sequence[bool],
-                       group: dist.ProcessGroup | None) -> tuple[int, float]:
-    """Turn the decision of each compressed tensor that no rank used (``used``:
-    this rank's flag per tensor) into a plain average, in place: collective
-    (one allreduce of a flag per compressed tensor, none when nothing is
-    compressed). Returns the bytes handed over and the seconds it took."""
-    comp = [i for i, d in enumerate(decisions) if d.compressed]
-    if not comp:
-        return 0, 0.0
+def unused_everywhere(decisions: list[Decision], tensors: Sequence[torch.Tensor], used: Sequence[bool],
+                      group: dist.ProcessGroup | None) -> tuple[list[int], int, float]:
+    """The positions of the tensors of a call that no rank used (``used``:
+    this rank's flag per tensor), from one allreduce of a flag per tensor,
+    compressed or not. A call that compresses nothing exchanges no flags and
+    finds none (it sends what DDP's own allreduce sends: the whole bucket;
+    docs/integrations.md, "Models with parameters unused on some steps").
+    Collective. Returns (positions, bytes handed over, seconds)."""
+    if not any(d.compressed for d in decisions):
+        return [], 0, 0.0
     t = time.perf_counter()
-    flags = torch.tensor([1.0 if used[i] else 0.0 for i in comp], device=tensors[comp[0]].device)
+    flags = torch.tensor([1.0 if u else 0.0 for u in used], device=tensors[0].device)
     (summed,), sent = fused_allreduce([flags], group)
-    for i, anywhere in zip(comp, summed.tolist()):
-        if not anywhere:
-            d = decisions[i]
-            decisions[i] = Decision(d.key, d.numel, "uncompressed", 1, reason="used on no rank this step")
-    return sent, time.perf_counter() - t
+    return [i for i, anywhere in enumerate(summed.tolist()) if not anywhere], sent, time.perf_counter() - t
