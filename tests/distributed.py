@@ -27,6 +27,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -266,3 +267,19 @@ def worker_pids(launcher: int) -> list[int]:
     if servers:
         return [w for s in servers for w in children(s)]
     return [c for c in direct if "resource_tracker" not in cmdline(c)]
+
+
+@pytest.fixture(scope="module")
+def one_rank_module(tmp_path_factory):  # noqa: ANN001,ANN201
+    """A one-process gloo group for a whole test module (file rendezvous):
+    import it into a test module and use it as a fixture; destroyed after
+    the module's last test."""
+    from gradpress import torch_compat
+
+    assert not dist.is_initialized()
+    path = tmp_path_factory.mktemp("rendezvous") / "file"
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        torch_compat.destroy_process_group()

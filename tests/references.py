@@ -54,3 +54,17 @@ def topk_dense(x: torch.Tensor, k: int) -> torch.Tensor:
 def topk(x: torch.Tensor, ratio: float) -> torch.Tensor:
     """The ``topk:ratio=...`` compressor's decode(encode(x)): :func:`topk_dense` with k = :func:`kept`."""
     return topk_dense(x, kept(x.numel(), ratio))
+
+
+def error_feedback_topk_mean(residuals: list[dict[str, torch.Tensor]], grads: list[torch.Tensor], name: str,
+                             ratio: float) -> torch.Tensor:
+    """One step of top-k with error feedback averaged over the ranks, in
+    float64 (Stich et al. 2018; Karimireddy et al. 2019): per rank ``p =
+    fp32(e + g)`` (the hook adds in float32), ``e <- p - topk(p)``, and the
+    mean of the ranks' ``topk(p)``. ``residuals[r][name]`` is updated in
+    place; ``grads[r]`` is rank r's gradient (zeros where it had none)."""
+    ps = [(e[name] + g).float().double() for e, g in zip(residuals, grads)]
+    sent = [topk(p, ratio) for p in ps]
+    for e, p, s in zip(residuals, ps, sent):
+        e[name] = p - s
+    return sum(sent) / len(sent)

@@ -7,21 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
+from distributed import one_rank_module
 
 import gradpress.algorithms as algorithms
-from gradpress import torch_compat
 
-
-@pytest.fixture(scope="module")
-def one_rank(tmp_path_factory):  # noqa: ANN001,ANN201
-    assert not dist.is_initialized()
-    path = tmp_path_factory.mktemp("rendezvous") / "file"
-    dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        torch_compat.destroy_process_group()
+one_rank = one_rank_module  # the module-scoped one-process group (tests/distributed.py)
 
 
 @pytest.mark.parametrize("name", algorithms.names())
