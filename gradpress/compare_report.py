@@ -94,7 +94,7 @@ def markdown(result: list[dict[str, Any]], groups: list[dict[str, Any]], target:
         f"# gradpress compare: {s0['workload']}",
         "",
         f"{s0['world_size']} worker(s), {s0['steps']} steps, batch {s0['batch_size']} per worker, "
-        f"{s0['optimizer']}, {s0['schedule']} schedule, {seed_text}. Bytes are those rank 0 handed to collectives "
+        f"{s0['optimizer']}, {s0['schedule']} schedule, {seed_text}, data split {s0.get('split', 'iid')}. Bytes are those rank 0 handed to collectives "
         f"(strategies: {', '.join(sorted({s['strategy'] for s in result}))}; "
         f"algorithms: {', '.join(dict.fromkeys(s.get('algorithm', 'ddp') for s in result))}).",
         note["text"],

@@ -51,6 +51,11 @@ def add_arguments(p: argparse.ArgumentParser, *, compare: bool = False) -> None:
     p.add_argument("--optimizer", default=S, metavar="sgd|momentum|adam", help="default: the workload's")
     p.add_argument("--schedule", default=S, metavar="constant|cosine",
                    help="learning rate schedule over epochs x steps per epoch (--steps only truncates it)")
+    p.add_argument("--split", default=S, metavar="iid|dirichlet:alpha=A|labels:k=K",
+                   help="how the training set is dealt to the workers: iid (default: a new random slice each epoch), "
+                        "dirichlet:alpha=A (each worker's class mix drawn from Dir(A p), Hsu et al. 2019; small A: "
+                        "few classes per worker) or labels:k=K (about K labels per worker, McMahan et al. 2017); "
+                        "non-IID shards are fixed for the run (docs/train.md)")
     p.add_argument("--seed", type=int, default=S, help="seed for weights, data order and shared randomness (default 0)")
     p.add_argument("--out", default=S, metavar="DIR", help="output directory")
     p.add_argument("--config", default=S, metavar="FILE.toml", help="read options from a TOML file; flags override it")

@@ -5,7 +5,9 @@ One file, ``DIR/checkpoint.pt``, written atomically by rank 0 (temporary
 file + rename) after every epoch and at the end (format ``gradpress-train/2``):
 
 * ``config``: the settings a resumed run must share (:data:`RESUME_FIXED`
-  and the world size), ``epoch``/``batch``/``step``: the position in the data;
+  and the world size; a checkpoint written before ``split`` existed ran
+  ``iid``), ``epoch``/``batch``/``step``: the position in the data (with a
+  non-IID ``--split``, in this rank's fixed shard: :mod:`gradpress.train.splits`);
 * ``model``, ``optimizer``: rank 0's;
 * ``ranks``: per rank, ``algorithm`` (its ``state_dict()``: residuals differ
   between ranks) and ``rng``; for algorithms whose replicas may differ
@@ -49,6 +51,8 @@ FORMAT = "gradpress-train/2"
 _LEGACY = "gradpress-train/1"
 #: what a ``gradpress-train/1`` checkpoint ran, for settings it does not record
 _LEGACY_DEFAULTS = {"algorithm": "ddp", "nonfinite": "propagate"}
+#: settings added after a checkpoint format, and what a checkpoint without them ran
+_ADDED_DEFAULTS = {"split": "iid"}
 
 
 def compat(cfg: TrainConfig, world: int) -> dict[str, Any]:
@@ -133,7 +137,7 @@ def check_resume(state: Any, cfg: TrainConfig, world: int, local_world: int | No
         found = state.get("format") if isinstance(state, Mapping) else None
         raise ValueError(f"resume: {cfg.out}/{CHECKPOINT} is not a gradpress training checkpoint "
                          f"(format {found!r}; allowed: {FORMAT!r}, {_LEGACY!r})")
-    theirs, mine = state["config"], compat(cfg, world)
+    theirs, mine = {**_ADDED_DEFAULTS, **state["config"]}, compat(cfg, world)
     diffs = [f"{k}: checkpoint has {theirs.get(k)!r}, this run has {mine[k]!r}" for k in mine
              if not _same(k, theirs.get(k), mine[k], world, local_world)]
     if diffs:

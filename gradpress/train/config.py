@@ -70,13 +70,14 @@ class TrainConfig:
     timeout: float = 300.0
     allow_divergence: bool = False
     tensorboard: str | None = None
+    split: str = "iid"
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig))
 #: changing these between a checkpoint and --resume would not continue the same run
 RESUME_FIXED = ("workload", "data", "hidden", "params", "samples", "text_bytes", "algorithm", "compressor",
                 "strategy", "error_feedback", "optimizer", "schedule", "batch_size", "seed", "min_numel", "nonfinite",
-                "plan_costs")
+                "plan_costs", "split")
 
 
 def load_toml(path: str) -> dict[str, Any]:
@@ -341,6 +342,10 @@ def _validate(cfg: TrainConfig) -> TrainConfig:
         parse_count(cfg.params)
         cfg.params = str(cfg.params)
     _validate_exchange(cfg)
+    from gradpress.train import splits
+
+    cfg.split = splits.parse_split(cfg.split).spec()  # bad kinds and values: refused here, naming the field
+    splits.check_workload(splits.parse_split(cfg.split), cfg.workload, workloads.get(cfg.workload).labels)
     if cfg.tensorboard is not None:
         if not isinstance(cfg.tensorboard, (str, os.PathLike)) or not str(cfg.tensorboard):
             raise ValueError(f"tensorboard must be a directory path, got {cfg.tensorboard!r}")

@@ -186,13 +186,18 @@ def _preload(cfg: TrainConfig) -> None:
 
 def check_data(cfg: TrainConfig, world: int) -> None:
     """Build ``cfg``'s data (generated data land in the cache) and refuse
-    (ValueError) a batch size that leaves a worker of ``world`` no full batch."""
+    (ValueError) a ``--split`` the data cannot give (more labels per worker
+    than classes, a shard per worker left empty) or a batch size that leaves
+    a worker of ``world`` no full batch."""
+    from gradpress.train import splits
     from gradpress.train.loop import steps_per_epoch
 
     wl = workloads.build(cfg.workload, data=cfg.data, hidden=cfg.hidden, params=cfg.params,
                          samples=cfg.samples, text_bytes=cfg.text_bytes)
     assert cfg.batch_size is not None
-    steps_per_epoch(len(wl.train[1]), world, cfg.batch_size, cfg.workload)
+    shards = splits.assign(splits.parse_split(cfg.split), wl.train[1], world, cfg.seed)
+    steps_per_epoch(len(wl.train[1]), world, cfg.batch_size, cfg.workload,
+                    shard=None if shards is None else len(shards[0]), split=cfg.split)
 
 
 def _exit_codes(exc: BaseException) -> dict[int, tuple[int, int | None]]:

@@ -2,10 +2,12 @@
 step, the loop over steps. ``gradpress train`` (:mod:`gradpress.train.session`)
 and the end-to-end benchmark (``gradpress.bench.e2e_worker``) both run it.
 
-Data: every epoch is a permutation of the training set drawn from
-(seed, epoch) alone; rank r trains on slice r of it (equal-sized, disjoint
-shards; the remainder of N // world is dropped). So the position in the
-data is fully described by (epoch, batch).
+Data (``--split iid``, the default): every epoch is a permutation of the
+training set drawn from (seed, epoch) alone; rank r trains on slice r of it
+(equal-sized, disjoint shards; the remainder of N // world is dropped). With
+a non-IID split (:mod:`gradpress.train.splits`) rank r keeps one fixed shard
+for the whole run and walks it in an order drawn from (seed, epoch, rank).
+Either way the position in the data is fully described by (epoch, batch).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 import torch
 
 from gradpress.train.optim import set_lr
+from gradpress.train.splits import shard_order
 
 __all__ = ["epoch_order", "steps_per_epoch", "shard_batches", "train_step", "Tick", "run_steps"]
 
@@ -29,29 +32,42 @@ def epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
     return torch.randperm(n, generator=g)
 
 
-def steps_per_epoch(n: int, world: int, batch_size: int, workload: str = "the workload") -> int:
-    per_epoch = (n // world) // batch_size
+def steps_per_epoch(n: int, world: int, batch_size: int, workload: str = "the workload",
+                    shard: int | None = None, split: str = "iid") -> int:
+    """Full batches in a worker's shard: ``n // world`` samples (iid), or ``shard`` (a non-IID split's shard
+    size, the same on every worker)."""
+    per_rank = n // world if shard is None else shard
+    per_epoch = per_rank // batch_size
     if per_epoch < 1:
+        if shard is not None:
+            raise ValueError(f"batch_size {batch_size} exceeds the {shard} samples of each worker's shard under "
+                             f"split {split!r} ({n} training samples of {workload!r}, {world} workers); use a "
+                             f"smaller --batch-size")
         raise ValueError(f"batch_size {batch_size} x {world} workers exceeds the {n} training samples "
                          f"of {workload!r}; use a smaller --batch-size")
     return per_epoch
 
 
 def shard_batches(x: torch.Tensor, y: torch.Tensor, *, seed: int, rank: int, world: int, batch_size: int,
-                  epochs: int, start: tuple[int, int] = (0, 0), count: int | None = None
-                  ) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]:
+                  epochs: int, start: tuple[int, int] = (0, 0), count: int | None = None,
+                  shard: torch.Tensor | None = None) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]:
     """This rank's batches ``(epoch, batch, x, y)`` from position ``start``
-    = (epoch, batch) on, at most ``count`` of them, until ``epochs`` ends."""
+    = (epoch, batch) on, at most ``count`` of them, until ``epochs`` ends.
+    ``shard``: this rank's fixed sample indices under a non-IID split
+    (:func:`gradpress.train.splits.assign`; None: iid)."""
     n = len(y)
     per_rank = n // world
-    per_epoch = steps_per_epoch(n, world, batch_size)
+    per_epoch = steps_per_epoch(n, world, batch_size, shard=None if shard is None else len(shard))
     done = 0
     for epoch in range(start[0], epochs):
-        shard = epoch_order(n, seed, epoch)[rank * per_rank:(rank + 1) * per_rank].to(x.device)
+        if shard is None:
+            order = epoch_order(n, seed, epoch)[rank * per_rank:(rank + 1) * per_rank].to(x.device)
+        else:
+            order = shard_order(shard, seed, epoch, rank).to(x.device)
         for b in range(start[1] if epoch == start[0] else 0, per_epoch):
             if count is not None and done >= count:
                 return
-            idx = shard[b * batch_size:(b + 1) * batch_size]
+            idx = order[b * batch_size:(b + 1) * batch_size]
             done += 1
             yield epoch, b, x[idx], y[idx]
 

@@ -100,6 +100,7 @@ def summarize(*, cfg: Any, described: dict[str, Any], stats: dict[str, Any], wor
         "optimizer": cfg.optimizer,
         "schedule": cfg.schedule,
         "seed": cfg.seed,
+        "split": getattr(cfg, "split", "iid"),
         "parameters": n_params,
         "metric": wl.metric,
         "higher_is_better": wl.higher_is_better,

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from gradpress import workloads
 from gradpress.torch_compat import destroy_process_group
-from gradpress.train import algorithm, checkpoint, report
+from gradpress.train import algorithm, checkpoint, report, splits
 from gradpress.train.config import TrainConfig
 from gradpress.train.evaluate import evaluate
 from gradpress.train.launch import init_group
@@ -219,7 +219,10 @@ class _Run:
         cfg = self.cfg
         state = self.setup()
         x_train, y_train = (t.to(self.device) for t in self.wl.train)
-        self.steps_per_epoch = steps_per_epoch(len(y_train), self.world, cfg.batch_size, cfg.workload)
+        shards = splits.assign(splits.parse_split(cfg.split), self.wl.train[1], self.world, cfg.seed)
+        shard = None if shards is None else shards[self.rank]  # every rank computes every shard, keeps its own
+        self.steps_per_epoch = steps_per_epoch(len(y_train), self.world, cfg.batch_size, cfg.workload,
+                                               shard=None if shard is None else len(shard), split=cfg.split)
         horizon = cfg.epochs * self.steps_per_epoch  # the schedule's length; --steps only stops early
         total = horizon if cfg.steps is None else min(horizon, cfg.steps)
         start, step = ((state["epoch"], state["batch"]), state["step"]) if state is not None else ((0, 0), 0)
@@ -227,7 +230,8 @@ class _Run:
         logger = _Logger(self, step, total)
         t_start = time.perf_counter()
         batches = shard_batches(x_train, y_train, seed=cfg.seed, rank=self.rank, world=self.world,
-                                batch_size=cfg.batch_size, epochs=cfg.epochs, start=start, count=max(total - step, 0))
+                                batch_size=cfg.batch_size, epochs=cfg.epochs, start=start, count=max(total - step, 0),
+                                shard=shard)
         step = run_steps(self.algo, self.opt, self.wl.loss, batches, lr=cfg.lr, schedule=cfg.schedule,
                          horizon=horizon, step=step, device=self.device, after=logger)
         logger.close()

@@ -66,6 +66,8 @@ class WorkloadSpec:
     tuned_steps: int | None = None
     #: the metric its :class:`Workload` reports (``accuracy``: a fraction in [0, 1])
     metric: str = "accuracy"
+    #: whether its targets are one class label per sample (``--split`` by label needs them)
+    labels: bool = True
 
 
 def mlp(sizes: list[int]) -> nn.Sequential:
