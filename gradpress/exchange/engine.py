@@ -43,7 +43,7 @@ from gradpress.compress.base import all_finite
 from gradpress.exchange.base import Encoded, ExchangeResult, Prelude, Strategy
 from gradpress.exchange.feedback import Feedback
 from gradpress.exchange.keys import escape, part_key
-from gradpress.exchange.nonfinite import NONFINITE_MODES, StepGuard, local_flags
+from gradpress.exchange.nonfinite import NONFINITE_MODES, StepGuard, local_flags, zeroer
 from gradpress.exchange.planner import Decision, Plan
 from gradpress.exchange.plans import StrategyChoice, unused_everywhere
 from gradpress.exchange.state import EngineState
@@ -238,7 +238,7 @@ class Synchronizer(EngineState):
                 tensors[i].copy_(s)
             bad = summed[-1] > 0
             outcome["bad"] = bad
-            return self.guard.observe(bad, [keys[i] for i in range(len(keys))], step, _zero(tensors, flat))
+            return self.guard.observe(bad, [keys[i] for i in range(len(keys))], step, zeroer(tensors, flat))
 
         prelude = Prelude([*plain, local_flags(tensors, flat)], on_summed)
         by_strategy: dict[str, int] = {}
@@ -250,7 +250,7 @@ class Synchronizer(EngineState):
             by_strategy["uncompressed"] = by_strategy.get("uncompressed", 0) + flag_bytes
         if not stopped:
             overflow = torch.stack([~all_finite(tensors[i]) for i in comp_idx]) & ~outcome["bad"][comp_idx]
-            stopped = self.guard.observe_results(overflow, [keys[i] for i in comp_idx], step, _zero(tensors, flat))
+            stopped = self.guard.observe_results(overflow, [keys[i] for i in comp_idx], step, zeroer(tensors, flat))
         bad = outcome.get("bad")
         # a CPU flag read costs nothing, and a clean call (the usual one) then skips a write pass over
         # every tensor; on an accelerator the masked fill stays (reading the flag would wait for it)
@@ -289,7 +289,7 @@ class Synchronizer(EngineState):
         comm = time.perf_counter() - t + flag_s
         sent += flag_bytes
         if bad is not None:
-            self.guard.observe_dense(bad, keys, tensors, step, _zero(tensors, flat))
+            self.guard.observe_dense(bad, keys, tensors, step, zeroer(tensors, flat))
         self.stats_counter.record(sent=sent, dense=dense_bytes, compress_s=0.0, comm_s=comm, compressed=0,
                                   plain=len(tensors), tensor_bytes=tensor_bytes, end_of_step=end_of_step,
                                   by_strategy={"uncompressed": sent})
@@ -392,15 +392,4 @@ class Synchronizer(EngineState):
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
-
-
-def _zero(tensors: list[torch.Tensor], flat: torch.Tensor | None):  # noqa: ANN202
-    """A function that zeroes the call's tensors (a dropped bucket)."""
-    def zero() -> None:
-        if flat is not None:
-            flat.zero_()
-        else:
-            for t in tensors:
-                t.zero_()
-    return zero
 
