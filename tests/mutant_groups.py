@@ -10,7 +10,8 @@ from __future__ import annotations
 GROUPS: dict[str, tuple[list[str], list[str], int]] = {
     "feedback": (["gradpress/exchange/feedback.py", "gradpress/exchange/keys.py"],
                  ["tests/test_references.py", "tests/test_config_fields.py", "tests/test_mutants_feedback.py",
-                  "tests/test_mutants_presence.py", "tests/test_residual_owner.py", "tests/test_key_escape.py"], 6),
+                  "tests/test_mutants_presence.py", "tests/test_residual_owner.py", "tests/test_key_escape.py",
+                  "tests/test_plants_feedback.py"], 6),
     "engine": (["gradpress/exchange/engine.py", "gradpress/exchange/base.py"],
                ["tests/test_references.py", "tests/test_accounting.py", "tests/test_config_fields.py",
                 "tests/test_mutants_engine.py"], 4),
@@ -23,7 +24,7 @@ GROUPS: dict[str, tuple[list[str], list[str], int]] = {
     "spec": (["gradpress/compress/spec.py", "gradpress/compress/registry.py"],
              ["tests/test_spec_registry.py", "tests/test_compressors.py", "tests/test_mutants_spec.py"], 30),
     "quantizers": ([f"gradpress/compress/{m}.py" for m in ("qsgd", "natural", "randomk", "terngrad", "dithering")],
-                   ["tests/test_power.py", "tests/test_unbiased.py"], 30),
+                   ["tests/test_power.py", "tests/test_unbiased.py", "tests/test_plants_quantizers.py"], 30),
     "diloco": (["gradpress/algorithms/diloco.py"],
                ["tests/test_diloco_switch.py", "tests/test_diloco_keep_switch.py", "tests/test_diloco_residual_decay.py",
                 "tests/test_algorithms_outer.py", "tests/test_references.py"], 10),

@@ -576,12 +576,15 @@ def test_signum_follows_momentum() -> None:
     beta = 0.75
     comp = create("signum", momentum=beta)
     plain = create("signum", momentum=0.0)
-    m = torch.zeros(50, dtype=torch.float32)
+    m = torch.zeros(50, dtype=torch.float64)
     for step in range(6):
         g = sample((50,), torch.float32, 100 + step)
-        m = beta * m + (1 - beta) * g
+        m = beta * m + (1 - beta) * g.double()
         out = comp.decode(comp.encode(g, ctx_for("m", step=step)))
         assert torch.equal(out, torch.where(m >= 0, 1.0, -1.0))
+        # the buffer is the EMA itself, m <- beta m + (1 - beta) g (its signs alone cannot tell it from the
+        # sum m <- beta m + g, (1 - beta) times smaller from zero on: a planted bug, docs/testing.md "plants2")
+        torch.testing.assert_close(comp.state_dict()["momentum"]["m"].double(), m, rtol=1e-5, atol=1e-6)
         assert torch.equal(plain.decode(plain.encode(g, ctx_for("m", step=step))), torch.where(g >= 0, 1.0, -1.0))
     assert comp.wire_bytes(50) == 7 and set(comp.state_dict()["momentum"]) == {"m"}
     # a non-finite gradient does not poison the momentum
