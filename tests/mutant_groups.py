@@ -11,7 +11,7 @@ GROUPS: dict[str, tuple[list[str], list[str], int]] = {
     "feedback": (["gradpress/exchange/feedback.py", "gradpress/exchange/keys.py"],
                  ["tests/test_references.py", "tests/test_config_fields.py", "tests/test_mutants_feedback.py",
                   "tests/test_mutants_presence.py", "tests/test_residual_owner.py", "tests/test_key_escape.py",
-                  "tests/test_plants_feedback.py"], 6),
+                  "tests/test_key_upgrade.py", "tests/test_plants_feedback.py"], 6),
     "engine": (["gradpress/exchange/engine.py", "gradpress/exchange/base.py"],
                ["tests/test_references.py", "tests/test_accounting.py", "tests/test_config_fields.py",
                 "tests/test_mutants_engine.py"], 4),
@@ -67,7 +67,8 @@ GROUPS: dict[str, tuple[list[str], list[str], int]] = {
               "tests/test_ddp_unused_warning.py", "tests/test_unused_edges.py"], 12),
     "guards": ([f"gradpress/exchange/{m}.py" for m in ("agree", "nonfinite", "state", "background")],
                ["tests/test_exchange_hardening.py", "tests/test_config_fields.py", "tests/test_mutants_engine.py",
-                "tests/test_comprex_parts.py"], 8),
+                "tests/test_comprex_parts.py",
+                "tests/test_robustness.py::test_nonfinite_skip_drops_the_step_on_every_rank"], 8),
     "decode": ([f"gradpress/compress/{m}.py" for m in ("packet", "base", "signs", "signsgd", "signum", "halfprec",
                                                       "efsignsgd", "natural", "minmax8", "qsgd", "onebit", "terngrad",
                                                       "bits")]
