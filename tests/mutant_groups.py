@@ -63,7 +63,7 @@ GROUPS: dict[str, tuple[list[str], list[str], int]] = {
                 ["tests/test_plan.py", "tests/test_accounting.py", "tests/test_hierarchical.py"], 8),
     "hook": ([f"gradpress/ddp/{m}.py" for m in ("hook", "comm_thread", "hook_state", "register",
                                                 "ranks", "buckets")],
-             ["tests/test_mutants_buckets.py", "tests/test_ddp.py", "tests/test_ddp_models.py",
+             ["tests/test_mutants_buckets.py", "tests/test_plants_ddp.py", "tests/test_ddp.py", "tests/test_ddp_models.py",
               "tests/test_ddp_unused_warning.py", "tests/test_unused_edges.py"], 12),
     "guards": ([f"gradpress/exchange/{m}.py" for m in ("agree", "nonfinite", "state", "background")],
                ["tests/test_exchange_hardening.py", "tests/test_config_fields.py", "tests/test_mutants_engine.py",
@@ -120,7 +120,7 @@ GROUPS: dict[str, tuple[list[str], list[str], int]] = {
                   ["tests/test_mutants_workloads.py", "tests/test_workloads.py", "tests/test_review_workloads.py",
                    "tests/test_train_hardening.py::test_truncated_cache_file_is_regenerated"], 15),
     "train": ([f"gradpress/train/{m}.py" for m in ("loop", "session", "evaluate", "algorithm", "report")],
-              ["tests/test_mutants_train.py", "tests/test_mutants_train_session.py",
+              ["tests/test_mutants_train.py", "tests/test_mutants_train_session.py", "tests/test_plants_train.py",
                "tests/test_tensorboard.py::test_a_resumed_run_purges_the_events_the_interrupted_run_wrote_past_its_"
                "checkpoint",
                "tests/test_train.py::test_data_order_is_sharded_and_deterministic",

@@ -28,7 +28,8 @@ Checked against what the test computes itself:
   uninterrupted run's.
 
 Also: the used-flags allreduce is in ``stats``; PowerSGD (a step's buckets
-coalesced) leaves an unused parameter's state alone; a state that binds
+coalesced) leaves an unused parameter's state alone, and under ``static_graph``
+holds no state of a parameter no rank ever uses; a state that binds
 itself at the first backward warns about a parameter without gradient;
 sparse gradients are refused, naming the module.
 """
@@ -282,6 +283,8 @@ def _worker(rank: int, world: int) -> dict:
     # and a state that binds itself at the first backward (it cannot know find_unused_parameters: it warns)
     out["unused_bytes"] = _run(rank, "unused", spec, range(STEPS), shim=Shim())
     out["unused_powersgd"] = _run(rank, "unused", "powersgd:rank=1,start_iter=0", range(STEPS))
+    # static_graph (the other DDP option that leaves a parameter without gradient): b is used on no step
+    out["static_powersgd"] = _run(rank, "static_graph", "powersgd:rank=1,start_iter=0", range(STEPS))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _run(rank, "unused", spec, range(STEPS), lazy=True)
@@ -417,6 +420,22 @@ def test_coalesced_powersgd_leaves_a_parameter_unused_everywhere_alone(results: 
         assert not torch.equal(after["feedback"]["residuals"]["a.weight"], before["feedback"]["residuals"]["a.weight"])
     assert all(torch.equal(results[0]["unused_powersgd"]["params"][n], p)
                for n, p in results[1]["unused_powersgd"]["params"].items())
+
+
+def test_static_graph_compresses_nothing_of_a_parameter_no_rank_ever_uses(results: list[dict]) -> None:
+    """With ``static_graph`` (as with ``find_unused_parameters``) the hook
+    knows which parameters got a gradient: ``b``, used on no rank at any
+    step, is averaged plain (DDP's rule), so PowerSGD never holds a factor or
+    a residual of it. Reading ``find_unused_parameters`` alone (static_graph
+    ignored) compressed its zeros: a Q factor and a residual appeared (the
+    plants3 session's planted bug, unnoticed before)."""
+    for r in results:
+        run = r["static_powersgd"]
+        for step, state in enumerate(run["state"]):
+            assert run["grads"][step]["b.weight"] is None
+            assert "b.weight" not in state["compressor"]["q"], f"step {step}: a PowerSGD factor of the unused b"
+            assert "b.weight" not in state["feedback"]["residuals"], f"step {step}: a residual of the unused b"
+            assert "a.weight" in state["compressor"]["q"] and "a.weight" in state["feedback"]["residuals"]
 
 
 def test_a_state_that_binds_itself_warns_about_a_parameter_without_gradient(results: list[dict]) -> None:

@@ -127,3 +127,43 @@ def test_cluster_defaults_are_the_documented_ones():
     assert (args.workers_per_node, args.queue_latency, args.master_port, args.timeout) == (1, "5ms", 29500, None)
     assert (args.intra_bandwidth, args.burst, args.prefix, args.logs) == (None, None, None, None)
     assert not (args.keep or args.check or args.cleanup or args.measure)
+
+
+def test_the_aggregate_rows_bytes_per_step_is_the_mean_over_the_seeds():
+    """compare.md's aggregate row: bytes/step is the mean over the seeds
+    (the column of ``mean ± std`` rows; planted as the max, unnoticed before:
+    every earlier test gave each seed the same bytes)."""
+    per_seed = {0: 1000.0, 1: 2000.0, 2: 6000.0}
+    runs = [_summary(_cfg(c, s), bytes_per_step=per_seed[s] if c == "topk:ratio=0.1" else None)
+            for c in ("none", "topk:ratio=0.1") for s in (0, 1, 2)]
+    table = compare_report.aggregate_table(compare_report.aggregate(compare.annotate(runs, None)), "accuracy",
+                                           "none", False)
+    row = _cells(table, "`ddp`")[1]
+    assert row[1] == "`topk:ratio=0.1`"
+    assert row[5] == _si_bytes(math.fsum(per_seed.values()) / 3) == "3.0 KB", row
+
+
+def test_a_sweep_on_a_metric_where_lower_is_better_picks_the_rate_with_the_lowest_mean(tmp_path, monkeypatch):
+    """BEST_LR_RULE: the best final metric, mean over the sweep seeds; for a
+    metric where lower is better (bits per character) the best is the lowest.
+    Ranking every metric as higher-is-better (the sweep not handing the
+    direction to ``best_lr``) picked the worst rate and went unnoticed: the
+    sweep tests used accuracy."""
+    from gradpress import train
+
+    rates = (0.01, 0.03, 0.1)
+
+    def fake_run(cfg):
+        run = _summary(cfg, final=1.0 + abs(math.log(cfg.lr / 0.03)) + 0.01 * cfg.seed)
+        run.update(higher_is_better=False, metric="bits_per_char")
+        return run
+
+    monkeypatch.setattr(train, "run", fake_run)
+    out = tmp_path / "cmp"
+    assert cli(["compare", "--compressors", "none", "--workload", "digits-mlp", "--steps", "40", "--lr-sweep",
+                ",".join(map(str, rates)), "--seeds", "2", "--no-progress", "--out", str(out)]) == 0
+    record = json.loads((out / "sweep.json").read_text())
+    means = {lr: 1.0 + abs(math.log(lr / 0.03)) for lr in rates}  # the sweep's one seed, seed 0
+    want = min(rates, key=lambda lr: means[lr])
+    assert want == 0.03 and record["methods"][0]["best_lr"] == want, record["methods"][0]
+    assert {r["lr"] for r in json.loads((out / "compare.json").read_text())} == {want}

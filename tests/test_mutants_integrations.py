@@ -9,6 +9,8 @@ gradpress reads), no worker.
   path where there is none; a second ``on_train_begin`` on the same DDP model
   keeps its hook, a new DDP wrapper gets a new one and the old one is closed;
   without Transformers the error names the extra.
+* ``gradpress.accelerate.log_stats``: one ``accelerator.log`` of the stats'
+  tags at the step it is given.
 * ``GradpressStrategy``: constructs without the reserved keywords, refuses
   each of them by name, hands ``options`` to the hook, takes a ready hook
   state as it is (and refuses options beside it).
@@ -160,6 +162,24 @@ def test_trainer_callback_without_transformers_names_the_extra(monkeypatch: pyte
             gradpress.accelerate.trainer_callback(SPEC)
     finally:
         gradpress.accelerate._callback_class.cache_clear()
+
+
+def test_log_stats_logs_the_stats_tags_once_at_the_step_it_is_given() -> None:
+    """``gradpress.accelerate.log_stats(accelerator, hook, step)``: one
+    ``accelerator.log`` of the hook's stats under the tags of
+    ``STATS_TAGS`` (the value of each stat, as a float), at ``step`` itself
+    (the plants3 session's ``step + 1`` went unnoticed: the Accelerate run
+    reads the tags' values, not their steps)."""
+    import gradpress.accelerate
+
+    calls = []
+    accelerator = SimpleNamespace(log=lambda values, step=None: calls.append((values, step)))
+    hook = SimpleNamespace(stats={"last_step_bytes": 120, "last_step_dense_bytes": 480, "ratio": 4.0,
+                                  "compress_s": 0.25, "comm_s": 0.5, "steps": 7})
+    gradpress.accelerate.log_stats(accelerator, hook, 7)
+    assert calls == [({"gradpress/bytes_per_step": 120.0, "gradpress/dense_bytes_per_step": 480.0,
+                       "gradpress/compression_ratio": 4.0, "gradpress/compress_s": 0.25, "gradpress/comm_s": 0.5},
+                      7)]
 
 
 # ---------------------------------------------------------------- Lightning's strategy
