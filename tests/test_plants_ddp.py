@@ -58,6 +58,9 @@ class _Owner:
     def sync(self, keys, grads, *, step, flat, end_of_step, used):  # noqa: ANN001, ANN201
         self.calls.append((list(keys), step, end_of_step))
 
+    def follow_scale(self, step: int) -> None:  # no loss scaler attached
+        pass
+
 
 def _job(key: str, param: torch.nn.Parameter, step: int, last: bool) -> Job:
     buffer = torch.zeros(param.numel())
