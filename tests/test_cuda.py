@@ -274,7 +274,7 @@ def test_hierarchical_two_hosts_on_cuda_tensors_keeps_replicas_identical() -> No
 
 
 ALGORITHMS = ["localsgd:period=2", "diloco:period=3", "streaming-diloco:period=4,fragments=2", "sgp", "choco", "lsgd",
-              "onebit_adam:freeze_step=3"]
+              "onebit_adam:freeze_step=3", "scaffold:period=3"]
 
 
 def _algorithm_worker(rank: int, world: int) -> dict:
