@@ -45,6 +45,8 @@ from gradpress.compress import create
 pytestmark = pytest.mark.slow
 
 STEPS, MIN_NUMEL, RATIO = 4, 16, 0.25
+#: a min_numel that compresses b.weight (256 entries) alone: a step no rank uses b compresses nothing
+B_ONLY = 200
 
 
 def _uses(step: int, rank: int) -> bool:
@@ -68,13 +70,14 @@ def _x(step: int, rank: int) -> torch.Tensor:
     return torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * step + rank))
 
 
-def _run(rank: int, spec: str | None, strategy: str = "collective", view: bool = False) -> dict:
+def _run(rank: int, spec: str | None, strategy: str = "collective", view: bool = False,
+         min_numel: int = MIN_NUMEL) -> dict:
     """STEPS steps (``spec`` None: plain DDP); per step this rank's own
     gradient (float64, autograd on the bare module), the gradients after the
     synced backward, the residuals, the bytes handed over and the stats."""
     model = Branch()
     ddp = DDP(model, find_unused_parameters=True, gradient_as_bucket_view=view)
-    hook = None if spec is None else gradpress.ddp.register(ddp, spec, strategy=strategy, min_numel=MIN_NUMEL)
+    hook = None if spec is None else gradpress.ddp.register(ddp, spec, strategy=strategy, min_numel=min_numel)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     shim = Shim()
     names = [n for n, _ in model.named_parameters()]
@@ -106,7 +109,8 @@ def _run(rank: int, spec: str | None, strategy: str = "collective", view: bool =
 
 
 def _worker(rank: int, world: int) -> dict:
-    return {"fp16": _run(rank, "fp16", "allreduce"), "topk": _run(rank, f"topk:ratio={RATIO}"),
+    return {"fp16": _run(rank, "fp16", "allreduce"), "fp16_b": _run(rank, "fp16", "allreduce", min_numel=B_ONLY),
+            "topk": _run(rank, f"topk:ratio={RATIO}"),
             "plain": _run(rank, None), "view": _run(rank, f"topk:ratio={RATIO}", view=True),
             "plain_view": _run(rank, None, view=True)}
 
@@ -118,29 +122,48 @@ def _shapes() -> dict[str, torch.Size]:
     return {n: p.shape for n, p in Branch().named_parameters()}
 
 
-def _compressed(shape: torch.Size) -> bool:
-    return len(shape) > 1 and math.prod(shape) >= MIN_NUMEL
+def _compressed(shape: torch.Size, min_numel: int = MIN_NUMEL) -> bool:
+    return len(shape) > 1 and math.prod(shape) >= min_numel
 
 
-def test_a_tensor_no_rank_used_costs_no_bytes(world_results) -> None:  # noqa: ANN001
+def _want_bytes(step: int, world: int, min_numel: int) -> int:
+    """The flags (one float32 per tensor of the bucket), then for each tensor some rank used its payload,
+    or its plain values and its NaN/Inf flag; when no tensor some rank used is compressed, the plain values
+    alone (DDP's own allreduce of them: no NaN/Inf flags) and never the unused tensors' part of the bucket."""
+    fp16, shapes = create("fp16"), _shapes()
+    used = {n: any(_uses(step, rank) or not n.startswith("b.") for rank in range(world)) for n in shapes}
+    compressing = any(used[n] and _compressed(s, min_numel) for n, s in shapes.items())
+    want = 4 * len(shapes)
+    for n, shape in shapes.items():
+        if used[n]:
+            numel = math.prod(shape)
+            if not compressing:
+                want += 4 * numel
+            else:
+                want += (fp16.wire_bytes(numel) if _compressed(shape, min_numel) else 4 * numel) + 4
+    return want
+
+
+@pytest.mark.parametrize(("run", "min_numel"), [("fp16", MIN_NUMEL), ("fp16_b", B_ONLY)])
+def test_a_tensor_no_rank_used_costs_no_bytes(world_results, run: str, min_numel: int) -> None:  # noqa: ANN001
+    """``fp16_b`` compresses b.weight alone (``plants4``: a step whose compressed tensors no rank used
+    averaged the whole bucket, the unused tensors' part included, and went unnoticed). The bytes per
+    strategy add up to the bytes handed over (the flags under ``uncompressed``)."""
     world, results = world_results
-    shapes, fp16 = _shapes(), create("fp16")
-    assert all(r["fp16"]["buckets"] == 1 for r in results)  # the reference counts the flags of one bucket
+    shapes = _shapes()
+    assert all(r[run]["buckets"] == 1 for r in results)  # the reference counts the flags of one bucket
     wrong = []
     for step in range(STEPS):
-        used = {n: any(_uses(step, rank) or not n.startswith("b.") for rank in range(world)) for n in shapes}
-        want = 4 * len(shapes)  # one float32 flag per tensor of the bucket
-        for n, shape in shapes.items():
-            if used[n]:  # its payload, or its plain values and its NaN/Inf flag
-                want += fp16.wire_bytes(math.prod(shape)) if _compressed(shape) else 4 * math.prod(shape) + 4
-                want += 4 if _compressed(shape) else 0
+        want = _want_bytes(step, world, min_numel)
         dense = 4 * sum(math.prod(s) for s in shapes.values())
         for rank, r in enumerate(results):
-            run = r["fp16"]
-            if (run["bytes"][step], run["stats"][step]["last_step_bytes"]) != (want, want):
-                wrong.append(f"rank {rank} step {step}: handed {run['bytes'][step]} bytes, stats "
-                             f"{run['stats'][step]['last_step_bytes']}, want {want}")
-            assert run["stats"][step]["last_step_dense_bytes"] == dense, f"rank {rank} step {step}"
+            stats = r[run]["stats"][step]
+            if (r[run]["bytes"][step], stats["last_step_bytes"]) != (want, want):
+                wrong.append(f"rank {rank} step {step}: handed {r[run]['bytes'][step]} bytes, stats "
+                             f"{stats['last_step_bytes']}, want {want}")
+            assert stats["last_step_dense_bytes"] == dense, f"rank {rank} step {step}"
+            assert sum(stats["strategy_bytes"].values()) == stats["bytes_sent"] == sum(r[run]["bytes"][:step + 1]), \
+                f"rank {rank} step {step}: bytes per strategy {stats['strategy_bytes']}, sent {stats['bytes_sent']}"
     assert not wrong, f"world {world}: " + "; ".join(wrong)
 
 

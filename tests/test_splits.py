@@ -212,6 +212,18 @@ def test_every_rank_computes_the_same_assignment_in_its_own_process():
         assert not set(sum(results[0][1], [])) & set(sum(results[1][1], []))
 
 
+def test_each_ranks_epoch_order_is_drawn_from_its_own_rank_too():
+    """The module doc: an epoch's order is drawn from (seed, epoch, rank). Two ranks whose shards have one
+    size must not walk them in the same positional order (``plants4``: the rank left out of the seed went
+    unnoticed, since their shards hold other samples); each order is a permutation of the shard."""
+    shard = torch.arange(64) * 3 + 1
+    for seed, epoch in ((0, 0), (7, 2)):
+        orders = [splits.shard_order(shard, seed, epoch, rank) for rank in range(4)]
+        assert all(sorted(o.tolist()) == shard.tolist() for o in orders)
+        assert len({tuple(o.tolist()) for o in orders}) == 4, f"seed {seed} epoch {epoch}: ranks share an order"
+        assert not torch.equal(orders[0], splits.shard_order(shard, seed, epoch + 1, 0))  # and per epoch
+
+
 def test_a_walk_resumed_mid_epoch_is_the_tail_of_the_uninterrupted_one():
     y = _labels(300, 5)
     x = torch.arange(300, dtype=torch.float64).unsqueeze(1)
