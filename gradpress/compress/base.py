@@ -39,16 +39,8 @@ from gradpress.compress.packet import Packet, check_decode_out
 from gradpress.compress.sparse import check_indexable
 from gradpress.compress.spec import coerce_params
 
-__all__ = [
-    "Compressor",
-    "Context",
-    "Packet",
-    "Param",
-    "all_finite",
-    "check_decode_out",
-    "derive_seed",
-    "generator_for",
-]
+__all__ = ["Compressor", "Context", "Packet", "Param", "all_finite", "check_decode_out", "derive_seed",
+           "generator_for"]
 
 
 def derive_seed(*parts: Any) -> int:
