@@ -6,6 +6,8 @@ feedback, identical replicas, bit-identical resume."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -61,6 +63,44 @@ def reference_adam(steps: int, v_steps: list[bool], wd: float = 0.0, decoupled: 
     return out
 
 
+def _zeroone_local_phase(params: list[torch.Tensor], m: list[torch.Tensor], denom: list[torch.Tensor],
+                         out: list[list[torch.Tensor]], freeze: int, steps: int, scaler: int, clipper: int,
+                         average: Callable[[int, list[torch.Tensor]], torch.Tensor]) -> list[list[torch.Tensor]]:
+    """0/1 Adam's local phase after the freeze, float64: each worker steps
+    its own momentum with the frozen ``denom``; when ``t % H == 0`` the
+    changes since the anchor times ``denom`` are averaged by ``average(i,
+    changes)``, every momentum becomes ``-mean (1 - b1^t) / sum(lr)`` and
+    every replica ``anchor + mean / denom``; H doubles every ``scaler``
+    local steps up to ``clipper``. Appends each rank's flat parameters
+    after each step to ``out`` and returns it."""
+    b1 = BETAS[0]
+    anchor = [p.clone() for p in params]
+    local = [[p.clone() for p in params] for _ in range(WORLD)]
+    moms = [[mi.clone() for mi in m] for _ in range(WORLD)]
+    interval, counter, lrs = 1, 0, 0.0
+    for t in range(freeze + 1, steps + 1):
+        for r in range(WORLD):
+            g = grads_at(local[r], r, t - 1)
+            for i in range(len(params)):
+                moms[r][i] = b1 * moms[r][i] + (1 - b1) * g[i]
+                local[r][i] = local[r][i] - LR / (1 - b1 ** t) * moms[r][i] / denom[i]
+        lrs += LR
+        if t % interval == 0:
+            for i in range(len(params)):
+                mean = average(i, [(local[r][i] - anchor[i]) * denom[i] for r in range(WORLD)])
+                anchor[i] = anchor[i] + mean / denom[i]
+                for r in range(WORLD):
+                    moms[r][i] = -mean * (1 - b1 ** t) / lrs
+                    local[r][i] = anchor[i].clone()
+            lrs = 0.0
+        counter += 1
+        if counter == scaler:
+            counter, interval = 0, min(clipper, interval * 2)
+        for r in range(WORLD):
+            out[r].append(flat(local[r]))
+    return out
+
+
 #: 0/1 Adam: exact Adam for 3 steps, then local steps synchronized every H = 1, 2, 2, ... steps
 ZO_LOCAL = "zeroone_adam:var_update_scaler=1000,var_freeze_step=3,local_step_scaler=1,local_step_clipper=2"
 
@@ -90,31 +130,8 @@ def reference_zeroone_local(steps: int, freeze: int, scaler: int, clipper: int) 
         for r in range(WORLD):
             out[r].append(flat(params))
     denom = [(vi / (1 - b2 ** freeze)).sqrt() + EPS for vi in v]
-    anchor = [p.clone() for p in params]
-    local = [[p.clone() for p in params] for _ in range(WORLD)]
-    moms = [[mi.clone() for mi in m] for _ in range(WORLD)]
-    interval, counter, lrs = 1, 0, 0.0
-    for t in range(freeze + 1, steps + 1):
-        for r in range(WORLD):
-            g = grads_at(local[r], r, t - 1)
-            for i in range(len(params)):
-                moms[r][i] = b1 * moms[r][i] + (1 - b1) * g[i]
-                local[r][i] = local[r][i] - LR / (1 - b1 ** t) * moms[r][i] / denom[i]
-        lrs += LR
-        if t % interval == 0:
-            for i in range(len(params)):
-                mean = sum((local[r][i] - anchor[i]) * denom[i] for r in range(WORLD)) / WORLD
-                anchor[i] = anchor[i] + mean / denom[i]
-                for r in range(WORLD):
-                    moms[r][i] = -mean * (1 - b1 ** t) / lrs
-                    local[r][i] = anchor[i].clone()
-            lrs = 0.0
-        counter += 1
-        if counter == scaler:
-            counter, interval = 0, min(clipper, interval * 2)
-        for r in range(WORLD):
-            out[r].append(flat(local[r]))
-    return out
+    return _zeroone_local_phase(params, m, denom, out, freeze, steps, scaler, clipper,
+                                lambda i, xs: sum(xs) / WORLD)
 
 
 def scaled_sign(x: torch.Tensor, chunk: int = 0) -> torch.Tensor:
@@ -244,32 +261,8 @@ def reference_zeroone_compressed(steps: int, freeze: int, kappa: int, scaler: in
         for e in (*werr[i], *serr[i]):
             e.zero_()
     denom = [(vi / (1 - b2 ** s)).sqrt() + EPS for vi in v]
-    anchor = [p.clone() for p in params]
-    local = [[p.clone() for p in params] for _ in range(WORLD)]
-    moms = [[mi.clone() for mi in m] for _ in range(WORLD)]
-    interval, counter, lrs = 1, 0, 0.0
-    for t in range(freeze + 1, steps + 1):
-        for r in range(WORLD):
-            g = grads_at(local[r], r, t - 1)
-            for i in range(len(params)):
-                moms[r][i] = b1 * moms[r][i] + (1 - b1) * g[i]
-                local[r][i] = local[r][i] - LR / (1 - b1 ** t) * moms[r][i] / denom[i]
-        lrs += LR
-        if t % interval == 0:
-            for i in range(len(params)):
-                mean = average(i, [(local[r][i] - anchor[i]) * denom[i] for r in range(WORLD)])
-                mean = torch.where(v[i] == 0, 0.0, mean)
-                anchor[i] = anchor[i] + mean / denom[i]
-                for r in range(WORLD):
-                    moms[r][i] = -mean * (1 - b1 ** t) / lrs
-                    local[r][i] = anchor[i].clone()
-            lrs = 0.0
-        counter += 1
-        if counter == scaler:
-            counter, interval = 0, min(clipper, interval * 2)
-        for r in range(WORLD):
-            out[r].append(flat(local[r]))
-    return out
+    return _zeroone_local_phase(params, m, denom, out, freeze, steps, scaler, clipper,
+                                lambda i, xs: torch.where(v[i] == 0, 0.0, average(i, xs)))
 
 
 #: 0/1 Adam compressed: variance steps 1, 2, 4 (kappa 1), compressed gradients at 3 and 5, the freeze after
