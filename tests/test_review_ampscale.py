@@ -275,3 +275,22 @@ def test_a_scaler_is_refused_with_skip_or_raise_and_without_get_scale(scripted_r
         for label in ("skip", "raise", "attach", "unbound"):
             assert "nonfinite" in r[label] and "scaler" in r[label] and "propagate" in r[label], (label, r[label])
         assert "scaler" in r["object"] and "get_scale" in r["object"] and "object" in r["object"], r["object"]
+
+
+@pytest.mark.parametrize("bad", [0.0, -2.0, math.inf, -math.inf, math.nan, True, "1024", [1024.0]])
+def test_a_saved_loss_scale_that_is_not_a_finite_positive_number_is_refused(bad: object) -> None:
+    """A hook state's ``loss_scale`` is None or a finite number > 0: each
+    other value is refused naming the field (a mutant that refused only
+    values both non-finite *and* <= 0 let 0, -2 and +inf through)."""
+    from gradpress.ddp.loss_scale import check_kept
+
+    with pytest.raises(ValueError, match=r"'loss_scale' must be None or a finite number > 0, got "):
+        check_kept(bad)
+
+
+def test_a_saved_loss_scale_is_kept_as_a_float() -> None:
+    from gradpress.ddp.loss_scale import check_kept
+
+    assert check_kept(None) is None
+    assert check_kept(65536) == 65536.0 and isinstance(check_kept(65536), float)
+    assert check_kept(2.0 ** -24) == 2.0 ** -24
