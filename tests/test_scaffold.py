@@ -134,6 +134,7 @@ def _worker(rank: int, world: int) -> dict:
             ("global_lr", "scaffold:period=2,global_lr=1.5", False, 6, 0.0),
             ("schedule", "scaffold:period=3", True, 6, 0.0),
             ("gradients", "scaffold:period=3,control=gradients", False, 9, 0.0),
+            ("schedule_gradients", "scaffold:period=3,control=gradients", True, 6, 0.0),
             ("momentum", "scaffold:period=3", False, 9, 0.9),
             ("k1", "scaffold:period=1", False, 2, 0.0)):
         model, opt, algo = build(rank, spec, schedule, momentum)
@@ -192,15 +193,17 @@ def close(a: list[torch.Tensor], b: list[torch.Tensor], what: str) -> None:
 
 @pytest.mark.parametrize("case,period,steps,global_lr,schedule,momentum", [
     ("paper", 3, 9, 1.0, False, 0.0), ("global_lr", 2, 6, 1.5, False, 0.0), ("schedule", 3, 6, 1.0, True, 0.0),
-    ("gradients", 3, 9, 1.0, False, 0.0), ("momentum", 3, 9, 1.0, False, 0.9)])
+    ("gradients", 3, 9, 1.0, False, 0.0), ("schedule_gradients", 3, 6, 1.0, True, 0.0),
+    ("momentum", 3, 9, 1.0, False, 0.9)])
 def test_matches_the_papers_formulas_on_non_iid_data(results: list[dict], case: str, period: int, steps: int,
                                                      global_lr: float, schedule: bool, momentum: float) -> None:
     """x, c and every c_i after each of several periods, parameter by
     parameter, against the float64 reference (per-group lrs changing every
     step: the sum of the period's lrs in place of K * lr). ``gradients``:
     control=gradients on plain SGD gives option II's values (the identity
-    x - y_i = sum lr (g - c_i + c)); ``momentum``: auto takes the gradients'
-    mean with momentum SGD."""
+    x - y_i = sum lr (g - c_i + c)), also with per-group lrs changing every
+    step (``schedule_gradients``: the lr-weighted mean); ``momentum``: auto
+    takes the gradients' mean with momentum SGD."""
     want = reference(period, steps, global_lr, schedule, momentum)
     for rank, res in enumerate(results):
         got = res[case]
