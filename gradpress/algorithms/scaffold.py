@@ -162,19 +162,17 @@ class Scaffold(Algorithm):
         period's sum of every parameter it steps; ``control=gradients``: ``lr
         g`` added to the gradient sums (``lr (g + wd y)`` with SGD's weight
         decay)."""
-        groups = self.optimizer.param_groups
-        lr_of = {id(p): group["lr"] for group in groups for p in group["params"]}
+        group_of = {id(p): group for group in self.optimizer.param_groups for p in group["params"]}
         # torch's SGD descends g + wd * y (weight decay as an L2 term of the gradient): so does c_i+
         l2 = type(self.optimizer) is torch.optim.SGD
-        wd_of = {id(p): float(group.get("weight_decay", 0) or 0) if l2 else 0.0
-                 for group in groups for p in group["params"]}
         for i, (_, p) in enumerate(self.named):
             if p.grad is None:
                 continue
-            lr = float(lr_of.get(id(p), 0.0))
+            group = group_of.get(id(p), {})
+            lr = float(group.get("lr", 0.0))
             if self.grad_sums:
                 self.grad_sums[i].add_(p.grad.to(self.grad_sums[i].dtype), alpha=lr)
-                wd = wd_of.get(id(p), 0.0)
+                wd = float(group.get("weight_decay", 0) or 0) if l2 else 0.0
                 if wd:
                     self.grad_sums[i].add_(p.detach().to(self.grad_sums[i].dtype), alpha=lr * wd)
             p.grad.add_(self.correction[i].to(p.grad.dtype))

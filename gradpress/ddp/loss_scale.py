@@ -47,11 +47,16 @@ def check_mode(nonfinite: str) -> None:
             "'raise' fails on the overflows that dynamic loss scaling causes by design")
 
 
+def _finite_positive(value: Any) -> bool:
+    """A real number (not a bool), finite and > 0: what a loss scale is."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
 def check_kept(value: Any) -> float | None:
     """A state dict's ``loss_scale``: None or a finite number > 0 (as float); ``ValueError`` otherwise."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+    if not _finite_positive(value):
         raise ValueError(f"gradpress hook state dict: 'loss_scale' must be None or a finite number > 0, got "
                          f"{value!r}; nothing was loaded")
     return float(value)
@@ -72,7 +77,7 @@ class LossScale:
         if self.scaler is None or step == self._read_at:
             return
         new = self.scaler.get_scale()
-        if isinstance(new, bool) or not isinstance(new, (int, float)) or not math.isfinite(new) or new <= 0:
+        if not _finite_positive(new):
             raise ValueError(f"scaler.get_scale() returned {new!r} at step {step}; allowed: a finite number > 0")
         new = float(new)
         if self.kept is not None and new != self.kept:

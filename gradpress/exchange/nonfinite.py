@@ -58,7 +58,6 @@ def local_flags(tensors: list[torch.Tensor], flat: torch.Tensor | None) -> torch
     return torch.stack([~all_finite(t) for t in tensors]).to(dtype)
 
 
-
 def zeroer(tensors: list[torch.Tensor], flat: torch.Tensor | None) -> Callable[[], None]:
     """A function that zeroes a call's tensors (``flat``, their buffer,
     when given): what :class:`StepGuard` runs on a dropped bucket."""
@@ -69,6 +68,7 @@ def zeroer(tensors: list[torch.Tensor], flat: torch.Tensor | None) -> Callable[[
             for t in tensors:
                 t.zero_()
     return zero
+
 
 class StepGuard:
     """Tracks the NaN/Inf outcome of the step in flight and applies the mode.

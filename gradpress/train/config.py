@@ -344,8 +344,9 @@ def _validate(cfg: TrainConfig) -> TrainConfig:
     _validate_exchange(cfg)
     from gradpress.train import splits
 
-    cfg.split = splits.parse_split(cfg.split).spec()  # bad kinds and values: refused here, naming the field
-    splits.check_workload(splits.parse_split(cfg.split), cfg.workload, workloads.get(cfg.workload).labels)
+    split = splits.parse_split(cfg.split)  # bad kinds and values: refused here, naming the field
+    splits.check_workload(split, cfg.workload, workloads.get(cfg.workload).labels)
+    cfg.split = split.spec()
     if cfg.tensorboard is not None:
         if not isinstance(cfg.tensorboard, (str, os.PathLike)) or not str(cfg.tensorboard):
             raise ValueError(f"tensorboard must be a directory path, got {cfg.tensorboard!r}")
