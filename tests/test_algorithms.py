@@ -32,6 +32,17 @@ def loss_of(model: torch.nn.Module, rank: int, step: int) -> torch.Tensor:
     return torch.nn.functional.mse_loss(model(x), y)
 
 
+def mse_grads_at(params: list[torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
+    """The gradient of :func:`make_model`'s MSE loss on ``(x, y)`` at the
+    parameter values ``params`` (float64; a fresh model, nothing shared)."""
+    model = make_model()
+    with torch.no_grad():
+        for p, v in zip(model.parameters(), params):
+            p.copy_(v)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    return [p.grad.detach().clone() for p in model.parameters()]
+
+
 def reference(period: int, steps: int) -> list[torch.Tensor]:
     """Local SGD by its definition, float64, one process: each worker takes
     plain SGD steps on its own batches; every ``period`` steps all workers

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed import checkpoint, restore, run_workers
-from test_scaffold import WORLD, build, close, reference, train
+from distributed import run_workers
+from test_scaffold import WORLD, build, close, reference, straight_and_resumed, train
 
 import gradpress.algorithms as algorithms
 from gradpress.algorithms.registry import _REGISTRY
@@ -49,14 +49,7 @@ def _worker(rank: int, world: int) -> dict:
         model, opt, algo = build(rank, spec)
         out[spec] = train(rank, model, opt, algo, 0, 9)
         out[spec + "/stats"] = algo.stats
-    kw = {"compressor": "topk:ratio=0.1", "min_numel": 64, "nonfinite": "skip"}
-    model, opt, algo = build(rank, "my-scaffold:period=3", momentum=0.9, **kw)
-    train(rank, model, opt, algo, 0, 4)
-    saved = checkpoint(algo=algo, model=model, opt=opt)
-    out["straight"] = train(rank, model, opt, algo, 4, 10)
-    model, opt, algo = build(rank, "my-scaffold:period=3", momentum=0.9, **kw)
-    restore(saved, model=model, opt=opt, algo=algo)
-    out["resumed"] = train(rank, model, opt, algo, 4, 10)
+    out["straight"], out["resumed"], _ = straight_and_resumed(rank, "my-scaffold:period=3")
     return out
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed import checkpoint, restore, run_workers, value_errors
-from test_algorithms import batch, make_model
+from test_algorithms import batch, make_model, mse_grads_at
 
 import gradpress.algorithms as algorithms
 
@@ -24,13 +24,7 @@ ONEBIT_CHUNK = 64  # 1-bit Adam's default scale chunk (docs/results/compressed-a
 
 
 def grads_at(params: list[torch.Tensor], rank: int, step: int) -> list[torch.Tensor]:
-    model = make_model()
-    with torch.no_grad():
-        for p, q in zip(model.parameters(), params):
-            p.copy_(q)
-    x, y = batch(rank, step)
-    torch.nn.functional.mse_loss(model(x), y).backward()
-    return [p.grad.clone() for p in model.parameters()]
+    return mse_grads_at(params, *batch(rank, step))
 
 
 def flat(params: list[torch.Tensor]) -> torch.Tensor:

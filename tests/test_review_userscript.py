@@ -17,6 +17,7 @@ import contextlib
 import math
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,23 @@ def _data(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(16, 8, generator=gen), torch.randint(0, 4, (16,), generator=gen)
 
 
+def _own_and_other(state: dict, rank: int, world: int, load: Callable[[dict], None]) -> dict:
+    """Gather every rank's ``state``, then ``load`` (into fresh objects) this
+    rank's own and the next rank's: "accepted" or the ValueError's message,
+    by label ``own`` / ``other``. Collective: the load builds objects that
+    agree across ranks."""
+    everyone: list = [None] * world
+    torch.distributed.all_gather_object(everyone, state)
+    out = {}
+    for label, source in (("own", rank), ("other", (rank + 1) % world)):
+        try:
+            load(everyone[source])
+            out[label] = "accepted"
+        except ValueError as exc:
+            out[label] = str(exc)
+    return out
+
+
 def _hook_states(rank: int, world: int) -> dict:
     """Train a few steps through the hook, gather every rank's state; then each
     rank loads (a) its own state, (b) the other rank's, into a fresh hook."""
@@ -52,19 +70,17 @@ def _hook_states(rank: int, world: int) -> dict:
         opt.zero_grad()
         nn.functional.cross_entropy(ddp(x), y).backward()
         opt.step()
-    everyone: list = [None] * world
-    torch.distributed.all_gather_object(everyone, hook.state_dict())
+    state = hook.state_dict()
     hook.close()
-    out = {}
-    for label, source in (("own", rank), ("other", (rank + 1) % world)):
+
+    def load(saved: dict) -> None:
         fresh = gradpress.ddp.register(DDP(_model()), "topk:ratio=0.1", min_numel=16)
         try:
-            fresh.load_state_dict(everyone[source])
-            out[label] = "accepted"
-        except ValueError as exc:
-            out[label] = str(exc)
-        fresh.close()
-    return out
+            fresh.load_state_dict(saved)
+        finally:
+            fresh.close()
+
+    return _own_and_other(state, rank, world, load)
 
 
 def _algorithm_states(rank: int, world: int) -> dict:
@@ -76,19 +92,13 @@ def _algorithm_states(rank: int, world: int) -> dict:
         opt.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
         algo.step()
-    everyone: list = [None] * world
-    torch.distributed.all_gather_object(everyone, algo.state_dict())
-    out = {}
-    for label, source in (("own", rank), ("other", (rank + 1) % world)):
+
+    def load(saved: dict) -> None:
         m = _model()
-        fresh = gradpress.algorithms.create("localsgd:period=2", m, torch.optim.SGD(m.parameters(), lr=0.1),
-                                            compressor="topk:ratio=0.1", min_numel=16)
-        try:
-            fresh.load_state_dict(everyone[source])
-            out[label] = "accepted"
-        except ValueError as exc:
-            out[label] = str(exc)
-    return out
+        gradpress.algorithms.create("localsgd:period=2", m, torch.optim.SGD(m.parameters(), lr=0.1),
+                                    compressor="topk:ratio=0.1", min_numel=16).load_state_dict(saved)
+
+    return _own_and_other(algo.state_dict(), rank, world, load)
 
 
 @pytest.mark.parametrize("which", [_hook_states, _algorithm_states], ids=["hook", "algorithm"])

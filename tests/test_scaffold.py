@@ -12,16 +12,12 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed import checkpoint, restore, run_workers, value_errors
+from test_algorithms import make_model, mse_grads_at
 
 import gradpress.algorithms as algorithms
 
 WORLD = 3
 LR = 0.1
-
-
-def make_model() -> torch.nn.Module:
-    torch.manual_seed(7)
-    return torch.nn.Sequential(torch.nn.Linear(6, 40), torch.nn.Tanh(), torch.nn.Linear(40, 3)).double()
 
 
 def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,13 +29,7 @@ def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def grads_at(params: list[torch.Tensor], rank: int, step: int) -> list[torch.Tensor]:
     """The loss gradient of ``rank``'s batch at ``step``, at ``params`` (float64)."""
-    model = make_model()
-    with torch.no_grad():
-        for p, v in zip(model.parameters(), params):
-            p.copy_(v)
-    x, y = batch(rank, step)
-    torch.nn.functional.mse_loss(model(x), y).backward()
-    return [p.grad.detach().clone() for p in model.parameters()]
+    return mse_grads_at(params, *batch(rank, step))
 
 
 def group_lr(step: int, i: int, schedule: bool) -> float:
@@ -143,15 +133,7 @@ def _worker(rank: int, world: int) -> dict:
     model, opt, algo = build(rank, "localsgd:period=3,optimizer_state=local")
     out["localsgd"] = train_plain(rank, model, opt, algo, 9)
     out["localsgd/stats"] = algo.stats
-    # resume mid-period, with momentum, a compressor (its residuals) and nonfinite=skip (its copies)
-    kw = {"compressor": "topk:ratio=0.1", "min_numel": 64, "nonfinite": "skip"}
-    model, opt, algo = build(rank, "scaffold:period=3", momentum=0.9, **kw)
-    train(rank, model, opt, algo, 0, 4)
-    saved = checkpoint(algo=algo, model=model, opt=opt)
-    out["straight"] = train(rank, model, opt, algo, 4, 10)
-    model, opt, algo = build(rank, "scaffold:period=3", momentum=0.9, **kw)
-    restore(saved, model=model, opt=opt, algo=algo)
-    out["resumed"] = train(rank, model, opt, algo, 4, 10)
+    out["straight"], out["resumed"], algo = straight_and_resumed(rank, "scaffold:period=3")
     out["resumed/stats"] = algo.stats
 
     def with_optimizer(case: dict) -> None:
@@ -169,6 +151,21 @@ def _worker(rank: int, world: int) -> dict:
         out["load"] = str(exc)
     dist.barrier()
     return out
+
+
+def straight_and_resumed(rank: int, spec: str) -> tuple[list[dict], list[dict], algorithms.Algorithm]:
+    """``spec`` resumed mid-period, with momentum, a compressor (its residuals)
+    and nonfinite=skip (its copies): steps 4-9 straight on, and again from a
+    checkpoint taken after step 3 (weights_only) in fresh objects; the
+    resumed run's algorithm."""
+    kw = {"compressor": "topk:ratio=0.1", "min_numel": 64, "nonfinite": "skip"}
+    model, opt, algo = build(rank, spec, momentum=0.9, **kw)
+    train(rank, model, opt, algo, 0, 4)
+    saved = checkpoint(algo=algo, model=model, opt=opt)
+    straight = train(rank, model, opt, algo, 4, 10)
+    model, opt, algo = build(rank, spec, momentum=0.9, **kw)
+    restore(saved, model=model, opt=opt, algo=algo)
+    return straight, train(rank, model, opt, algo, 4, 10), algo
 
 
 def train_plain(rank: int, model, opt, algo, steps: int) -> list[torch.Tensor]:  # noqa: ANN001
