@@ -13,6 +13,7 @@ import pkgutil
 import sys
 
 import gradpress.commands as commands_pkg
+from gradpress import plugins
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,6 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     for mod in sorted(pkgutil.iter_modules(commands_pkg.__path__), key=lambda m: m.name):
         module = importlib.import_module(f"gradpress.commands.{mod.name}")
         module.register(sub)
+    for command in sub.choices.values():
+        plugins.add_option(command)
     return parser
 
 
@@ -37,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        plugins.add(getattr(args, "plugins", None) or [])  # and those of $GRADPRESS_PLUGINS
         return int(args.func(args) or 0)
     except ValueError as exc:
         print(f"{command_name(args)}: error: {exc}", file=sys.stderr)

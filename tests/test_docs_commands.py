@@ -152,8 +152,11 @@ def test_every_train_command_the_docs_show_passes_the_configuration_checks(doc: 
     """Beyond parsing: workload, algorithm and compressor specs, strategy,
     numbers and their combinations, as ``gradpress train`` checks them before
     any worker starts (in a scratch directory, where ``--out`` is writable);
-    docs/authoring-algorithms.md's lines with its worked example registered."""
+    docs/authoring.md's and docs/authoring-algorithms.md's lines with their worked examples registered
+    (the first's `--plugin` lines name a module holding TBQ)."""
     monkeypatch.chdir(tmp_path)
+    if doc == "authoring.md":
+        request.getfixturevalue("tbq")
     if doc == "authoring-algorithms.md":
         request.getfixturevalue("my_scaffold")
     try:

@@ -16,7 +16,7 @@ from gradpress.compress.spec import Registry, coerce_params, parse_stage
 
 __all__ = ["register", "create", "names", "get_class", "describe", "parse", "preflight"]
 
-_REGISTRY: Registry[type[Algorithm]] = Registry("algorithm", "gradpress.algorithms", skip=("base", "registry"))
+_REGISTRY: Registry[type[Algorithm]] = Registry("algorithm", "gradpress.algorithms", skip=("base", "registry"), plugins=True)
 
 
 def register(cls: type[Algorithm]) -> type[Algorithm]:

@@ -50,10 +50,12 @@ class Registry(Generic[T]):
     """Name -> class for one ``kind`` of thing; the classes live in the
     modules of ``package`` (all but ``skip``), imported on first lookup."""
 
-    def __init__(self, kind: str, package: str, skip: Iterable[str] = ()) -> None:
+    def __init__(self, kind: str, package: str, skip: Iterable[str] = (), plugins: bool = False) -> None:
         self.kind = kind
         self.package = package
         self.skip = frozenset(skip)
+        #: also import the plugin modules of ``$GRADPRESS_PLUGINS`` (:meth:`load_plugins`)
+        self.plugins = plugins
         self.classes: dict[str, T] = {}
         self._loaded = False
 
@@ -90,16 +92,33 @@ class Registry(Generic[T]):
             self._loaded = False
             raise
 
+    def load_plugins(self) -> None:
+        """With ``plugins``: import the modules of ``$GRADPRESS_PLUGINS`` not
+        imported yet (:mod:`gradpress.plugins`; ValueError naming one that
+        fails). Not for the strategies, which gradpress looks up while its
+        own modules import (a plugin importing gradpress would then meet a
+        partly imported package)."""
+        if self.plugins:
+            from gradpress import plugins
+
+            plugins.load()
+
     def names(self) -> list[str]:
-        """Every registered name, sorted."""
+        """Every registered name, sorted (the plugins' too)."""
         self.load()
+        self.load_plugins()
         return sorted(self.classes)
 
     def get(self, name: str) -> T:
-        """The class registered as ``name``; ValueError listing the allowed names."""
+        """The class registered as ``name`` (a name not known yet: after
+        importing the plugins); ValueError listing the allowed names."""
         self.load()
         if name not in self.classes:
-            raise ValueError(f"unknown {self.kind} {name!r}; allowed: {', '.join(sorted(self.classes))}")
+            self.load_plugins()
+        if name not in self.classes:
+            raise ValueError(f"unknown {self.kind} {name!r}; allowed: {', '.join(sorted(self.classes))}"
+                             + (" (one of your own: load its module with --plugin MODULE or GRADPRESS_PLUGINS=MODULE, "
+                                "docs/authoring.md)" if self.plugins else ""))
         return self.classes[name]
 
 

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from gradpress import workloads
+from gradpress import plugins, workloads
 from gradpress.train.args import add_arguments
 from gradpress.train.launch import WorkerFailed, run
 from gradpress.train.report import METRICS, SUMMARY, human_bytes
@@ -75,11 +75,13 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m gradpress.train`` (the module torchrun starts)."""
     parser = argparse.ArgumentParser(prog="python -m gradpress.train", description="Train a workload with gradpress.")
     add_arguments(parser)
+    plugins.add_option(parser)
     args = parser.parse_args(argv)
     from gradpress.train.launch import one_line_warnings
 
     one_line_warnings()  # this process is a worker (torchrun started it)
     try:
+        plugins.add(args.plugins or [])  # and those of $GRADPRESS_PLUGINS
         return run_cli(args)
     except ValueError as exc:
         print(f"gradpress train: error: {exc}", file=sys.stderr)

@@ -1,0 +1,217 @@
+"""Plugins: a compressor and an algorithm of your own, in a module outside gradpress, used by every command
+(`--plugin MODULE` or `GRADPRESS_PLUGINS=MODULE`), in the launcher and in every training worker.
+
+The plugin module is written by each test to tmp_path. In process (about 5 s): `gradpress compressors`,
+`gradpress algorithms` and `gradpress bench compressors` see it, and a module that cannot be imported, one
+that fails while importing, or a value that is no module name, is refused before anything runs, naming the
+value, where it came from and what is allowed. In subprocesses (about 40 s on 2 busy cores):
+`gradpress compare --plugin` with 2 workers and `gradpress train` with `GRADPRESS_PLUGINS`, tiny steps; each
+worker records that it encoded with the plugin compressor, and its decoded values are checked against the
+definition (x rounded to float16, computed by the test in float64).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from refusals import forbid
+
+import gradpress.algorithms.registry as algorithm_registry
+import gradpress.compress.registry as compressor_registry
+from gradpress import plugins
+from gradpress.cli import main as cli
+
+ROOT = Path(__file__).resolve().parents[1]
+
+PLUGIN = textwrap.dedent('''
+    """A researcher's plugin: a compressor and an algorithm gradpress does not have."""
+    import os
+
+    import torch
+
+    from gradpress.algorithms import Algorithm, register as register_algorithm
+    from gradpress.compress import kit, register
+    from gradpress.compress.base import Param
+
+
+    def _mark(what):
+        where = os.environ.get("PLUG_MARKS")
+        if where:
+            with open(os.path.join(where, f"{what}-{os.getpid()}"), "a") as f:
+                f.write("x")
+
+
+    @register
+    class PlugHalf(kit.KitCompressor):
+        name = "plughalf"
+        PARAMS = (Param("scale", float, 1.0, "scale > 0", lambda v: v > 0, "multiplies before the cast"),)
+        FIELDS = (kit.Field("vals", torch.float16),)
+        summable = True
+        summary = "x * scale rounded to float16"
+
+        def encode_fields(self, flat, dtype, ctx):
+            _mark("encode")
+            return {"vals": (flat * self.scale).to(torch.float16)}
+
+        def decode_fields(self, fields, numel, dtype):
+            return (fields["vals"].to(torch.float32) / self.scale).to(dtype)
+
+
+    @register_algorithm
+    class PlugEvery(Algorithm):
+        name = "plug-every"
+        PARAMS = (Param("period", int, 1, "integer >= 1", lambda v: v >= 1, "local steps between averages"),)
+        summary = "parameters averaged every period steps"
+
+        def after_broadcast(self):
+            self.since = 0
+
+        @torch.no_grad()
+        def step(self):
+            _mark("algorithm")
+            self.local_step()
+            self.since += 1
+            if self.since == self.period:
+                self.sync([p for _, p in self.named])
+                self.since = 0
+''')
+
+
+@pytest.fixture
+def plugin_dir(tmp_path, monkeypatch):
+    """tmp_path/plugdir/myplug.py on sys.path; the registries, the loaded plugins, sys.modules and
+    GRADPRESS_PLUGINS are put back afterwards, so no other test sees the plugin's names."""
+    where = tmp_path / "plugdir"
+    where.mkdir()
+    (where / "myplug.py").write_text(PLUGIN)
+    monkeypatch.syspath_prepend(str(where))
+    monkeypatch.setenv(plugins.ENV, "")  # recorded, so that what --plugin sets is undone too
+    monkeypatch.delenv(plugins.ENV)
+    compressor_registry._REGISTRY.load()
+    algorithm_registry._REGISTRY.load()
+    saved = (dict(compressor_registry._REGISTRY.classes), dict(algorithm_registry._REGISTRY.classes),
+             set(plugins._LOADED))
+    yield where
+    compressor_registry._REGISTRY.classes.clear()
+    compressor_registry._REGISTRY.classes.update(saved[0])
+    algorithm_registry._REGISTRY.classes.clear()
+    algorithm_registry._REGISTRY.classes.update(saved[1])
+    plugins._LOADED.clear()
+    plugins._LOADED.update(saved[2])
+    plugins._DONE[0] = None
+    for name in [m for m in sys.modules if m == "myplug" or m.startswith("broken")]:
+        del sys.modules[name]
+
+
+def test_compressors_and_algorithms_list_a_plugin(plugin_dir, capsys):
+    assert cli(["compressors", "--plugin", "myplug"]) == 0
+    assert "plughalf" in capsys.readouterr().out
+    assert os.environ[plugins.ENV] == "myplug"  # what every process started from here inherits
+    assert cli(["algorithms", "--plugin", "myplug"]) == 0
+    assert "plug-every" in capsys.readouterr().out
+
+
+def test_the_environment_variable_loads_a_plugin_at_the_first_lookup(plugin_dir, monkeypatch):
+    monkeypatch.setenv(plugins.ENV, " myplug ,")
+    assert "plughalf" in compressor_registry.names()
+    assert "plug-every" in algorithm_registry.names()
+
+
+def test_bench_compressors_measures_a_plugin(plugin_dir, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    rc = cli(["bench", "compressors", "--plugin", "myplug", "--compressors", "plughalf:scale=2", "--sizes", "1K",
+              "--repeats", "1", "--warmup", "1", "--threads", "1", "--json", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["compressor"] for r in rows] == ["plughalf:scale=2"]
+    assert rows[0]["wire_bytes"] == 2 * 1000  # float16: 2 bytes per entry, by the plugin's definition
+
+
+@pytest.mark.parametrize("value,words", [
+    ("nosuchplugin", ["--plugin/GRADPRESS_PLUGINS", "'nosuchplugin'", "No module named 'nosuchplugin'",
+                      "PYTHONPATH"]),
+    ("my/plug.py", ["'my/plug.py'", "not a module name", "allowed: a Python module name", "mypkg.mymod"]),
+    ("broken_plug", ["'broken_plug'", "failed while importing", "ZeroDivisionError"]),
+])
+def test_a_plugin_that_cannot_be_loaded_is_refused_before_anything_runs(plugin_dir, monkeypatch, capsys, value,
+                                                                         words):
+    (plugin_dir / "broken_plug.py").write_text("x = 1 / 0\n")
+    from gradpress.train import launch
+
+    forbid(monkeypatch, "a launch", (launch, "_launch"), (launch, "run"))
+    rc = cli(["train", "--plugin", value, "--nproc", "2", "--out", str(plugin_dir / "run")])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.startswith("gradpress train: error: plugin "), err
+    for w in words:
+        assert w in err, (w, err)
+
+
+def test_an_unknown_name_points_at_plugins():
+    with pytest.raises(ValueError, match=r"unknown compressor 'mine'; allowed: .*topk.*--plugin MODULE"):
+        compressor_registry.create("mine")
+    with pytest.raises(ValueError, match=r"unknown algorithm 'mine'; allowed: .*--plugin MODULE"):
+        algorithm_registry.parse("mine")
+
+
+def _run(cmd: list[str], plugin_dir: Path, marks: Path, env: dict[str, str] | None = None) -> tuple[int, str, int]:
+    from distributed import free_port
+
+    full = {**{k: v for k, v in os.environ.items() if k != plugins.ENV}, "OMP_NUM_THREADS": "1", "PLUG_MARKS": str(marks), "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port()),
+            "PYTHONPATH": os.pathsep.join([str(plugin_dir), str(ROOT), os.environ.get("PYTHONPATH", "")]),
+            **(env or {})}
+    proc = subprocess.Popen([sys.executable, "-m", "gradpress.cli", *cmd], cwd=plugin_dir.parent, env=full,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+    return proc.returncode, out, proc.pid
+
+
+TINY = ["--workload", "digits-mlp", "--hidden", "32", "--samples", "128", "--batch-size", "16", "--steps", "3",
+        "--min-numel", "256", "--no-progress", "--nproc", "2"]
+
+
+def test_compare_runs_a_plugin_compressor_in_two_workers(plugin_dir, tmp_path):
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    out = tmp_path / "cmp"
+    rc, text, launcher = _run(["compare", "--plugin", "myplug", "--compressors", "none,plughalf:scale=4",
+                               *TINY, "--out", str(out)], plugin_dir, marks)
+    assert rc == 0, text
+    runs = json.loads((out / "compare.json").read_text())
+    assert [(r["compressor"], r["status"], r["world_size"]) for r in runs] == [
+        ("none", "finished", 2), ("plughalf:scale=4", "finished", 2)]
+    encoders = {int(p.name.split("-")[1]) for p in marks.glob("encode-*")}
+    assert len(encoders) == 2 and launcher not in encoders, encoders  # both workers, not the launcher
+    # the plugin as the workers loaded it: x * 4 rounded to float16, / 4 (a float64 reference)
+    probe = subprocess.run([sys.executable, "-c", "import torch, gradpress; c = gradpress.compressor("
+                            "'plughalf:scale=4'); x = torch.linspace(-3, 3, 4097, dtype=torch.float64)"
+                            ".float(); print(repr((c.decode(c.encode(x)).double() - (x.double() * 4)"
+                            ".half().double() / 4).abs().max().item()))"],
+                           env={**os.environ, plugins.ENV: "myplug", "PYTHONPATH": os.pathsep.join(
+                               [str(plugin_dir), str(ROOT)])}, capture_output=True, text=True, timeout=120)
+    assert probe.returncode == 0 and float(probe.stdout) == 0.0, probe.stdout + probe.stderr
+
+
+def test_train_runs_a_plugin_algorithm_from_the_environment(plugin_dir, tmp_path):
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    out = tmp_path / "run"
+    rc, text, launcher = _run(["train", "--algorithm", "plug-every:period=2", "--compressor", "plughalf", *TINY,
+                               "--out", str(out)], plugin_dir, marks, env={plugins.ENV: "myplug"})
+    assert rc == 0, text
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["algorithm"], summary["compressor"], summary["steps"]) == ("plug-every:period=2", "plughalf:scale=1.0", 3)
+    stepped = {int(p.name.split("-")[1]): p.read_text() for p in marks.glob("algorithm-*")}
+    assert len(stepped) == 2 and launcher not in stepped and set(stepped.values()) == {"xxx"}, stepped
+    assert len(list(marks.glob("encode-*"))) == 2  # the period-2 synchronization, on each worker
