@@ -36,7 +36,7 @@ def aggregate(result: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def aggregate_table(groups: list[dict[str, Any]], metric: str, reference: str, per_method_lr: bool) -> str:
     head = ["algorithm", "compressor"] + (["lr"] if per_method_lr else []) + [
         "seeds", f"final {metric}", f"vs {reference}", "bytes/step", "ratio", "step ms", "steps to target",
-        "time to target (s)"]
+        "bytes to target", "time to target (s)"]
     rows = []
     for g in groups:
         n = g["final_metric"]["n"]
@@ -50,6 +50,7 @@ def aggregate_table(groups: list[dict[str, Any]], metric: str, reference: str, p
             f"{g['compression_ratio']:.1f}x",
             compare_stats.fmt(g["median_step_s"], lambda v: f"{v * 1e3:.1f}", missing="-"),
             compare_stats.fmt(g["steps_to_target"], lambda v: f"{v:.0f}"),
+            compare_stats.fmt(g["bytes_to_target"], compare._fmt_bytes),
             compare_stats.fmt(g["time_to_target"], lambda v: f"{v:.2f}"),
         ])
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
@@ -102,9 +103,11 @@ def markdown(result: list[dict[str, Any]], groups: list[dict[str, Any]], target:
         "",
     ]
     if multi:
-        md += [f"Over {len(seeds)} seed(s): mean ± sample std [min, max]; steps and time to target over the seeds "
-               "that reached it, and `not reached (k of N)` counts those that did not. Time to target = steps to "
-               "target x that run's median step time. Per-seed rows: below and in compare.json.", "",
+        md += [f"Over {len(seeds)} seed(s): mean ± sample std [min, max]; steps, bytes and time to target over "
+               "the seeds that reached it, and `not reached (k of N)` counts those that did not. Bytes to target = "
+               "the bytes rank 0 had sent at that evaluation. Time to target = steps to target x that run's median "
+               "step time (on one machine's loopback it measures computation and compression, not a slow link: "
+               "there bytes to target is the figure to rank by). Per-seed rows: below and in compare.json.", "",
                aggregate_table(groups, s0["metric"], s0["reference"], record is not None), "",
                "Per seed:", ""]
     md += [compare.table(rows if rows is not None else result), ""]

@@ -283,3 +283,43 @@ def test_compare_two_seeds_on_two_workers(tmp_path, capsys):
     assert "±" in md and "Per seed:" in md and "seeds 0, 1" in md
     assert (out / "0-none-s1" / "summary.json").exists()
     assert (out / "compare.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def _si(n):
+    """A byte figure by the tables' definition: powers of 1000, B without decimals, one decimal above."""
+    units = ["B", "KB", "MB", "GB", "TB"]
+    i = 0
+    while abs(n) >= 1000 and i < len(units) - 1:
+        n, i = n / 1000, i + 1
+    return f"{n:.0f} B" if i == 0 else f"{n:.1f} {units[i]}"
+
+
+def test_the_seed_aggregate_table_shows_the_bytes_to_target():
+    """Over seeds the table had steps and time to target but not bytes to target (compare-stats.json held
+    them, the single-seed table shows them), the figure a communication-efficient method is ranked by; the
+    cell is mean ± sample std [min, max] over the seeds that reached it, computed here by the definition:
+    the cumulative bytes at the first evaluation at or beyond the target."""
+    from gradpress import compare_report
+
+    curves = {0: [0.95, 0.96, 0.97], 1: [0.5, 0.92, 0.97], 2: [0.1, 0.2, 0.91]}
+    runs = [_seeded("none", [0.9, 0.95, 0.95], s) for s in curves]
+    for s, finals in curves.items():
+        run = _seeded("topk", finals, s)
+        for i, h in enumerate(run["history"]):
+            h["bytes_total"] = 1234.0 * (i + 1) * (s + 1)
+        runs.append(run)
+    out = compare.annotate(runs, 0.9)
+    want = [1234.0 * (next(i for i, m in enumerate(curves[s]) if m >= 0.9) + 1) * (s + 1) for s in curves]
+    assert [r["bytes_to_target"] for r in out[3:]] == pytest.approx(want)
+    mean = math.fsum(want) / 3
+    std = math.sqrt(math.fsum((w - mean) ** 2 for w in want) / 2)
+    tbl = compare_report.aggregate_table(compare_report.aggregate(out), "accuracy", "none", False)
+    head = [c.strip() for c in tbl.splitlines()[0].strip("|").split("|")]
+    row = [c.strip() for c in tbl.splitlines()[3].strip("|").split("|")]
+    assert row[1] == "`topk`"
+    assert row[head.index("bytes to target")] == f"{_si(mean)} ± {_si(std)} [{_si(min(want))}, {_si(max(want))}]"
+    missed = compare.annotate([*runs[:3], *[dict(r, history=r["history"][:1]) for r in runs[3:]]], 0.9)
+    row = [c.strip() for c in compare_report.aggregate_table(compare_report.aggregate(missed), "accuracy", "none",
+                                                              False).splitlines()[3].strip("|").split("|")]
+    assert row[head.index("bytes to target")] == f"{_si(1234.0)} ± {_si(0.0)} [{_si(1234.0)}, {_si(1234.0)}]; " \
+                                                 "not reached (2 of 3)"
