@@ -204,7 +204,7 @@ class Synchronizer(EngineState):
         if used is not None and (prepared is not None or len(used) != len(keys)):
             raise ValueError(f"used: one flag per tensor ({len(keys)}), without prepared=; got {len(used)}")
         try:
-            self.guard.begin_call()
+            self.guard.begin_call(snapshot=prepared is None)
             self._sync(list(keys), list(tensors), step, flat, end_of_step, prepared, used)
         finally:
             if end_of_step:

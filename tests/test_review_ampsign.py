@@ -1,0 +1,165 @@
+"""Compressor state on an overflowed step (the DDP hook; 2 gloo workers, one launch).
+
+Compressor state on an overflowed step (``nonfinite='propagate'``, every rank's average NaN, the step skipped):
+   DGC's momentum and velocity, Signum's momentum and PowerSGD's warm-start Q, in float64 with rank 1's Inf at
+   step 4, give at every other step the average of the float64 reference *without* step 4 (a skipped step
+   leaves no trace). Before, the finite rank's DGC and Signum buffers took step 4's gradient in, and PowerSGD's
+   Q came out NaN and restarted from a fresh random Q at step 5.
+
+Every gradient is a fixed G (the loss is ``sum(w * G)``, so ``w.grad`` is G times the loss scale, exactly).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+from distributed import run_workers
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradpress
+from gradpress.compress.base import derive_seed
+
+SHAPE = (16, 32)  # 512 entries: compressed (min_numel below)
+MIN_NUMEL = 64
+STEPS = 8
+OVERFLOW = 4  # rank 1's gradient holds an Inf at this step
+BETA = 0.9  # Signum's and DGC's momentum (their defaults)
+DGC_RATIO = 0.05
+RANK = 2  # PowerSGD's
+STATE_SPECS = (f"dgc:ratio={DGC_RATIO}", "signum", f"powersgd:rank={RANK},start_iter=0")
+
+
+def _grad(rank: int, step: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    g = torch.randn(SHAPE, generator=torch.Generator().manual_seed(1000 * step + rank), dtype=torch.float64)
+    if rank == 1 and step == OVERFLOW:
+        g[3, 5] = math.inf
+    return g.to(dtype)
+
+
+class _Probe(nn.Module):
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(SHAPE, dtype=dtype))
+
+    def forward(self, g: torch.Tensor) -> torch.Tensor:
+        return (self.w * g).sum()
+
+
+# ------------------------------------------------------------------ the workers
+def _state_run(rank: int, spec: str) -> list[torch.Tensor]:
+    """float64 averages of ``w.grad`` per step (``nonfinite='propagate'``), no optimizer (G is fixed)."""
+    model = _Probe(torch.float64)
+    ddp = DDP(model)
+    hook = gradpress.ddp.register(ddp, spec, min_numel=MIN_NUMEL)
+    grads = []
+    for step in range(STEPS):
+        model.zero_grad(set_to_none=True)
+        ddp(_grad(rank, step, torch.float64)).backward()
+        grads.append(model.w.grad.detach().clone())
+    hook.close()
+    return grads
+
+
+def _workers(rank: int, world: int) -> dict:
+    return {"state": {spec: _state_run(rank, spec) for spec in STATE_SPECS}}
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    return run_workers(_workers, 2)
+
+
+# -------------------------------------------------------------- float64 references
+def _finite(step: int, world: int) -> bool:
+    return all(bool(torch.isfinite(_grad(r, step, torch.float64)).all()) for r in range(world))
+
+
+def _signs(x: torch.Tensor) -> torch.Tensor:
+    return torch.where(x >= 0, 1.0, -1.0).to(torch.float64)
+
+
+def _dgc_reference(world: int) -> list[torch.Tensor | None]:
+    """DGC by the definition (no clipping, no warm-up): u = beta u + g, v = v + u, send v at the top-k of |v|
+    (k = ceil(ratio d)), zero u and v there; the average of the sends. A step some rank cannot take (an Inf):
+    None, and every buffer as it was."""
+    d = SHAPE[0] * SHAPE[1]
+    k = math.ceil(DGC_RATIO * d)
+    u = [torch.zeros(d, dtype=torch.float64) for _ in range(world)]
+    v = [torch.zeros(d, dtype=torch.float64) for _ in range(world)]
+    out: list[torch.Tensor | None] = []
+    for step in range(STEPS):
+        if not _finite(step, world):
+            out.append(None)
+            continue
+        total = torch.zeros(d, dtype=torch.float64)
+        for r in range(world):
+            u[r] = BETA * u[r] + _grad(r, step, torch.float64).reshape(-1)
+            v[r] = v[r] + u[r]
+            idx = torch.topk(v[r].abs(), k).indices
+            total[idx] += v[r][idx]
+            u[r][idx] = 0.0
+            v[r][idx] = 0.0
+        out.append((total / world).reshape(SHAPE))
+    return out
+
+
+def _signum_reference(world: int) -> list[torch.Tensor | None]:
+    """The majority vote of the ranks' momentum signs (the average ``w.grad`` the hook returns)."""
+    m = [torch.zeros(SHAPE, dtype=torch.float64) for _ in range(world)]
+    out: list[torch.Tensor | None] = []
+    for step in range(STEPS):
+        if not _finite(step, world):
+            out.append(None)
+            continue
+        m = [BETA * m[r] + (1 - BETA) * _grad(r, step, torch.float64) for r in range(world)]
+        out.append(torch.sign(sum(_signs(x) for x in m)))
+    return out
+
+
+def _gram_schmidt(p: torch.Tensor) -> torch.Tensor:
+    p = p.clone()
+    for i in range(p.shape[1]):
+        p[:, i] /= p[:, i].norm()
+        for j in range(i + 1, p.shape[1]):
+            p[:, j] -= p[:, i] * (p[:, i] @ p[:, j])
+    return p
+
+
+def _powersgd_reference(world: int) -> list[torch.Tensor | None]:
+    """Rank-2 PowerSGD with error feedback (its default) by the definition: M_r = g_r + e_r, P = orth(sum M_r Q),
+    Q = sum M_r^T P / N, average P Q^T, e_r = M_r - P Q^T; Q warm-started from the last step it was computed in,
+    the first drawn from the shared seed of step 0 and key ``w`` (seed 0)."""
+    n, m = SHAPE
+    gen = torch.Generator().manual_seed(derive_seed("shared", 0, 0, "w"))
+    q = torch.randn(m, RANK, generator=gen, dtype=torch.float64)
+    e = [torch.zeros(SHAPE, dtype=torch.float64) for _ in range(world)]
+    out: list[torch.Tensor | None] = []
+    for step in range(STEPS):
+        if not _finite(step, world):
+            out.append(None)
+            continue
+        ms = [_grad(r, step, torch.float64) + e[r] for r in range(world)]
+        p = _gram_schmidt(sum(x @ q for x in ms))
+        q = sum(x.t() @ p for x in ms) / world
+        avg = p @ q.t()
+        e = [x - avg for x in ms]
+        out.append(avg)
+    return out
+
+
+# ---------------------------------------------------------------------- the tests
+@pytest.mark.parametrize("spec", STATE_SPECS)
+def test_an_overflowed_step_leaves_no_trace_in_compressor_state(results: list[dict], spec: str) -> None:
+    ref = {STATE_SPECS[0]: _dgc_reference, "signum": _signum_reference, STATE_SPECS[2]: _powersgd_reference}[spec](2)
+    for rank, res in enumerate(results):
+        for step, (got, want) in enumerate(zip(res["state"][spec], ref)):
+            if want is None:
+                assert not bool(torch.isfinite(got).all()), f"{spec} rank {rank}: the overflow did not reach the average"
+                continue
+            err = float((got - want).abs().max())
+            assert torch.allclose(got, want, rtol=1e-9, atol=1e-12 * float(want.abs().max())), (
+                f"{spec} rank {rank} step {step}: differs from the float64 reference without step {OVERFLOW} by "
+                f"{err:.3g} (max {float(want.abs().max()):.3g})")
