@@ -1,6 +1,15 @@
-"""Compressor state on an overflowed step (the DDP hook; 2 gloo workers, one launch).
+"""Sign methods under ``GradScaler``, and compressor state on an overflowed step (the DDP hook; 2 gloo workers,
+one launch).
 
-Compressor state on an overflowed step (``nonfinite='propagate'``, every rank's average NaN, the step skipped):
+1. Scale-free outputs. ``signsgd`` and ``signum`` decode to +-1 whatever the scale (``scale_degree = 0``), so
+   with a loss scaler their average went to the optimizer as +-1 and ``unscale_`` made it +-1/scale: steps
+   2^16 times too small at fp16's first scale. The hook now multiplies a degree-0 average by the scale of its
+   step. Here the parameters of a run under ``torch.amp.GradScaler("cpu")`` (x2 growth twice, x0.5 after rank
+   1's Inf at step 4) equal, bit for bit, those of the run without loss scaling and the float64 reference
+   computed here by the definition (majority vote of the ranks' signs, sign(0) = +1 locally, a tie gives 0;
+   Signum's momentum m = beta m + (1 - beta) g; the overflowed step leaves everything as it was). With error
+   feedback on, a scale-free compressor is refused with a scaler (its residual p - decode mixes units).
+2. Compressor state on an overflowed step (``nonfinite='propagate'``, every rank's average NaN, the step skipped):
    DGC's momentum and velocity, Signum's momentum and PowerSGD's warm-start Q, in float64 with rank 1's Inf at
    step 4, give at every other step the average of the float64 reference *without* step 4 (a skipped step
    leaves no trace). Before, the finite rank's DGC and Signum buffers took step 4's gradient in, and PowerSGD's
@@ -26,9 +35,13 @@ SHAPE = (16, 32)  # 512 entries: compressed (min_numel below)
 MIN_NUMEL = 64
 STEPS = 8
 OVERFLOW = 4  # rank 1's gradient holds an Inf at this step
+LR = 2.0 ** -4  # SGD steps of +-LR (or 0 on a tie): exact in float32
+INIT_SCALE = 2.0 ** 16  # fp16 AMP's default
 BETA = 0.9  # Signum's and DGC's momentum (their defaults)
 DGC_RATIO = 0.05
 RANK = 2  # PowerSGD's
+HAS_CPU_SCALER = hasattr(torch.amp, "GradScaler")
+SIGN_SPECS = ("signsgd", "signum")
 STATE_SPECS = (f"dgc:ratio={DGC_RATIO}", "signum", f"powersgd:rank={RANK},start_iter=0")
 
 
@@ -49,6 +62,42 @@ class _Probe(nn.Module):
 
 
 # ------------------------------------------------------------------ the workers
+def _sign_run(rank: int, spec: str, scaled: bool) -> dict:
+    """SGD(lr=LR) on ``w`` with ``spec``; per step ``w`` (float64) and the scale of its backward. Without a
+    scaler the overflowed step is skipped by hand (what the scaler does)."""
+    model = _Probe(torch.float32)
+    ddp = DDP(model)
+    scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE, growth_interval=2) if scaled else None
+    hook = gradpress.ddp.register(ddp, spec, min_numel=MIN_NUMEL, scaler=scaler)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    params, scales = [], []
+    for step in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        loss = ddp(_grad(rank, step))
+        scales.append(scaler.get_scale() if scaler is not None else 1.0)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            if bool(torch.isfinite(model.w.grad).all()):
+                opt.step()
+        params.append(model.w.detach().double().clone())
+    hook.close()
+    return {"params": params, "scales": scales}
+
+
+def _refusal() -> str:
+    try:
+        scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE)
+        gradpress.ddp.register(DDP(_Probe(torch.float32)), "signsgd", min_numel=MIN_NUMEL, error_feedback=True,
+                               scaler=scaler).close()
+        return "accepted"
+    except ValueError as exc:
+        return str(exc)
+
+
 def _state_run(rank: int, spec: str) -> list[torch.Tensor]:
     """float64 averages of ``w.grad`` per step (``nonfinite='propagate'``), no optimizer (G is fixed)."""
     model = _Probe(torch.float64)
@@ -64,7 +113,11 @@ def _state_run(rank: int, spec: str) -> list[torch.Tensor]:
 
 
 def _workers(rank: int, world: int) -> dict:
-    return {"state": {spec: _state_run(rank, spec) for spec in STATE_SPECS}}
+    out: dict = {"state": {spec: _state_run(rank, spec) for spec in STATE_SPECS}}
+    if HAS_CPU_SCALER:
+        out["sign"] = {spec: (_sign_run(rank, spec, True), _sign_run(rank, spec, False)) for spec in SIGN_SPECS}
+        out["refusal"] = _refusal()
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +132,23 @@ def _finite(step: int, world: int) -> bool:
 
 def _signs(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x >= 0, 1.0, -1.0).to(torch.float64)
+
+
+def _sign_reference(spec: str, world: int) -> list[torch.Tensor]:
+    """``w`` after each step: w -= LR * sign(sum over ranks of sign(m_r)) (m_r = g_r for signsgd, Signum's
+    momentum otherwise); the overflowed step changes nothing."""
+    w = torch.zeros(SHAPE, dtype=torch.float64)
+    m = [torch.zeros(SHAPE, dtype=torch.float64) for _ in range(world)]
+    out = []
+    for step in range(STEPS):
+        if _finite(step, world):
+            gs = [_grad(r, step, torch.float64) for r in range(world)]
+            if spec == "signum":
+                m = [BETA * m[r] + (1 - BETA) * gs[r] for r in range(world)]
+                gs = m
+            w = w - LR * torch.sign(sum(_signs(g) for g in gs))
+        out.append(w.clone())
+    return out
 
 
 def _dgc_reference(world: int) -> list[torch.Tensor | None]:
@@ -151,6 +221,38 @@ def _powersgd_reference(world: int) -> list[torch.Tensor | None]:
 
 
 # ---------------------------------------------------------------------- the tests
+def test_the_scale_grows_and_backs_off(results: list[dict]) -> None:
+    if not HAS_CPU_SCALER:
+        pytest.skip("this torch has no torch.amp.GradScaler for CPU")
+    s = INIT_SCALE
+    want = [s, s, 2 * s, 2 * s, 4 * s, 2 * s, 2 * s, 4 * s]
+    for res in results:
+        assert res["sign"]["signsgd"][0]["scales"] == want
+
+
+@pytest.mark.parametrize("spec", SIGN_SPECS)
+def test_sign_methods_under_a_loss_scaler_step_as_without_one(results: list[dict], spec: str) -> None:
+    if not HAS_CPU_SCALER:
+        pytest.skip("this torch has no torch.amp.GradScaler for CPU")
+    ref = _sign_reference(spec, 2)
+    for rank, res in enumerate(results):
+        scaled, plain = res["sign"][spec]
+        for step in range(STEPS):
+            got, want = scaled["params"][step], ref[step]
+            assert torch.equal(plain["params"][step], want), f"{spec} rank {rank} step {step}: unscaled run"
+            assert torch.equal(got, want), (
+                f"{spec} rank {rank} step {step} (scale {scaled['scales'][step]}): parameters differ from the "
+                f"float64 reference by {float((got - want).abs().max()):.3g} (its largest step {LR})")
+
+
+def test_error_feedback_with_a_scale_free_compressor_is_refused_with_a_scaler(results: list[dict]) -> None:
+    if not HAS_CPU_SCALER:
+        pytest.skip("this torch has no torch.amp.GradScaler for CPU")
+    for res in results:
+        msg = res["refusal"]
+        assert all(word in msg for word in ("scaler", "error_feedback", "signsgd", "scale_degree")), msg
+
+
 @pytest.mark.parametrize("spec", STATE_SPECS)
 def test_an_overflowed_step_leaves_no_trace_in_compressor_state(results: list[dict], spec: str) -> None:
     ref = {STATE_SPECS[0]: _dgc_reference, "signum": _signum_reference, STATE_SPECS[2]: _powersgd_reference}[spec](2)

@@ -17,11 +17,9 @@ and back. It declares the traits the strategies rely on:
   ``x`` seen as a ``shape[0] x m`` matrix (PowerSGD's warm-start Q).
 * ``identity``: decode(encode(x)) == x exactly and the packet is x itself:
   nothing to compress (``none``). Policy asks this trait, never the name.
-* ``scale_degree``: decode(encode(s * x)) == s**degree * decode(encode(x))
-  for a power of two s (the same random stream and state history, within
-  the dtype's normal range): 1, the output carries the input's scale (the
-  default); 0, scale-free (signSGD's +-1: the DDP hook multiplies such an
-  average by the loss scale of its step); None, neither (a fixed threshold).
+* ``scale_degree``: decode(encode(s x)) == s**degree decode(encode(x)), s a
+  power of two, same random stream: 1 (the default), 0 (scale-free: signs;
+  the DDP hook multiplies such averages by the loss scale) or None (neither).
 
 Invariant: ``decode(encode(x))`` has the shape and dtype of ``x`` and
 ``packet.nbytes`` is exactly the number of bytes the payload occupies on the
@@ -191,9 +189,7 @@ class Compressor:
     #: decode(encode(x)) == x exactly and the packet is x itself: nothing to
     #: compress (``none``); decide dense/identity policy with this, not the name
     identity: ClassVar[bool] = False
-    #: decode(encode(s * x)) == s**scale_degree * decode(encode(x)) for a power of two s: 1 (homogeneous: the
-    #: output carries the input's scale), 0 (scale-free: signs decoded to +-1) or None (neither: a fixed
-    #: threshold). Under a loss scaler the DDP hook multiplies a degree-0 average by the scale of its step.
+    #: decode(encode(s * x)) == s**scale_degree * decode(encode(x)), s a power of two: 1, 0 (signs) or None
     scale_degree: ClassVar[int | None] = 1
     #: aggregation of decoded tensors across ranks: "mean" or "majority"
     aggregation: ClassVar[str] = "mean"
