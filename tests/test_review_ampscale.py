@@ -89,7 +89,10 @@ def _train(rank: int, spec: str, strategy: str, scaled: bool, start: int = 0, st
     model = _Probe()
     ddp = DDP(model)
     scaler = _scaler() if scaled else None
-    hook = gradpress.ddp.register(ddp, spec, strategy=strategy, min_numel=MIN_NUMEL, scaler=scaler)
+    # without a scaler the overflowed step is dropped with nonfinite='skip' (what a scaler's skip is to
+    # 'propagate' with one attached: every state of the step put back)
+    hook = gradpress.ddp.register(ddp, spec, strategy=strategy, min_numel=MIN_NUMEL, scaler=scaler,
+                                  nonfinite="propagate" if scaled else "skip")
     opt = torch.optim.SGD(model.parameters(), lr=0.0)  # w stays 0: the gradients are the fixed G times the scale
     if saved is not None:
         state = torch.load(io.BytesIO(saved), weights_only=True)

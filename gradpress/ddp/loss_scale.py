@@ -40,6 +40,7 @@ class _Engine(Protocol):
     nonfinite: str
     error_feedback: bool
     compressor: Any
+    guard: Any
 
     def rescale(self, factor: float) -> None: ...
 
@@ -104,6 +105,7 @@ class LossScale:
     def follow(self, engine: _Engine, step: int) -> None:
         """At the first bucket of hook step ``step``: read the scale (once per step), bring the
         engine's state into it and make it the engine's ``output_scale`` (1 without a scaler)."""
+        engine.guard.keep_on_propagate = self.scaler is not None  # an overflowed step leaves no trace
         if self.scaler is None:
             engine.output_scale = 1.0  # none attached (or detached): scale-free averages stay as decoded
             return
