@@ -8,9 +8,17 @@ float64 (Koloskova et al. 2019, Assumption 1 and Sec. 3):
 
 A compressor whose declared trait is false fails here, whatever its
 implementation (hand-written or generated).
+
+Also the loss-scale trait ``scale_degree`` the DDP hook relies on under
+``GradScaler``: decode(encode(s * g)) == s**degree * decode(encode(g)) in
+float64, for powers of two s, with the same random stream and state history
+(1: homogeneous, the output carries the gradient's scale; 0: scale-free,
+signSGD's +-1; None: neither, a fixed threshold).
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -88,3 +96,56 @@ def test_unscaled_randomk_is_contractive_and_scaled_is_not() -> None:
     scaled = create("randomk:ratio=0.1,scale=true")
     assert not scaled.is_contractive
     assert scaled.variance_factor(100) == pytest.approx(100 / 10 - 1)
+
+
+#: every registered name (a method added later is held too), plus a few specs the defaults leave out: PowerSGD
+#: compressing from its first step, and compositions (a second stage decides the degree of the whole)
+SPECS_DEGREE = _with(["powersgd:start_iter=0", "topk:ratio=0.05>natural", "topk:ratio=0.05>signsgd",
+                      "threshold>qsgd"], registry.names())
+#: powers of two by which the inputs are scaled: one up, one down (1/16 takes entries of 0.01 below threshold's
+#: default tau = 1e-3 and keeps every entry in fp16's normal range, which the definition assumes)
+POWERS = (8.0, 1.0 / 16.0)
+
+
+def _degree_inputs(steps: int = 3) -> list[torch.Tensor]:
+    """float64 16 x 64 gradients, one per step: random signs, magnitudes log-uniform in [0.01, 4]."""
+    g = torch.Generator().manual_seed(11)
+    out = []
+    for _ in range(steps):
+        mag = torch.exp(torch.empty(16, 64, dtype=torch.float64).uniform_(math.log(0.01), math.log(4.0), generator=g))
+        out.append(torch.where(torch.rand(16, 64, generator=g) < 0.5, -mag, mag))
+    return out
+
+
+def _decoded_run(spec: str, scale: float) -> list[torch.Tensor]:
+    """A fresh compressor's decoded outputs over three steps of ``scale`` times the inputs (the same seeds,
+    contexts and so random stream, whatever the scale; stateful methods carry their state from step to step)."""
+    comp = create(spec)
+    comp.seed = 5
+    out = []
+    for step, g in enumerate(_degree_inputs()):
+        ctx = Context(key="t", step=step, rank=0, world_size=1, seed=5)
+        out.append(comp.decode(comp.encode(g * scale, ctx)).to(torch.float64))
+    return out
+
+
+@pytest.mark.parametrize("spec", SPECS_DEGREE)
+def test_declared_scale_degree_holds_by_its_definition(spec: str) -> None:
+    """The declared ``scale_degree`` against decode(encode(s * g)) vs decode(encode(g)) in float64: 1 must be
+    s times it (to 1e-12 relative), 0 equal to it, None neither for some power and step (a method declared
+    None that is in fact homogeneous fails too)."""
+    degree = create(spec).scale_degree
+    assert degree in (0, 1, None), (spec, degree)
+    base = _decoded_run(spec, 1.0)
+    homogeneous, free = True, True
+    for s in POWERS:
+        for step, (got, ref) in enumerate(zip(_decoded_run(spec, s), base)):
+            one = torch.allclose(got, ref * s, rtol=1e-12, atol=0.0)
+            zero = torch.equal(got, ref)
+            homogeneous, free = homogeneous and one, free and zero
+            if degree == 1:
+                assert one, (spec, s, step, float((got - ref * s).abs().max()))
+            elif degree == 0:
+                assert zero, (spec, s, step, float((got - ref).abs().max()))
+    if degree is None:
+        assert not homogeneous and not free, (spec, "declared neither, but is", 1 if homogeneous else 0)

@@ -16,7 +16,8 @@ the optimizer step and halves the scale. The scales of the run: growth (x2) twic
   every residual as it was), up to float32 rounding;
 * every other state in gradient units (DGC, AdaComp, Signum), PowerSGD (its Q is scale-free, its residual
   is not) and the ring's and PS root's own residuals: the scaled run's unscaled averages equal the same
-  run without loss scaling (Signum's majority vote is +-1 at every scale: its votes must be equal);
+  run without loss scaling (Signum's majority vote, +-1 times the scale of its step, unscaled: the same
+  votes bit for bit);
 * the scale the residuals are kept in is in the hook's ``state_dict`` (``weights_only=True``): a run
   interrupted right before a back-off resumes bit-identically;
 * one scale read per step, not per bucket; a scaler with ``nonfinite='skip'`` or ``'raise'`` (which hide
@@ -47,7 +48,7 @@ TOPK = f"topk:ratio={RATIO}"
 INIT_SCALE = 2.0**10
 #: torch 2.2.2 has no device-generic ``torch.amp.GradScaler`` (only CUDA's): the scripted scaler's tests still run
 HAS_CPU_SCALER = hasattr(torch.amp, "GradScaler")
-#: (spec, strategy, what to compare): "unscaled" compares w.grad / scale, "votes" w.grad itself (+-1)
+#: (spec, strategy, what to compare): "unscaled" compares w.grad / scale, "votes" too but bit for bit (+-1)
 EQUIVARIANT = (
     ("dgc:ratio=0.05", "collective", "unscaled"),
     ("adacomp", "collective", "unscaled"),
@@ -88,7 +89,10 @@ def _train(rank: int, spec: str, strategy: str, scaled: bool, start: int = 0, st
     model = _Probe()
     ddp = DDP(model)
     scaler = _scaler() if scaled else None
-    hook = gradpress.ddp.register(ddp, spec, strategy=strategy, min_numel=MIN_NUMEL, scaler=scaler)
+    # without a scaler the overflowed step is dropped with nonfinite='skip' (what a scaler's skip is to
+    # 'propagate' with one attached: every state of the step put back)
+    hook = gradpress.ddp.register(ddp, spec, strategy=strategy, min_numel=MIN_NUMEL, scaler=scaler,
+                                  nonfinite="propagate" if scaled else "skip")
     opt = torch.optim.SGD(model.parameters(), lr=0.0)  # w stays 0: the gradients are the fixed G times the scale
     if saved is not None:
         state = torch.load(io.BytesIO(saved), weights_only=True)
@@ -195,6 +199,7 @@ def test_state_in_gradient_units_follows_the_scale(results: list[dict], spec: st
                 assert _close(got, want), (f"{spec} {strategy} rank {rank} step {step}: differs from the run "
                                            f"without loss scaling by {float((got - want).abs().max()):.3g}")
             else:
+                got = got / scaled["scales"][step]
                 assert torch.equal(got, want), f"{spec} rank {rank} step {step}: votes differ from the unscaled run"
 
 

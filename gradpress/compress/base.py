@@ -17,6 +17,9 @@ and back. It declares the traits the strategies rely on:
   ``x`` seen as a ``shape[0] x m`` matrix (PowerSGD's warm-start Q).
 * ``identity``: decode(encode(x)) == x exactly and the packet is x itself:
   nothing to compress (``none``). Policy asks this trait, never the name.
+* ``scale_degree``: decode(encode(s x)) == s**degree decode(encode(x)), s a
+  power of two, same random stream: 1 (the default), 0 (scale-free: signs;
+  the DDP hook multiplies such averages by the loss scale) or None (neither).
 
 Invariant: ``decode(encode(x))`` has the shape and dtype of ``x`` and
 ``packet.nbytes`` is exactly the number of bytes the payload occupies on the
@@ -186,6 +189,8 @@ class Compressor:
     #: decode(encode(x)) == x exactly and the packet is x itself: nothing to
     #: compress (``none``); decide dense/identity policy with this, not the name
     identity: ClassVar[bool] = False
+    #: decode(encode(s * x)) == s**scale_degree * decode(encode(x)), s a power of two: 1, 0 (signs) or None
+    scale_degree: ClassVar[int | None] = 1
     #: aggregation of decoded tensors across ranks: "mean" or "majority"
     aggregation: ClassVar[str] = "mean"
     #: index of the floating "values" payload a second-stage quantizer may

@@ -71,6 +71,13 @@ class Composed(Compressor):
         return self.first.stateful
 
     @property
+    def scale_degree(self) -> int | None:  # type: ignore[override]
+        """The second stage quantizes the first's values: degrees multiply (a scale-free selection of values
+        hands the second stage the same values whatever the scale); None when either stage has none."""
+        first, second = self.first.scale_degree, self.second.scale_degree
+        return None if first is None or second is None else first * second
+
+    @property
     def element_state(self) -> tuple[str, ...]:  # type: ignore[override]
         return self.first.element_state  # its state_dict is the first stage's
 

@@ -27,6 +27,7 @@ from gradpress.compress.signs import decode_signs, pack_signs
 class SignSGD(Compressor):
     name = "signsgd"
     aggregation = "majority"
+    scale_degree = 0  # +-1 whatever the scale of x
     summary = "signSGD: 1-bit signs with majority-vote aggregation (Bernstein et al. 2018)"
     uses_context = False  # a pure function of x
 

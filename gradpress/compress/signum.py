@@ -32,6 +32,7 @@ class Signum(Compressor):
     stateful = True
     element_state = ("momentum",)
     aggregation = "majority"
+    scale_degree = 0  # +-1 whatever the scale of x (the momentum itself is in x's units: gradient_state)
     summary = "Signum: sign of local momentum, 1 bit, majority vote (Bernstein et al. 2018)"
 
     def __init__(self, **params: Any) -> None:

@@ -28,6 +28,7 @@ class Threshold(Compressor):
     values_index = 0
     exact_values = True
     int32_indices = True
+    scale_degree = None  # tau is absolute: s * x keeps other entries than x
     summary = "hard-threshold sparsification |x| > tau (Strom 2015), variable size"
     uses_context = False  # a pure function of x
 

@@ -61,7 +61,7 @@ import torch.distributed as dist
 import gradpress.ddp.hook_state as hook_state
 from gradpress.ddp.buckets import SPARSE_BUCKET, Job, UnusedWatch, UsedTracker, param_layout, sparse_refusal
 from gradpress.ddp.comm_thread import CLOSE_WAIT_S, CommThread
-from gradpress.ddp.loss_scale import LossScale, check_mode, check_scaler
+from gradpress.ddp.loss_scale import LossScale, check_engine, check_scaler
 from gradpress.ddp.state_format import HOOK_FORMAT, strip_module
 from gradpress.exchange import Synchronizer
 from gradpress.exchange.feedback import Feedback
@@ -148,7 +148,7 @@ class GradpressHook:
         self._engine = self._build(named)
         self._names, self._by_name = {id(p): n for n, p in named}, dict(named)
         if self._scale.scaler is not None:
-            check_mode(self._engine.nonfinite)
+            check_engine(self._engine)
         pending, self._pending_state = self._pending_state, None
         if pending is not None:
             self.load_state_dict(pending)
@@ -207,10 +207,13 @@ class GradpressHook:
         residual and compressor buffer in the gradient's units is multiplied by new/old, so a scale change
         (growth, the back-off after an overflow) is not fed back off by that factor. Every rank attaches
         its own scaler, before the first step. Needs ``nonfinite='propagate'`` (``ValueError`` otherwise).
+        A scale-free compressor's averages (``scale_degree == 0``: signsgd, signum) are multiplied by the
+        step's scale, so ``unscale_`` gives the update of a run without loss scaling; with error feedback
+        on, such a compressor is refused.
         On CUDA the read (``get_scale()``) syncs the communication thread, not the training thread."""
         check_scaler(scaler)
         if scaler is not None and self._engine is not None:
-            check_mode(self._engine.nonfinite)
+            check_engine(self._engine)
         self._scale.scaler = scaler
 
     @property

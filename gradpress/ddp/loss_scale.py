@@ -13,10 +13,18 @@ The read is ``scaler.get_scale()`` in the hook's communication thread; on CUDA i
 During a backward the scale is the one ``scaler.scale(loss)`` used (the scaler updates it after
 ``backward()`` returns, and DDP's backward waits for every bucket).
 
+A compressor whose output is scale-free (``Compressor.scale_degree == 0``: ``signsgd``, ``signum`` decode to +-1
+whatever the scale) would hand the optimizer +-1, which ``unscale_`` makes +-1/scale: the read scale is also the
+engine's ``output_scale``, by which it multiplies such averages (after aggregation: a majority vote is the sign
+of a sum), so that they carry the gradient's scale like every other. Error feedback on such a compressor is
+refused with a scaler (:func:`check_engine`): its residual ``p - decode`` would subtract +-1 from a scaled ``p``.
+
 Invariant: after a step's first bucket, the state is in the scale of that step's backward (:attr:`kept`),
 which goes into the hook's state dict (``loss_scale``) so that a resume continues bit-identically.
 An overflow step (``nonfinite='propagate'``: every rank's average is NaN, so every scaler skips) leaves
-the residuals as they were, in the overflowed step's scale; the next step's read sees the halved scale.
+the residuals and the compressor's and strategies' own state as they were (the engine puts back its copy
+taken at the step's start: :class:`gradpress.exchange.nonfinite.StepGuard`), in the overflowed step's scale;
+the next step's read sees the halved scale.
 """
 
 from __future__ import annotations
@@ -24,10 +32,16 @@ from __future__ import annotations
 import math
 from typing import Any, Protocol
 
-__all__ = ["LossScale", "check_scaler", "check_mode", "check_kept"]
+__all__ = ["LossScale", "check_scaler", "check_mode", "check_kept", "check_feedback", "check_engine"]
 
 
 class _Engine(Protocol):
+    output_scale: float
+    nonfinite: str
+    error_feedback: bool
+    compressor: Any
+    guard: Any
+
     def rescale(self, factor: float) -> None: ...
 
 
@@ -45,6 +59,23 @@ def check_mode(nonfinite: str) -> None:
             f"scaler: a loss scaler needs nonfinite='propagate', got nonfinite={nonfinite!r}: 'skip' zeroes an "
             "overflowed step's gradients, so the scaler never sees the overflow and never lowers the scale; "
             "'raise' fails on the overflows that dynamic loss scaling causes by design")
+
+
+def check_feedback(compressor: Any, error_feedback: bool) -> None:
+    """``ValueError`` when error feedback is on for a compressor whose output is scale-free
+    (``scale_degree == 0``): under a loss scale its residual ``p - decode`` mixes the scaled ``p`` with +-1."""
+    if error_feedback and getattr(compressor, "scale_degree", 1) == 0:
+        raise ValueError(
+            f"scaler: compressor {compressor.spec()!r} decodes to a scale-free output (scale_degree=0: +-1 whatever "
+            "the loss scale), so its error-feedback residual p - decode would subtract +-1 from the scaled gradient; "
+            "got error_feedback=True; allowed with a scaler: error_feedback=False (its default), or a compressor of "
+            "scale_degree 1 such as efsignsgd (signs times their mean magnitude, with error feedback)")
+
+
+def check_engine(engine: _Engine) -> None:
+    """What a scaler needs of a bound engine: :func:`check_mode` and :func:`check_feedback`."""
+    check_mode(engine.nonfinite)
+    check_feedback(engine.compressor, engine.error_feedback)
 
 
 def _finite_positive(value: Any) -> bool:
@@ -72,9 +103,13 @@ class LossScale:
         self._read_at: int | None = None  # the hook step whose scale was read last
 
     def follow(self, engine: _Engine, step: int) -> None:
-        """At the first bucket of hook step ``step``: read the scale (once per step) and bring the
-        engine's state into it."""
-        if self.scaler is None or step == self._read_at:
+        """At the first bucket of hook step ``step``: read the scale (once per step), bring the
+        engine's state into it and make it the engine's ``output_scale`` (1 without a scaler)."""
+        engine.guard.keep_on_propagate = self.scaler is not None  # an overflowed step leaves no trace
+        if self.scaler is None:
+            engine.output_scale = 1.0  # none attached (or detached): scale-free averages stay as decoded
+            return
+        if step == self._read_at:
             return
         new = self.scaler.get_scale()
         if not _finite_positive(new):
@@ -83,6 +118,7 @@ class LossScale:
         if self.kept is not None and new != self.kept:
             engine.rescale(new / self.kept)
         self.kept, self._read_at = new, step
+        engine.output_scale = new
 
     def restore(self, kept: float | None) -> None:
         """The scale of a loaded state; the next step reads the scaler again."""

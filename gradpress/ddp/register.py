@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from gradpress.compress import Compressor, create
 from gradpress.ddp.hook import GradpressHook, gradpress_hook
-from gradpress.ddp.loss_scale import check_mode, check_scaler
+from gradpress.ddp.loss_scale import check_feedback, check_mode, check_scaler
 from gradpress.exchange import Synchronizer
 from gradpress.exchange.agree import agree
 from gradpress.exchange.costs import CostModel
@@ -94,6 +94,8 @@ def make_hook(
                "plan_costs": plan_costs, "nonfinite": nonfinite}
     if model is None:
         compressor = create(spec, **params)  # a bad spec fails here, before any process starts training
+        if scaler is not None:
+            check_feedback(compressor, compressor.default_error_feedback if error_feedback is None else error_feedback)
         make_compressor: Callable[[], Compressor] = lambda: compressor  # noqa: E731
     else:
         make_compressor = functools.partial(create, spec, **params)  # inside the agreement: every rank reports

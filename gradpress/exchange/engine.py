@@ -103,6 +103,8 @@ class Synchronizer(EngineState):
         self.feedback = Feedback()
         self.stats_counter = ExchangeStats(count_skipped=nonfinite == "skip")
         self.guard = StepGuard(nonfinite, self._snapshot_state, self._restore_state, self.stats_counter)
+        #: the step's loss scale (the DDP hook's scaler): scale-free averages (``scale_degree == 0``) are multiplied by it
+        self.output_scale = 1.0
         self.plan: Plan = self.choice.initial_plan(self.params)
 
     # ------------------------------------------------------------ properties
@@ -204,7 +206,7 @@ class Synchronizer(EngineState):
         if used is not None and (prepared is not None or len(used) != len(keys)):
             raise ValueError(f"used: one flag per tensor ({len(keys)}), without prepared=; got {len(used)}")
         try:
-            self.guard.begin_call()
+            self.guard.begin_call(snapshot=prepared is None)
             self._sync(list(keys), list(tensors), step, flat, end_of_step, prepared, used)
         finally:
             if end_of_step:
@@ -386,6 +388,9 @@ class Synchronizer(EngineState):
             if avg is not x:
                 x.copy_(avg.reshape(x.shape))
             tensor_bytes[key] = nbytes[pos]
+        if self.output_scale != 1.0 and self.compressor.scale_degree == 0:
+            # after every strategy's aggregation (a majority vote is the sign of a sum: scale-free again), in one pass
+            torch._foreach_mul_([tensors[i] for i in comp_idx], self.output_scale)
         comp_s += time.perf_counter() - t2
         return comp_s, comm_s, sent, tensor_bytes, False, host
 
