@@ -137,7 +137,8 @@ def difference(a: Mapping[Any, float | None], b: Mapping[Any, float | None]) -> 
     the same seeds (the interval of the mean per-seed difference, ``n`` - 1
     degrees of freedom), else ``welch`` (unpaired, Welch-Satterthwaite
     degrees of freedom ``df``); ``ci95`` None with fewer than two values
-    (paired: pairs) on a side. ``n``: pairs; ``n_a``, ``n_b``: values."""
+    (paired: pairs) on a side; ``df`` None where it is undefined. ``n``: pairs;
+    ``n_a``, ``n_b``: values."""
     ga = {s: float(v) for s, v in a.items() if v is not None and math.isfinite(v)}
     gb = {s: float(v) for s, v in b.items() if v is not None and math.isfinite(v)}
     out: dict[str, Any] = {"n_a": len(ga), "n_b": len(gb)}
@@ -152,7 +153,7 @@ def difference(a: Mapping[Any, float | None], b: Mapping[Any, float | None]) -> 
         return out
     va, vb = statistics.variance(ga.values()) / len(ga), statistics.variance(gb.values()) / len(gb)
     if va + vb == 0:
-        out.update(df=math.inf, ci95=[out["mean"], out["mean"]])
+        out["ci95"] = [out["mean"], out["mean"]]  # no spread on either side: a point (df undefined, None)
         return out
     out["df"] = (va + vb) ** 2 / (va * va / (len(ga) - 1) + vb * vb / (len(gb) - 1))
     out["ci95"] = interval(out["mean"], math.sqrt(va + vb), out["df"])

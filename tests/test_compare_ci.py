@@ -211,3 +211,9 @@ def test_a_failed_runs_record_names_the_plugins_too(tmp_path, monkeypatch):
                 "--no-progress", "--out", str(out)]) == 1
     failed = [r for r in json.loads((out / "compare.json").read_text()) if r["status"] == "failed"]
     assert [f["plugins"] for f in failed] == [[{"module": "myplug", "file": "/x/myplug.py"}]]
+
+
+def test_a_welch_difference_without_spread_is_a_point_and_stays_strict_json():
+    d = compare_stats.difference({0: 0.9, 1: 0.9, 2: 0.9}, {0: 0.8, 1: 0.8})
+    assert d["kind"] == "welch" and d["ci95"] == pytest.approx([0.1, 0.1], abs=1e-15)
+    json.dumps(d, allow_nan=False)  # compare-stats.json: no Infinity for the degrees of freedom
