@@ -15,11 +15,15 @@ per configuration and seed, each with ``steps_to_target``,
 min, max over seeds; the learning rates used; the sweep), ``sweep.json``
 (with ``--lr-sweep``), ``compare.md`` (the tables) and ``compare.png``
 (metric vs step and metric vs cumulative bytes sent by rank 0, log scale;
-over several seeds the mean with a min-max band).
+over several seeds the mean with a band: the 95% confidence interval of
+the mean, the table's interval).
 
 Seeds (``--seeds N`` or ``--seeds 0,1,2``): every configuration at every
 seed; the table gives mean ± std [min, max] over seeds and counts the seeds
-that miss the target (``not reached (k of N)``). Learning rate: all methods
+that miss the target (``not reached (k of N)``), the 95% confidence
+intervals of the mean final metric and of the difference to the reference
+(paired by seed) and a rank by bytes to target
+(:data:`gradpress.compare_stats.RANK_RULE`), see :mod:`gradpress.compare_report`. Learning rate: all methods
 share one (the table says which) unless ``--lr-sweep`` picks one per method
 (see :mod:`gradpress.compare_run`). Each run's
 own files are in ``out/<n>-<compressor>/`` (``out/<n>-<algorithm>-<compressor>/``
@@ -49,7 +53,7 @@ from typing import Any
 from gradpress import train
 from gradpress.compress.spec import append_piece
 
-__all__ = ["split_specs", "run", "table", "target_for", "plot", "annotate", "label"]
+__all__ = ["split_specs", "run", "table", "target_for", "plot", "annotate", "label", "curve"]
 
 
 def split_specs(values: str | Iterable[str], what: str = "compressors") -> list[str]:
@@ -227,10 +231,32 @@ def table(summaries: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def curve(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One configuration's runs (one per seed) as a curve: at the evaluation
+    ``steps`` all of them share, the ``mean`` metric, the mean cumulative
+    ``bytes`` (at least 1, for a log axis) and the band ``lo``/``hi``: the 95%
+    confidence interval of the mean (:func:`gradpress.compare_stats.stat`, the
+    table's interval); ``lo``/``hi`` None below two runs."""
+    from gradpress import compare_stats
+
+    steps = sorted(set.intersection(*({h["step"] for h in s["history"]} for s in runs)))
+    at = [{h["step"]: h for h in s["history"]} for s in runs]
+    vals = [[a[t]["metric"] for a in at] for t in steps]
+    nbytes = [max(sum(a[t]["bytes_total"] for a in at) / len(at), 1) for t in steps]
+    out: dict[str, Any] = {"steps": steps, "mean": [sum(v) / len(v) for v in vals], "bytes": nbytes,
+                           "lo": None, "hi": None}
+    if len(runs) > 1:
+        cis = [compare_stats.stat(v)["ci95"] for v in vals]
+        # a step where some seed's metric is not finite has no interval: no band there (NaN leaves a gap)
+        out["lo"] = [math.nan if c is None else c[0] for c in cis]
+        out["hi"] = [math.nan if c is None else c[1] for c in cis]
+    return out
+
+
 def plot(summaries: list[dict[str, Any]], path: Path) -> None:
     """Two panels: metric vs step, metric vs cumulative bytes (log x). Runs
-    of one configuration at several seeds: their mean, and a shaded band
-    from the lowest to the highest seed."""
+    of one configuration at several seeds: their mean, and a shaded band,
+    the 95% confidence interval of the mean (:func:`curve`)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -245,12 +271,9 @@ def plot(summaries: list[dict[str, Any]], path: Path) -> None:
         if s["history"]:
             groups.setdefault(label(s), []).append(s)
     for i, (name, runs) in enumerate(groups.items()):
-        # over seeds: the mean curve at the evaluation steps all runs share, a min-max band around it
-        steps = sorted(set.intersection(*({h["step"] for h in s["history"]} for s in runs)))
-        at = [{h["step"]: h for h in s["history"]} for s in runs]
-        vals = [[a[t]["metric"] for a in at] for t in steps]
-        mean = [sum(v) / len(v) for v in vals]
-        nbytes = [max(sum(a[t]["bytes_total"] for a in at) / len(at), 1) for t in steps]
+        # over seeds: the mean curve at the evaluation steps all runs share, the 95% interval of the mean around it
+        c = curve(runs)
+        steps, mean, nbytes = c["steps"], c["mean"], c["bytes"]
         s = runs[0]
         style = {"color": cmap(i % 10), "marker": "o" if len(steps) <= 40 else None, "markersize": 3, "linewidth": 1.6}
         name = f"{name} ({s['compression_ratio']:.0f}x)" if s["compression_ratio"] >= 1.5 else name
@@ -258,8 +281,8 @@ def plot(summaries: list[dict[str, Any]], path: Path) -> None:
             name += f", {len(runs)} seeds"
         a1.plot(steps, mean, label=name, **style)
         a2.plot(nbytes, mean, label=name, **style)
-        if len(runs) > 1:
-            lo, hi = [min(v) for v in vals], [max(v) for v in vals]
+        if c["lo"] is not None:
+            lo, hi = c["lo"], c["hi"]
             a1.fill_between(steps, lo, hi, color=style["color"], alpha=0.18, linewidth=0)
             a2.fill_between(nbytes, lo, hi, color=style["color"], alpha=0.18, linewidth=0)
     for ax in (a1, a2):
@@ -274,6 +297,8 @@ def plot(summaries: list[dict[str, Any]], path: Path) -> None:
     workers = f"{s0['world_size']} worker{'s' if s0['world_size'] != 1 else ''}"
     a1.set_title(f"{s0['workload']}, {workers}: {metric} vs step")
     a2.set_title(f"{metric} vs bytes on the wire")
+    if any(len(runs) > 1 for runs in groups.values()):
+        fig.suptitle("over seeds: mean, band = 95% confidence interval of the mean (t, n-1 df)", fontsize=9)
     if tgt is not None:
         a1.text(0.99, tgt, "target", transform=a1.get_yaxis_transform(), ha="right", va="bottom", color="0.4", fontsize=8)
     if groups:  # no run evaluated (e.g. every loss became NaN before the first evaluation): no curve, no legend

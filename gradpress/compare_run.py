@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from gradpress import compare, compare_report, compare_stats, train, workloads
+from gradpress import compare, compare_report, compare_stats, plugins, train, workloads
 from gradpress.train.config import check_out, load_toml, planned_world
 from gradpress.train.launch import WorkerFailed, check_data
 
@@ -45,11 +45,13 @@ class RunsFailed(WorkerFailed):
 def failure(cfg: Any, seed: int, out: str, exc: BaseException, sweep: bool = False) -> dict[str, Any]:
     """The record of a failed run: ``status`` ``failed``, what it ran, its
     ``error`` and the ``exit_code`` ``gradpress train`` exits with for it
-    (1: a worker failed; 2: a ValueError). ``label`` names it in messages."""
+    (1: a worker failed; 2: a ValueError). ``label`` names it in messages;
+    ``plugins`` the plugin modules of the compare (:func:`gradpress.plugins.record`)."""
     name = compare.label(vars(cfg))
     return {"status": "failed", "algorithm": cfg.algorithm, "compressor": cfg.compressor, "seed": seed,
             "lr": cfg.lr, "out": out, "error": str(exc), "exit_code": 1 if isinstance(exc, WorkerFailed) else 2,
-            "label": f"sweep {name} at lr {cfg.lr:g}, seed {seed}" if sweep else f"{name}, seed {seed}"}
+            "label": f"sweep {name} at lr {cfg.lr:g}, seed {seed}" if sweep else f"{name}, seed {seed}",
+            "plugins": plugins.record()}
 
 
 def _config_file(opts: Mapping[str, Any], out: str | None) -> str:
@@ -197,14 +199,15 @@ def run(compressors: str | Iterable[str] | None, options: Mapping[str, Any] | No
     root.mkdir(parents=True, exist_ok=True)
     (root / "compare.json").write_text(json.dumps(rows, indent=2) + "\n")
     if result:
-        agg = compare_report.aggregate(result)
+        agg = compare_report.aggregate(result, len(seed_list))
         lr_note = compare_report.lr_note(result, record)
         (root / "compare-stats.json").write_text(json.dumps(
             {"seeds": seed_list, "target": result[0]["target"], "lr": lr_note, "sweep": record,
+             "plugins": plugins.record(), "rank_rule": compare_stats.RANK_RULE,
              "aggregate": [{k: v for k, v in g.items() if k != "rows"} for g in agg], "failed": failed},
             indent=2) + "\n")
         (root / "compare.md").write_text(compare_report.markdown(result, agg, target, seed_list, multi, lr_note, record,
-                                                                  rows=rows, failed=failed))
+                                                                  rows=rows, failed=failed, plugins=plugins.record()))
         compare.plot(result, root / "compare.png")
     if failed:
         raise RunsFailed(result, failed, total)

@@ -11,6 +11,12 @@ standard deviation, ddof=1; 0 for one value), ``min``, ``max`` over the
 it for a table: ``0.9312 ± 0.0040 [0.9270, 0.9350]`` and, when some seeds
 have no value, ``; not reached (1 of 3)`` — a missing run is never dropped
 silently.
+
+Intervals: ``ci95`` of a :func:`stat` is the 95% confidence interval of the
+mean, ``mean ± t(0.975, k-1) std / sqrt(k)`` (Student t, :func:`t_quantile`),
+``None`` below two values. :func:`difference` gives the interval of the
+difference of two configurations' means: paired by seed when both have a
+value at the same seeds, else Welch's. :func:`rank` ranks by such intervals.
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ from typing import Any
 
 from gradpress.train.config import SEED_MAX  # the largest seed, train's rule
 
-__all__ = ["parse_seeds", "parse_lr_grid", "stat", "fmt", "group", "best_lr", "BEST_LR_RULE", "MAX_SEEDS"]
+__all__ = ["parse_seeds", "parse_lr_grid", "stat", "fmt", "group", "best_lr", "BEST_LR_RULE", "MAX_SEEDS",
+           "t_quantile", "interval", "difference", "rank", "fmt_interval", "RANK_RULE"]
 
 #: the most seeds one ``--seeds`` may ask for (a count is expanded to a list up front: a typo such as
 #: ``--seeds 99999999999`` must be refused, not allocated)
@@ -93,6 +100,24 @@ def parse_lr_grid(value: str | Sequence[float] | None, default_lr: float | None 
     return sorted(set(rates))
 
 
+def t_quantile(p: float, df: float) -> float:
+    """The ``p`` quantile of Student's t distribution with ``df`` (> 0, not
+    necessarily whole) degrees of freedom: ``t_quantile(0.975, 2)`` = 4.303."""
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p < 1:
+        raise ValueError(f"t quantile: probability must be strictly between 0 and 1, got {p!r}")
+    if isinstance(df, bool) or not isinstance(df, (int, float)) or not df > 0:  # NaN fails df > 0
+        raise ValueError(f"t quantile: degrees of freedom must be a number > 0, got {df!r}")
+    from scipy.special import stdtrit  # a gradpress dependency (pyproject); imported only when needed
+
+    return float(stdtrit(float(df), float(p)))
+
+
+def interval(mean: float, se: float, df: float, level: float = 0.95) -> list[float]:
+    """``[mean - t se, mean + t se]``, ``t`` the (1 + level) / 2 quantile of t with ``df`` degrees of freedom."""
+    half = t_quantile((1 + level) / 2, df) * se
+    return [mean - half, mean + half]
+
+
 def stat(values: Iterable[float | None]) -> dict[str, Any]:
     vals = [None if v is None or not math.isfinite(v) else v for v in values]
     got = [float(v) for v in vals if v is not None]
@@ -100,9 +125,74 @@ def stat(values: Iterable[float | None]) -> dict[str, Any]:
     if got:
         out.update(mean=statistics.fmean(got), std=statistics.stdev(got) if len(got) > 1 else 0.0,
                    min=min(got), max=max(got))
+        out["ci95"] = interval(out["mean"], out["std"] / math.sqrt(len(got)), len(got) - 1) if len(got) > 1 else None
     else:
-        out.update(mean=None, std=None, min=None, max=None)
+        out.update(mean=None, std=None, min=None, max=None, ci95=None)
     return out
+
+
+def difference(a: Mapping[Any, float | None], b: Mapping[Any, float | None]) -> dict[str, Any]:
+    """The 95% interval of mean(a) - mean(b), ``a`` and ``b`` one value per
+    seed (``None``/NaN: none). ``kind`` ``paired`` when both have a value at
+    the same seeds (the interval of the mean per-seed difference, ``n`` - 1
+    degrees of freedom), else ``welch`` (unpaired, Welch-Satterthwaite
+    degrees of freedom ``df``); ``ci95`` None with fewer than two values
+    (paired: pairs) on a side; ``df`` None where it is undefined. ``n``: pairs;
+    ``n_a``, ``n_b``: values."""
+    ga = {s: float(v) for s, v in a.items() if v is not None and math.isfinite(v)}
+    gb = {s: float(v) for s, v in b.items() if v is not None and math.isfinite(v)}
+    out: dict[str, Any] = {"n_a": len(ga), "n_b": len(gb)}
+    if set(ga) == set(gb):
+        st = stat([ga[s] - gb[s] for s in ga])
+        out.update(kind="paired", n=len(ga), mean=st["mean"], df=len(ga) - 1 if ga else None, ci95=st["ci95"])
+        return out
+    out.update(kind="welch", n=None, mean=None, df=None, ci95=None)
+    if ga and gb:
+        out["mean"] = statistics.fmean(ga.values()) - statistics.fmean(gb.values())
+    if len(ga) < 2 or len(gb) < 2:
+        return out
+    va, vb = statistics.variance(ga.values()) / len(ga), statistics.variance(gb.values()) / len(gb)
+    if va + vb == 0:
+        out["ci95"] = [out["mean"], out["mean"]]  # no spread on either side: a point (df undefined, None)
+        return out
+    out["df"] = (va + vb) ** 2 / (va * va / (len(ga) - 1) + vb * vb / (len(gb) - 1))
+    out["ci95"] = interval(out["mean"], math.sqrt(va + vb), out["df"])
+    return out
+
+
+RANK_RULE = ("a configuration is ranked when it reached the target at every seed (at least 2); its rank is 1 + "
+             "the number of ranked configurations whose whole 95% interval of the mean bytes to target lies "
+             "below its own (fewer bytes); configurations whose intervals overlap are not separable: they may "
+             "share a rank and each names the others")
+
+
+def rank(stats: Sequence[Mapping[str, Any]], seeds: int, lower_is_better: bool = True) -> list[dict[str, Any]]:
+    """Per :func:`stat` (one per configuration) its ``rank`` by :data:`RANK_RULE`
+    (None when unranked, ``why`` says why), and ``not_separable_from``: the
+    indices of the other ranked ones whose interval overlaps its own. ``seeds``:
+    how many seeds every configuration ran (a run that failed lowers ``n``)."""
+    ranked = {}
+    out: list[dict[str, Any]] = []
+    for i, st in enumerate(stats):
+        missed = seeds - st["k"]
+        why = None
+        if missed > 0:
+            why = f"not reached at {missed} of {seeds} seeds"
+        elif st["ci95"] is None:
+            why = "needs 2 seeds"
+        else:
+            ranked[i] = st["ci95"]
+        out.append({"rank": None, "not_separable_from": [], "why": why})
+    for i, (lo, hi) in ranked.items():
+        better = [j for j, (lo2, hi2) in ranked.items() if (hi2 < lo if lower_is_better else lo2 > hi)]
+        out[i]["rank"] = 1 + len(better)
+        out[i]["not_separable_from"] = [j for j, (lo2, hi2) in ranked.items() if j != i and lo2 <= hi and lo <= hi2]
+    return out
+
+
+def fmt_interval(ci: Sequence[float] | None, f: Callable[[float], str] = lambda v: f"{v:.4f}") -> str:
+    """``[lo, hi]`` for a table, ``-`` without an interval."""
+    return "-" if ci is None else f"[{f(ci[0])}, {f(ci[1])}]"
 
 
 def fmt(st: Mapping[str, Any], f: Callable[[float], str] = lambda v: f"{v:.4f}", missing: str = "not reached") -> str:

@@ -13,17 +13,23 @@ included, so before a spec naming a plugin is parsed; every ``gradpress``
 command imports them at its start (an error there: exit 2). The module must
 be importable there: on ``sys.path``, e.g. through ``PYTHONPATH`` or an
 installed package.
+
+:func:`record` lists the plugin modules with their files: every run's
+``summary.json`` and ``gradpress compare``'s ``compare.json`` and
+``compare-stats.json`` keep it (``plugins``), so a run says what it ran.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import os
 import re
+import sys
 from collections.abc import Iterable
 
-__all__ = ["ENV", "add", "add_option", "load", "requested"]
+__all__ = ["ENV", "add", "add_option", "load", "requested", "record"]
 
 #: the environment variable naming the plugin modules
 ENV = "GRADPRESS_PLUGINS"
@@ -83,6 +89,33 @@ def load(modules: Iterable[str] | None = None) -> None:
                              f"{type(exc).__name__}: {exc}") from exc
     if text is not None:
         _DONE[0] = text
+
+
+def _file(name: str) -> str | None:
+    """The file module ``name`` was imported from, else where importing it would find it (None: nowhere, or
+    not a file, e.g. a namespace package)."""
+    module = sys.modules.get(name)
+    path = getattr(module, "__file__", None) if module is not None else None
+    if path is None and module is None:
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            spec = None
+        path = spec.origin if spec is not None and spec.has_location else None
+    return os.path.abspath(path) if path else None
+
+
+def record() -> list[dict[str, str | None]]:
+    """The plugin modules of this process: those of ``$GRADPRESS_PLUGINS`` (a
+    name that is not a module name skipped: :func:`load` refuses it) and any
+    other :func:`load` imported, in order, each ``{"module": name, "file": path}``
+    (``file`` None where it has none)."""
+    try:
+        names = requested()
+    except ValueError:
+        names = []
+    names += sorted(m for m in _LOADED if m not in names)
+    return [{"module": name, "file": _file(name)} for name in names]
 
 
 def add(modules: Iterable[str]) -> None:

@@ -153,6 +153,17 @@ def test_a_plugin_that_cannot_be_loaded_is_refused_before_anything_runs(plugin_d
         assert w in err, (w, err)
 
 
+def test_record_names_each_plugin_module_and_its_file(plugin_dir, monkeypatch):
+    """What summary.json and compare.json record: every module of GRADPRESS_PLUGINS (or loaded by
+    plugins.load) with the file it was imported from, found before it is imported too."""
+    assert plugins.record() == []
+    monkeypatch.setenv(plugins.ENV, "myplug")
+    want = [{"module": "myplug", "file": str(plugin_dir / "myplug.py")}]
+    assert plugins.record() == want  # not imported yet: where the import would find it
+    plugins.load()
+    assert plugins.record() == want
+
+
 def test_an_unknown_name_points_at_plugins():
     with pytest.raises(ValueError, match=r"unknown compressor 'mine'; allowed: .*topk.*--plugin MODULE"):
         compressor_registry.create("mine")
@@ -191,6 +202,11 @@ def test_compare_runs_a_plugin_compressor_in_two_workers(plugin_dir, tmp_path):
     runs = json.loads((out / "compare.json").read_text())
     assert [(r["compressor"], r["status"], r["world_size"]) for r in runs] == [
         ("none", "finished", 2), ("plughalf:scale=4", "finished", 2)]
+    # each run records the plugins it loaded (module and file), as does the compare: reproducible
+    recorded = [{"module": "myplug", "file": str(plugin_dir / "myplug.py")}]
+    assert [r["plugins"] for r in runs] == [recorded, recorded]
+    assert json.loads((out / "compare-stats.json").read_text())["plugins"] == recorded
+    assert json.loads((out / "0-none" / "summary.json").read_text())["plugins"] == recorded
     encoders = {int(p.name.split("-")[1]) for p in marks.glob("encode-*")}
     assert len(encoders) == 2 and launcher not in encoders, encoders  # both workers, not the launcher
     # the plugin as the workers loaded it: x * 4 rounded to float16, / 4 (a float64 reference)
@@ -212,6 +228,7 @@ def test_train_runs_a_plugin_algorithm_from_the_environment(plugin_dir, tmp_path
     assert rc == 0, text
     summary = json.loads((out / "summary.json").read_text())
     assert (summary["algorithm"], summary["compressor"], summary["steps"]) == ("plug-every:period=2", "plughalf:scale=1.0", 3)
+    assert summary["plugins"] == [{"module": "myplug", "file": str(plugin_dir / "myplug.py")}]
     stepped = {int(p.name.split("-")[1]): p.read_text() for p in marks.glob("algorithm-*")}
     assert len(stepped) == 2 and launcher not in stepped and set(stepped.values()) == {"xxx"}, stepped
     assert len(list(marks.glob("encode-*"))) == 2  # the period-2 synchronization, on each worker

@@ -29,7 +29,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="metric to reach (default: 95%% of the ddp/none run's final metric; 105%% for bits per char)")
     p.add_argument("--seeds", default=None, metavar="N|LIST",
                    help="run every configuration at N seeds (--seed, --seed+1, ...) or at a list (0,1,2); the "
-                        "table gives mean ± std [min, max] over seeds; per-seed rows in compare.json")
+                        "table gives mean ± std [min, max] over seeds, 95%% confidence intervals of the mean and a rank by "
+                        "bytes to target (docs/train.md); per-seed rows in compare.json")
     p.add_argument("--lr-sweep", default=None, metavar="RATES",
                    help="learning rates (0.003,0.01,0.03) or factors of the default lr (x0.3,x1,x3): each method "
                         "runs at each on a short budget, then the comparison runs at each method's best rate "
@@ -93,7 +94,7 @@ def _print(args: argparse.Namespace, result: list[dict], out: str) -> None:
     print()
     print(stats["lr"]["text"])
     if args.seeds is not None:
-        groups = compare_report.aggregate(result)
+        groups = compare_report.aggregate(result, len(stats["seeds"]))
         print(compare_report.aggregate_table(groups, result[0]["metric"], result[0]["reference"],
                                              stats["sweep"] is not None))
     else:

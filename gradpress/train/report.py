@@ -10,6 +10,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from gradpress import plugins
+
 __all__ = ["METRICS", "SUMMARY", "human_bytes", "finite_or_null", "dumps", "MetricsLog", "summarize", "write_summary"]
 
 METRICS = "metrics.jsonl"
@@ -120,6 +122,7 @@ def summarize(*, cfg: Any, described: dict[str, Any], stats: dict[str, Any], wor
         "train_s": train_s,
         "diverged_at_step": diverged_at_step,
         "allow_divergence": bool(getattr(cfg, "allow_divergence", False)),
+        "plugins": plugins.record(),  # the plugin modules this run loaded (--plugin / GRADPRESS_PLUGINS)
         "history": history,
         "out": str(out),
     }
