@@ -17,14 +17,32 @@ Invariant: after a step's first bucket, the state is in the scale of that step's
 which goes into the hook's state dict (``loss_scale``) so that a resume continues bit-identically.
 An overflow step (``nonfinite='propagate'``: every rank's average is NaN, so every scaler skips) leaves
 the residuals as they were, in the overflowed step's scale; the next step's read sees the halved scale.
+
+Every rank follows a scaler, or none does (ranks with and without one keep their residuals in different
+scales, and the average is silently wrong). Whether one is attached is part of the configuration the ranks
+agree on when the hook binds (``register``, ``bind``); an ``attach_scaler`` between binding and the first
+step is checked once, at that step's first bucket (:func:`check_presence`: one small allreduce in the
+communication thread, never again); after the first step attaching or detaching is refused (no rank could
+learn of it without a collective every step), replacing one scaler by another is not.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any, Protocol
 
-__all__ = ["LossScale", "check_scaler", "check_mode", "check_kept"]
+import torch
+import torch.distributed as dist
+
+__all__ = ["LossScale", "check_scaler", "check_mode", "check_kept", "presence_error", "check_presence",
+           "EVERY_RANK"]
+
+#: what to do when ranks disagree on following a scaler
+EVERY_RANK = ("every rank's hook must follow its own loss scaler, or none: ranks with and without one keep their "
+              "residuals in different scales and the average is wrong; give the scaler on every rank before the "
+              "first step (register(..., scaler=) or hook.attach_scaler(scaler); gradpress.lightning and "
+              "gradpress.accelerate attach the framework's own)")
 
 
 class _Engine(Protocol):
@@ -45,6 +63,31 @@ def check_mode(nonfinite: str) -> None:
             f"scaler: a loss scaler needs nonfinite='propagate', got nonfinite={nonfinite!r}: 'skip' zeroes an "
             "overflowed step's gradients, so the scaler never sees the overflow and never lowers the scale; "
             "'raise' fails on the overflows that dynamic loss scaling causes by design")
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)
+
+
+def presence_error(attached: Sequence[bool]) -> str | None:
+    """The error when some ranks (``attached[r]``) follow a scaler and others do not; None when all agree."""
+    yes = [r for r, a in enumerate(attached) if a]
+    no = [r for r, a in enumerate(attached) if not a]
+    if not yes or not no:
+        return None
+    return f"scaler: a loss scaler is attached (attach_scaler) on {_ranks(yes)} but not on {_ranks(no)}; {EVERY_RANK}"
+
+
+def check_presence(attached: bool, group: dist.ProcessGroup, device: torch.device) -> None:
+    """Collective (the hook's communication thread, at its first step): ``ValueError`` on every rank alike
+    unless every rank of ``group`` has a scaler attached or none has. One allreduce of one flag per rank
+    (on ``device``, the parameters': NCCL reduces CUDA tensors)."""
+    flags = torch.zeros(dist.get_world_size(group), dtype=torch.float32, device=device)
+    flags[dist.get_rank(group)] = float(attached)
+    dist.all_reduce(flags, group=group)
+    error = presence_error([bool(f) for f in flags.tolist()])
+    if error is not None:
+        raise ValueError(f"gradpress hook, first step: {error}")
 
 
 def _finite_positive(value: Any) -> bool:
