@@ -29,6 +29,7 @@ learn of it without a collective every step), replacing one scaler by another is
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -36,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["LossScale", "check_scaler", "check_mode", "check_kept", "presence_error", "check_presence",
-           "EVERY_RANK"]
+           "EVERY_RANK", "framework_scaler"]
 
 #: what to do when ranks disagree on following a scaler
 EVERY_RANK = ("every rank's hook must follow its own loss scaler, or none: ranks with and without one keep their "
@@ -63,6 +64,28 @@ def check_mode(nonfinite: str) -> None:
             f"scaler: a loss scaler needs nonfinite='propagate', got nonfinite={nonfinite!r}: 'skip' zeroes an "
             "overflowed step's gradients, so the scaler never sees the overflow and never lowers the scale; "
             "'raise' fails on the overflows that dynamic loss scaling causes by design")
+
+
+def framework_scaler(given: Any, framework: Any, nonfinite: str | None, where: str, source: str) -> Any:
+    """The scaler a hook made by a framework integration follows: ``given`` (the user's) when there is one
+    (a warning when the framework scales the loss with another, ``framework``), else ``framework`` (None:
+    the framework has no scaler). ``ValueError`` naming ``source`` (the framework's scaler) and
+    ``nonfinite`` when the framework has a scaler and ``nonfinite`` is not ``propagate``."""
+    if framework is None:
+        return given
+    if given is not None:
+        if given is not framework:
+            warnings.warn(f"{where}: the hook follows the scaler it was given, not {source}, which scales the loss; "
+                          "unless the two always hold the same scale, give the hook none (gradpress then follows "
+                          f"{source}) or the same object", stacklevel=3)
+        return given
+    if nonfinite is not None and nonfinite != "propagate":
+        raise ValueError(
+            f"{where}: nonfinite={nonfinite!r} cannot be used with {source}: a loss scaler needs "
+            "nonfinite='propagate' ('skip' zeroes an overflowed step, so the scaler never lowers the scale; 'raise' "
+            "fails on the overflows that dynamic loss scaling causes by design); use nonfinite='propagate' (the "
+            "default) or a precision without a loss scaler (bf16)")
+    return framework
 
 
 def _ranks(ranks: Sequence[int]) -> str:
