@@ -16,7 +16,8 @@ rank 1's holding an Inf at step 4: the scale grows x2 twice and backs off x0.5 o
 as in tests/test_review_ampscale.py. Checked: the unscaled averages of top-k with error feedback equal its
 float64 definition without loss scaling (computed here), and ``hook.loss_scale`` is the scale of the last
 backward. The refusals (no training): ``nonfinite="skip"`` with the framework's scaler fails before training
-starts naming both (Lightning at ``Trainer(...)``, Accelerate at ``register``).
+starts naming both (Lightning at ``Trainer(...)``, Accelerate at ``register``). ``attach_trainer``'s callback, on a
+stand-in Trainer with a real DDP model, follows ``trainer.accelerator.scaler`` and refuses ``skip`` with it.
 """
 
 from __future__ import annotations
@@ -161,8 +162,35 @@ def _refusals(rank: int) -> dict:
     return out
 
 
+def _trainer_callback(rank: int) -> dict:
+    """``attach_trainer``'s callback on a stand-in Trainer (the attributes gradpress reads): the hook it registers
+    follows ``trainer.accelerator.scaler``; with ``nonfinite='skip'`` it is refused naming that scaler."""
+    from types import SimpleNamespace
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import gradpress.accelerate
+
+    out: dict = {}
+    for label, options in (("follows", {}), ("skip", {"nonfinite": "skip"})):
+        scaler = _scaler()
+        trainer = SimpleNamespace(model_wrapped=DDP(nn.Linear(16, 16)), accelerator=SimpleNamespace(scaler=scaler),
+                                  callback_handler=SimpleNamespace(callbacks=[]))
+        callback = gradpress.accelerate.attach_trainer(trainer, TOPK, **options)
+        args = SimpleNamespace(parallel_mode="ParallelMode.DISTRIBUTED", output_dir="unused")
+        try:
+            callback.on_train_begin(args, SimpleNamespace(global_step=0), None)
+            out[label] = callback.hook.scaler is scaler
+            callback.hook.close()
+        except ValueError as exc:
+            out[label] = str(exc)
+    return out
+
+
 def _workers(rank: int, world: int) -> dict:
     out: dict = {"refusals": _refusals(rank)}
+    if importlib.util.find_spec("transformers") is not None:
+        out["trainer"] = _trainer_callback(rank)
     if HAVE_LIGHTNING:
         out["lightning"] = _lightning(rank, explicit=False)
         with warnings.catch_warnings(record=True) as caught:
@@ -254,3 +282,12 @@ def test_lightning_explicit_scaler_other_than_the_plugins_is_kept_with_a_warning
                   accelerator="cpu", logger=False)
     assert strategy.gradpress_state.scaler is mine and strategy._plugin_scaler() is mine
     strategy.gradpress_state.close()
+
+
+def test_trainer_callback_follows_the_trainers_scaler_and_refuses_skip(results: list[dict]) -> None:
+    if "trainer" not in results[0]:
+        pytest.skip("Transformers is not installed")
+    for res in results:
+        assert res["trainer"]["follows"] is True, res["trainer"]
+        msg = res["trainer"]["skip"]
+        assert "nonfinite='skip'" in msg and "trainer.accelerator.scaler" in msg, msg
