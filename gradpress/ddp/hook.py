@@ -107,6 +107,8 @@ class GradpressHook:
         self._nonfinite = nonfinite  # the engine's mode before it is built (None: not known)
         self._started = False  # a bucket was handed over: attaching or detaching a scaler is refused from then on
         self._check_scaler = False  # from binding to the first step: check that every rank attached alike
+        self._plan_read: Plan | None = None  # the plan _compresses read last, and its answer
+        self._plan_compresses = False
         self._comm = CommThread(self)  # averages the queued buckets in order (comm_thread.py)
         self._thread = self._comm.thread
         _OPEN_HOOKS.add(self)
@@ -246,12 +248,25 @@ class GradpressHook:
     def follow_scale(self, step: int) -> None:
         """At the first bucket of ``step`` (the communication thread): bring the state into the scaler's
         current scale (:class:`~gradpress.ddp.loss_scale.LossScale`). Nothing without a scaler. At the first
-        step after binding, every rank checks first that all attached a scaler or none did (collective)."""
-        if self._check_scaler:
+        step after binding whose plan compresses something (then no state exists a scale could be off in),
+        every rank checks first that all attached a scaler or none did (collective, once)."""
+        if self._check_scaler and self._compresses():  # nothing compressed: no state a scale could be off in
             self._check_scaler = False
             device = next(iter(self._by_name.values())).device if self._by_name else torch.device("cpu")
-            check_presence(self._scale.scaler is not None, self.engine.group, device)
+            check_presence(self._scale.scaler is not None, self.engine.group, device, self._account)
         self._scale.follow(self.engine, step)
+
+    def _compresses(self) -> bool:
+        """Whether the plan compresses some tensor (the same on every rank; read once per plan)."""
+        plan = self.engine.plan
+        if plan is not self._plan_read:
+            self._plan_read, self._plan_compresses = plan, any(d.compressed for d in plan.decisions.values())
+        return self._plan_compresses
+
+    def _account(self, sent: int, seconds: float) -> None:
+        """Count a collective of the hook's own (the scaler check) in the current step's stats."""
+        self.engine.stats_counter.record(sent=sent, dense=0, compress_s=0.0, comm_s=seconds, compressed=0, plain=0,
+                                         tensor_bytes={}, end_of_step=False, by_strategy={"uncompressed": sent})
 
     def replan(self, costs: Any = None) -> Plan:
         """Measure the group (or use ``costs``) and rebuild the plan.

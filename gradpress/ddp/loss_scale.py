@@ -22,15 +22,17 @@ Every rank follows a scaler, or none does (ranks with and without one keep their
 scales, and the average is silently wrong). Whether one is attached is part of the configuration the ranks
 agree on when the hook binds (``register``, ``bind``); an ``attach_scaler`` between binding and the first
 step is checked once, at that step's first bucket (:func:`check_presence`: one small allreduce in the
-communication thread, never again); after the first step attaching or detaching is refused (no rank could
+communication thread, never again; its bytes count in the step's stats, as ``uncompressed``; a plan that
+compresses nothing keeps no state in the gradient's units, so the check waits for one that does); after the first step attaching or detaching is refused (no rank could
 learn of it without a collective every step), replacing one scaler by another is not.
 """
 
 from __future__ import annotations
 
 import math
+import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -101,14 +103,19 @@ def presence_error(attached: Sequence[bool]) -> str | None:
     return f"scaler: a loss scaler is attached (attach_scaler) on {_ranks(yes)} but not on {_ranks(no)}; {EVERY_RANK}"
 
 
-def check_presence(attached: bool, group: dist.ProcessGroup, device: torch.device) -> None:
+def check_presence(attached: bool, group: dist.ProcessGroup, device: torch.device,
+                   account: Callable[[int, float], None]) -> None:
     """Collective (the hook's communication thread, at its first step): ``ValueError`` on every rank alike
-    unless every rank of ``group`` has a scaler attached or none has. One allreduce of one flag per rank
-    (on ``device``, the parameters': NCCL reduces CUDA tensors)."""
+    unless every rank of ``group`` has a scaler attached or none has. One allreduce of one float32 flag per
+    rank (on ``device``, the parameters': NCCL reduces CUDA tensors), handed to ``account`` (bytes, seconds)
+    first: the engine's stats count every byte handed to a collective."""
     flags = torch.zeros(dist.get_world_size(group), dtype=torch.float32, device=device)
     flags[dist.get_rank(group)] = float(attached)
+    start = time.perf_counter()
     dist.all_reduce(flags, group=group)
-    error = presence_error([bool(f) for f in flags.tolist()])
+    attached_on = [bool(f) for f in flags.tolist()]
+    account(flags.numel() * flags.element_size(), time.perf_counter() - start)
+    error = presence_error(attached_on)
     if error is not None:
         raise ValueError(f"gradpress hook, first step: {error}")
 
