@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 import gradpress.ddp
 from gradpress.ddp import GradpressHook
+from gradpress.ddp.loss_scale import framework_scaler
 from gradpress.ddp.ranks import gather_states, load_rank_state
 from gradpress.tensorboard import stats_scalars
 
@@ -85,13 +86,25 @@ class CheckpointedHook:
                         where="accelerator.load_state")
 
 
+def _with_scaler(options: dict[str, Any], framework: Any, where: str, source: str) -> dict[str, Any]:
+    """``options`` with ``scaler`` set to the framework's loss scaler when none was given (see
+    :func:`gradpress.ddp.loss_scale.framework_scaler`)."""
+    scaler = framework_scaler(options.get("scaler"), framework, options.get("nonfinite", "propagate"), where, source)
+    return {**options, "scaler": scaler} if scaler is not None else options
+
+
 def register(accelerator: Any, model: Any, spec: Any = "none", **options: Any) -> GradpressHook:
     """Register gradpress on ``model`` as returned by ``accelerator.prepare``
     (collective: every process calls it, before the first backward) and its
     state for ``accelerator.save_state``/``load_state``. ``options``: those
-    of :func:`gradpress.ddp.register`. Returns the hook (``stats``, ...)."""
+    of :func:`gradpress.ddp.register`; ``scaler`` defaults to the
+    accelerator's (``accelerator.scaler``: fp16 mixed precision), which
+    scales the loss in ``accelerator.backward``, and then needs
+    ``nonfinite='propagate'``. Returns the hook (``stats``, ...)."""
     ddp = _ddp(model, "gradpress.accelerate.register", getattr(accelerator, "distributed_type", "?"),
                "Accelerator(cpu=True)")
+    options = _with_scaler(options, getattr(accelerator, "scaler", None), "gradpress.accelerate.register",
+                           "the accelerator's loss scaler (accelerator.scaler, mixed_precision='fp16')")
     hook = gradpress.ddp.register(ddp, spec, **options)
     accelerator.register_for_checkpointing(CheckpointedHook(hook))
     return hook
@@ -128,7 +141,10 @@ def _callback_class() -> type:
             if ddp is not self._ddp:  # a new DDP wrapper (a new train() call): register on it
                 if self.hook is not None:
                     self.hook.close()
-                self.hook, self._ddp = gradpress.ddp.register(ddp, self.spec, **self.options), ddp
+                options = _with_scaler(self.options, getattr(getattr(self.trainer, "accelerator", None), "scaler", None),
+                                       "GradpressTrainerCallback", "the Trainer's loss scaler "
+                                       "(trainer.accelerator.scaler, TrainingArguments(fp16=True))")
+                self.hook, self._ddp = gradpress.ddp.register(ddp, self.spec, **options), ddp
             if state.global_step > 0:
                 folder = self.resume_from or os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
                 path = os.path.join(folder, TRAINER_FILE)

@@ -10,6 +10,12 @@ Two lines::
 comm hook registered on the DDP model it builds, on CPU (gloo) as on GPU
 (Lightning's own ``ddp_comm_hook`` argument is applied on CUDA only). The
 hook state binds to the LightningModule's parameters (keys are their names).
+Under fp16 mixed precision it follows the precision plugin's loss scaler
+(``MixedPrecision("16-mixed", ...).scaler``, which scales the loss) unless
+the hook was given a scaler: the plugin is the Trainer's, set on the
+strategy when the Trainer is made (after the hook state), so the scaler is
+checked there (``nonfinite`` other than ``propagate`` is refused at once)
+and attached in ``configure_ddp``, before the state binds.
 
 :class:`GradpressCallback` checkpoints the compression state inside
 Lightning's checkpoint (``on_save_checkpoint``: every rank's state, gathered,
@@ -35,6 +41,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from gradpress.compress import Compressor
 from gradpress.ddp import GradpressHook, make_hook
 from gradpress.ddp.hook import gradpress_hook
+from gradpress.ddp.loss_scale import framework_scaler
 from gradpress.ddp.ranks import gather_states, load_rank_state
 from gradpress.tensorboard import stats_scalars
 
@@ -51,8 +58,8 @@ class GradpressStrategy(DDPStrategy):
     from :func:`gradpress.ddp.make_hook` (unbound, or bound to this model).
     ``options``: keywords of :func:`gradpress.ddp.make_hook` (``strategy``,
     ``error_feedback``, ``min_numel``, ``seed``, ``nonfinite``, ``timeout``,
-    ...). Other keywords go to ``DDPStrategy``. ``gradpress_state`` is the
-    hook state (its ``stats``, ``state_dict``)."""
+    ...; ``scaler`` defaults to the precision plugin's). Other keywords go to ``DDPStrategy``.
+    ``gradpress_state`` is the hook state (its ``stats``, ``state_dict``)."""
 
     strategy_name = "gradpress"
 
@@ -61,6 +68,7 @@ class GradpressStrategy(DDPStrategy):
         for reserved in ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper"):
             if reserved in ddp_kwargs:
                 raise ValueError(f"GradpressStrategy: {reserved} is set by gradpress; pass the compressor instead")
+        self.gradpress_state: GradpressHook | None = None  # the precision_plugin setter reads it
         super().__init__(**ddp_kwargs)
         if isinstance(compressor, GradpressHook):
             if options:
@@ -68,11 +76,40 @@ class GradpressStrategy(DDPStrategy):
             self.gradpress_state = compressor
         else:
             self.gradpress_state, _ = make_hook(compressor, **dict(options or {}))
+        self._plugin_scaler(warn=True)  # a precision_plugin= among ddp_kwargs
+
+    @property
+    def precision_plugin(self) -> Any:
+        return DDPStrategy.precision_plugin.fget(self)
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Any) -> None:
+        """Lightning's (the Trainer sets the plugin here as it is made): a loss scaler it has is checked at once."""
+        DDPStrategy.precision_plugin.fset(self, plugin)
+        self._plugin_scaler(warn=True)
+
+    def _plugin_scaler(self, warn: bool = False) -> Any:
+        """The scaler the hook follows: its own if it was given one, else the precision plugin's (None
+        without); ``ValueError`` when the plugin has one and ``nonfinite`` is not ``propagate``."""
+        state = self.gradpress_state
+        if state is None:
+            return None
+        plugin = self._precision_plugin
+        source = (f"the precision plugin's loss scaler ({type(plugin).__name__}(precision="
+                  f"{getattr(plugin, 'precision', '?')!r}).scaler)")
+        with warnings.catch_warnings():
+            if not warn:
+                warnings.simplefilter("ignore")
+            return framework_scaler(state.scaler, getattr(plugin, "scaler", None), state.nonfinite,
+                                    "GradpressStrategy", source)
 
     def configure_ddp(self) -> None:
-        """Wrap in DDP (Lightning), bind the hook state to the module
-        (collective) and register it."""
+        """Wrap in DDP (Lightning), attach the precision plugin's loss scaler to the hook state unless it
+        has one, bind the state to the module (collective: the ranks agree on the scaler too) and register it."""
         super().configure_ddp()
+        scaler = self._plugin_scaler()
+        if scaler is not None and scaler is not self.gradpress_state.scaler:
+            self.gradpress_state.attach_scaler(scaler)
         self.gradpress_state.bind(self.model)
         self.model.register_comm_hook(self.gradpress_state, gradpress_hook)
 

@@ -61,7 +61,7 @@ import torch.distributed as dist
 import gradpress.ddp.hook_state as hook_state
 from gradpress.ddp.buckets import SPARSE_BUCKET, Job, UnusedWatch, UsedTracker, param_layout, sparse_refusal
 from gradpress.ddp.comm_thread import CLOSE_WAIT_S, CommThread
-from gradpress.ddp.loss_scale import LossScale, check_engine, check_scaler
+from gradpress.ddp.loss_scale import LossScale, check_attach, check_engine, check_presence
 from gradpress.ddp.state_format import HOOK_FORMAT, strip_module
 from gradpress.exchange import Synchronizer
 from gradpress.exchange.feedback import Feedback
@@ -70,8 +70,9 @@ from gradpress.transport.groups import EXIT_STEPS
 
 __all__ = ["GradpressHook", "gradpress_hook", "HOOK_FORMAT"]
 
-#: builds the engine for these (name, parameter) pairs; collective (own group, agreement, plan)
-Builder = Callable[[Sequence[tuple[str, torch.nn.Parameter]]], Synchronizer]
+#: builds the engine for these (name, parameter) pairs, the hook following a loss scaler or not (part of what
+#: the ranks agree on); collective (own group, agreement, plan)
+Builder = Callable[[Sequence[tuple[str, torch.nn.Parameter]], bool], Synchronizer]
 
 
 class GradpressHook:
@@ -85,9 +86,12 @@ class GradpressHook:
     bind now (collective). ``coalesce``: average a step's buckets in one
     engine call when the last arrives (see the module doc); None: when the
     compressor has several rounds. Every rank must use the same setting.
+    ``nonfinite``: the mode the engine will be built with, known before binding (``make_hook`` gives it), so
+    that a scaler attached before binding is refused at once with ``skip``/``raise``.
     """
 
-    def __init__(self, build: Builder, model: torch.nn.Module | None = None, coalesce: bool | None = None) -> None:
+    def __init__(self, build: Builder, model: torch.nn.Module | None = None, coalesce: bool | None = None,
+                 nonfinite: str | None = None) -> None:
         if coalesce is not None and not isinstance(coalesce, bool):
             raise ValueError(f"coalesce must be True, False or None (on for multi-round compressors), got {coalesce!r}")
         self._build = build
@@ -100,6 +104,11 @@ class GradpressHook:
         self._used: UsedTracker | None = None  # with DDP's find_unused_parameters / static_graph
         self._watch = UnusedWatch()  # without the DDP model's options: warns once of an unused parameter
         self._scale = LossScale()  # the attached loss scaler and the scale the state is kept in (loss_scale.py)
+        self._nonfinite = nonfinite  # the engine's mode before it is built (None: not known)
+        self._started = False  # a bucket was handed over: attaching or detaching a scaler is refused from then on
+        self._check_scaler = False  # from binding to the first step: check that every rank attached alike
+        self._plan_read: Plan | None = None  # the plan _compresses read last, and its answer
+        self._plan_compresses = False
         self._comm = CommThread(self)  # averages the queued buckets in order (comm_thread.py)
         self._thread = self._comm.thread
         _OPEN_HOOKS.add(self)
@@ -145,10 +154,11 @@ class GradpressHook:
         self._watch.start(None if is_ddp or self._used is not None else [p for _, p in named], self._step)
 
     def _bind_named(self, named: Sequence[tuple[str, torch.nn.Parameter]]) -> None:
-        self._engine = self._build(named)
+        self._engine = self._build(named, self._scale.scaler is not None)  # the ranks agree on the scaler too
         self._names, self._by_name = {id(p): n for n, p in named}, dict(named)
         if self._scale.scaler is not None:
             check_engine(self._engine)
+        self._check_scaler = True  # an attach_scaler from now to the first step: checked at that step
         pending, self._pending_state = self._pending_state, None
         if pending is not None:
             self.load_state_dict(pending)
@@ -161,8 +171,12 @@ class GradpressHook:
     cost_model = property(lambda self: self.engine.cost_model)
     rank = property(lambda self: self.engine.rank)
     world_size = property(lambda self: self.engine.world_size)
-    nonfinite = property(lambda self: self.engine.nonfinite)
     group = property(lambda self: self.engine.group)  # gradpress's own process group
+
+    @property
+    def nonfinite(self) -> str | None:
+        """The NaN/Inf mode (the engine's; before binding the one given at construction, None if none was)."""
+        return self._engine.nonfinite if self._engine is not None else self._nonfinite
 
     @property
     def memory(self) -> Feedback:
@@ -206,15 +220,18 @@ class GradpressHook:
         None detaches): once per step, before its first bucket is averaged, the scale is read and every
         residual and compressor buffer in the gradient's units is multiplied by new/old, so a scale change
         (growth, the back-off after an overflow) is not fed back off by that factor. Every rank attaches
-        its own scaler, before the first step. Needs ``nonfinite='propagate'`` (``ValueError`` otherwise).
-        A scale-free compressor's averages (``scale_degree == 0``: signsgd, signum) are multiplied by the
-        step's scale, so ``unscale_`` gives the update of a run without loss scaling; with error feedback
-        on, such a compressor is refused.
+        its own scaler, before the first step: every rank or none (checked at the first step, on every rank
+        alike); after it, attaching or detaching raises ``ValueError`` (replacing one scaler by another does
+        not). Needs ``nonfinite='propagate'`` (``ValueError`` otherwise). A scale-free compressor's averages
+        (``scale_degree == 0``: signsgd, signum) are multiplied by the step's scale; error feedback on one is refused.
         On CUDA the read (``get_scale()``) syncs the communication thread, not the training thread."""
-        check_scaler(scaler)
-        if scaler is not None and self._engine is not None:
-            check_engine(self._engine)
+        check_attach(scaler, self._scale.scaler, self._started, self._engine, self.nonfinite)
         self._scale.scaler = scaler
+
+    @property
+    def scaler(self) -> Any:
+        """The attached loss scaler (None: none)."""
+        return self._scale.scaler
 
     @property
     def loss_scale(self) -> float | None:
@@ -224,8 +241,26 @@ class GradpressHook:
 
     def follow_scale(self, step: int) -> None:
         """At the first bucket of ``step`` (the communication thread): bring the state into the scaler's
-        current scale (:class:`~gradpress.ddp.loss_scale.LossScale`). Nothing without a scaler."""
+        current scale (:class:`~gradpress.ddp.loss_scale.LossScale`). Nothing without a scaler. At the first
+        step after binding whose plan compresses something (then no state exists a scale could be off in),
+        every rank checks first that all attached a scaler or none did (collective, once)."""
+        if self._check_scaler and self._compresses():  # nothing compressed: no state a scale could be off in
+            self._check_scaler = False
+            device = next(iter(self._by_name.values())).device if self._by_name else torch.device("cpu")
+            check_presence(self._scale.scaler is not None, self.engine.group, device, self._account)
         self._scale.follow(self.engine, step)
+
+    def _compresses(self) -> bool:
+        """Whether the plan compresses some tensor (the same on every rank; read once per plan)."""
+        plan = self.engine.plan
+        if plan is not self._plan_read:
+            self._plan_read, self._plan_compresses = plan, any(d.compressed for d in plan.decisions.values())
+        return self._plan_compresses
+
+    def _account(self, sent: int, seconds: float) -> None:
+        """Count a collective of the hook's own (the scaler check) in the current step's stats."""
+        self.engine.stats_counter.record(sent=sent, dense=0, compress_s=0.0, comm_s=seconds, compressed=0, plain=0,
+                                         tensor_bytes={}, end_of_step=False, by_strategy={"uncompressed": sent})
 
     def replan(self, costs: Any = None) -> Plan:
         """Measure the group (or use ``costs``) and rebuild the plan.
@@ -244,6 +279,7 @@ class GradpressHook:
         An unbound state keeps the buckets of the first backward and binds
         when the last one arrives (every bucket then seen: every parameter)."""
         future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        self._started = True
         buffer = bucket.buffer()
         if buffer.is_sparse:
             raise ValueError(SPARSE_BUCKET)

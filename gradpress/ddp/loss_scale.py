@@ -25,14 +25,35 @@ An overflow step (``nonfinite='propagate'``: every rank's average is NaN, so eve
 the residuals and the compressor's and strategies' own state as they were (the engine puts back its copy
 taken at the step's start: :class:`gradpress.exchange.nonfinite.StepGuard`), in the overflowed step's scale;
 the next step's read sees the halved scale.
+
+Every rank follows a scaler, or none does (ranks with and without one keep their residuals in different
+scales, and the average is silently wrong). Whether one is attached is part of the configuration the ranks
+agree on when the hook binds (``register``, ``bind``); an ``attach_scaler`` between binding and the first
+step is checked once, at that step's first bucket (:func:`check_presence`: one small allreduce in the
+communication thread, never again; its bytes count in the step's stats, as ``uncompressed``; a plan that
+compresses nothing keeps no state in the gradient's units, so the check waits for one that does); after the first step attaching or detaching is refused (no rank could
+learn of it without a collective every step), replacing one scaler by another is not.
 """
 
 from __future__ import annotations
 
 import math
+import time
+import warnings
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-__all__ = ["LossScale", "check_scaler", "check_mode", "check_kept", "check_feedback", "check_engine"]
+import torch
+import torch.distributed as dist
+
+__all__ = ["LossScale", "check_scaler", "check_mode", "check_kept", "check_feedback", "check_engine", "check_attach", "presence_error", "check_presence",
+           "EVERY_RANK", "framework_scaler"]
+
+#: what to do when ranks disagree on following a scaler
+EVERY_RANK = ("every rank's hook must follow its own loss scaler, or none: ranks with and without one keep their "
+              "residuals in different scales and the average is wrong; give the scaler on every rank before the "
+              "first step (register(..., scaler=) or hook.attach_scaler(scaler); gradpress.lightning and "
+              "gradpress.accelerate attach the framework's own)")
 
 
 class _Engine(Protocol):
@@ -76,6 +97,74 @@ def check_engine(engine: _Engine) -> None:
     """What a scaler needs of a bound engine: :func:`check_mode` and :func:`check_feedback`."""
     check_mode(engine.nonfinite)
     check_feedback(engine.compressor, engine.error_feedback)
+
+
+def check_attach(new: Any, old: Any, started: bool, engine: _Engine | None, nonfinite: str | None) -> None:
+    """``ValueError`` unless ``attach_scaler(new)`` may replace ``old``: a scaler (or None), what a scaler needs
+    of the bound ``engine`` (:func:`check_engine`) or of the hook's ``nonfinite`` before binding, and no
+    attaching or detaching once the first step has run (``started``: the other ranks could not learn of it)."""
+    check_scaler(new)
+    if new is not None and engine is not None:
+        check_engine(engine)
+    elif new is not None and nonfinite is not None:
+        check_mode(nonfinite)
+    if started and (new is None) != (old is None):
+        raise ValueError(f"attach_scaler({'None' if new is None else type(new).__name__}): the hook's first step has "
+                         "run " + ("with" if new is None else "without") + " a loss scaler; attaching or detaching one "
+                         "after the first step is refused (the other ranks could not learn of it); attach it on every "
+                         "rank before the first step, or make a new hook")
+
+
+def framework_scaler(given: Any, framework: Any, nonfinite: str | None, where: str, source: str) -> Any:
+    """The scaler a hook made by a framework integration follows: ``given`` (the user's) when there is one
+    (a warning when the framework scales the loss with another, ``framework``), else ``framework`` (None:
+    the framework has no scaler). ``ValueError`` naming ``source`` (the framework's scaler) and
+    ``nonfinite`` when the framework has a scaler and ``nonfinite`` is not ``propagate``."""
+    if framework is None:
+        return given
+    if given is not None:
+        if given is not framework:
+            warnings.warn(f"{where}: the hook follows the scaler it was given, not {source}, which scales the loss; "
+                          "unless the two always hold the same scale, give the hook none (gradpress then follows "
+                          f"{source}) or the same object", stacklevel=3)
+        return given
+    if nonfinite is not None and nonfinite != "propagate":
+        raise ValueError(
+            f"{where}: nonfinite={nonfinite!r} cannot be used with {source}: a loss scaler needs "
+            "nonfinite='propagate' ('skip' zeroes an overflowed step, so the scaler never lowers the scale; 'raise' "
+            "fails on the overflows that dynamic loss scaling causes by design); use nonfinite='propagate' (the "
+            "default) or a precision without a loss scaler (bf16)")
+    return framework
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)
+
+
+def presence_error(attached: Sequence[bool]) -> str | None:
+    """The error when some ranks (``attached[r]``) follow a scaler and others do not; None when all agree."""
+    yes = [r for r, a in enumerate(attached) if a]
+    no = [r for r, a in enumerate(attached) if not a]
+    if not yes or not no:
+        return None
+    return f"scaler: a loss scaler is attached (attach_scaler) on {_ranks(yes)} but not on {_ranks(no)}; {EVERY_RANK}"
+
+
+def check_presence(attached: bool, group: dist.ProcessGroup, device: torch.device,
+                   account: Callable[[int, float], None]) -> None:
+    """Collective (the hook's communication thread, at its first step): ``ValueError`` on every rank alike
+    unless every rank of ``group`` has a scaler attached or none has. One allreduce of one float32 flag per
+    rank (on ``device``, the parameters': NCCL reduces CUDA tensors), handed to ``account`` (bytes, seconds)
+    first: the engine's stats count every byte handed to a collective."""
+    flags = torch.zeros(dist.get_world_size(group), dtype=torch.float32, device=device)
+    flags[dist.get_rank(group)] = float(attached)
+    start = time.perf_counter()
+    dist.all_reduce(flags, group=group)
+    attached_on = [bool(f) for f in flags.tolist()]
+    account(flags.numel() * flags.element_size(), time.perf_counter() - start)
+    error = presence_error(attached_on)
+    if error is not None:
+        raise ValueError(f"gradpress hook, first step: {error}")
 
 
 def _finite_positive(value: Any) -> bool:

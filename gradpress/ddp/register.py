@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from gradpress.compress import Compressor, create
 from gradpress.ddp.hook import GradpressHook, gradpress_hook
-from gradpress.ddp.loss_scale import check_feedback, check_mode, check_scaler
+from gradpress.ddp.loss_scale import EVERY_RANK, check_feedback, check_mode, check_scaler
 from gradpress.exchange import Synchronizer
 from gradpress.exchange.agree import agree
 from gradpress.exchange.costs import CostModel
@@ -35,10 +35,12 @@ Hook = Callable[[GradpressHook, dist.GradBucket], torch.futures.Future]
 
 def _build(make_compressor: Callable[[], Compressor], process_group: dist.ProcessGroup | None,
            timeout: float | datetime.timedelta | None, options: dict[str, Any],
-           named: Sequence[tuple[str, torch.nn.Parameter]]) -> Synchronizer:
+           named: Sequence[tuple[str, torch.nn.Parameter]], scaled: bool = False) -> Synchronizer:
     """The engine for ``named`` on a group of gradpress's own over the ranks
-    of ``process_group`` (default: the world). Collective; every rank either
-    returns an engine of the same configuration or raises ``ValueError``."""
+    of ``process_group`` (default: the world), for a hook that follows a loss
+    scaler (``scaled``) or not. Collective; every rank either returns an
+    engine of the same configuration (a scaler on every rank or on none) or
+    raises ``ValueError``."""
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized; call dist.init_process_group first (torchrun does)")
     group, error = own_group(process_group, timeout)
@@ -46,11 +48,16 @@ def _build(make_compressor: Callable[[], Compressor], process_group: dist.Proces
     try:
         if error is not None:
             raise ValueError(error)
+        if scaled:
+            check_mode(options["nonfinite"])
         engine = Synchronizer(make_compressor(), params=[(n, p.shape, p.dtype) for n, p in named if p.requires_grad],
                               group=group, **options)
     except Exception as exc:  # noqa: BLE001 - every rank must reach agree(), or the others hang
         error = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
-    agree(engine.config() if engine is not None else None, error, group)
+    # whether a loss scaler is attached is agreed here (not part of engine.config(): that is also a checkpoint's)
+    agree({**engine.config(), "scaler": scaled} if engine is not None else None, error, group,
+          hints={"scaler": f"scaler: True where a loss scaler is attached (register(scaler=), attach_scaler); "
+                           f"{EVERY_RANK}"})
     assert engine is not None
     if engine.strategy_name == "auto" and options.get("plan_costs") is None:
         engine.replan()  # collective: every rank measures together, rank 0 fits
@@ -100,7 +107,7 @@ def make_hook(
     else:
         make_compressor = functools.partial(create, spec, **params)  # inside the agreement: every rank reports
     state = GradpressHook(functools.partial(_build, make_compressor, process_group, timeout, options),
-                          coalesce=coalesce)
+                          coalesce=coalesce, nonfinite=nonfinite)
     state.attach_scaler(scaler)
     if model is not None:
         try:

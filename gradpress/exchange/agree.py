@@ -9,6 +9,7 @@ used here, never per step).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch.distributed as dist
@@ -44,11 +45,12 @@ def config_diff(theirs: dict[str, Any], mine: dict[str, Any], theirs_name: str =
 
 
 def agree(mine: dict[str, Any] | None, error: str | None, group: dist.ProcessGroup | None, what: str = "gradpress",
-          stage: str = "registration") -> None:
+          stage: str = "registration", hints: Mapping[str, str] | None = None) -> None:
     """Raise on every rank if any rank failed (``error``) or the
     configurations differ; return silently when all agree. ``stage`` names
     what failed in the message (``"registration"`` of a DDP hook,
-    ``"construction"`` of an algorithm)."""
+    ``"construction"`` of an algorithm). ``hints``: by field, what to do when
+    that field differs (appended once to the message)."""
     world = dist.get_world_size(group)
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, {"config": mine, "error": error}, group=group)
@@ -67,4 +69,6 @@ def agree(mine: dict[str, Any] | None, error: str | None, group: dist.ProcessGro
                     diffs.append(f"rank {r} has different parameter names/shapes/dtypes than rank 0")
                 else:
                     diffs.append(f"rank {r} has {field}={cfg.get(field)!r} but rank 0 has {base.get(field)!r}")
-    raise ValueError(f"{what} configuration differs between ranks: " + "; ".join(diffs))
+    fixes = [hint for field, hint in (hints or {}).items()
+             if any(cfg.get(field) != base.get(field) for cfg in configs)]
+    raise ValueError(f"{what} configuration differs between ranks: " + "; ".join(diffs + fixes))
