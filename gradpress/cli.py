@@ -13,7 +13,7 @@ import pkgutil
 import sys
 
 import gradpress.commands as commands_pkg
-from gradpress import plugins
+from gradpress.compress import plugins
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -123,7 +123,7 @@ def markdown(result: list[dict[str, Any]], groups: list[dict[str, Any]], target:
     comparison run in order, failed ones included (default ``result``);
     ``failed`` every failed run's record, the sweep's included, listed with
     its error; ``plugins`` the plugin modules loaded
-    (:func:`gradpress.plugins.record`), named in the header."""
+    (:func:`gradpress.compress.plugins.record`), named in the header."""
     s0 = result[0]
     tgt = s0["target"]
     rule = "given with --target" if target is not None else (

@@ -19,7 +19,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from gradpress import compare, compare_report, compare_stats, plugins, train, workloads
+from gradpress import compare, compare_report, compare_stats, train, workloads
+from gradpress.compress import plugins
 from gradpress.train.config import check_out, load_toml, planned_world
 from gradpress.train.launch import WorkerFailed, check_data
 
@@ -46,7 +47,7 @@ def failure(cfg: Any, seed: int, out: str, exc: BaseException, sweep: bool = Fal
     """The record of a failed run: ``status`` ``failed``, what it ran, its
     ``error`` and the ``exit_code`` ``gradpress train`` exits with for it
     (1: a worker failed; 2: a ValueError). ``label`` names it in messages;
-    ``plugins`` the plugin modules of the compare (:func:`gradpress.plugins.record`)."""
+    ``plugins`` the plugin modules of the compare (:func:`gradpress.compress.plugins.record`)."""
     name = compare.label(vars(cfg))
     return {"status": "failed", "algorithm": cfg.algorithm, "compressor": cfg.compressor, "seed": seed,
             "lr": cfg.lr, "out": out, "error": str(exc), "exit_code": 1 if isinstance(exc, WorkerFailed) else 2,

@@ -182,7 +182,7 @@ def test_the_plot_band_is_the_same_interval_as_the_table():
 
 def test_compare_stats_json_and_the_page_carry_the_intervals_the_rank_and_the_plugins(tmp_path, monkeypatch):
     monkeypatch.setattr(train, "run", lambda cfg: _summary(cfg.compressor, cfg.seed, FINALS[(cfg.compressor, cfg.seed)]))
-    monkeypatch.setattr("gradpress.plugins.record", lambda: [{"module": "myplug", "file": "/x/myplug.py"}])
+    monkeypatch.setattr("gradpress.compress.plugins.record", lambda: [{"module": "myplug", "file": "/x/myplug.py"}])
     out = tmp_path / "cmp"
     assert cli(["compare", "--compressors", "none,topk:ratio=0.1", "--workload", "digits-mlp", "--steps", "10",
                 "--seeds", "3", "--no-progress", "--out", str(out)]) == 0
@@ -205,7 +205,7 @@ def test_a_failed_runs_record_names_the_plugins_too(tmp_path, monkeypatch):
         return _summary(cfg.compressor, cfg.seed, 0.9)
 
     monkeypatch.setattr(train, "run", fake_run)
-    monkeypatch.setattr("gradpress.plugins.record", lambda: [{"module": "myplug", "file": "/x/myplug.py"}])
+    monkeypatch.setattr("gradpress.compress.plugins.record", lambda: [{"module": "myplug", "file": "/x/myplug.py"}])
     out = tmp_path / "cmp"
     assert cli(["compare", "--compressors", "none", "--workload", "digits-mlp", "--steps", "10", "--seeds", "2",
                 "--no-progress", "--out", str(out)]) == 1

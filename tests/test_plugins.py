@@ -24,8 +24,8 @@ from refusals import forbid
 
 import gradpress.algorithms.registry as algorithm_registry
 import gradpress.compress.registry as compressor_registry
-from gradpress import plugins
 from gradpress.cli import main as cli
+from gradpress.compress import plugins
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -17,7 +17,7 @@ from typing import Any
 from gradpress.compress.base import Compressor
 from gradpress.compress.spec import Registry, parse_stage
 
-_REGISTRY: Registry[type[Compressor]] = Registry("compressor", "gradpress.compress", skip=("base", "registry", "compose"), plugins=True)
+_REGISTRY: Registry[type[Compressor]] = Registry("compressor", "gradpress.compress", skip=("base", "registry", "compose", "plugins"), plugins=True)
 
 
 def register(cls: type[Compressor]) -> type[Compressor]:

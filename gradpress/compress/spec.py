@@ -94,12 +94,12 @@ class Registry(Generic[T]):
 
     def load_plugins(self) -> None:
         """With ``plugins``: import the modules of ``$GRADPRESS_PLUGINS`` not
-        imported yet (:mod:`gradpress.plugins`; ValueError naming one that
+        imported yet (:mod:`gradpress.compress.plugins`; ValueError naming one that
         fails). Not for the strategies, which gradpress looks up while its
         own modules import (a plugin importing gradpress would then meet a
         partly imported package)."""
         if self.plugins:
-            from gradpress import plugins
+            from gradpress.compress import plugins
 
             plugins.load()
 

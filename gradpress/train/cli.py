@@ -9,7 +9,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from gradpress import plugins, workloads
+from gradpress import workloads
+from gradpress.compress import plugins
 from gradpress.train.args import add_arguments
 from gradpress.train.launch import WorkerFailed, run
 from gradpress.train.report import METRICS, SUMMARY, human_bytes

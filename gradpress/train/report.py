@@ -10,7 +10,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from gradpress import plugins
+from gradpress.compress import plugins
 
 __all__ = ["METRICS", "SUMMARY", "human_bytes", "finite_or_null", "dumps", "MetricsLog", "summarize", "write_summary"]
 
