@@ -1,5 +1,6 @@
 """The planner: cost fits, per-tensor decisions from injected measurements,
-the plan table, bad input."""
+the plan table, bad input; when ``auto`` offers ``hierarchical``
+(exchange/plans.py), and the pieces' invariant (exchange/pieces.py)."""
 
 from __future__ import annotations
 
