@@ -14,7 +14,7 @@ GROUPS: dict[str, tuple[list[str], list[str], int]] = {
                   "tests/test_key_upgrade.py", "tests/test_plants_feedback.py"], 6),
     "engine": (["gradpress/exchange/engine.py", "gradpress/exchange/base.py"],
                ["tests/test_references.py", "tests/test_accounting.py", "tests/test_config_fields.py",
-                "tests/test_mutants_engine.py"], 4),
+                "tests/test_mutants_engine.py", "tests/test_key_escape.py"], 4),
     "strategies": ([f"gradpress/exchange/strategies/{m}.py" for m in ("allreduce", "allgather", "ring", "ps",
                                                                       "recompress", "rounds")],
                    ["tests/test_references.py", "tests/test_accounting.py", "tests/test_config_fields.py"], 6),

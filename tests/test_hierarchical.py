@@ -29,6 +29,7 @@ STEPS = 4
 RATIO = 0.05
 TAU = 1.5  # threshold compressor: keeps |x| > TAU, a variable-size packet
 CHUNK = 500  # pipelined pieces: 10 rows of a.weight (7 pieces), 15 rows of b.weight (3 pieces)
+BETA = 0.5  # the feedback's beta (DiLoCo's residual_decay sets it): q_h = S_h / L + beta e_h
 
 
 def _grads(rank: int, step: int) -> list[torch.Tensor]:
@@ -81,6 +82,10 @@ def _worker(rank: int, world: int) -> dict:
     out["host_keys"] = sorted(eng.feedback.namespace("host"))
     out["worker_residual_max"] = max(float(v.abs().max()) for v in eng.feedback.namespace("").values())
     out["stats"] = eng.stats
+    for name, extra in (("topk_beta", ",chunk=0"), ("pipe_topk_beta", f",chunk={CHUNK}")):
+        decayed = _engine(f"topk:ratio={RATIO}", spec + extra, error_feedback=True)
+        decayed.feedback.beta = BETA
+        out[name] = _run(decayed, rank, range(3))
     out["ring_none"] = _run(_engine("none", spec + ",outer=ring"), rank, range(2))
     out["ring_topk"] = _run(_engine(f"topk:ratio={RATIO}", spec + ",outer=ring", error_feedback=True), rank, range(3))
     out["fp16"] = _run(_engine("fp16", spec), rank, range(2))
@@ -259,8 +264,9 @@ def _topk_rows(x: torch.Tensor, ratio: float, chunk: int) -> torch.Tensor:
     return torch.cat([topk(b, ratio) for b in blocks])
 
 
-def _reference_topk(steps: int, per_host: int = PER_HOST, chunk: int = 0) -> list[list[torch.Tensor]]:
-    """The two-level algorithm in float64: leader h keeps e_h; q_h = S_h / L + e_h;
+def _reference_topk(steps: int, per_host: int = PER_HOST, chunk: int = 0,
+                    beta: float = 1.0) -> list[list[torch.Tensor]]:
+    """The two-level algorithm in float64: leader h keeps e_h; q_h = S_h / L + beta e_h;
     average = mean_h topk(q_h); e_h <- q_h - topk(q_h). 1-D tensors: plain mean.
     ``per_host=1``: flat allgather with every worker's own residual. ``chunk``:
     top-k per block of whole rows (the pipelined exchange's pieces)."""
@@ -277,7 +283,7 @@ def _reference_topk(steps: int, per_host: int = PER_HOST, chunk: int = 0) -> lis
             total = torch.zeros(shape, dtype=torch.float64)
             for h in range(hosts):
                 q = sum(per[r][i] for r in range(h * per_host, (h + 1) * per_host)) / per_host
-                q = q + resid.get((h, i), torch.zeros(shape, dtype=torch.float64))
+                q = q + beta * resid.get((h, i), torch.zeros(shape, dtype=torch.float64))
                 sent = _topk_rows(q, RATIO, chunk)
                 resid[(h, i)] = q - sent
                 total += sent
@@ -300,6 +306,19 @@ def test_topk_with_feedback_at_the_leaders_matches_float64(results: list[dict]) 
     for r, res in enumerate(results):
         assert res["host_keys"] == (["a.weight", "b.weight"] if r % PER_HOST == 0 else [])
         assert res["worker_residual_max"] == 0.0
+
+
+def test_the_leaders_residual_enters_scaled_by_the_feedback_beta(results: list[dict]) -> None:
+    """q_h = S_h / L + beta e_h (the module doc) with beta = 0.5, which
+    DiLoCo's ``residual_decay`` sets: unpipelined and in pieces, against the
+    float64 two-level algorithm (the ``plants5`` session planted beta
+    ignored at the leader: the residual added whole, every step after the
+    first off)."""
+    for name, chunk in (("topk_beta", 0), ("pipe_topk_beta", CHUNK)):
+        got = _identical(results, name)
+        for step, want_step in enumerate(_reference_topk(3, chunk=chunk, beta=BETA)):
+            for a, want in zip(got[step], want_step):
+                assert torch.allclose(a.double(), want, rtol=1e-5, atol=1e-5), (name, step)
 
 
 def test_pipelined_pieces_match_float64_on_every_rank(results: list[dict]) -> None:

@@ -124,3 +124,23 @@ def test_an_old_worker_residual_is_re_indexed_whatever_the_parameter_is_named(na
     torch.testing.assert_close(fixed[escape(name)].double(), _memory_order(r, p), rtol=0, atol=0)
     if name != "conv.weight":  # conv.weight is no parameter here: its partition residual is kept as it was
         assert torch.equal(fixed["conv.weight#0"], untouched)
+
+
+# ------------------------------------------------------------- resume checks
+@pytest.mark.parametrize("split", ["labels:k=2", "dirichlet:alpha=0.5"])
+def test_a_checkpoints_own_split_is_the_one_a_resume_must_match(tmp_path, split):
+    """``check_resume``: a setting added after a checkpoint format takes its
+    default (``split``: ``iid``) only where the checkpoint lacks it; a
+    checkpoint that records a split resumes with that split and refuses
+    another, ``iid`` included, naming both (the ``plants5`` session planted
+    the defaults over the checkpoint's values: every non-IID run's resume
+    refused, and its resume under ``iid`` accepted)."""
+    from gradpress import train
+
+    cfg = train.make_config({"workload": "digits-mlp", "out": str(tmp_path), "split": split})
+    state = {"format": checkpoint.FORMAT, "config": checkpoint.compat(cfg, 2)}
+    assert state["config"]["split"] == split
+    checkpoint.check_resume(state, cfg, 2)
+    iid = train.make_config({"workload": "digits-mlp", "out": str(tmp_path)})
+    with pytest.raises(ValueError, match=f"split: checkpoint has '{split}', this run has 'iid'"):
+        checkpoint.check_resume(state, iid, 2)

@@ -1,9 +1,11 @@
 """The planner: cost fits, per-tensor decisions from injected measurements,
-the plan table, bad input."""
+the plan table, bad input; when ``auto`` offers ``hierarchical``
+(exchange/plans.py), and the pieces' invariant (exchange/pieces.py)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -214,3 +216,56 @@ def test_a_strategy_with_the_documented_predict_signature_is_planned(monkeypatch
     costs = planner.option_costs(4_000_000, elem_size=2)
     assert costs["docstyle"] == (pytest.approx(4e-3), 1) and calls == [(4_000_000, 4, False)]
     assert planner.decide("big.weight", 4_000_000).strategy == "docstyle"
+
+
+@pytest.mark.parametrize("per, world, offered", [(2, 4, True), (4, 4, False), (1, 4, False), (3, 4, False),
+                                                 (2, 8, True), (8, 8, False), (4, 8, True)])
+def test_auto_offers_hierarchical_only_across_several_hosts(monkeypatch, per, world, offered):
+    """exchange/plans.py: ``auto`` adds ``hierarchical`` when every rank sees
+    the same L > 1 workers per host, L dividing the group into more than one
+    host (N / L > 1). One host (L = N) has no slow link to spare: not offered
+    (the ``plants5`` session planted ``N / L >= 1``). Checked with the layout
+    read from the environment, outside a process group (no collective)."""
+    from gradpress.exchange.plans import StrategyChoice
+
+    monkeypatch.setenv("GRADPRESS_WORKERS_PER_HOST", str(per))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    choice = StrategyChoice.__new__(StrategyChoice)
+    choice.world_size = world
+    want = per > 1 and world % per == 0 and world // per > 1
+    assert want is offered
+    assert choice._several_per_host() is offered
+
+
+def test_pieces_are_whole_rows_covering_each_tensor_in_order_at_their_flat_offsets():
+    """exchange/pieces.py's invariant: the pieces of a tensor are contiguous,
+    disjoint and cover it in order, each at most ``chunk`` entries of whole
+    rows (or one row where a row is larger), and a piece's ``offset`` indexes
+    the call's flat concatenation of its tensors: the entries there are the
+    piece's own (the ``plants5`` session planted an offset counted in rows)."""
+    from gradpress.exchange.pieces import cut
+
+    shapes = [(10, 7), (50,), (3, 4, 2), (2, 30), (4, 5), ()]
+    chunk = 20
+    tensors, start = [], 0
+    for s in shapes:
+        n = 1
+        for k in s:
+            n *= k
+        tensors.append(torch.arange(start, start + n, dtype=torch.float64).reshape(s))
+        start += n
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    pieces = cut(tensors, chunk)
+    for i, t in enumerate(tensors):
+        mine = [p for p in pieces if p.tensor == i]
+        assert [p.part for p in mine] == list(range(len(mine))) and all(p.parts == len(mine) for p in mine)
+        rows = t.shape[0] if t.dim() else 1
+        assert mine[0].row0 == 0 and mine[-1].row1 == rows
+        assert all(a.row1 == b.row0 for a, b in zip(mine, mine[1:]))
+        assert sum(p.numel for p in mine) == t.numel()
+        row_len = t.numel() // rows
+        for p in mine:
+            assert p.numel <= max(chunk, row_len) or len(mine) == 1
+            assert torch.equal(flat[p.offset : p.offset + p.numel], p.of(t).reshape(-1)), (i, p)
+    # (10, 7): 2 rows (14 entries) a piece; (50,): 20 a piece; (2, 30): one row each; (4, 5) fits
+    assert [sum(p.tensor == i for p in pieces) for i in range(len(shapes))] == [5, 3, 2, 2, 1, 1]
