@@ -246,8 +246,10 @@ def curve(runs: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {"steps": steps, "mean": [sum(v) / len(v) for v in vals], "bytes": nbytes,
                            "lo": None, "hi": None}
     if len(runs) > 1:
-        cis = [compare_stats.stat(v)["ci95"] for v in vals]
-        # a step where some seed's metric is not finite has no interval: no band there (NaN leaves a gap)
+        sts = [compare_stats.stat(v) for v in vals]
+        # a step where some seed's metric is not finite has no mean and no interval: no band there (NaN leaves
+        # a gap, as in the mean line); stat alone would give the interval of the other seeds
+        cis = [st["ci95"] if st["k"] == st["n"] else None for st in sts]
         out["lo"] = [math.nan if c is None else c[0] for c in cis]
         out["hi"] = [math.nan if c is None else c[1] for c in cis]
     return out

@@ -168,19 +168,19 @@ RANK_RULE = ("a configuration is ranked when it reached the target at every seed
 
 def rank(stats: Sequence[Mapping[str, Any]], seeds: int, lower_is_better: bool = True) -> list[dict[str, Any]]:
     """Per :func:`stat` (one per configuration) its ``rank`` by :data:`RANK_RULE`
-    (None when unranked, ``why`` says why), and ``not_separable_from``: the
+    (None when unranked, ``why`` says why: seeds that did not reach the target,
+    seeds whose run failed, or fewer than 2 seeds), and ``not_separable_from``: the
     indices of the other ranked ones whose interval overlaps its own. ``seeds``:
     how many seeds every configuration ran (a run that failed lowers ``n``)."""
     ranked = {}
     out: list[dict[str, Any]] = []
     for i, st in enumerate(stats):
-        missed = seeds - st["k"]
-        why = None
-        if missed > 0:
-            why = f"not reached at {missed} of {seeds} seeds"
-        elif st["ci95"] is None:
+        missed, failed = st["n"] - st["k"], seeds - st["n"]  # a failed run has no row: it lowers n
+        why = "; ".join([f"not reached at {missed} of {seeds} seeds"] * (missed > 0)
+                        + [f"failed at {failed} of {seeds} seeds"] * (failed > 0)) or None
+        if why is None and st["ci95"] is None:
             why = "needs 2 seeds"
-        else:
+        elif why is None:
             ranked[i] = st["ci95"]
         out.append({"rank": None, "not_separable_from": [], "why": why})
     for i, (lo, hi) in ranked.items():

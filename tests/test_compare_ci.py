@@ -217,3 +217,30 @@ def test_a_welch_difference_without_spread_is_a_point_and_stays_strict_json():
     d = compare_stats.difference({0: 0.9, 1: 0.9, 2: 0.9}, {0: 0.8, 1: 0.8})
     assert d["kind"] == "welch" and d["ci95"] == pytest.approx([0.1, 0.1], abs=1e-15)
     json.dumps(d, allow_nan=False)  # compare-stats.json: no Infinity for the degrees of freedom
+
+
+def test_a_failed_run_leaves_its_configuration_unranked_and_the_note_says_it_failed():
+    # topk's seed-1 run failed (not in the result): 2 finished runs of 3 seeds, both reached the target; it is
+    # unranked (not every seed reached it), and the note says the seed failed, not that it missed the target
+    runs = [_summary("none", s, 0.9, 100.0 + 10 * s) for s in (0, 1, 2)]
+    runs += [_summary("topk:ratio=0.1", s, 0.9, 50.0 + 10 * s) for s in (0, 2)]
+    groups = compare_report.aggregate(compare.annotate(runs, 0.5), seeds=3)
+    topk = next(g for g in groups if g["compressor"] == "topk:ratio=0.1")
+    assert topk["rank"] is None and topk["rank_note"] == "failed at 1 of 3 seeds"
+    assert groups[0]["rank"] == 1
+    # a failed seed and a missed one: both counted, each by name
+    runs = [_summary("none", s, 0.9, 100.0 + 10 * s) for s in (0, 1, 2, 3)]
+    runs += [_summary("topk:ratio=0.1", s, 0.9 if s else 0.1, 50.0) for s in (0, 1, 2)]
+    groups = compare_report.aggregate(compare.annotate(runs, 0.5), seeds=4)
+    assert groups[1]["rank"] is None and groups[1]["rank_note"] == "not reached at 1 of 4 seeds; failed at 1 of 4 seeds"
+
+
+def test_the_plot_has_no_band_where_some_seed_is_not_finite():
+    runs = [_summary("none", s, FINALS[("none", s)]) for s in (0, 1, 2)]
+    for i, r in enumerate(runs):  # step 20: the third seed's metric is NaN
+        r["history"].append({"step": 20, "bytes_total": 2000.0, "metric": math.nan if i == 2 else 0.5 + 0.1 * i,
+                             "loss": 1.0})
+    curve = compare.curve(runs)
+    assert math.isnan(curve["mean"][1])  # the mean line has a gap there
+    assert math.isnan(curve["lo"][1]) and math.isnan(curve["hi"][1])  # and so has the band
+    assert (curve["lo"][0], curve["hi"][0]) == pytest.approx(ci_ref([FINALS[("none", s)] for s in (0, 1, 2)]))
