@@ -51,16 +51,6 @@ def aggregate(result: list[dict[str, Any]], seeds: int | None = None) -> list[di
     return groups
 
 
-def _diff_cell(d: dict[str, Any]) -> str:
-    """The interval of the difference to the reference, saying how it was formed."""
-    if d["ci95"] is None:
-        return "-"
-    cell = compare_stats.fmt_interval(d["ci95"], lambda v: f"{v:+.4f}")
-    if d["kind"] == "paired":
-        return f"{cell} paired by seed ({d['n']})"
-    return f"{cell} Welch ({d['n_a']} vs {d['n_b']} seeds)"
-
-
 def aggregate_table(groups: list[dict[str, Any]], metric: str, reference: str, per_method_lr: bool) -> str:
     """The Markdown table of :func:`aggregate`'s groups, in rank order (unranked last, in input order)."""
     head = ["algorithm", "compressor"] + (["lr"] if per_method_lr else []) + [
@@ -79,7 +69,7 @@ def aggregate_table(groups: list[dict[str, Any]], metric: str, reference: str, p
             compare_stats.fmt(g["final_metric"], missing="-"),
             compare_stats.fmt_interval(g["final_metric"]["ci95"]),
             compare_stats.fmt(g["delta_vs_reference"], lambda v: f"{v:+.4f}", missing="-"),
-            "reference" if g["label"] == reference else _diff_cell(g["vs_reference"]),
+            "reference" if g["label"] == reference else compare_stats.fmt_difference(g["vs_reference"]),
             compare._fmt_bytes(g["bytes_per_step"]["mean"]),
             f"{g['compression_ratio']:.1f}x",
             compare_stats.fmt(g["median_step_s"], lambda v: f"{v * 1e3:.1f}", missing="-"),

@@ -29,7 +29,8 @@ from typing import Any
 from gradpress.train.config import SEED_MAX  # the largest seed, train's rule
 
 __all__ = ["parse_seeds", "parse_lr_grid", "stat", "fmt", "group", "best_lr", "BEST_LR_RULE", "MAX_SEEDS",
-           "t_quantile", "interval", "difference", "rank", "fmt_interval", "RANK_RULE"]
+           "t_quantile", "interval", "difference", "rank", "fmt_interval", "fmt_difference", "RANK_RULE",
+           "rank_rule"]
 
 #: the most seeds one ``--seeds`` may ask for (a count is expanded to a list up front: a typo such as
 #: ``--seeds 99999999999`` must be refused, not allocated)
@@ -160,10 +161,17 @@ def difference(a: Mapping[Any, float | None], b: Mapping[Any, float | None]) -> 
     return out
 
 
-RANK_RULE = ("a configuration is ranked when it reached the target at every seed (at least 2); its rank is 1 + "
-             "the number of ranked configurations whose whole 95% interval of the mean bytes to target lies "
-             "below its own (fewer bytes); configurations whose intervals overlap are not separable: they may "
-             "share a rank and each names the others")
+def rank_rule(figure: str = "bytes to target", less: str = "fewer bytes") -> str:
+    """:func:`rank`'s rule in words, for the quantity ranked (``figure``) and
+    which way is better (``less``): ``gradpress compare`` ranks by bytes to
+    target, ``gradpress bench e2e --seeds`` by wall-clock time to target."""
+    return ("a configuration is ranked when it reached the target at every seed (at least 2); its rank is 1 + "
+            f"the number of ranked configurations whose whole 95% interval of the mean {figure} lies "
+            f"below its own ({less}); configurations whose intervals overlap are not separable: they may "
+            "share a rank and each names the others")
+
+
+RANK_RULE = rank_rule()
 
 
 def rank(stats: Sequence[Mapping[str, Any]], seeds: int, lower_is_better: bool = True) -> list[dict[str, Any]]:
@@ -193,6 +201,17 @@ def rank(stats: Sequence[Mapping[str, Any]], seeds: int, lower_is_better: bool =
 def fmt_interval(ci: Sequence[float] | None, f: Callable[[float], str] = lambda v: f"{v:.4f}") -> str:
     """``[lo, hi]`` for a table, ``-`` without an interval."""
     return "-" if ci is None else f"[{f(ci[0])}, {f(ci[1])}]"
+
+
+def fmt_difference(d: Mapping[str, Any], f: Callable[[float], str] = lambda v: f"{v:+.4f}") -> str:
+    """A :func:`difference` for a table: its interval and how it was formed
+    (``paired by seed (n)`` or ``Welch (n_a vs n_b seeds)``), ``-`` without one."""
+    if d["ci95"] is None:
+        return "-"
+    cell = fmt_interval(d["ci95"], f)
+    if d["kind"] == "paired":
+        return f"{cell} paired by seed ({d['n']})"
+    return f"{cell} Welch ({d['n_a']} vs {d['n_b']} seeds)"
 
 
 def fmt(st: Mapping[str, Any], f: Callable[[float], str] = lambda v: f"{v:.4f}", missing: str = "not reached") -> str:

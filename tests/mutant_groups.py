@@ -232,7 +232,8 @@ GROUPS: dict[str, tuple[list[str], list[str], int]] = {
                         "seeds_aggregate_time_to_target_and_count_misses",
                         "payload_cell_names_the_bytes_that_stay_inside_a_host",
                         "the_target_line_says_which_way_the_metric_reaches_it")]
-                    + ["tests/test_bench_e2e_overlap.py::test_bound_is_max_of_compute_plus_compression_and_wire"]
+                    + ["tests/test_bench_e2e_overlap.py::test_bound_is_max_of_compute_plus_compression_and_wire",
+                       "tests/test_bench_e2e_ci.py"]
                     + [f"tests/test_bench_compressors.py::test_{t}" for t in (
                         "small_run_writes_every_field_and_declared_wire_sizes", "matrix_methods_run_on_a_matrix_view",
                         "variants_put_kit_and_hand_written_side_by_side",
@@ -340,7 +341,8 @@ FOCUS: dict[str, dict[str, list[str]]] = {
     "benchreport": {  # the tables' figures (not plot: drawing; not run_seeds: it runs the benchmark on a cluster)
         "gradpress/bench/e2e_report.py": ["reach_sign", "_payload", "human_bytes", "lr_text", "_f", "markdown",
                                           "_background_table"],
-        "gradpress/bench/e2e_seeds.py": ["_reached", "combine", "markdown"],
+        "gradpress/bench/e2e_seeds.py": ["_reached", "combine", "_rank_note", "_order", "table", "markdown", "bars",
+                                         "caption"],
     },
     "benchpure": {  # the arguments, the figures and the command lines (not plan's _worker/measure_costs: a group
         # of workers; not strategies' run/_worker/_run_pair: they spawn the workers); data.py, compressors_sweep.py,

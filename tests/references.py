@@ -9,6 +9,11 @@ every number; ties go to the lower index (gradpress's own rule,
 tie at the k-th magnitude (continuous random data) does not depend on the
 tie rule; the tests that need it (ties, NaN) say so where they call these.
 
+Statistics over seeds (``gradpress compare --seeds``, ``gradpress bench e2e
+--seeds``): :func:`t_ref`, Student's t quantile by Newton's method on the
+CDF (itself Simpson's rule on the density), and :func:`ci_ref`, the 95%
+interval of a mean, mean ± t(0.975, n-1) s / sqrt(n).
+
 The selection is two stable sorts of the float64 magnitudes (not
 ``torch.topk``, whose tie order and unsorted output depend on its kernel).
 """
@@ -19,7 +24,7 @@ import math
 
 import torch
 
-__all__ = ["kept", "topk", "topk_dense", "topk_indices", "topk_support"]
+__all__ = ["kept", "topk", "topk_dense", "topk_indices", "topk_support", "t_ref", "ci_ref", "mean_sd"]
 
 
 def kept(d: int, ratio: float) -> int:
@@ -68,3 +73,41 @@ def error_feedback_topk_mean(residuals: list[dict[str, torch.Tensor]], grads: li
     for e, p, s in zip(residuals, ps, sent):
         e[name] = p - s
     return sum(sent) / len(sent)
+
+
+# ----------------------------------------------------------------------------- statistics over seeds
+
+
+def _density(x: float, df: float) -> float:
+    c = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
+    return math.exp(c - (df + 1) / 2 * math.log1p(x * x / df))
+
+
+def _cdf(x: float, df: float, n: int = 4000) -> float:
+    """P(T <= x), x >= 0: 1/2 + the density's integral from 0 to x (composite Simpson, n intervals)."""
+    h = x / n
+    inner = math.fsum((4 if i % 2 else 2) * _density(i * h, df) for i in range(1, n))
+    return 0.5 + h / 3 * (_density(0.0, df) + inner + _density(x, df))
+
+
+def t_ref(p: float, df: float) -> float:
+    """The p quantile (p > 1/2) of Student's t with df degrees of freedom, by Newton's method on the CDF."""
+    x = 2.0
+    for _ in range(60):
+        step = (_cdf(x, df) - p) / _density(x, df)
+        x = max(x - step, x / 4)
+        if abs(step) < 1e-13 * x:
+            break
+    return x
+
+
+def mean_sd(v: list[float]) -> tuple[float, float]:
+    m = math.fsum(v) / len(v)
+    return m, math.sqrt(math.fsum((x - m) ** 2 for x in v) / (len(v) - 1))
+
+
+def ci_ref(v: list[float]) -> tuple[float, float]:
+    """The 95% interval of the mean of ``v``: mean ± t(0.975, n-1) s / sqrt(n)."""
+    m, s = mean_sd(v)
+    half = t_ref(0.975, len(v) - 1) * s / math.sqrt(len(v))
+    return m - half, m + half

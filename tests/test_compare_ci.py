@@ -13,47 +13,13 @@ import json
 import math
 
 import pytest
+from references import ci_ref, mean_sd, t_ref
 
 from gradpress import compare, compare_report, compare_stats, train
 from gradpress.cli import main as cli
 
 FINALS = {("none", 0): 0.80, ("none", 1): 0.90, ("none", 2): 0.70,
           ("topk:ratio=0.1", 0): 0.75, ("topk:ratio=0.1", 1): 0.95, ("topk:ratio=0.1", 2): 0.60}
-
-
-def _density(x: float, df: float) -> float:
-    c = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
-    return math.exp(c - (df + 1) / 2 * math.log1p(x * x / df))
-
-
-def _cdf(x: float, df: float, n: int = 4000) -> float:
-    """P(T <= x), x >= 0: 1/2 + the density's integral from 0 to x (composite Simpson, n intervals)."""
-    h = x / n
-    inner = math.fsum((4 if i % 2 else 2) * _density(i * h, df) for i in range(1, n))
-    return 0.5 + h / 3 * (_density(0.0, df) + inner + _density(x, df))
-
-
-def t_ref(p: float, df: float) -> float:
-    """The p quantile (p > 1/2) of Student's t with df degrees of freedom, by Newton's method on the CDF."""
-    x = 2.0
-    for _ in range(60):
-        step = (_cdf(x, df) - p) / _density(x, df)
-        x = max(x - step, x / 4)
-        if abs(step) < 1e-13 * x:
-            break
-    return x
-
-
-def _mean_sd(v: list[float]) -> tuple[float, float]:
-    m = math.fsum(v) / len(v)
-    return m, math.sqrt(math.fsum((x - m) ** 2 for x in v) / (len(v) - 1))
-
-
-def ci_ref(v: list[float]) -> tuple[float, float]:
-    """The 95% interval of the mean of ``v``: mean ± t(0.975, n-1) s / sqrt(n)."""
-    m, s = _mean_sd(v)
-    half = t_ref(0.975, len(v) - 1) * s / math.sqrt(len(v))
-    return m - half, m + half
 
 
 def _summary(compressor: str, seed: int, final: float, bytes_total: float = 1000.0) -> dict:
@@ -118,7 +84,7 @@ def test_the_difference_is_welch_when_the_reference_lacks_a_seed():
     runs += [_summary("topk:ratio=0.1", s, FINALS[("topk:ratio=0.1", s)]) for s in (0, 1, 2)]
     a = [FINALS[("topk:ratio=0.1", s)] for s in (0, 1, 2)]
     b = [FINALS[("none", s)] for s in (0, 1)]
-    (ma, sa), (mb, sb) = _mean_sd(a), _mean_sd(b)
+    (ma, sa), (mb, sb) = mean_sd(a), mean_sd(b)
     va, vb = sa * sa / 3, sb * sb / 2
     df = (va + vb) ** 2 / (va * va / 2 + vb * vb / 1)  # Welch-Satterthwaite
     half = t_ref(0.975, df) * math.sqrt(va + vb)

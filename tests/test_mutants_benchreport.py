@@ -20,6 +20,7 @@ import math
 from types import SimpleNamespace
 
 import pytest
+from references import ci_ref, mean_sd, t_ref
 
 from gradpress.bench.e2e_configs import RunConfig
 
@@ -286,15 +287,33 @@ def test_seeds_table_is_mean_std_min_max_over_the_seeds_by_hand():
     md = markdown(res)
     assert "Seeds: 3, 5, 8, 13." in md and "# gradpress bench e2e (train, 4 seeds)" in md
     assert "Target: accuracy >= 0.9 (evaluated every 5 steps;" in md
+    # the row format (columns) as of the intervals and the rank (bench e2e --seeds): time, its 95% interval,
+    # the interval of the time difference to DDP, rank, not separable, steps, best, final, its interval, speed-up
     sd = _sample_std([10.0, 12.0, 14.0, 16.0])
-    assert (f"| torch ddp | 13.00 ± {sd:.2f} [10.00, 16.00] | 130 ± {10 * sd:.0f} [100, 160] "
+    lo, hi = ci_ref([10.0, 12.0, 14.0, 16.0])
+    finals = [0.94, 0.92, 0.90, 0.89]
+    flo, fhi = ci_ref(finals)
+    assert (f"| torch ddp | 13.00 ± {sd:.2f} [10.00, 16.00] | [{lo:.2f}, {hi:.2f}] | reference | 1 | - "
+            f"| 130 ± {10 * sd:.0f} [100, 160] "
             f"| {(0.95 + 0.93 + 0.91 + 0.90) / 4:.4f} ± {_sample_std([0.95, 0.93, 0.91, 0.90]):.4f} [0.9000, 0.9500] "
+            f"| {math.fsum(finals) / 4:.4f} ± {_sample_std(finals):.4f} [0.8900, 0.9400] | [{flo:.4f}, {fhi:.4f}] "
             "| 1.00x ± 0.00x [1.00x, 1.00x] | 2.00 KB |") in md
     bm = _sample_std([0.93, 0.90, 0.85])
+    lo, hi = ci_ref([4.0, 5.0])
+    (ma, sa), (mb, sb) = mean_sd([4.0, 5.0]), mean_sd([10.0, 12.0, 14.0, 16.0])  # Welch: 2 times against 4
+    va, vb = sa * sa / 2, sb * sb / 4
+    half = t_ref(0.975, (va + vb) ** 2 / (va * va / 1 + vb * vb / 3)) * math.sqrt(va + vb)
+    finals = [0.92, 0.89, 0.84]
+    flo, fhi = ci_ref(finals)
     assert (f"| gradpress topk (1 of 4 failed) | 4.50 ± {_sample_std([4.0, 5.0]):.2f} [4.00, 5.00]; not reached "
-            f"(2 of 4) | 45 ± {_sample_std([40.0, 50.0]):.0f} [40, 50]; not reached (2 of 4) "
+            f"(2 of 4) | [{lo:.2f}, {hi:.2f}] | [{ma - mb - half:+.2f}, {ma - mb + half:+.2f}] Welch (2 vs 4 seeds) "
+            "| - (failed at 1 of 4 seeds, not reached at 1) | - "
+            f"| 45 ± {_sample_std([40.0, 50.0]):.0f} [40, 50]; not reached (2 of 4) "
             f"| {(0.93 + 0.90 + 0.85) / 3:.4f} ± {bm:.4f} [0.8500, 0.9300]; - (1 of 4) "
+            f"| {math.fsum(finals) / 3:.4f} ± {_sample_std(finals):.4f} [0.8400, 0.9200]; - (1 of 4) "
+            f"| [{flo:.4f}, {fhi:.4f}] "
             f"| 2.45x ± {_sample_std([2.5, 2.4]):.2f}x [2.40x, 2.50x]; - (2 of 4) | 2.00 KB |") in md
+    assert "Unranked: 1 of 2 configurations" in md
     assert md.endswith("Notes:\n\n- n3\n")
     # the total time is the sum of the seeds' times; a result without a clock adds nothing (never less)
     del results[1]["seconds"]
