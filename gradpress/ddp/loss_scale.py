@@ -197,6 +197,9 @@ class LossScale:
         engine.guard.keep_on_propagate = self.scaler is not None  # an overflowed step leaves no trace
         if self.scaler is None:
             engine.output_scale = 1.0  # none attached (or detached): scale-free averages stay as decoded
+            if self.kept is not None:  # a loaded state kept in a loss scale, resumed without one: back to 1
+                engine.rescale(1.0 / self.kept)
+                self.kept = None
             return
         if step == self._read_at:
             return
@@ -210,5 +213,9 @@ class LossScale:
         engine.output_scale = new
 
     def restore(self, kept: float | None) -> None:
-        """The scale of a loaded state; the next step reads the scaler again."""
+        """The scale of a loaded state; the next step reads the scaler again, or, when none is attached
+        then, brings the state back to scale 1 (a run resumed without loss scaling). A state kept in no
+        scale (None) loaded under a scaler is taken as kept in the first scale read: a state of a run that
+        scaled its loss without telling the hook (before the integrations attached the framework's scaler)
+        holds scaled residuals, and cannot be told from one of a run without loss scaling."""
         self.kept, self._read_at = kept, None

@@ -1,0 +1,89 @@
+"""A hook state kept in a loss scale, resumed without a scaler (fp16 AMP, then bf16 or fp32).
+
+The state dict records the scale its residuals are kept in (``loss_scale``). Resumed by a hook with no scaler,
+they must be brought back to scale 1 before they are fed back: the float64 reference is the run that never
+scaled (error-feedback top-k by its definition). Before the fix the residual was fed back 2**10 times too large.
+One process (a one-rank gloo group): the average of one rank is its own decoded message.
+"""
+
+from __future__ import annotations
+
+import io
+
+import torch
+import torch.nn as nn
+from distributed import one_rank_module
+from references import topk
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradpress
+
+group = one_rank_module  # the module's fixture
+SHAPE = (8, 16)
+RATIO = 0.125
+SCALE = 2.0 ** 10
+
+
+class _Scripted:
+    """A scaler's reading side at a fixed scale."""
+
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+
+    def get_scale(self) -> float:
+        return self.scale
+
+
+class _Probe(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(SHAPE, dtype=torch.float64))
+
+    def forward(self, g: torch.Tensor) -> torch.Tensor:
+        return (self.w * g).sum()
+
+
+def _grad(step: int) -> torch.Tensor:
+    return torch.randn(SHAPE, generator=torch.Generator().manual_seed(7 + step), dtype=torch.float64)
+
+
+def _reference(steps: int) -> list[torch.Tensor]:
+    """Error-feedback top-k, unscaled: p = g + e, send the top-k of p, e = p - sent."""
+    e = torch.zeros(SHAPE, dtype=torch.float64)
+    out = []
+    for step in range(steps):
+        p = _grad(step) + e
+        sent = topk(p, RATIO)
+        e = p - sent
+        out.append(sent)
+    return out
+
+
+def test_a_state_kept_in_a_loss_scale_resumes_without_a_scaler_at_scale_one(group) -> None:  # noqa: ANN001
+    spec = f"topk:ratio={RATIO}"
+    model = _Probe()
+    ddp = DDP(model)
+    hook = gradpress.ddp.register(ddp, spec, min_numel=1, scaler=_Scripted(SCALE))
+    got = []
+    for step in range(2):  # under the scale: the hook gets the scaled gradient
+        model.zero_grad(set_to_none=True)
+        ddp(_grad(step) * SCALE).backward()
+        got.append(model.w.grad / SCALE)
+    buf = io.BytesIO()
+    torch.save(hook.state_dict(), buf)
+    hook.close()
+    assert hook.loss_scale == SCALE
+
+    model2 = _Probe()
+    ddp2 = DDP(model2)
+    resumed = gradpress.ddp.register(ddp2, spec, min_numel=1)  # bf16 / fp32 from here on: no scaler
+    resumed.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=True))
+    for step in range(2, 4):
+        model2.zero_grad(set_to_none=True)
+        ddp2(_grad(step)).backward()
+        got.append(model2.w.grad.clone())
+    assert resumed.loss_scale is None
+    resumed.close()
+    for step, (g, want) in enumerate(zip(got, _reference(4))):
+        assert torch.allclose(g, want, rtol=1e-12, atol=1e-12), (
+            f"step {step}: differs from the unscaled float64 definition by {float((g - want).abs().max()):.3g}")
