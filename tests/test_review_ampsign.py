@@ -100,6 +100,18 @@ def _refusal() -> str:
         return str(exc)
 
 
+def _late_refusal() -> dict:
+    """``make_hook(spec)`` unbound, a scaler attached, then ``bind``: refused there, and the hook stays unbound
+    (it was left bound to the refused engine)."""
+    state, _ = gradpress.ddp.make_hook("signsgd", error_feedback=True, min_numel=MIN_NUMEL)
+    state.attach_scaler(torch.amp.GradScaler("cpu", init_scale=INIT_SCALE))
+    try:
+        state.bind(DDP(_Probe(torch.float32)))
+        return {"message": "accepted", "bound": state.bound}
+    except ValueError as exc:
+        return {"message": str(exc), "bound": state.bound}
+
+
 def _state_run(rank: int, spec: str, scaled: bool = True) -> list[torch.Tensor]:
     """float64 averages of ``w.grad`` per step (``nonfinite='propagate'``), no optimizer (G is fixed); with a
     scaler attached at scale 1 (never updated) when ``scaled``: what makes the hook keep the state of an
@@ -123,6 +135,7 @@ def _workers(rank: int, world: int) -> dict:
         out["state"] = {spec: _state_run(rank, spec) for spec in STATE_SPECS}
         out["sign"] = {spec: (_sign_run(rank, spec, True), _sign_run(rank, spec, False)) for spec in SIGN_SPECS}
         out["refusal"] = _refusal()
+        out["late_refusal"] = _late_refusal()
     return out
 
 
@@ -283,3 +296,13 @@ def test_without_a_scaler_an_overflowed_step_takes_no_state_copy(results: list[d
     for step in range(OVERFLOW):
         assert torch.allclose(got[step], ref[step], rtol=1e-9, atol=1e-12 * float(ref[step].abs().max())), step
     assert not torch.allclose(got[OVERFLOW + 1], ref[OVERFLOW + 1], rtol=1e-6, atol=1e-9)
+
+
+def test_a_bind_refused_for_a_scale_free_compressor_with_feedback_leaves_the_hook_unbound(
+        results: list[dict]) -> None:
+    if not HAS_CPU_SCALER:
+        pytest.skip("this torch has no torch.amp.GradScaler for CPU")
+    for res in results:
+        late = res["late_refusal"]
+        assert all(word in late["message"] for word in ("scaler", "error_feedback", "signsgd")), late
+        assert late["bound"] is False, late

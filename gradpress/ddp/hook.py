@@ -154,10 +154,10 @@ class GradpressHook:
         self._watch.start(None if is_ddp or self._used is not None else [p for _, p in named], self._step)
 
     def _bind_named(self, named: Sequence[tuple[str, torch.nn.Parameter]]) -> None:
-        self._engine = self._build(named, self._scale.scaler is not None)  # the ranks agree on the scaler too
-        self._names, self._by_name = {id(p): n for n, p in named}, dict(named)
+        engine = self._build(named, self._scale.scaler is not None)  # the ranks agree on the scaler too
         if self._scale.scaler is not None:
-            check_engine(self._engine)
+            check_engine(engine)  # refused: the hook stays unbound
+        self._engine, self._names, self._by_name = engine, {id(p): n for n, p in named}, dict(named)
         self._check_scaler = True  # an attach_scaler from now to the first step: checked at that step
         pending, self._pending_state = self._pending_state, None
         if pending is not None:
