@@ -21,6 +21,7 @@ The selection is two stable sorts of the float64 magnitudes (not
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -74,6 +75,29 @@ def error_feedback_topk_mean(residuals: list[dict[str, torch.Tensor]], grads: li
         e[name] = p - s
     return sum(sent) / len(sent)
 
+
+
+def error_feedback_topk_run(grad: Callable[[int, int], torch.Tensor], world: int, steps: int,
+                            ratio: float) -> list[torch.Tensor | None]:
+    """Top-k with error feedback by its definition, in float64, over ``steps`` steps of ``world`` ranks
+    (``grad(rank, step)``): per step the mean over ranks of what each sends (``p = e + g``, send
+    ``topk(p)``, ``e <- p - topk(p)``); None at a step where some rank's gradient is not finite, which
+    leaves every residual as it was (a NaN/Inf step skipped, as by a loss scaler)."""
+    residuals: list[torch.Tensor | None] = [None] * world
+    out: list[torch.Tensor | None] = []
+    for step in range(steps):
+        gs = [grad(r, step).double() for r in range(world)]
+        if not all(bool(torch.isfinite(g).all()) for g in gs):
+            out.append(None)
+            continue
+        sent = []
+        for r in range(world):
+            p = gs[r] if residuals[r] is None else residuals[r] + gs[r]
+            s = topk(p, ratio)
+            residuals[r] = p - s
+            sent.append(s)
+        out.append(sum(sent) / world)
+    return out
 
 # ----------------------------------------------------------------------------- statistics over seeds
 

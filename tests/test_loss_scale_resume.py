@@ -13,7 +13,7 @@ import io
 import torch
 import torch.nn as nn
 from distributed import one_rank_module
-from references import topk
+from references import error_feedback_topk_run
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradpress
@@ -47,16 +47,9 @@ def _grad(step: int) -> torch.Tensor:
     return torch.randn(SHAPE, generator=torch.Generator().manual_seed(7 + step), dtype=torch.float64)
 
 
-def _reference(steps: int) -> list[torch.Tensor]:
-    """Error-feedback top-k, unscaled: p = g + e, send the top-k of p, e = p - sent."""
-    e = torch.zeros(SHAPE, dtype=torch.float64)
-    out = []
-    for step in range(steps):
-        p = _grad(step) + e
-        sent = topk(p, RATIO)
-        e = p - sent
-        out.append(sent)
-    return out
+def _reference(steps: int) -> list[torch.Tensor | None]:
+    """Error-feedback top-k, unscaled, one rank."""
+    return error_feedback_topk_run(lambda rank, step: _grad(step), 1, steps, RATIO)
 
 
 def test_a_state_kept_in_a_loss_scale_resumes_without_a_scaler_at_scale_one(group) -> None:  # noqa: ANN001

@@ -31,7 +31,7 @@ import pytest
 import torch
 import torch.nn as nn
 from distributed import run_workers
-from references import topk
+from references import error_feedback_topk_run
 
 SHAPE = (16, 32)
 MIN_NUMEL = 64
@@ -212,21 +212,7 @@ def results() -> list[dict]:
 def _reference(world: int) -> list[torch.Tensor | None]:
     """Error-feedback top-k by the definition, in float64, without any loss scale (None at the overflow step,
     which leaves every residual as it was)."""
-    residuals = [torch.zeros(SHAPE, dtype=torch.float64) for _ in range(world)]
-    out: list[torch.Tensor | None] = []
-    for step in range(STEPS):
-        gs = [_grad(r, step).double() for r in range(world)]
-        if not all(bool(torch.isfinite(g).all()) for g in gs):
-            out.append(None)
-            continue
-        sent = []
-        for r in range(world):
-            p = residuals[r] + gs[r]
-            s = topk(p, RATIO)
-            residuals[r] = p - s
-            sent.append(s)
-        out.append(sum(sent) / world)
-    return out
+    return error_feedback_topk_run(_grad, world, STEPS, RATIO)
 
 
 def _check_follows(run: dict, rank: int, what: str) -> None:
