@@ -66,9 +66,10 @@ GROUPS: dict[str, tuple[list[str], list[str], int]] = {
              ["tests/test_mutants_buckets.py", "tests/test_plants_ddp.py", "tests/test_ddp.py", "tests/test_ddp_models.py",
               "tests/test_ddp_unused_warning.py", "tests/test_unused_edges.py", "tests/test_review_ampscale.py"], 12),
     "guards": ([f"gradpress/exchange/{m}.py" for m in ("agree", "nonfinite", "state", "background")],
-               ["tests/test_exchange_hardening.py", "tests/test_config_fields.py", "tests/test_mutants_engine.py",
-                "tests/test_comprex_parts.py",
-                "tests/test_robustness.py::test_nonfinite_skip_drops_the_step_on_every_rank"], 8),
+               ["tests/test_mutants_guards.py", "tests/test_exchange_hardening.py", "tests/test_config_fields.py",
+                "tests/test_mutants_engine.py", "tests/test_comprex_parts.py",
+                "tests/test_robustness.py::test_nonfinite_skip_drops_the_step_on_every_rank",
+                "tests/test_review_ampsign.py", "tests/test_review_ampscale.py"], 8),
     "decode": ([f"gradpress/compress/{m}.py" for m in ("packet", "base", "signs", "signsgd", "signum", "halfprec",
                                                       "efsignsgd", "natural", "minmax8", "qsgd", "onebit", "terngrad",
                                                       "bits")]
