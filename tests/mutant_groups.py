@@ -66,9 +66,10 @@ GROUPS: dict[str, tuple[list[str], list[str], int]] = {
              ["tests/test_mutants_buckets.py", "tests/test_plants_ddp.py", "tests/test_ddp.py", "tests/test_ddp_models.py",
               "tests/test_ddp_unused_warning.py", "tests/test_unused_edges.py", "tests/test_review_ampscale.py"], 12),
     "guards": ([f"gradpress/exchange/{m}.py" for m in ("agree", "nonfinite", "state", "background")],
-               ["tests/test_exchange_hardening.py", "tests/test_config_fields.py", "tests/test_mutants_engine.py",
-                "tests/test_comprex_parts.py",
-                "tests/test_robustness.py::test_nonfinite_skip_drops_the_step_on_every_rank"], 8),
+               ["tests/test_mutants_guards.py", "tests/test_exchange_hardening.py", "tests/test_config_fields.py",
+                "tests/test_mutants_engine.py", "tests/test_comprex_parts.py",
+                "tests/test_robustness.py::test_nonfinite_skip_drops_the_step_on_every_rank",
+                "tests/test_review_ampsign.py", "tests/test_review_ampscale.py"], 8),
     "decode": ([f"gradpress/compress/{m}.py" for m in ("packet", "base", "signs", "signsgd", "signum", "halfprec",
                                                       "efsignsgd", "natural", "minmax8", "qsgd", "onebit", "terngrad",
                                                       "bits")]
@@ -272,15 +273,19 @@ GROUPS: dict[str, tuple[list[str], list[str], int]] = {
                "tests/test_cluster.py::test_workers_per_node_numbers_ranks_host_by_host",
                "tests/test_train_hardening.py::test_nproc_above_the_cap_is_refused_before_any_worker"], 20),
     "compat": (["gradpress/torch_compat.py", "gradpress/train/cli.py", "gradpress/cli.py", "gradpress/workloads/__init__.py",
-                "gradpress/cluster/selftest.py", "gradpress/compress/kit/__init__.py"],
-               ["tests/test_mutants_compat.py", "tests/test_torch_compat.py", "tests/test_cli_strategies.py",
+                "gradpress/cluster/selftest.py", "gradpress/compress/kit/__init__.py", "gradpress/compress/plugins.py"],
+               ["tests/test_mutants_compat.py", "tests/test_mutants_plugins.py", "tests/test_torch_compat.py", "tests/test_cli_strategies.py",
                 "tests/test_train.py::test_bad_arguments_exit_2"]
                + [f"tests/test_workloads.py::test_{t}" for t in (
                    "names_and_unknown", "budget_note_names_the_epochs_that_reach_the_tuned_schedule",
                    "train_prints_the_budget_note")]
                + [f"tests/test_kit_streams.py::test_pack_and_unpack_match_the_python_integer_stream[{b}-off]"
                   for b in (3, 12)]
-               + ["tests/test_kit_declarations.py::test_kit_pack_checks_its_codes_under_kit_check"], 25),
+               + ["tests/test_kit_declarations.py::test_kit_pack_checks_its_codes_under_kit_check"]
+               + [f"tests/test_plugins.py::test_{t}" for t in (  # in process; the two launches are not run here
+                   "compressors_and_algorithms_list_a_plugin", "the_environment_variable_loads_a_plugin_at_the_first_lookup",
+                   "bench_compressors_measures_a_plugin", "a_plugin_that_cannot_be_loaded_is_refused_before_anything_runs",
+                   "an_unknown_name_points_at_plugins")], 25),
 }
 #: where a group draws only from some functions of a module (its qualified names: ``Class.method``):
 #: module -> functions; a module a group lists without an entry here is drawn from whole

@@ -44,6 +44,19 @@ def test_composed_traits_come_from_the_stages(spec: str) -> None:
     assert got == want
 
 
+@pytest.mark.parametrize("spec", ["topk:ratio=0.1>natural", "dgc>natural", "threshold>qsgd"])
+def test_composed_state_layout_is_the_first_stages(spec: str) -> None:
+    """The state_dict entries a layout upgrade re-indexes (``element_state``, ``matrix_state``) are the
+    first stage's (its state_dict is the first stage's), tuples of names: a plain method would not be one,
+    and loading an old hook state would iterate it (TypeError)."""
+    comp, first = create(spec), create(spec.split(">")[0])
+    for name in ("element_state", "matrix_state"):
+        got = getattr(comp, name)
+        assert type(got) is tuple and got == getattr(first, name), (name, got)
+    if spec.startswith("dgc"):
+        assert comp.element_state == ("momentums", "velocities")
+
+
 def test_composed_error_memory_is_the_sparsifiers() -> None:
     assert create("topk:ratio=0.1>natural").own_error_memory is False
     assert create("dgc>natural").own_error_memory is True  # DGC keeps its own residual
