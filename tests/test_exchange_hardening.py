@@ -307,3 +307,28 @@ def test_bench_plan_reports_a_failed_worker_in_one_line(tmp_path, capsys, monkey
     assert cli(["bench", "plan", "--nproc", "1", "--out", str(tmp_path / "c.json")]) == 1
     err = capsys.readouterr().err
     assert err.strip() == "gradpress bench plan: error: worker rank 0 failed with exit code 1: RuntimeError: boom", err
+
+
+def _three_way_agreement(rank: int, world: int) -> dict:
+    """agree() on 3 ranks: rank 2 alone differs (a field), then rank 2 alone failed (an error)."""
+    from gradpress.exchange.agree import agree
+
+    out = {}
+    for case, mine, error in (("config", {"a": 1, "b": 2 if rank == 2 else 1}, None),
+                              ("error", {"a": 1}, "boom on 2" if rank == 2 else None)):
+        try:
+            agree(mine, error, None)
+            out[case] = None
+        except ValueError as exc:
+            out[case] = str(exc)
+    return out
+
+
+def test_agreement_compares_every_rank_not_the_first_two() -> None:
+    """exchange/agree.py: "all raise the same ValueError if any rank failed or any configuration differs, naming the rank,
+    the field and both values": the last of 3 ranks differing alone is refused on every rank (a comparison of
+    ranks 0 and 1 only let it through on 2 workers' tests)."""
+    results = run_workers(_three_way_agreement, 3)
+    for r in results:
+        assert r["config"] == "gradpress configuration differs between ranks: rank 2 has b=2 but rank 0 has 1"
+        assert r["error"] == "gradpress registration failed: rank 2: boom on 2"

@@ -130,3 +130,20 @@ def test_at_exit_a_job_still_in_flight_after_the_wait_keeps_the_groups_undestroy
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.splitlines() == ["script ends"], (run.stdout, run.stderr[-2000:])
+
+
+def test_every_exit_step_runs_even_after_one_that_did_not_end(monkeypatch) -> None:  # noqa: ANN001
+    """groups._at_exit runs "every EXIT_STEPS step" ("a list: every step runs"): a background thread whose job
+    is still in flight must not keep the DDP hook's thread from being stopped (a generator in all() stopped at
+    the first False); then, with a job in flight, no group is destroyed."""
+    from gradpress.transport import groups
+
+    ran: list[str] = []
+    destroyed: list[bool] = []
+    monkeypatch.setattr(groups, "EXIT_STEPS", [lambda: ran.append("first") or False,
+                                               lambda: ran.append("second") or True])
+    monkeypatch.setattr(groups, "_CREATED", True)
+    monkeypatch.setattr(groups, "destroy_all", lambda *a, **k: destroyed.append(True))
+    groups._at_exit()
+    assert ran == ["first", "second"]
+    assert destroyed == []

@@ -331,3 +331,46 @@ def test_an_old_key_two_tensors_shared_is_dropped_with_a_warning() -> None:
         assert upgrade_keys(part, ["w", "w#0"])["feedback"]["residuals"] == {}
     part["plan"]["w"]["parts"] = 1
     assert upgrade_keys(part, ["w", "w#0"])["feedback"]["residuals"] == {"root/w%230#ps": t["w"]}
+
+
+def _randomk_partitions(rank: int, world: int) -> dict:
+    """randomk (unscaled, summable) on ``auto`` with the PS_LINK costs: 256 entries go ``ps`` in 2 parts."""
+    from gradpress.exchange import Synchronizer
+
+    engine = Synchronizer(f"randomk:ratio={RATIO}", params=[("w", (16, 16), torch.float32)], strategy="auto",
+                          plan_costs=PS_LINK, min_numel=16, error_feedback=False)
+    plan = {k: (d.strategy, d.parts) for k, d in engine.plan.decisions.items()}
+    got = []
+    for step in range(STEPS):
+        g = _grad(0, (16, 16), rank, step).float()
+        engine.sync(["w"], [g], step=step)
+        got.append(g.double())
+    return {"plan": plan, "got": got}
+
+
+def test_each_partition_of_a_randomk_tensor_draws_its_own_shared_indices() -> None:
+    """A tensor the plan cuts into K partitions is exchanged as K tensors keyed ``w#0`` .. ``w#K-1``
+    (exchange/keys.py ``part_key``), and randomk draws its indices from the shared seed of the key
+    (``derive_seed("shared", seed, step, key)``): partition k keeps ``kept_count(m, ratio)`` entries at
+    ``random_indices(m, k, that seed)``, each the float64 mean of the ranks' entries (unscaled, ps sums the
+    packets). With every partition keyed ``w#0`` the two equal partitions kept the same positions: still a
+    random-k, and no reference of the efsignsgd scenario (deterministic) could tell."""
+    from gradpress.compress.base import derive_seed
+    from gradpress.compress.randomk import random_indices
+    from gradpress.compress.sparse import kept_count
+
+    results = run_workers(_randomk_partitions, 2)
+    assert results[0]["plan"] == {"w": ("ps", 2)}
+    m = 128
+    k = kept_count(m, RATIO)
+    for step in range(STEPS):
+        mean = sum(_grad(0, (16, 16), r, step).float().double() for r in range(2)) / 2
+        want = []
+        for part, piece in enumerate(torch.tensor_split(mean.reshape(-1), 2)):
+            idx = random_indices(m, k, derive_seed("shared", 0, step, f"w#{part}"), torch.device("cpu"))
+            out = torch.zeros(m, dtype=torch.float64)
+            out[idx] = piece[idx]
+            want.append(out)
+        want_t = torch.cat(want).reshape(16, 16)
+        for r in range(2):
+            torch.testing.assert_close(results[r]["got"][step], want_t, rtol=1e-6, atol=1e-7)

@@ -302,6 +302,40 @@ def test_decode_gets_the_encoders_shared_seed() -> None:
         comp.decode(packet)
 
 
+def _uniform_flip(v, *, key, drawn):
+    return v * torch.where(kit.uniform(v, key, drawn) < 0.5, -1.0, 1.0).to(v.dtype)
+
+
+class _UniformFlip(_Flip):
+    """Random signs from uniform draws: the torch stream's draws are fp32 uniforms for an fp16/bf16 input."""
+
+    name = "wkuflip"
+
+    def encode_fields(self, flat, dtype, ctx):
+        return {"vals": kit.elementwise(_uniform_flip, flat, 16, **self.randomness(flat, ctx))}
+
+    def decode_fields(self, fields, numel, dtype, seed):
+        rnd = self.decode_randomness(seed, numel, dtype, fields["vals"].device)
+        return kit.elementwise(_uniform_flip, fields["vals"], 16, **rnd).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_decode_randomness_of_the_torch_stream_draws_in_the_encoders_compute_dtype(dtype: torch.dtype) -> None:
+    """``decode_randomness`` gives "the {key, drawn} that randomness gave the encoder": with CONVERT (the
+    default) the encoder drew for the fp32 copy of an fp16/bf16 input, so the decoder must draw fp32 uniforms
+    too (drawn in the input's dtype, a generator's fp16 uniforms are other numbers: other signs at decode)."""
+    comp = _UniformFlip()
+    comp.random_stream = "torch"
+    n = 300
+    x = torch.randn(n, generator=torch.Generator().manual_seed(4)).to(dtype)
+    ctx = Context(key="w", step=2, rank=0, seed=9)
+    packet = comp.encode(x, ctx)
+    u = torch.rand(n, generator=torch.Generator().manual_seed(ctx.shared_seed), dtype=torch.float32)
+    signs = torch.where(u < 0.5, -1.0, 1.0).double()
+    assert torch.equal(packet.tensors[0].double(), x.double() * signs)  # fp32 draws for the fp32 copy
+    assert torch.equal(comp.decode(packet), x)
+
+
 def test_a_decoder_cannot_ask_for_a_private_seed() -> None:
     with pytest.raises(TypeError, match="_Private.decode_fields takes the encoder's seed, which needs RANDOM = "
                                         "'shared'.*got 'private'"):

@@ -105,6 +105,18 @@ def test_step_run_compute_median_speedups_and_notes(tmp_path, monkeypatch, capsy
     assert "e2e: compute-only 1.000 s/step shared, 0.123 s alone" in capsys.readouterr().err
 
 
+def test_shared_compute_step_is_the_median_over_every_ranks_steps_not_rank_zeros(tmp_path, monkeypatch):
+    """shared_s pools every rank's compute-only steps (the other test's data has the same median for rank 0
+    alone and for both ranks, so a median of rank 0's steps only passed it)."""
+    fake = FakeCluster({"compute": [_compute([0.5, 1.0, 3.0], [0.1, 0.2, 0.3]), _compute([0.4], [0.4])],
+                        "c00": _step(2.0), "c01": _step(0.5)})
+    _use(monkeypatch, fake)
+    result = e2e_run.run_e2e(_args(tmp_path, "--baselines", "ddp", "--configs", "topk:ratio=0.01"))
+    want = statistics.median([0.5, 1.0, 3.0, 0.1, 0.2, 0.3])  # 0.4; rank 0's alone: 1.0
+    assert result["compute"]["shared_s"] == pytest.approx(want)
+    assert result["compute"]["per_rank_s"] == [1.0, 0.2]
+
+
 def test_step_run_notes_a_raised_warmup_and_gives_no_speedup_without_ddp(tmp_path, monkeypatch):
     fake = FakeCluster({"compute": _compute([1.0], [1.0]), "c00": _step(2.0), "c01": _step(0.5), "c02": _step(0.5)},
                        fail={"c00": [1]})
