@@ -129,13 +129,11 @@ def _compressed(shape: torch.Size, min_numel: int = MIN_NUMEL) -> bool:
 def _want_bytes(step: int, world: int, min_numel: int) -> int:
     """The flags (one float32 per tensor of the bucket), then for each tensor some rank used its payload,
     or its plain values and its NaN/Inf flag; when no tensor some rank used is compressed, the plain values
-    alone (DDP's own allreduce of them: no NaN/Inf flags) and never the unused tensors' part of the bucket.
-    Step 0 also holds the hook's one-time check that every rank follows a loss scaler or none does (one
-    float32 flag per rank, gradpress/ddp/loss_scale.py:check_presence)."""
+    alone (DDP's own allreduce of them: no NaN/Inf flags) and never the unused tensors' part of the bucket."""
     fp16, shapes = create("fp16"), _shapes()
     used = {n: any(_uses(step, rank) or not n.startswith("b.") for rank in range(world)) for n in shapes}
     compressing = any(used[n] and _compressed(s, min_numel) for n, s in shapes.items())
-    want = 4 * len(shapes) + (4 * world if step == 0 else 0)
+    want = 4 * len(shapes)
     for n, shape in shapes.items():
         if used[n]:
             numel = math.prod(shape)

@@ -4,7 +4,7 @@ With fp16 autocast and ``torch.amp.GradScaler`` the hook compresses the *scaled*
 (and a compressor buffer in gradient units: DGC's momentum and velocity, AdaComp's residue, Signum's
 momentum) is kept in the scale of its step. When the scaler changes the scale (x2 growth every
 ``growth_interval`` steps, x0.5 after an overflow) that state was fed back off by that factor once.
-``register(..., scaler=scaler)`` (or ``hook.attach_scaler``) reads the scale once per step and multiplies
+``register(..., scaler=scaler)`` (or ``hook.attach_scaler`` before the hook binds) reads the scale once per step and multiplies
 that state by new/old first.
 
 Every gradient here is a fixed tensor G (the loss is ``sum(w * G)``, so ``w.grad`` is G times the loss
@@ -215,8 +215,7 @@ def _count_reads(rank: int) -> dict:
     model = _Probe(extra=2)
     ddp = DDP(model, bucket_cap_mb=SHAPE[0] * SHAPE[1] * 4 / 2**20)
     scripted = _Scripted([1.0, 2.0, 2.0, 0.5])
-    hook = gradpress.ddp.register(ddp, TOPK, min_numel=MIN_NUMEL)
-    hook.attach_scaler(scripted)
+    hook = gradpress.ddp.register(ddp, TOPK, min_numel=MIN_NUMEL, scaler=scripted)
     submitted = []
     submit = hook.submit
     hook.submit = lambda bucket: submitted.append(bucket.index()) or submit(bucket)  # counts DDP's buckets

@@ -8,11 +8,10 @@ wrong. Now:
 * ``register(scaler=)`` on rank 0 only: registration fails on every rank (the cross-rank agreement of the
   configuration carries whether a scaler is attached), naming rank 1 and ``scaler``;
 * an unbound ``make_hook`` with ``attach_scaler`` on rank 0 only: ``bind`` fails on every rank alike;
-* ``attach_scaler`` after ``register`` on rank 0 only: the first backward fails on every rank (one check at the
-  hook's first step, in its communication thread: no collective on later steps), naming the ranks with and
-  without a scaler and what to fix; the same on both ranks passes and follows;
-* attaching or detaching after the hook's first step is refused at once (no rank could learn of it without a
-  collective every step); replacing one scaler by another is not;
+* ``attach_scaler`` after ``register`` (the hook is bound) is refused at once on the rank that calls it, saying
+  what to do instead (no other rank could learn of it without a collective, and none is sent at any step);
+  attaching before binding on every rank (``make_hook``, ``attach_scaler``, ``bind``) trains and follows;
+* detaching after binding is refused the same way; replacing one scaler by another is not;
 * ``nonfinite='skip'`` with a scaler attached before an unbound hook binds is refused on every rank.
 """
 
@@ -74,20 +73,24 @@ def _bind_on_rank0_only(rank: int) -> str:
         state.close()
 
 
-def _attach_on_rank0_only(rank: int) -> dict:
+def _attach_after_register(rank: int) -> dict:
+    """On rank 0 only: refused there at once (rank 1 never knew: both then train without one)."""
     ddp = DDP(_model())
     hook = gradpress.ddp.register(ddp, SPEC, min_numel=MIN_NUMEL)
-    if rank == 0:
-        hook.attach_scaler(_Scripted())
+    attach = _outcome(lambda: hook.attach_scaler(_Scripted())) if rank == 0 else "not called"
     first = _outcome(lambda: _step(ddp, rank))
+    out = {"attach": attach, "first": first, "scaler": hook.scaler}
     hook.close()
-    return {"first": first}
+    return out
 
 
 def _attach_on_both(rank: int) -> dict:
     ddp = DDP(_model())
-    hook = gradpress.ddp.register(ddp, SPEC, min_numel=MIN_NUMEL)
-    hook.attach_scaler(_Scripted(8.0))
+    state, comm_hook = gradpress.ddp.make_hook(SPEC, min_numel=MIN_NUMEL)
+    state.attach_scaler(_Scripted(8.0))
+    state.bind(ddp)
+    ddp.register_comm_hook(state, comm_hook)
+    hook = state
     steps = [_outcome(lambda: _step(ddp, rank)) for _ in range(2)]
     out = {"steps": steps, "loss_scale": hook.loss_scale}
     out["replace"] = _outcome(lambda: hook.attach_scaler(_Scripted(8.0)))  # another scaler: still one attached
@@ -112,7 +115,7 @@ def _skip_unbound(rank: int) -> str:
 
 def _workers(rank: int, world: int) -> dict:
     return {"register": _register_on_rank0_only(rank), "bind": _bind_on_rank0_only(rank),
-            "attach": _attach_on_rank0_only(rank), "both": _attach_on_both(rank), "skip": _skip_unbound(rank)}
+            "attach": _attach_after_register(rank), "both": _attach_on_both(rank), "skip": _skip_unbound(rank)}
 
 
 @pytest.fixture(scope="module")
@@ -129,11 +132,12 @@ def test_a_scaler_on_some_ranks_only_fails_at_registration_on_every_rank(results
     assert results[0][case] == results[1][case]
 
 
-def test_attach_scaler_on_some_ranks_only_fails_at_the_first_step_on_every_rank(results: list[dict]) -> None:
+def test_attach_scaler_after_register_is_refused_at_once(results: list[dict]) -> None:
+    msg = results[0]["attach"]["attach"]
+    assert msg.startswith("ValueError") and "bound" in msg and "register(model, spec, scaler=scaler)" in msg, msg
+    assert "attach it before the hook binds" in msg, msg
     for rank, res in enumerate(results):
-        msg = res["attach"]["first"]
-        assert msg != "ok", f"rank {rank}: the disagreeing ranks trained"
-        assert "rank 0" in msg and "rank 1" in msg and "attach_scaler" in msg and "every rank" in msg, (rank, msg)
+        assert res["attach"]["first"] == "ok" and res["attach"]["scaler"] is None, (rank, res["attach"])
 
 
 def test_attach_scaler_on_every_rank_follows_and_late_changes_are_refused(results: list[dict]) -> None:
@@ -143,7 +147,7 @@ def test_attach_scaler_on_every_rank_follows_and_late_changes_are_refused(result
         assert both["replace"] == "ok" and both["after"] == "ok", (rank, both)
         for late in ("detach_late", "attach_late"):
             msg = both[late]
-            assert msg.startswith("ValueError") and "first step" in msg and "attach_scaler" in msg, (rank, late, msg)
+            assert msg.startswith("ValueError") and "after binding" in msg and "attach_scaler" in msg, (rank, late, msg)
 
 
 def test_skip_with_a_scaler_attached_before_binding_is_refused(results: list[dict]) -> None:

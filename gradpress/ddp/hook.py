@@ -61,7 +61,7 @@ import torch.distributed as dist
 import gradpress.ddp.hook_state as hook_state
 from gradpress.ddp.buckets import SPARSE_BUCKET, Job, UnusedWatch, UsedTracker, param_layout, sparse_refusal
 from gradpress.ddp.comm_thread import CLOSE_WAIT_S, CommThread
-from gradpress.ddp.loss_scale import LossScale, check_attach, check_engine, check_presence
+from gradpress.ddp.loss_scale import LossScale, check_attach, check_engine
 from gradpress.ddp.state_format import HOOK_FORMAT, strip_module
 from gradpress.exchange import Synchronizer
 from gradpress.exchange.feedback import Feedback
@@ -106,9 +106,6 @@ class GradpressHook:
         self._scale = LossScale()  # the attached loss scaler and the scale the state is kept in (loss_scale.py)
         self._nonfinite = nonfinite  # the engine's mode before it is built (None: not known)
         self._started = False  # a bucket was handed over: attaching or detaching a scaler is refused from then on
-        self._check_scaler = False  # from binding to the first step: check that every rank attached alike
-        self._plan_read: Plan | None = None  # the plan _compresses read last, and its answer
-        self._plan_compresses = False
         self._comm = CommThread(self)  # averages the queued buckets in order (comm_thread.py)
         self._thread = self._comm.thread
         _OPEN_HOOKS.add(self)
@@ -158,7 +155,6 @@ class GradpressHook:
         if self._scale.scaler is not None:
             check_engine(engine)  # refused: the hook stays unbound
         self._engine, self._names, self._by_name = engine, {id(p): n for n, p in named}, dict(named)
-        self._check_scaler = True  # an attach_scaler from now to the first step: checked at that step
         pending, self._pending_state = self._pending_state, None
         if pending is not None:
             self.load_state_dict(pending)
@@ -220,12 +216,13 @@ class GradpressHook:
         None detaches): once per step, before its first bucket is averaged, the scale is read and every
         residual and compressor buffer in the gradient's units is multiplied by new/old, so a scale change
         (growth, the back-off after an overflow) is not fed back off by that factor. Every rank attaches
-        its own scaler, before the first step: every rank or none (checked at the first step, on every rank
-        alike); after it, attaching or detaching raises ``ValueError`` (replacing one scaler by another does
-        not). Needs ``nonfinite='propagate'`` (``ValueError`` otherwise). A scale-free compressor's averages
+        its own scaler, before the hook binds (``make_hook(spec)``, then ``bind``; or give it to ``register``):
+        every rank or none, agreed at binding; after it, attaching or detaching raises ``ValueError``, as no
+        other rank could learn of it without a collective (replacing one scaler by another does not). Needs ``nonfinite='propagate'`` (``ValueError`` otherwise). A scale-free compressor's averages
         (``scale_degree == 0``: signsgd, signum) are multiplied by the step's scale; error feedback on one is refused.
         On CUDA the read (``get_scale()``) syncs the communication thread, not the training thread."""
-        check_attach(scaler, self._scale.scaler, self._started, self._engine, self.nonfinite)
+        check_attach(scaler, self._scale.scaler, self._started or self._engine is not None, self._engine,
+                     self.nonfinite)
         self._scale.scaler = scaler
 
     @property
@@ -241,26 +238,8 @@ class GradpressHook:
 
     def follow_scale(self, step: int) -> None:
         """At the first bucket of ``step`` (the communication thread): bring the state into the scaler's
-        current scale (:class:`~gradpress.ddp.loss_scale.LossScale`). Nothing without a scaler. At the first
-        step after binding whose plan compresses something (then no state exists a scale could be off in),
-        every rank checks first that all attached a scaler or none did (collective, once)."""
-        if self._check_scaler and self._compresses():  # nothing compressed: no state a scale could be off in
-            self._check_scaler = False
-            device = next(iter(self._by_name.values())).device if self._by_name else torch.device("cpu")
-            check_presence(self._scale.scaler is not None, self.engine.group, device, self._account)
+        current scale (:class:`~gradpress.ddp.loss_scale.LossScale`). Nothing without a scaler."""
         self._scale.follow(self.engine, step)
-
-    def _compresses(self) -> bool:
-        """Whether the plan compresses some tensor (the same on every rank; read once per plan)."""
-        plan = self.engine.plan
-        if plan is not self._plan_read:
-            self._plan_read, self._plan_compresses = plan, any(d.compressed for d in plan.decisions.values())
-        return self._plan_compresses
-
-    def _account(self, sent: int, seconds: float) -> None:
-        """Count a collective of the hook's own (the scaler check) in the current step's stats."""
-        self.engine.stats_counter.record(sent=sent, dense=0, compress_s=0.0, comm_s=seconds, compressed=0, plain=0,
-                                         tensor_bytes={}, end_of_step=False, by_strategy={"uncompressed": sent})
 
     def replan(self, costs: Any = None) -> Plan:
         """Measure the group (or use ``costs``) and rebuild the plan.

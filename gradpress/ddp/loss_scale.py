@@ -28,31 +28,25 @@ the next step's read sees the halved scale.
 
 Every rank follows a scaler, or none does (ranks with and without one keep their residuals in different
 scales, and the average is silently wrong). Whether one is attached is part of the configuration the ranks
-agree on when the hook binds (``register``, ``bind``); an ``attach_scaler`` between binding and the first
-step is checked once, at that step's first bucket (:func:`check_presence`: one small allreduce in the
-communication thread, never again; its bytes count in the step's stats, as ``uncompressed``; a plan that
-compresses nothing keeps no state in the gradient's units, so the check waits for one that does); after the first step attaching or detaching is refused (no rank could
-learn of it without a collective every step), replacing one scaler by another is not.
+agree on when the hook binds (``register``, ``bind``), so a scaler is attached before it (``register(...,
+scaler=)``, or ``make_hook(spec)``, ``attach_scaler``, ``bind``); after binding, attaching or detaching one is
+refused (no other rank could learn of it without a collective), replacing one scaler by another is not. Nothing
+is sent for it at any step.
 """
 
 from __future__ import annotations
 
 import math
-import time
 import warnings
-from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-import torch
-import torch.distributed as dist
-
-__all__ = ["LossScale", "check_scaler", "check_mode", "check_kept", "check_feedback", "check_engine", "check_attach", "presence_error", "check_presence",
+__all__ = ["LossScale", "check_scaler", "check_mode", "check_kept", "check_feedback", "check_engine", "check_attach",
            "EVERY_RANK", "framework_scaler"]
 
 #: what to do when ranks disagree on following a scaler
 EVERY_RANK = ("every rank's hook must follow its own loss scaler, or none: ranks with and without one keep their "
               "residuals in different scales and the average is wrong; give the scaler on every rank before the "
-              "first step (register(..., scaler=) or hook.attach_scaler(scaler); gradpress.lightning and "
+              "hook binds (register(..., scaler=), or hook.attach_scaler(scaler) before bind; gradpress.lightning and "
               "gradpress.accelerate attach the framework's own)")
 
 
@@ -109,10 +103,11 @@ def check_attach(new: Any, old: Any, started: bool, engine: _Engine | None, nonf
     elif new is not None and nonfinite is not None:
         check_mode(nonfinite)
     if started and (new is None) != (old is None):
-        raise ValueError(f"attach_scaler({'None' if new is None else type(new).__name__}): the hook's first step has "
-                         "run " + ("with" if new is None else "without") + " a loss scaler; attaching or detaching one "
-                         "after the first step is refused (the other ranks could not learn of it); attach it on every "
-                         "rank before the first step, or make a new hook")
+        raise ValueError(f"attach_scaler({'None' if new is None else type(new).__name__}): the hook is bound (or its "
+                         "first step has run) " + ("with" if new is None else "without") + " a loss scaler; attaching "
+                         "or detaching one after binding is refused (the other ranks could not learn of it); give it "
+                         "to register(model, spec, scaler=scaler) on every rank, or attach it before the hook binds "
+                         "(make_hook(spec), attach_scaler, bind)")
 
 
 def framework_scaler(given: Any, framework: Any, nonfinite: str | None, where: str, source: str) -> Any:
@@ -135,36 +130,6 @@ def framework_scaler(given: Any, framework: Any, nonfinite: str | None, where: s
             "fails on the overflows that dynamic loss scaling causes by design); use nonfinite='propagate' (the "
             "default) or a precision without a loss scaler (bf16)")
     return framework
-
-
-def _ranks(ranks: Sequence[int]) -> str:
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)
-
-
-def presence_error(attached: Sequence[bool]) -> str | None:
-    """The error when some ranks (``attached[r]``) follow a scaler and others do not; None when all agree."""
-    yes = [r for r, a in enumerate(attached) if a]
-    no = [r for r, a in enumerate(attached) if not a]
-    if not yes or not no:
-        return None
-    return f"scaler: a loss scaler is attached (attach_scaler) on {_ranks(yes)} but not on {_ranks(no)}; {EVERY_RANK}"
-
-
-def check_presence(attached: bool, group: dist.ProcessGroup, device: torch.device,
-                   account: Callable[[int, float], None]) -> None:
-    """Collective (the hook's communication thread, at its first step): ``ValueError`` on every rank alike
-    unless every rank of ``group`` has a scaler attached or none has. One allreduce of one float32 flag per
-    rank (on ``device``, the parameters': NCCL reduces CUDA tensors), handed to ``account`` (bytes, seconds)
-    first: the engine's stats count every byte handed to a collective."""
-    flags = torch.zeros(dist.get_world_size(group), dtype=torch.float32, device=device)
-    flags[dist.get_rank(group)] = float(attached)
-    start = time.perf_counter()
-    dist.all_reduce(flags, group=group)
-    attached_on = [bool(f) for f in flags.tolist()]
-    account(flags.numel() * flags.element_size(), time.perf_counter() - start)
-    error = presence_error(attached_on)
-    if error is not None:
-        raise ValueError(f"gradpress hook, first step: {error}")
 
 
 def _finite_positive(value: Any) -> bool:
