@@ -49,7 +49,10 @@ GROUPS: dict[str, tuple[list[str], list[str], int]] = {
     "kit": ([f"gradpress/compress/kit/{m}.py" for m in ("declare", "layout", "packing", "rng", "primitives",
                                                                     "reductions")],
             ["tests/test_kit_primitives.py", "tests/test_kit_rng.py", "tests/test_kit_authoring.py",
-             "tests/test_wire.py", "tests/test_compressors.py", "tests/test_kit_identity.py"], 10),
+             "tests/test_wire.py", "tests/test_compressors.py", "tests/test_kit_identity.py",
+             # the compiled reductions' std and the sign-byte pack (plants6: caught only here)
+             "tests/test_kit_fused.py::test_std_is_the_exact_deviation",
+             "tests/test_kit_fused.py::test_pack_signs_lays_out_the_bits"], 10),
     "sparsifiers": ([f"gradpress/compress/{m}.py" for m in ("topk", "sparse", "threshold", "dgc", "dgc_threshold", "sidco",
                                                            "_threshold_select", "gaussiank", "redsync")],
                     ["tests/test_sparse_kernels.py", "tests/test_compressors.py", "tests/test_estimators.py",
@@ -203,7 +206,8 @@ GROUPS: dict[str, tuple[list[str], list[str], int]] = {
                       "tests/test_integrations_imports.py"], 20),
     "bench": (["gradpress/compare_stats.py"]
               + [f"gradpress/bench/{m}.py" for m in ("specs", "e2e_args", "e2e_configs", "measure")],
-              ["tests/test_mutants_bench.py", "tests/test_review_compare_nan.py", "tests/test_bench_compressors.py"]
+              ["tests/test_mutants_bench.py", "tests/test_review_compare_nan.py", "tests/test_bench_compressors.py",
+               "tests/test_compare_ci.py"]
               + [f"tests/test_compare.py::test_{t}" for t in (
                   "split_specs", "split_specs_rejects", "seed_aggregate_reports_missed_targets", "parse_seeds",
                   "parse_seeds_and_rates_reject", "parse_seeds_refuses_out_of_range_and_huge_counts", "best_lr_rule",
