@@ -18,8 +18,9 @@ and back. It declares the traits the strategies rely on:
 * ``identity``: decode(encode(x)) == x exactly and the packet is x itself:
   nothing to compress (``none``). Policy asks this trait, never the name.
 * ``scale_degree``: decode(encode(s x)) == s**degree decode(encode(x)), s a
-  power of two, same random stream: 1 (the default), 0 (scale-free: signs;
-  the DDP hook multiplies such averages by the loss scale) or None (neither).
+  power of two, same random stream, ``ctx.loss_scale`` times s: 1 (the
+  default), 0 (scale-free: signs; the DDP hook multiplies such averages by
+  the loss scale) or None (neither).
 
 Invariant: ``decode(encode(x))`` has the shape and dtype of ``x`` and
 ``packet.nbytes`` is exactly the number of bytes the payload occupies on the
@@ -29,32 +30,20 @@ wire (bit-packed where the method packs bits).
 from __future__ import annotations
 
 import copy
-import hashlib
 import math
-import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, final
 
 import torch
 
+from gradpress.compress.context import Context, derive_seed
 from gradpress.compress.packet import Packet, check_decode_out
 from gradpress.compress.sparse import check_indexable
 from gradpress.compress.spec import coerce_params
 
 __all__ = ["Compressor", "Context", "Packet", "Param", "all_finite", "check_decode_out", "derive_seed",
            "generator_for"]
-
-
-def derive_seed(*parts: Any) -> int:
-    """A 63-bit seed from ``parts`` (run seed, step, tensor key, ...).
-
-    Uses BLAKE2b over a canonical text form, never Python's ``hash()`` (which
-    is salted per process), so every rank derives the same value.
-    """
-    text = "\x1f".join(str(p) for p in parts).encode()
-    digest = hashlib.blake2b(text, digest_size=8).digest()
-    return struct.unpack("<Q", digest)[0] & ((1 << 63) - 1)
 
 
 def all_finite(t: torch.Tensor) -> torch.Tensor:
@@ -71,32 +60,6 @@ def generator_for(device: torch.device, seed: int) -> torch.Generator:
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     return gen
-
-
-@dataclass(frozen=True)
-class Context:
-    """What a compressor may know about the call besides the tensor.
-
-    ``key`` names the tensor (stable across steps: parameter name), ``step``
-    is the synchronous step all ranks agree on, ``rank``/``world_size`` the
-    caller's place. ``shared_seed`` is equal on every rank (shared randomness:
-    random-k indices, PowerSGD init); ``private_seed`` differs per rank
-    (independent stochastic rounding, so averaging reduces variance).
-    """
-
-    key: str = ""
-    step: int = 0
-    rank: int = 0
-    world_size: int = 1
-    seed: int = 0
-
-    @property
-    def shared_seed(self) -> int:
-        return derive_seed("shared", self.seed, self.step, self.key)
-
-    @property
-    def private_seed(self) -> int:
-        return derive_seed("private", self.seed, self.step, self.key, self.rank)
 
 
 @dataclass(frozen=True)
@@ -189,7 +152,7 @@ class Compressor:
     #: decode(encode(x)) == x exactly and the packet is x itself: nothing to
     #: compress (``none``); decide dense/identity policy with this, not the name
     identity: ClassVar[bool] = False
-    #: decode(encode(s * x)) == s**scale_degree * decode(encode(x)), s a power of two: 1, 0 (signs) or None
+    #: decode(encode(s * x)) == s**scale_degree * decode(encode(x)), s a power of two (ctx.loss_scale times s)
     scale_degree: ClassVar[int | None] = 1
     #: aggregation of decoded tensors across ranks: "mean" or "majority"
     aggregation: ClassVar[str] = "mean"

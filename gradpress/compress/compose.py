@@ -13,6 +13,7 @@ payload replaces ``values``. Metadata (never sent) is carried through.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -97,7 +98,7 @@ class Composed(Compressor):
     def _encode(self, x: torch.Tensor, ctx: Context) -> Packet:
         outer = self.first.encode(x, ctx)
         values, rest = outer.tensors[0], outer.tensors[1:]
-        inner_ctx = Context(ctx.key + "/values", ctx.step, ctx.rank, ctx.world_size, ctx.seed)
+        inner_ctx = dataclasses.replace(ctx, key=ctx.key + "/values")
         inner = self.second.encode(values, inner_ctx)
         return Packet(inner.tensors + rest, outer.shape, outer.dtype, dict(outer.meta))
 

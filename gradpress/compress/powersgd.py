@@ -31,6 +31,7 @@ at 65504.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -152,11 +153,11 @@ class PowerSGD(Compressor):
     def _encode(self, x: torch.Tensor, ctx: Context) -> Packet:
         """Standalone (world of one): the factors [P, Q] of x, or x itself
         when it travels dense."""
-        state, out = self.begin(x, Context(ctx.key, ctx.step, 0, 1, ctx.seed))
+        state, out = self.begin(x, dataclasses.replace(ctx, rank=0, world_size=1))
         if out is None:
             return Packet([x.reshape(-1).contiguous()], x.shape, x.dtype)
         q = self.advance(state, out, ctx)
-        self.advance(state, q, Context(ctx.key, ctx.step, 0, 1, ctx.seed))
+        self.advance(state, q, dataclasses.replace(ctx, rank=0, world_size=1))
         return Packet([state.p.reshape(-1), self.q[ctx.key].reshape(-1)], x.shape, x.dtype)
 
     def decode(self, packet: Packet) -> torch.Tensor:

@@ -103,7 +103,7 @@ class Synchronizer(EngineState):
         self.feedback = Feedback()
         self.stats_counter = ExchangeStats(count_skipped=nonfinite == "skip")
         self.guard = StepGuard(nonfinite, self._snapshot_state, self._restore_state, self.stats_counter)
-        #: the step's loss scale (the DDP hook's scaler): scale-free averages (``scale_degree == 0``) are multiplied by it
+        #: the step's loss scale (the DDP hook's scaler), in every encode Context: scale-free averages are multiplied by it
         self.output_scale = 1.0
         self.plan: Plan = self.choice.initial_plan(self.params)
 
@@ -303,7 +303,7 @@ class Synchronizer(EngineState):
         return d
 
     def _ctx(self, key: str, step: int) -> Context:
-        return Context(key=key, step=step, rank=self.rank, world_size=self.world_size, seed=self.seed)
+        return Context(key, step, self.rank, self.world_size, self.seed, loss_scale=self.output_scale)
 
     def _exchange(
         self, keys: list[str], tensors: list[torch.Tensor], comp_idx: list[int], decisions: list[Decision],

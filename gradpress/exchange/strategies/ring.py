@@ -154,7 +154,8 @@ class Ring(Strategy):
         payload = [0] * m
 
         def ctx(i: int, c: int) -> Context:
-            return Context(key=hop_key(ctxs[i].key, c), step=c0.step, rank=r, world_size=n, seed=c0.seed)
+            return Context(key=hop_key(ctxs[i].key, c), step=c0.step, rank=r, world_size=n, seed=c0.seed,
+                           loss_scale=c0.loss_scale)
 
         def piece(values: list[torch.Tensor], i: int, c: int) -> torch.Tensor:
             a, b = bounds[i][c]

@@ -1,0 +1,65 @@
+"""The call context a compressor's ``encode`` receives (:class:`Context`) and
+the seeds derived from it (:func:`derive_seed`).
+
+Invariant: every rank derives the same ``shared_seed`` for the same (run
+seed, step, key), whatever the loss scale, which enters no seed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Context", "derive_seed"]
+
+
+def derive_seed(*parts: Any) -> int:
+    """A 63-bit seed from ``parts`` (run seed, step, tensor key, ...).
+
+    Uses BLAKE2b over a canonical text form, never Python's ``hash()`` (which
+    is salted per process), so every rank derives the same value.
+    """
+    text = "\x1f".join(str(p) for p in parts).encode()
+    digest = hashlib.blake2b(text, digest_size=8).digest()
+    return struct.unpack("<Q", digest)[0] & ((1 << 63) - 1)
+
+
+@dataclass(frozen=True)
+class Context:
+    """What a compressor may know about the call besides the tensor.
+
+    ``key`` names the tensor (stable across steps: parameter name), ``step``
+    is the synchronous step all ranks agree on, ``rank``/``world_size`` the
+    caller's place. ``shared_seed`` is equal on every rank (shared randomness:
+    random-k indices, PowerSGD init); ``private_seed`` differs per rank
+    (independent stochastic rounding, so averaging reduces variance).
+    ``loss_scale`` is the scale the tensor carries: the DDP hook following a
+    loss scaler (``register(..., scaler=)``) sets the step's scale, 1
+    otherwise; a constant in gradient units (``threshold``'s ``tau``, DGC's
+    ``clip``) is multiplied by it, so that it applies to the unscaled
+    gradient. It enters no seed: the random stream is the same whatever the
+    scale.
+    """
+
+    key: str = ""
+    step: int = 0
+    rank: int = 0
+    world_size: int = 1
+    seed: int = 0
+    loss_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.loss_scale, bool) or not isinstance(self.loss_scale, (int, float)) \
+                or not math.isfinite(self.loss_scale) or self.loss_scale <= 0:
+            raise ValueError(f"Context: loss_scale must be a finite number > 0, got {self.loss_scale!r}")
+
+    @property
+    def shared_seed(self) -> int:
+        return derive_seed("shared", self.seed, self.step, self.key)
+
+    @property
+    def private_seed(self) -> int:
+        return derive_seed("private", self.seed, self.step, self.key, self.rank)
