@@ -12,8 +12,10 @@ implementation (hand-written or generated).
 Also the loss-scale trait ``scale_degree`` the DDP hook relies on under
 ``GradScaler``: decode(encode(s * g)) == s**degree * decode(encode(g)) in
 float64, for powers of two s, with the same random stream and state history
-(1: homogeneous, the output carries the gradient's scale; 0: scale-free,
-signSGD's +-1; None: neither, a fixed threshold).
+and the Context's ``loss_scale`` s (as the DDP hook following a scaler sets
+it: a constant in gradient units, ``threshold``'s ``tau`` or DGC's ``clip``,
+is multiplied by it) (1: homogeneous, the output carries the gradient's
+scale; 0: scale-free, signSGD's +-1; None: neither).
 """
 
 from __future__ import annotations
@@ -101,9 +103,9 @@ def test_unscaled_randomk_is_contractive_and_scaled_is_not() -> None:
 #: every registered name (a method added later is held too), plus a few specs the defaults leave out: PowerSGD
 #: compressing from its first step, and compositions (a second stage decides the degree of the whole)
 SPECS_DEGREE = _with(["powersgd:start_iter=0", "topk:ratio=0.05>natural", "topk:ratio=0.05>signsgd",
-                      "threshold>qsgd"], registry.names())
-#: powers of two by which the inputs are scaled: one up, one down (1/16 takes entries of 0.01 below threshold's
-#: default tau = 1e-3 and keeps every entry in fp16's normal range, which the definition assumes)
+                      "threshold>qsgd", "threshold:tau=0.05", "dgc:ratio=0.05,clip=1.0"], registry.names())
+#: powers of two by which the inputs are scaled: one up, one down (both keep every entry in fp16's normal range,
+#: which the definition assumes; threshold's tau and DGC's clip follow the Context's loss_scale)
 POWERS = (8.0, 1.0 / 16.0)
 
 
@@ -119,12 +121,13 @@ def _degree_inputs(steps: int = 3) -> list[torch.Tensor]:
 
 def _decoded_run(spec: str, scale: float) -> list[torch.Tensor]:
     """A fresh compressor's decoded outputs over three steps of ``scale`` times the inputs (the same seeds,
-    contexts and so random stream, whatever the scale; stateful methods carry their state from step to step)."""
+    contexts and so random stream, whatever the scale, the contexts' ``loss_scale`` ``scale``; stateful methods
+    carry their state from step to step)."""
     comp = create(spec)
     comp.seed = 5
     out = []
     for step, g in enumerate(_degree_inputs()):
-        ctx = Context(key="t", step=step, rank=0, world_size=1, seed=5)
+        ctx = Context(key="t", step=step, rank=0, world_size=1, seed=5, loss_scale=scale)
         out.append(comp.decode(comp.encode(g * scale, ctx)).to(torch.float64))
     return out
 

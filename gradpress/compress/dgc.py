@@ -9,7 +9,10 @@ Per tensor (state keyed by ``ctx.key``), with ``g`` the incoming gradient:
    the sum of N independent gradients has N times the variance. (ALGORITHMS.md
    marks the N^(-1/2) factor unverified; we follow the paper's section 3.2.)
    The norm is computed without overflow or underflow of its squares
-   (:func:`gradpress.compress.numerics.row_norms`).
+   (:func:`gradpress.compress.numerics.row_norms`). ``clip`` (and the 1e-6
+   guard of the norm) are in gradient units: multiplied by
+   ``ctx.loss_scale`` (the DDP hook's loss scale under fp16 AMP, else 1),
+   so a scaled gradient is clipped as the unscaled one would be.
 2. Momentum correction: ``u <- m*u + g``; ``v <- v + u``.
 3. Select about k = ceil(delta_e * d) entries of ``|v|`` (sampled threshold
    below), send ``v`` there.
@@ -175,13 +178,13 @@ class DGC(QualityMixin, Compressor):
         lo, hi = torch.aminmax(g)  # one read; NaN and +-inf propagate into the extremes
         finite = bool(torch.isfinite(lo) & torch.isfinite(hi))
         if self.clip > 0:
-            max_norm = self.clip / math.sqrt(max(1, ctx.world_size))
+            max_norm = self.clip * ctx.loss_scale / math.sqrt(max(1, ctx.world_size))  # in the gradient's scale
             norm = row_norms(g.view(1, -1)).reshape(())  # no overflow/underflow of the squares
             if finite and bool(torch.isinf(norm)):  # the norm itself exceeds the dtype (so > max_norm):
                 g = g * scale_pow2(torch.maximum(-lo, hi), wd)  # clip g / max|g| (exact power of two)
                 coef = max_norm / row_norms(g.view(1, -1)).reshape(())
             else:
-                coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+                coef = (max_norm / (norm + 1e-6 * ctx.loss_scale)).clamp(max=1.0)
             g = g * coef
         u = self.momentums.get(ctx.key)
         v = self.velocities.get(ctx.key)

@@ -6,9 +6,15 @@ data (``variable_size``): the wire carries a header of element counts.
 Biased, so error feedback is on by default. NaN entries are never kept
 (|NaN| > tau is false).
 
+``tau`` is in gradient units: the entries kept are those with
+|x| > tau * ``ctx.loss_scale``, the scale the DDP hook following a loss
+scaler (``register(..., scaler=)``) puts in the Context (1 otherwise), so
+under fp16 loss scaling it keeps |g| > tau of the unscaled gradient g, and
+the method is homogeneous (``scale_degree = 1``).
+
 Packet: ``[values (input dtype), indices (int32)]``, ``values_index = 0``;
 (element size + 4) bytes per kept entry. Invariant: exactly the entries with
-|x| > tau are kept, in increasing index order.
+|x| > tau * ctx.loss_scale are kept, in increasing index order.
 """
 
 from __future__ import annotations
@@ -28,16 +34,16 @@ class Threshold(Compressor):
     values_index = 0
     exact_values = True
     int32_indices = True
-    scale_degree = None  # tau is absolute: s * x keeps other entries than x
+    scale_degree = 1  # tau is in gradient units: compared with |x| / ctx.loss_scale
     summary = "hard-threshold sparsification |x| > tau (Strom 2015), variable size"
-    uses_context = False  # a pure function of x
+    uses_context = False  # a pure function of x and of ctx.loss_scale (1 in a standalone call)
 
     def _encode(self, x: torch.Tensor, ctx: Context) -> Packet:
         flat = x.reshape(-1)
         mag = flat.abs()
         if mag.dtype in (torch.float16, torch.bfloat16):  # compare in fp32: tau is not rounded to 16 bits
             mag = mag.float()
-        idx = torch.nonzero(mag > self.tau).reshape(-1)
+        idx = torch.nonzero(mag > self.tau * ctx.loss_scale).reshape(-1)  # tau in the gradient's units
         return Packet([flat[idx], idx.to(torch.int32)], x.shape, x.dtype)
 
     def decode(self, packet: Packet) -> torch.Tensor:

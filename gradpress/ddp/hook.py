@@ -220,6 +220,8 @@ class GradpressHook:
         every rank or none, agreed at binding; after it, attaching or detaching raises ``ValueError``, as no
         other rank could learn of it without a collective (replacing one scaler by another does not). Needs ``nonfinite='propagate'`` (``ValueError`` otherwise). A scale-free compressor's averages
         (``scale_degree == 0``: signsgd, signum) are multiplied by the step's scale; error feedback on one is refused.
+        The scale is in every encode Context (``loss_scale``): ``threshold``'s ``tau`` and DGC's ``clip`` apply to the
+        unscaled gradient.
         On CUDA the read (``get_scale()``) syncs the communication thread, not the training thread."""
         check_attach(scaler, self._scale.scaler, self._started or self._engine is not None, self._engine,
                      self.nonfinite)

@@ -18,6 +18,8 @@ whatever the scale) would hand the optimizer +-1, which ``unscale_`` makes +-1/s
 engine's ``output_scale``, by which it multiplies such averages (after aggregation: a majority vote is the sign
 of a sum), so that they carry the gradient's scale like every other. Error feedback on such a compressor is
 refused with a scaler (:func:`check_engine`): its residual ``p - decode`` would subtract +-1 from a scaled ``p``.
+The engine also puts that scale in every encode Context (``Context.loss_scale``), by which a compressor multiplies
+its constants in gradient units (``threshold``'s ``tau``, DGC's ``clip``), so they apply to the unscaled gradient.
 
 Invariant: after a step's first bucket, the state is in the scale of that step's backward (:attr:`kept`),
 which goes into the hook's state dict (``loss_scale``) so that a resume continues bit-identically.
