@@ -218,6 +218,9 @@ class Compressor:
     #: with delta > 0 (Koloskova et al. 2019, Assumption 1): what compressed
     #: gossip needs. Sparsifiers with ``exact_values`` are contractive too.
     contractive: ClassVar[bool] = False
+    #: ``state_dict()`` returns state the caller owns (every tensor a fresh copy, never a live buffer nor a view
+    #: of one that a later call changes in place): the engine's per-step snapshot then copies no tensor again
+    state_dict_copies: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -358,6 +361,8 @@ class Compressor:
         return []
 
     def state_dict(self) -> dict[str, Any]:
+        """The compressor's own state (``stateful``). Set ``state_dict_copies`` when its tensors are copies the
+        caller owns; otherwise ``nonfinite='skip'``'s per-step snapshot deep-copies it."""
         return {}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
