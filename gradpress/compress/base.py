@@ -382,8 +382,7 @@ class Compressor:
         return f"<compressor {self.spec()}>"
 
     def _context(self, ctx: Context | None) -> Context:
-        """Default context for standalone use: a fresh step per call so that
-        repeated calls draw fresh randomness."""
+        """Default context for standalone use: a fresh step per call (repeated calls draw fresh randomness)."""
         if ctx is not None:
             return ctx
         self._calls += 1
