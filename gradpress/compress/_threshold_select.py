@@ -186,6 +186,7 @@ class ThresholdSparsifier(QualityMixin, Compressor):
     exact_values = True
     int32_indices = True
     unbiased = False
+    state_dict_copies = True  # numbers in fresh containers (subclasses that add state copy it too)
     #: whether ``_threshold`` reads ``a = |x|`` (else it gets None and no
     #: full-size |x| is made)
     needs_abs = True

@@ -89,6 +89,7 @@ class AdaComp(Compressor):
     )
     variable_size = True
     stateful = True
+    state_dict_copies = True  # state_dict clones the residues
     element_state = ("residues",)
     summary = "AdaComp: residue accumulation, per-bin max selection, sign x per-layer scale (Chen et al. 2018)"
     own_error_memory = True

@@ -161,26 +161,26 @@ class Compressor:
     values_index: ClassVar[int | None] = None
     #: one-line description with the paper.
     summary: ClassVar[str] = ""
-    #: the compressor keeps its own error memory (DGC's momentum correction,
-    #: AdaComp's residue): the generic residual is off by default, and a
-    #: strategy must not apply that memory again to partial sums
+    #: the compressor keeps its own error memory (DGC's momentum correction, AdaComp's residue): the generic
+    #: residual is off by default, and a strategy must not apply that memory again to partial sums
     own_error_memory: ClassVar[bool] = False
-    #: decode(encode(x)) is x at the kept indices (payload tensor 1) and zero
-    #: elsewhere: the residual is then x with those entries zeroed (k writes).
+    #: decode(encode(x)) is x at the kept indices (payload tensor 1) and zero elsewhere: the residual is then x
+    #: with those entries zeroed (k writes).
     exact_values: ClassVar[bool] = False
-    #: the packet carries int32 flat indices: :meth:`encode` refuses a tensor
-    #: they cannot address (:func:`gradpress.compress.sparse.check_indexable`)
+    #: the packet carries int32 flat indices: :meth:`encode` refuses a tensor they cannot address
+    #: (:func:`gradpress.compress.sparse.check_indexable`)
     int32_indices: ClassVar[bool] = False
-    #: number of exchange rounds; > 1 means the strategy drives the
-    #: ``begin``/``advance``/``finish`` protocol below (PowerSGD: P then Q).
+    #: number of exchange rounds; > 1: the strategy drives ``begin``/``advance``/``finish`` (PowerSGD: P then Q)
     rounds: ClassVar[int] = 1
-    #: ``_encode`` reads its Context (key, step, seeds); False for pure
-    #: functions of x, whose standalone calls then leave the counter alone
+    #: ``_encode`` reads its Context (key, step, seeds); False for pure functions of x, whose standalone calls
+    #: then leave the counter alone
     uses_context: ClassVar[bool] = True
-    #: biased but contractive by definition, E||Q(v) - v||^2 <= (1 - delta)||v||^2
-    #: with delta > 0 (Koloskova et al. 2019, Assumption 1): what compressed
-    #: gossip needs. Sparsifiers with ``exact_values`` are contractive too.
+    #: biased but contractive by definition, E||Q(v) - v||^2 <= (1 - delta)||v||^2 with delta > 0 (Koloskova
+    #: et al. 2019, Assumption 1): what compressed gossip needs. Sparsifiers with ``exact_values`` are too.
     contractive: ClassVar[bool] = False
+    #: ``state_dict()`` returns state the caller owns (every tensor a fresh copy, never a live buffer nor a view
+    #: of one that a later call changes in place): the engine's per-step snapshot then copies no tensor again
+    state_dict_copies: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -321,6 +321,8 @@ class Compressor:
         return []
 
     def state_dict(self) -> dict[str, Any]:
+        """The compressor's own state (``stateful``). Set ``state_dict_copies`` when its tensors are copies the
+        caller owns; otherwise ``nonfinite='skip'``'s per-step snapshot deep-copies it."""
         return {}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -343,8 +345,7 @@ class Compressor:
         return f"<compressor {self.spec()}>"
 
     def _context(self, ctx: Context | None) -> Context:
-        """Default context for standalone use: a fresh step per call so that
-        repeated calls draw fresh randomness."""
+        """Default context for standalone use: a fresh step per call (repeated calls draw fresh randomness)."""
         if ctx is not None:
             return ctx
         self._calls += 1

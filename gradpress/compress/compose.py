@@ -72,6 +72,10 @@ class Composed(Compressor):
         return self.first.stateful
 
     @property
+    def state_dict_copies(self) -> bool:  # type: ignore[override]
+        return self.first.state_dict_copies
+
+    @property
     def scale_degree(self) -> int | None:  # type: ignore[override]
         """The second stage quantizes the first's values: degrees multiply (a scale-free selection of values
         hands the second stage the same values whatever the scale); None when either stage has none."""

@@ -143,6 +143,7 @@ class DGC(QualityMixin, Compressor):
     )
     variable_size = True
     stateful = True
+    state_dict_copies = True  # state_dict clones the buffers
     element_state = ("momentums", "velocities")
     values_index = 0
     summary = "Deep Gradient Compression (Lin et al. 2018): momentum correction, masking, sampled top-k, warm-up"

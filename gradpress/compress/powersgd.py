@@ -81,6 +81,7 @@ class PowerSGD(Compressor):
     )
     summable = True
     stateful = True
+    state_dict_copies = True  # state_dict clones Q
     matrix_state = ("q",)  # Q: one row per column of the shape[0] x m matrix
     rounds = 2
     summary = "rank-r PowerSGD (Vogels et al. 2019), two summable allreduce rounds, warm start"

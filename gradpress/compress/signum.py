@@ -30,6 +30,7 @@ class Signum(Compressor):
     name = "signum"
     PARAMS = (Param("momentum", float, 0.9, "0 <= momentum < 1", lambda v: 0 <= v < 1, "momentum coefficient beta"),)
     stateful = True
+    state_dict_copies = True  # state_dict clones the momentum
     element_state = ("momentum",)
     aggregation = "majority"
     scale_degree = 0  # +-1 whatever the scale of x (the momentum itself is in x's units: gradient_state)

@@ -179,6 +179,9 @@ class Strategy:
     planned: ClassVar[bool] = True
     #: carries only summable compressors (the planner checks candidates by it)
     summable_only: ClassVar[bool] = False
+    #: ``state_dict()`` returns state the caller owns (fresh containers, no live tensor): the engine's per-step
+    #: snapshot copies only its containers (otherwise it deep-copies it)
+    state_dict_copies: ClassVar[bool] = False
 
     def __init__(self, group: dist.ProcessGroup | None) -> None:
         self.group = group

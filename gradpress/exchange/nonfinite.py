@@ -10,9 +10,10 @@ Modes (``nonfinite=``):
   Signum's momentum, PowerSGD's Q, an estimator's threshold...) also stays as
   it was on every rank, also on those whose own gradient was finite (the
   snapshot below): a skipped step leaves no trace, the next one is that of a
-  run without it. Without a scaler no copy is taken (it costs more than DGC's
-  encode: 25 ms against 17 ms at 4M elements, one thread): a NaN step then
-  reaches the model anyway; whoever skips such steps by hand wants ``skip``.
+  run without it. Without a scaler no copy is taken (DGC's at 4M elements,
+  one thread: 3-5 ms alone, about 10 ms inside a step of 30-40 ms;
+  docs/bench.md): a NaN step then reaches the model anyway; whoever skips
+  such steps by hand wants ``skip``.
 * ``skip``: every rank zeroes the affected call's tensors, residuals and the
   compressor's and strategies' own state stay as they were (a snapshot taken
   at the start of the step is restored), the step counts in
@@ -35,8 +36,9 @@ Flags stay tensors on the hot path (no host sync) except in ``skip`` and
 ``raise`` modes, which must branch: one sync per call there. With a
 compressor or strategy that keeps state, ``skip`` (and ``propagate`` with a
 scaler) copy it at
-the start of every step (``state_dict``) and put it back at its end when some
-rank saw a NaN/Inf: one read of the step's flag then (a host sync on an
+the start of every step (``state_dict``: one copy where it declares
+``state_dict_copies``, else a deep copy of it) and put it back at its end when
+some rank saw a NaN/Inf: one read of the step's flag then (a host sync on an
 accelerator), and the copy costs what that state weighs (DGC: two buffers per
 tensor). A call encoded ahead (``Synchronizer.prepare``: its state moved
 before the verdict, as its residuals) takes no copy.

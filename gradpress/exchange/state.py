@@ -36,14 +36,20 @@ class EngineState:
 
     def _snapshot_state(self) -> dict[str, Any] | None:
         """The compressor's and strategies' own state (residuals are staged,
-        never snapshotted), or None when there is none."""
+        never snapshotted), or None when there is none: one copy of each
+        tensor, the one ``state_dict`` takes where it declares
+        ``state_dict_copies`` (only the containers are copied again), else a
+        deep copy of what it returns (it may hold live buffers)."""
         comp = self.compressor.state_dict()
         strats = {n: st.state_dict() for n, st in self.strategies.items()}
         if not comp and not any(strats.values()):
             return None
-        return copy.deepcopy({"compressor": comp, "strategies": strats})
+        return {"compressor": _own(comp, self.compressor.state_dict_copies),
+                "strategies": {n: _own(st, self.strategies[n].state_dict_copies) for n, st in strats.items()}}
 
     def _restore_state(self, snapshot: Mapping[str, Any]) -> None:
+        """Put the snapshot back; ``load_state_dict`` copies its tensors, so the
+        live state never shares one with it (a later bad step restores its own)."""
         self.compressor.load_state_dict(snapshot["compressor"])
         for name, st in snapshot["strategies"].items():
             self.strategies[name].load_state_dict(st)
@@ -185,6 +191,19 @@ def _check_state(state: Mapping[str, Any]) -> None:
     need(isinstance(stats, Mapping), "'stats' must be a dict", stats)
     rank = state.get("rank", 0)
     need(isinstance(rank, int) and not isinstance(rank, bool) and rank >= 0, "'rank' must be an integer >= 0", rank)
+
+
+def _own(state: Any, copies: bool) -> Any:
+    """``state`` as a snapshot keeps it: ``copies`` (its tensors are the
+    caller's own): its containers copied, tensors as they are, other leaves
+    deep-copied; else a deep copy of the whole."""
+    if not copies:
+        return copy.deepcopy(state)
+    if isinstance(state, Mapping):
+        return {k: _own(v, True) for k, v in state.items()}
+    if type(state) in (list, tuple):
+        return type(state)(_own(v, True) for v in state)
+    return state if isinstance(state, torch.Tensor) else copy.deepcopy(state)
 
 
 def _tensor_bytes(obj: Any) -> int:

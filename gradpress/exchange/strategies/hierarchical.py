@@ -109,6 +109,7 @@ class Hierarchical(Strategy):
     in the host; see the module docstring."""
 
     order = 4
+    state_dict_copies = True  # numbers and a name
     planned = False
     PARAMS = (
         Param("workers_per_host", int, 0, "workers_per_host >= 0 (0: from the environment)", lambda v: v >= 0,

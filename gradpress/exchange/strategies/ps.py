@@ -63,6 +63,7 @@ class ParameterServer(Strategy):
     """Sharded parameter server; see the module docstring."""
 
     order = 3
+    state_dict_copies = True  # a fresh dict of root ranks
 
     def __init__(self, group: Any) -> None:
         super().__init__(group)
