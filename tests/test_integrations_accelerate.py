@@ -10,7 +10,9 @@ processes under ``torchrun`` (gloo).
   TensorBoard tracker (tags read back from the event files).
 * Trainer: a tiny GPT-2 built from a config (nothing downloaded) trains 4
   steps with ``attach_trainer``; the stats are in every log (and in
-  TensorBoard through ``report_to="tensorboard"``); the checkpoint folder
+  TensorBoard through ``report_to="tensorboard"``), every step's bytes equal
+  to the compressor's packets plus, as the Trainer's DDP finds unused
+  parameters, one float32 used-flag per tensor; the checkpoint folder
   holds every rank's compression state, and a run resumed from it starts
   with that state.
 
@@ -36,6 +38,14 @@ def _model_layers():  # noqa: ANN202
 
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 4))
+
+
+def _gpt2():  # noqa: ANN202
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2))
 
 
 def _accelerate_worker(out: str, steps: int, resume: str | None) -> None:
@@ -81,13 +91,12 @@ def _accelerate_worker(out: str, steps: int, resume: str | None) -> None:
 
 def _trainer_worker(out: str, steps: int, resume: str | None) -> None:
     import torch
-    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+    from transformers import Trainer, TrainerCallback, TrainingArguments
 
     import gradpress.accelerate
 
     torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2))
+    model = _gpt2()
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 64, (64, 16), generator=g)
     data = [{"input_ids": row, "labels": row} for row in ids]
@@ -111,7 +120,8 @@ def _trainer_worker(out: str, steps: int, resume: str | None) -> None:
     trainer.add_callback(Keep())
     trainer.train(resume_from_checkpoint=resume)
     rank = torch.distributed.get_rank()
-    torch.save({"logs": logged, "start": keep.get("start"), "state": cb.hook.state_dict(), "stats": dict(cb.hook.stats)},
+    torch.save({"logs": logged, "start": keep.get("start"), "state": cb.hook.state_dict(), "stats": dict(cb.hook.stats),
+                "find_unused": bool(trainer.model_wrapped.find_unused_parameters)},
                os.path.join(out, f"hf-{steps}-rank{rank}.pt"))
 
 
@@ -191,16 +201,23 @@ def test_trainer_callback_registers_logs_and_checkpoints_the_compression_state(t
     if not _transformers_uses_this_torch():
         pytest.skip("the installed transformers does not support this torch (it disables its PyTorch models)")
     import torch
-    from integration_helpers import scalar_tags
+    from integration_helpers import expected_step_bytes, scalar_tags
 
     _torchrun("trainer", str(tmp_path), "4")
     runs = [torch.load(tmp_path / f"hf-4-rank{r}.pt", weights_only=True) for r in range(2)]
+    model = _gpt2()
+    sent, dense = expected_step_bytes(model, SPEC, MIN_NUMEL)
     for run in runs:
+        # the Trainer wraps a PreTrainedModel without gradient checkpointing with find_unused_parameters=True:
+        # every step then also allreduces one float32 used-flag per tensor (gradpress/exchange/plans.py)
+        want = sent + (4 * len(list(model.parameters())) if run["find_unused"] else 0)
         stats = run["stats"]
         assert stats["steps"] == 4 and stats["compressed_tensors"] > 0 and stats["ratio"] > 3
+        assert stats["last_step_bytes"] == want and stats["last_step_dense_bytes"] == dense
         steps_logged = [row for row in run["logs"] if "loss" in row]
         assert len(steps_logged) == 4
-        assert all(row["gradpress/bytes_per_step"] == stats["last_step_bytes"] for row in steps_logged)
+        assert [row["gradpress/bytes_per_step"] for row in steps_logged] == [want] * 4, (sent, run["find_unused"])
+        assert [row["gradpress/dense_bytes_per_step"] for row in steps_logged] == [dense] * 4
     saved = torch.load(tmp_path / "checkpoint-4" / "gradpress.pt", weights_only=True)
     assert saved["world_size"] == 2
     for r in range(2):
