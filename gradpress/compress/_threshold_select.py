@@ -186,7 +186,7 @@ class ThresholdSparsifier(QualityMixin, Compressor):
     exact_values = True
     int32_indices = True
     unbiased = False
-    state_dict_copies = True  # numbers in fresh containers (subclasses that add state copy it too)
+    state_dict_copies = True  # numbers in fresh containers (a subclass with its own state_dict declares its own)
     #: whether ``_threshold`` reads ``a = |x|`` (else it gets None and no
     #: full-size |x| is made)
     needs_abs = True

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from gradpress.compress._threshold_select import work_dtype
-from gradpress.compress.base import Compressor, Context, Packet, Param
+from gradpress.compress.base import Compressor, Context, Packet, Param, tensor_bytes
 from gradpress.compress.bits import pack_bits, unpack_bits
 from gradpress.compress.numerics import mean_abs, pack_scale, saturate_, unpack_scale
 from gradpress.compress.registry import register
@@ -155,6 +155,9 @@ class AdaComp(Compressor):
 
     def gradient_state(self) -> list[torch.Tensor]:
         return list(self.residues.values())
+
+    def state_nbytes(self) -> int:
+        return tensor_bytes(self.residues)
 
     def state_dict(self) -> dict[str, Any]:
         return {"residues": {k: v.clone() for k, v in self.residues.items()}}

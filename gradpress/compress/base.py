@@ -42,8 +42,8 @@ from gradpress.compress.packet import Packet, check_decode_out
 from gradpress.compress.sparse import check_indexable
 from gradpress.compress.spec import coerce_params
 
-__all__ = ["Compressor", "Context", "Packet", "Param", "all_finite", "check_decode_out", "derive_seed",
-           "generator_for"]
+__all__ = ["Compressor", "Context", "Packet", "Param", "all_finite", "check_decode_out", "declared_with",
+           "derive_seed", "generator_for", "tensor_bytes"]
 
 
 def all_finite(t: torch.Tensor) -> torch.Tensor:
@@ -179,13 +179,17 @@ class Compressor:
     #: et al. 2019, Assumption 1): what compressed gossip needs. Sparsifiers with ``exact_values`` are too.
     contractive: ClassVar[bool] = False
     #: ``state_dict()`` returns state the caller owns (every tensor a fresh copy, never a live buffer nor a view
-    #: of one that a later call changes in place): the engine's per-step snapshot then copies no tensor again
+    #: of one that a later call changes in place): the engine's per-step snapshot then copies no tensor again.
+    #: It holds for the ``state_dict`` of the class that sets it: a subclass overriding ``state_dict`` gets False
+    #: unless it sets the flag in its own body (:func:`declared_with`); so does ``state_nbytes``'s override.
     state_dict_copies: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if "encode" in cls.__dict__:
             raise TypeError(f"{cls.__name__} overrides Compressor.encode, which is final; implement _encode instead")
+        declared_with(cls, "state_dict_copies", "state_dict", False)
+        declared_with(cls, "state_nbytes", "state_dict", Compressor.state_nbytes)
 
     def __init__(self, **params: Any) -> None:
         for key, value in coerce_params(self.PARAMS, params, self.name, "compressor").items():
@@ -325,6 +329,11 @@ class Compressor:
         caller owns; otherwise ``nonfinite='skip'``'s per-step snapshot deep-copies it."""
         return {}
 
+    def state_nbytes(self) -> int:
+        """Bytes of the tensors of :meth:`state_dict`, counted without copying them (``memory_bytes``). This
+        default counts what ``state_dict`` returns; a class whose ``state_dict`` clones sums its live buffers."""
+        return tensor_bytes(self.state_dict())
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if state:
             raise ValueError(f"compressor {self.name!r} keeps no state but was given {sorted(state)}")
@@ -361,3 +370,25 @@ class Compressor:
             )
         if self.int32_indices:
             check_indexable(x.numel(), self.name)
+
+
+def declared_with(cls: type, attr: str, method: str, default: Any) -> None:
+    """Set ``cls.<attr>`` to ``default`` when the class that declares it comes after the one defining
+    ``method`` in ``cls``'s MRO: a declaration about a method (``state_dict_copies`` about ``state_dict``)
+    holds for that method only, so a subclass (or a mixin) with its own ``state_dict`` does not inherit it."""
+    def where(name: str) -> int:
+        return next((i for i, k in enumerate(cls.__mro__) if name in vars(k)), len(cls.__mro__))
+
+    if where(attr) > where(method):
+        setattr(cls, attr, default)
+
+
+def tensor_bytes(obj: Any) -> int:
+    """Bytes of the tensors in ``obj`` (nested dicts, lists and tuples)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, Mapping):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0

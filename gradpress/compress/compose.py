@@ -116,6 +116,9 @@ class Composed(Compressor):
     def gradient_state(self) -> list[torch.Tensor]:
         return self.first.gradient_state()  # the second stage keeps no state (checked at construction)
 
+    def state_nbytes(self) -> int:
+        return self.first.state_nbytes()
+
     def state_dict(self) -> dict[str, Any]:
         return self.first.state_dict()
 

@@ -61,7 +61,7 @@ from gradpress.compress._threshold_select import (
     use_blocks,
     work_dtype,
 )
-from gradpress.compress.base import Compressor, Context, Packet, Param
+from gradpress.compress.base import Compressor, Context, Packet, Param, tensor_bytes
 from gradpress.compress.numerics import row_norms, scale_pow2
 from gradpress.compress.params import ratio_param
 from gradpress.compress.registry import register
@@ -218,6 +218,9 @@ class DGC(QualityMixin, Compressor):
 
     def gradient_state(self) -> list[torch.Tensor]:
         return [*self.momentums.values(), *self.velocities.values()]
+
+    def state_nbytes(self) -> int:
+        return tensor_bytes([self.momentums, self.velocities])  # the quality meter holds numbers
 
     def state_dict(self) -> dict[str, Any]:
         return {

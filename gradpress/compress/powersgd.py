@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from gradpress.compress.base import Compressor, Context, Packet, Param, all_finite, generator_for
+from gradpress.compress.base import Compressor, Context, Packet, Param, all_finite, generator_for, tensor_bytes
 from gradpress.compress.numerics import compute_dtype, row_norms, saturate_, scale_pow2
 from gradpress.compress.registry import register
 
@@ -174,6 +174,9 @@ class PowerSGD(Compressor):
         return numel * torch.empty(0, dtype=dtype).element_size()
 
     # ------------------------------------------------------------------ state
+    def state_nbytes(self) -> int:
+        return tensor_bytes(self.q)
+
     def state_dict(self) -> dict[str, Any]:
         return {"q": {k: v.clone() for k, v in self.q.items()}}
 

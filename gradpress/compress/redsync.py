@@ -69,6 +69,7 @@ class RedSync(ThresholdSparsifier):
     )
     needs_abs = False  # mean and max of |x| and the counts come from BlockMax rows
     stateful = True  # the per-tensor warm start of correction=adaptive
+    state_dict_copies = True  # its positions in a fresh dict, besides the base's numbers
     summary = "RedSync threshold binary search between mean and max of |x| (Fang et al. 2019)"
 
     def __init__(self, **params: Any) -> None:

@@ -268,6 +268,7 @@ class SIDCo(ThresholdSparsifier):
         correction_param("adaptive: per-tensor scale + in-call guard (default); none: the paper's estimate alone"),
     )
     stateful = True
+    state_dict_copies = True  # stage counts and windows in fresh containers, besides the base's numbers
     guarded = True
     summary = "SIDCo: threshold from a fitted exponential / generalized Pareto / gamma law (Abdelmoniem et al. 2021)"
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from gradpress.compress.base import Compressor, Context, Packet, Param
+from gradpress.compress.base import Compressor, Context, Packet, Param, tensor_bytes
 from gradpress.compress.numerics import compute_dtype
 from gradpress.compress.registry import register
 from gradpress.compress.signs import decode_signs, pack_signs
@@ -75,6 +75,9 @@ class Signum(Compressor):
 
     def gradient_state(self) -> list[torch.Tensor]:
         return list(self.buffers.values())
+
+    def state_nbytes(self) -> int:
+        return tensor_bytes(self.buffers)
 
     def state_dict(self) -> dict[str, Any]:
         return {"momentum": {k: v.clone() for k, v in self.buffers.items()}}

@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from gradpress.compress.base import Compressor, Context, Packet
+from gradpress.compress.base import Compressor, Context, Packet, declared_with
 from gradpress.compress.spec import Registry
 from gradpress.exchange.costs import CostModel
 from gradpress.exchange.feedback import Feedback
@@ -180,8 +180,13 @@ class Strategy:
     #: carries only summable compressors (the planner checks candidates by it)
     summable_only: ClassVar[bool] = False
     #: ``state_dict()`` returns state the caller owns (fresh containers, no live tensor): the engine's per-step
-    #: snapshot copies only its containers (otherwise it deep-copies it)
+    #: snapshot copies only its containers (otherwise it deep-copies it). A subclass overriding ``state_dict``
+    #: gets False unless it sets the flag in its own body
     state_dict_copies: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        declared_with(cls, "state_dict_copies", "state_dict", False)
 
     def __init__(self, group: dist.ProcessGroup | None) -> None:
         self.group = group

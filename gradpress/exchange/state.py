@@ -40,12 +40,16 @@ class EngineState:
         tensor, the one ``state_dict`` takes where it declares
         ``state_dict_copies`` (only the containers are copied again), else a
         deep copy of what it returns (it may hold live buffers)."""
-        comp = self.compressor.state_dict()
-        strats = {n: st.state_dict() for n, st in self.strategies.items()}
+        comp, strats = self._owned_state()
         if not comp and not any(strats.values()):
             return None
-        return {"compressor": _own(comp, self.compressor.state_dict_copies),
-                "strategies": {n: _own(st, self.strategies[n].state_dict_copies) for n, st in strats.items()}}
+        return {"compressor": comp, "strategies": strats}
+
+    def _owned_state(self) -> tuple[Any, dict[str, Any]]:
+        """The compressor's and each strategy's ``state_dict``, owned: one copy of each tensor (see
+        :meth:`_snapshot_state`)."""
+        comp = _own(self.compressor.state_dict(), self.compressor.state_dict_copies)
+        return comp, {n: _own(st.state_dict(), st.state_dict_copies) for n, st in self.strategies.items()}
 
     def _restore_state(self, snapshot: Mapping[str, Any]) -> None:
         """Put the snapshot back; ``load_state_dict`` copies its tensors, so the
@@ -77,7 +81,7 @@ class EngineState:
         excluded) and their ``total``."""
         out = {
             "residuals": self.feedback.nbytes(WORKER),
-            "compressor": _tensor_bytes(self.compressor.state_dict()),
+            "compressor": self.compressor.state_nbytes(),  # counted on the live buffers, no copy
             "strategies": self.feedback.nbytes() - self.feedback.nbytes(WORKER),
         }
         out["total"] = sum(out.values())
@@ -123,7 +127,7 @@ class EngineState:
                              "state_dict() (e.g. to a file named with dist.get_rank()) and load its own on every "
                              "rank; nothing was loaded")
         state = upgrade_keys(state, [p[0] for p in self.params])  # one written before keys were escaped
-        backup, plan = copy.deepcopy(self.state_dict()), self.plan
+        backup, plan = self._backup(), self.plan
         part = "feedback"
         try:
             self.feedback.load_state_dict(state["feedback"])
@@ -147,6 +151,13 @@ class EngineState:
                 raise ValueError(f"gradpress state dict: {part}: {exc} (nothing was loaded)") from None
             raise ValueError(f"gradpress state dict: {part} is malformed ({type(exc).__name__}: {exc}); "
                              "nothing was loaded") from None
+
+    def _backup(self) -> dict[str, Any]:
+        """What :meth:`_restore` puts back, one copy of each tensor: the feedback store's ``state_dict``
+        (it clones the residuals), the compressor's and strategies' owned (:meth:`_owned_state`), the stats."""
+        comp, strats = self._owned_state()
+        return {"feedback": self.feedback.state_dict(), "compressor": comp, "strategies": strats,
+                "stats": copy.deepcopy(self.stats_counter.state_dict())}
 
     def _restore(self, backup: Mapping[str, Any], plan: Plan) -> None:
         """Put back what :meth:`load_state_dict` found (its own earlier state)."""
@@ -204,13 +215,3 @@ def _own(state: Any, copies: bool) -> Any:
     if type(state) in (list, tuple):
         return type(state)(_own(v, True) for v in state)
     return state if isinstance(state, torch.Tensor) else copy.deepcopy(state)
-
-
-def _tensor_bytes(obj: Any) -> int:
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, Mapping):
-        return sum(_tensor_bytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(_tensor_bytes(v) for v in obj)
-    return 0
