@@ -98,7 +98,8 @@ def check_engine(engine: _Engine) -> None:
 def check_attach(new: Any, old: Any, started: bool, engine: _Engine | None, nonfinite: str | None) -> None:
     """``ValueError`` unless ``attach_scaler(new)`` may replace ``old``: a scaler (or None), what a scaler needs
     of the bound ``engine`` (:func:`check_engine`) or of the hook's ``nonfinite`` before binding, and no
-    attaching or detaching once the first step has run (``started``: the other ranks could not learn of it)."""
+    attaching or detaching once the hook is bound (``started``: bound, or a bucket handed over; the ranks agreed
+    on the scaler at binding and no other rank could learn of the change)."""
     check_scaler(new)
     if new is not None and engine is not None:
         check_engine(engine)
