@@ -41,7 +41,12 @@ class Context:
     otherwise; a constant in gradient units (``threshold``'s ``tau``, DGC's
     ``clip``) is multiplied by it, so that it applies to the unscaled
     gradient. It enters no seed: the random stream is the same whatever the
-    scale.
+    scale. ``loss_scaler`` is True while such a hook follows a loss scaler
+    (whatever the scale, 1 included): an overflow must then surface as Inf,
+    so that the scaler skips the step and lowers the scale, as in plain fp16
+    AMP; a codec that otherwise saturates at its wire format's maximum
+    (``fp16``, ``bf16``: the cast and the bounded summands of a 16-bit sum)
+    lets it overflow instead.
     """
 
     key: str = ""
@@ -50,11 +55,15 @@ class Context:
     world_size: int = 1
     seed: int = 0
     loss_scale: float = 1.0
+    loss_scaler: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.loss_scale, bool) or not isinstance(self.loss_scale, (int, float)) \
                 or not math.isfinite(self.loss_scale) or self.loss_scale <= 0:
             raise ValueError(f"Context: loss_scale must be a finite number > 0, got {self.loss_scale!r}")
+        if not isinstance(self.loss_scaler, bool):
+            raise ValueError(f"Context: loss_scaler must be a bool (True: a loss scaler is attached, overflows "
+                             f"surface as Inf), got {self.loss_scaler!r}")
 
     @property
     def shared_seed(self) -> int:

@@ -6,7 +6,16 @@ does), and bound each summand (:meth:`_Cast.bound_summand`) so that the sum
 of N payloads, added in 16 bits, saturates near the format's maximum
 instead of overflowing to inf: an average of fp32 gradients beyond 65504
 is finite (about +-65504), not inf. The cast saturates at the target's
-largest finite value instead of overflowing to inf. Deterministic
+largest finite value instead of overflowing to inf.
+
+Under a loss scaler (``Context.loss_scaler``: the DDP hook following a
+``GradScaler``) neither holds: the cast is the plain one (round to nearest,
+Inf beyond the format's range: fp16 from 65520) and the summands are not
+bounded (:func:`gradpress.exchange.base.bound_summand`), so an overflow of
+the scaled gradient or of its 16-bit sum is Inf, as in plain fp16 AMP with
+PyTorch's ``fp16_compress_hook``: the scaler skips the step and lowers the
+scale. Saturating would hide it: the scaler would never back off and every
+update beyond the range would be silently clipped. Deterministic
 round-to-nearest, so not exactly unbiased; error feedback is off by default
 because the error is at the rounding level.
 
@@ -17,7 +26,8 @@ significant bits) down to 6.0e-8 = 2^-24; magnitudes below 2^-25 (half the
 smallest subnormal) flush to zero, so an fp32 gradient of 1e-8 decodes to
 all zeros. bf16: max 3.39e38, fp32's range (normal down to 1.2e-38,
 subnormal down to 9.2e-41 = 2^-133); fp64 inputs beyond it saturate or flush
-the same way. NaN stays NaN; +-inf saturates to +-max.
+the same way. NaN stays NaN; +-inf saturates to +-max (stays +-inf under a
+loss scaler).
 """
 
 from __future__ import annotations
@@ -37,7 +47,7 @@ class _Cast(Compressor):
     contractive = True  # relative rounding error below 1
     unbiased = False
     target: torch.dtype = torch.float16
-    uses_context = False  # a pure function of x
+    uses_context = False  # a pure function of x (and of ctx.loss_scaler)
 
     @property
     def default_error_feedback(self) -> bool:
@@ -46,8 +56,9 @@ class _Cast(Compressor):
     def _encode(self, x: torch.Tensor, ctx: Context) -> Packet:
         flat = x.reshape(-1)
         limit = torch.finfo(self.target).max
-        if x.dtype != self.target and torch.finfo(x.dtype).max > limit and not self._is_bounded(x) \
-                and self._may_overflow(flat, limit):
+        # under a loss scaler (ctx.loss_scaler) the plain cast: an overflow is Inf, which the scaler must see
+        if not ctx.loss_scaler and x.dtype != self.target and torch.finfo(x.dtype).max > limit \
+                and not self._is_bounded(x) and self._may_overflow(flat, limit):
             # saturate instead of overflowing to inf; clamped in fp32 (fp64 inputs in fp64: one rounding)
             flat = flat.to(compute_dtype(x.dtype)).clamp(-limit, limit)
         return Packet([flat.to(self.target).contiguous()], x.shape, x.dtype)

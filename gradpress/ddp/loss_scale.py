@@ -19,7 +19,10 @@ engine's ``output_scale``, by which it multiplies such averages (after aggregati
 of a sum), so that they carry the gradient's scale like every other. Error feedback on such a compressor is
 refused with a scaler (:func:`check_engine`): its residual ``p - decode`` would subtract +-1 from a scaled ``p``.
 The engine also puts that scale in every encode Context (``Context.loss_scale``), by which a compressor multiplies
-its constants in gradient units (``threshold``'s ``tau``, DGC's ``clip``), so they apply to the unscaled gradient.
+its constants in gradient units (``threshold``'s ``tau``, DGC's ``clip``), so they apply to the unscaled gradient,
+and ``Context.loss_scaler`` (the engine's ``loss_scaler``, True while a scaler is attached, whatever the scale): a
+codec of fixed range (``fp16``, ``bf16``) then lets an overflow of the scaled gradient, or of its 16-bit sum, be Inf
+instead of saturating, so that the scaler skips the step and lowers the scale, as in plain fp16 AMP.
 
 Invariant: after a step's first bucket, the state is in the scale of that step's backward (:attr:`kept`),
 which goes into the hook's state dict (``loss_scale``) so that a resume continues bit-identically.
@@ -54,6 +57,7 @@ EVERY_RANK = ("every rank's hook must follow its own loss scaler, or none: ranks
 
 class _Engine(Protocol):
     output_scale: float
+    loss_scaler: bool
     nonfinite: str
     error_feedback: bool
     compressor: Any
@@ -163,6 +167,7 @@ class LossScale:
         """At the first bucket of hook step ``step``: read the scale (once per step), bring the
         engine's state into it and make it the engine's ``output_scale`` (1 without a scaler)."""
         engine.guard.keep_on_propagate = self.scaler is not None  # an overflowed step leaves no trace
+        engine.loss_scaler = self.scaler is not None  # an fp16/bf16 wire's overflow reaches the scaler as Inf
         if self.scaler is None:
             engine.output_scale = 1.0  # none attached (or detached): scale-free averages stay as decoded
             if self.kept is not None:  # a loaded state kept in a loss scale, resumed without one: back to 1

@@ -30,7 +30,8 @@ from gradpress.exchange.costs import CostModel
 from gradpress.exchange.feedback import Feedback
 
 __all__ = [
-    "ExchangeResult", "Prelude", "Strategy", "aggregate", "aggregate_packets", "available", "canonical_strategy",
+    "ExchangeResult", "Prelude", "Strategy", "aggregate", "aggregate_packets", "available", "bound_summand",
+    "canonical_strategy",
     "check_strategy", "encode_local", "get_strategy", "parse_strategy", "register_strategy", "resolved_strategy",
     "same_strategy", "strategy_class", "strategy_key", "strategy_names",
 ]
@@ -96,6 +97,13 @@ class ExchangeResult:
             self.tensor_bytes = [0] * len(self.tensors)
 
 
+def bound_summand(compressor: Compressor, x: torch.Tensor, summands: int, ctx: Context) -> torch.Tensor:
+    """``compressor.bound_summand(x, summands)``, or ``x`` itself while a loss scaler is attached
+    (``ctx.loss_scaler``): a sum beyond the payload dtype's range must then overflow to Inf, so that the
+    scaler skips the step and lowers the scale (plain fp16 AMP's rule), not saturate unseen."""
+    return x if ctx.loss_scaler else compressor.bound_summand(x, summands)
+
+
 def encode_local(
     compressor: Compressor, tensors: list[torch.Tensor], ctxs: list[Context], scale: float, feedback: Feedback | None,
     summands: int = 1,
@@ -105,12 +113,13 @@ def encode_local(
     computed by ``Compressor.residual`` (which may reuse ``t``'s storage:
     the tensors must be the caller's own, not gradient views).
     ``summands``: how many such packets the caller adds in their payload's
-    dtype (:meth:`Compressor.bound_summand` keeps that sum finite)."""
+    dtype (:meth:`Compressor.bound_summand` keeps that sum finite, except under a loss scaler:
+    :func:`bound_summand`)."""
     packets = []
     residuals: list[torch.Tensor] | None = [] if feedback is not None else None
     for t, c in zip(tensors, ctxs):
         x = t * scale if scale != 1.0 else t
-        packet = compressor.encode(compressor.bound_summand(x, summands), c)
+        packet = compressor.encode(bound_summand(compressor, x, summands, c), c)
         packets.append(packet)
         if residuals is not None:
             r = compressor.residual(x, packet)

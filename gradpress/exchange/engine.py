@@ -105,6 +105,7 @@ class Synchronizer(EngineState):
         self.guard = StepGuard(nonfinite, self._snapshot_state, self._restore_state, self.stats_counter)
         #: the step's loss scale (the DDP hook's scaler), in every encode Context: scale-free averages are multiplied by it
         self.output_scale = 1.0
+        self.loss_scaler = False  #: a loss scaler is attached (set by the DDP hook; in every Context): overflows are Inf
         self.plan: Plan = self.choice.initial_plan(self.params)
 
     # ------------------------------------------------------------ properties
@@ -303,7 +304,8 @@ class Synchronizer(EngineState):
         return d
 
     def _ctx(self, key: str, step: int) -> Context:
-        return Context(key, step, self.rank, self.world_size, self.seed, loss_scale=self.output_scale)
+        return Context(key, step, self.rank, self.world_size, self.seed, loss_scale=self.output_scale,
+                       loss_scaler=self.loss_scaler)
 
     def _exchange(
         self, keys: list[str], tensors: list[torch.Tensor], comp_idx: list[int], decisions: list[Decision],

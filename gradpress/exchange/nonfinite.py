@@ -28,10 +28,17 @@ compressed, a NaN/Inf survives the plain sum, so the result itself tells.
 Finite inputs whose exchange overflows give a non-finite average that is
 identical on every rank (every rank decodes the same bytes): the averages
 of compressed tensors are checked too (one ``aminmax`` read each) and such
-a step is treated like a bad input. fp16/bf16 bound their summands so that
-their 16-bit sums saturate instead (``Compressor.bound_summand``; a
-guarantee up to 2,046 fp16 / 255 bf16 summands): this check is what is left
-for codecs that do not, and beyond those counts.
+a step is treated like a bad input. Without a loss scaler, fp16/bf16 bound
+their summands so that their 16-bit sums saturate instead
+(``Compressor.bound_summand``; a guarantee up to 2,046 fp16 / 255 bf16
+summands), and their cast saturates: this check is what is left for codecs
+that do not, and beyond those counts. While a loss scaler is attached
+(``Context.loss_scaler``) they do neither: an overflow of the scaled
+gradient's cast or of its 16-bit sum is Inf, as in plain fp16 AMP with an
+fp16 wire, this check sees it, and ``propagate`` hands it to every rank's
+scaler, which skips the step and lowers the scale (saturating would hide it:
+the scale would never back off and every update beyond the range would be
+clipped unseen).
 Flags stay tensors on the hot path (no host sync) except in ``skip`` and
 ``raise`` modes, which must branch: one sync per call there. With a
 compressor or strategy that keeps state, ``skip`` (and ``propagate`` with a

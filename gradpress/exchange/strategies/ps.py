@@ -168,7 +168,7 @@ class ParameterServer(Strategy):
             else:
                 avg = aggregate_packets(compressor, [by_rank[q][j] for q in range(n)], n)
                 rctx = Context(key=root_key(ctxs[i].key), step=ctxs[i].step, rank=me, world_size=n, seed=ctxs[i].seed,
-                               loss_scale=ctxs[i].loss_scale)
+                               loss_scale=ctxs[i].loss_scale, loss_scaler=ctxs[i].loss_scaler)
                 pk, _ = recompress(root_comp, avg, rctx, feedback, Feedback.key(ROOT, rctx.key))
                 out_packets.append(pk)
         # 3. broadcast each root's bytes; everyone decodes them

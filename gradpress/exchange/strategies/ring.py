@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from gradpress.compress.base import Compressor, Context, Packet
-from gradpress.exchange.base import ExchangeResult, Prelude, Strategy, register_strategy
+from gradpress.exchange.base import ExchangeResult, Prelude, Strategy, bound_summand, register_strategy
 from gradpress.exchange.costs import CostModel
 from gradpress.exchange.feedback import Feedback, namespace
 from gradpress.exchange.keys import hop_key
@@ -155,7 +155,7 @@ class Ring(Strategy):
 
         def ctx(i: int, c: int) -> Context:
             return Context(key=hop_key(ctxs[i].key, c), step=c0.step, rank=r, world_size=n, seed=c0.seed,
-                           loss_scale=c0.loss_scale)
+                           loss_scale=c0.loss_scale, loss_scaler=c0.loss_scaler)
 
         def piece(values: list[torch.Tensor], i: int, c: int) -> torch.Tensor:
             a, b = bounds[i][c]
@@ -179,8 +179,9 @@ class Ring(Strategy):
         owned = (r + 1) % n
         est_pieces: list[list[torch.Tensor]] | None = None
         if compressor.is_summable:
-            # every hop adds payloads in their own dtype: bounded summands keep the sum finite
-            own = [[compressor.encode(compressor.bound_summand(piece(flats, i, c), n), ctx(i, c)) for i in range(m)]
+            # every hop adds payloads in their own dtype: bounded summands keep the sum finite (no scaler)
+            own = [[compressor.encode(bound_summand(compressor, piece(flats, i, c), n, ctx(i, c)), ctx(i, c))
+                    for i in range(m)]
                    for c in range(n)]
             if feedback is not None:
                 est_pieces = [decode_all(own[c]) for c in range(n)]
