@@ -103,9 +103,6 @@ class Synchronizer(EngineState):
         self.feedback = Feedback()
         self.stats_counter = ExchangeStats(count_skipped=nonfinite == "skip")
         self.guard = StepGuard(nonfinite, self._snapshot_state, self._restore_state, self.stats_counter)
-        #: the step's loss scale (the DDP hook's scaler), in every encode Context: scale-free averages are multiplied by it
-        self.output_scale = 1.0
-        self.loss_scaler = False  #: a loss scaler is attached (set by the DDP hook; in every Context): overflows are Inf
         self.plan: Plan = self.choice.initial_plan(self.params)
 
     # ------------------------------------------------------------ properties

@@ -34,6 +34,12 @@ class EngineState:
     """Mixin of :class:`~gradpress.exchange.engine.Synchronizer` (uses its
     compressor, strategies, feedback, plan, choice, stats_counter, config)."""
 
+    #: the step's loss scale (set by the DDP hook while a scaler is attached; 1 otherwise), in every encode Context:
+    #: scale-free averages (``scale_degree == 0``) are multiplied by it
+    output_scale: float = 1.0
+    #: a loss scaler is attached (set by the DDP hook; in every Context): fp16/bf16 overflows become Inf, not saturated
+    loss_scaler: bool = False
+
     def _snapshot_state(self) -> dict[str, Any] | None:
         """The compressor's and strategies' own state (residuals are staged,
         never snapshotted), or None when there is none: one copy of each
