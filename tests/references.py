@@ -1,6 +1,9 @@
 """Shared float64 references the tests compute themselves, by the
 definitions, with no gradpress code: the dense top-k (``topk`` and every
-method that keeps "the k entries of largest magnitude").
+method that keeps "the k entries of largest magnitude"), and the stateful
+compressors' averages step by step (DGC, Signum, PowerSGD: :func:`dgc_run`,
+:func:`signum_run`, :func:`powersgd_run`), a step left out as after a
+skipped one.
 
 The rule, everywhere: rank the entries of the flattened tensor by their
 magnitude in float64 (exact for every float dtype), largest first, NaN above
@@ -25,7 +28,8 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["kept", "topk", "topk_dense", "topk_indices", "topk_support", "t_ref", "ci_ref", "mean_sd"]
+__all__ = ["kept", "topk", "topk_dense", "topk_indices", "topk_support", "t_ref", "ci_ref", "mean_sd",
+           "dgc_run", "signum_run", "gram_schmidt", "powersgd_run"]
 
 
 def kept(d: int, ratio: float) -> int:
@@ -98,6 +102,93 @@ def error_feedback_topk_run(grad: Callable[[int, int], torch.Tensor], world: int
             sent.append(s)
         out.append(sum(sent) / world)
     return out
+
+
+# ----------------------------------------------------------------------------- stateful compressors
+
+#: ``grads(step)``: every rank's float64 gradient of that step; ``keep(step)``: False for a step left out (its
+#: entry is None and every buffer stays as it was, as after a skipped step)
+Grads = Callable[[int], list[torch.Tensor]]
+
+
+def dgc_run(grads: Grads, steps: int, keep: Callable[[int], bool], ratio: float,
+            beta: float) -> list[torch.Tensor | None]:
+    """DGC by the definition (no clipping, no warm-up): u = beta u + g, v = v + u, send v at the top-k of |v|
+    (k = ceil(ratio d)), zero u and v there; per step the average of the ranks' sends."""
+    u: list[torch.Tensor] = []
+    v: list[torch.Tensor] = []
+    out: list[torch.Tensor | None] = []
+    for step in range(steps):
+        if not keep(step):
+            out.append(None)
+            continue
+        gs = grads(step)
+        d = gs[0].numel()
+        k = math.ceil(ratio * d)
+        if not u:
+            u = [torch.zeros(d, dtype=torch.float64) for _ in gs]
+            v = [torch.zeros(d, dtype=torch.float64) for _ in gs]
+        total = torch.zeros(d, dtype=torch.float64)
+        for r, g in enumerate(gs):
+            u[r] = beta * u[r] + g.reshape(-1)
+            v[r] = v[r] + u[r]
+            idx = torch.topk(v[r].abs(), k).indices
+            total[idx] += v[r][idx]
+            u[r][idx] = 0.0
+            v[r][idx] = 0.0
+        out.append((total / len(gs)).reshape(gs[0].shape))
+    return out
+
+
+def signum_run(grads: Grads, steps: int, keep: Callable[[int], bool], beta: float) -> list[torch.Tensor | None]:
+    """Signum's average: the majority vote of the ranks' momentum signs, m = beta m + (1 - beta) g (sign(0) =
+    +1 locally, a tie gives 0)."""
+    m: list[torch.Tensor] = []
+    out: list[torch.Tensor | None] = []
+    for step in range(steps):
+        if not keep(step):
+            out.append(None)
+            continue
+        gs = grads(step)
+        if not m:
+            m = [torch.zeros_like(g, dtype=torch.float64) for g in gs]
+        m = [beta * m[r] + (1 - beta) * g for r, g in enumerate(gs)]
+        out.append(torch.sign(sum(torch.where(x >= 0, 1.0, -1.0).double() for x in m)))
+    return out
+
+
+def gram_schmidt(p: torch.Tensor) -> torch.Tensor:
+    """The columns of ``p`` orthonormalized in order (classical Gram-Schmidt, as PowerSGD's)."""
+    p = p.clone()
+    for i in range(p.shape[1]):
+        p[:, i] /= p[:, i].norm()
+        for j in range(i + 1, p.shape[1]):
+            p[:, j] -= p[:, i] * (p[:, i] @ p[:, j])
+    return p
+
+
+def powersgd_run(grads: Grads, steps: int, keep: Callable[[int], bool],
+                 q: torch.Tensor) -> list[torch.Tensor | None]:
+    """PowerSGD with error feedback by the definition: M_r = g_r + e_r, P = orth(sum M_r Q), Q = sum M_r^T P / N,
+    average P Q^T, e_r = M_r - P Q^T; Q warm-started from the last step it was computed in, the first ``q``
+    (float64, columns x rank: the caller draws it as the compressor does)."""
+    e: list[torch.Tensor] = []
+    out: list[torch.Tensor | None] = []
+    for step in range(steps):
+        if not keep(step):
+            out.append(None)
+            continue
+        gs = grads(step)
+        if not e:
+            e = [torch.zeros_like(g, dtype=torch.float64) for g in gs]
+        ms = [g + e[r] for r, g in enumerate(gs)]
+        p = gram_schmidt(sum(x @ q for x in ms))
+        q = sum(x.t() @ p for x in ms) / len(gs)
+        avg = p @ q.t()
+        e = [x - avg for x in ms]
+        out.append(avg)
+    return out
+
 
 # ----------------------------------------------------------------------------- statistics over seeds
 

@@ -26,8 +26,7 @@ import math
 
 import pytest
 import torch
-import torch.nn as nn
-from distributed import run_workers
+from amp_helpers import Probe, cpu_scaler, run_scaler_workers, scaled_steps
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradpress
@@ -43,7 +42,6 @@ K = int(RATIO * SHAPE[0] * SHAPE[1])
 TOPK_FP16 = f"topk:ratio={RATIO}>fp16"
 #: (spec, strategy) under test
 RUNS = (("fp16", "collective"), ("fp16", "ring"), ("fp16", "ps"), (TOPK_FP16, "collective"))
-HAS_CPU_SCALER = hasattr(torch.amp, "GradScaler")
 
 
 def _grad(rank: int, step: int) -> torch.Tensor:
@@ -54,41 +52,17 @@ def _grad(rank: int, step: int) -> torch.Tensor:
     return (mags * signs).reshape(SHAPE).float()
 
 
-class _Probe(nn.Module):
-    """``forward(G) = sum(w * G)``: the gradient of ``w`` is G times the loss's upstream gradient."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.w = nn.Parameter(torch.zeros(SHAPE))
-
-    def forward(self, g: torch.Tensor) -> torch.Tensor:
-        return (self.w * g).sum()
-
-
 def _train(rank: int, spec: str, strategy: str, scaled: bool) -> dict:
     """Per step: the scale of the backward, the averaged ``w.grad`` and the optimizer's update, in float64."""
-    model = _Probe()
+    model = Probe(SHAPE)
     ddp = DDP(model)
-    scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL) if scaled else None
+    scaler = cpu_scaler(INIT_SCALE, GROWTH_INTERVAL) if scaled else None
     hook = gradpress.ddp.register(ddp, spec, strategy=strategy, min_numel=MIN_NUMEL, scaler=scaler,
                                   error_feedback=False)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    grads, scales, updates = [], [], []
-    for step in range(STEPS):
-        opt.zero_grad(set_to_none=True)
-        before = model.w.detach().double().clone()
-        loss = ddp(_grad(rank, step))
-        (scaler.scale(loss) if scaler is not None else loss).backward()
-        grads.append(model.w.grad.double().clone())
-        scales.append(scaler.get_scale() if scaler is not None else 1.0)
-        if scaler is not None:
-            scaler.step(opt)
-            scaler.update()
-        else:
-            opt.step()
-        updates.append(model.w.detach().double() - before)
+    out = scaled_steps(model, ddp, opt, scaler, lambda step: _grad(rank, step), range(STEPS), plain_step=True)
     hook.close()
-    return {"grads": grads, "scales": scales, "updates": updates}
+    return out
 
 
 def _workers(rank: int, world: int) -> dict:
@@ -97,9 +71,7 @@ def _workers(rank: int, world: int) -> dict:
 
 @pytest.fixture(scope="module")
 def results() -> list[dict]:
-    if not HAS_CPU_SCALER:
-        pytest.skip("this torch has no torch.amp.GradScaler for CPU")
-    return run_workers(_workers, 2)
+    return run_scaler_workers(_workers, 2)
 
 
 def _fp16(v: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,7 @@ import math
 
 import pytest
 import torch
-import torch.nn as nn
+from amp_helpers import Probe, close, cpu_scaler, grown_and_backed_off, run_scaler_workers, scaled_steps
 from distributed import run_workers
 from references import error_feedback_topk_run
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -46,8 +46,6 @@ OVERFLOW = 4  # rank 1's gradient holds an Inf at this step
 RATIO = 0.05
 TOPK = f"topk:ratio={RATIO}"
 INIT_SCALE = 2.0**10
-#: torch 2.2.2 has no device-generic ``torch.amp.GradScaler`` (only CUDA's): the scripted scaler's tests still run
-HAS_CPU_SCALER = hasattr(torch.amp, "GradScaler")
 #: (spec, strategy, what to compare): "unscaled" compares w.grad / scale, "votes" too but bit for bit (+-1)
 EQUIVARIANT = (
     ("dgc:ratio=0.05", "collective", "unscaled"),
@@ -66,29 +64,13 @@ def _grad(rank: int, step: int) -> torch.Tensor:
     return g
 
 
-class _Probe(nn.Module):
-    """``forward(G) = sum(w * G)``: the gradient of ``w`` is G times the loss's upstream gradient."""
-
-    def __init__(self, extra: int = 0) -> None:
-        super().__init__()
-        self.w = nn.Parameter(torch.zeros(SHAPE))
-        self.extra = nn.ParameterList([nn.Parameter(torch.zeros(SHAPE)) for _ in range(extra)])
-
-    def forward(self, g: torch.Tensor) -> torch.Tensor:
-        return (self.w * g).sum() + sum((p * g).sum() for p in self.extra)
-
-
-def _scaler() -> torch.amp.GradScaler:
-    return torch.amp.GradScaler("cpu", init_scale=INIT_SCALE, growth_interval=2)
-
-
 def _train(rank: int, spec: str, strategy: str, scaled: bool, start: int = 0, stop: int = STEPS,
            saved: bytes | None = None) -> dict:
     """Steps ``start..stop-1``; per step the averaged ``w.grad`` in float64 and the scale of its backward.
     ``saved``: the hook's and the scaler's states (torch.save) to resume from."""
-    model = _Probe()
+    model = Probe(SHAPE)
     ddp = DDP(model)
-    scaler = _scaler() if scaled else None
+    scaler = cpu_scaler(INIT_SCALE) if scaled else None
     # without a scaler the overflowed step is dropped with nonfinite='skip' (what a scaler's skip is to
     # 'propagate' with one attached: every state of the step put back)
     hook = gradpress.ddp.register(ddp, spec, strategy=strategy, min_numel=MIN_NUMEL, scaler=scaler,
@@ -98,20 +80,11 @@ def _train(rank: int, spec: str, strategy: str, scaled: bool, start: int = 0, st
         state = torch.load(io.BytesIO(saved), weights_only=True)
         hook.load_state_dict(state["hook"])
         scaler.load_state_dict(state["scaler"])
-    grads, scales = [], []
-    for step in range(start, stop):
-        opt.zero_grad(set_to_none=True)
-        loss = ddp(_grad(rank, step))
-        (scaler.scale(loss) if scaler is not None else loss).backward()
-        grads.append(model.w.grad.double().clone())
-        scales.append(scaler.get_scale() if scaler is not None else 1.0)
-        if scaler is not None:
-            scaler.step(opt)
-            scaler.update()
+    out = scaled_steps(model, ddp, opt, scaler, lambda step: _grad(rank, step), range(start, stop))
     buf = io.BytesIO()
     torch.save({"hook": hook.state_dict(), "scaler": scaler.state_dict() if scaler is not None else {}}, buf)
     hook.close()
-    return {"grads": grads, "scales": scales, "state": buf.getvalue()}
+    return {**out, "state": buf.getvalue()}
 
 
 def _workers(rank: int, world: int) -> dict:
@@ -125,9 +98,7 @@ def _workers(rank: int, world: int) -> dict:
 
 @pytest.fixture(scope="module")
 def results() -> list[dict]:
-    if not HAS_CPU_SCALER:
-        pytest.skip("this torch has no torch.amp.GradScaler for CPU")
-    return run_workers(_workers, 2)
+    return run_scaler_workers(_workers, 2)
 
 
 def _scripted_workers(rank: int, world: int) -> dict:
@@ -145,13 +116,8 @@ def _reference(world: int) -> list[torch.Tensor | None]:
     return error_feedback_topk_run(_grad, world, STEPS, RATIO)
 
 
-def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
-    return torch.allclose(got, want, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
-
-
 def test_the_scale_sequence_grows_and_backs_off(results: list[dict]) -> None:
-    s = INIT_SCALE
-    want = [s, s, 2 * s, 2 * s, 4 * s, 2 * s, 2 * s, 4 * s]  # x2 every 2 good steps, x0.5 after the overflow
+    want = grown_and_backed_off(INIT_SCALE)  # x2 every 2 good steps, x0.5 after the overflow
     for res in results:
         assert res["topk"]["scales"] == want, res["topk"]["scales"]
 
@@ -166,7 +132,7 @@ def test_error_feedback_topk_under_a_changing_loss_scale_matches_the_unscaled_de
                 assert not bool(torch.isfinite(g).all()), f"rank {rank}: the overflow did not reach the average"
                 continue
             got = g / s
-            assert _close(got, want), (f"rank {rank} step {step} (scale {s}): unscaled average differs from the "
+            assert close(got, want), (f"rank {rank} step {step} (scale {s}): unscaled average differs from the "
                                        f"definition by {float((got - want).abs().max()):.3g} "
                                        f"(max {float(want.abs().max()):.3g})")
 
@@ -182,7 +148,7 @@ def test_state_in_gradient_units_follows_the_scale(results: list[dict], spec: st
             got, want = scaled["grads"][step], plain["grads"][step]
             if compare == "unscaled":
                 got = got / scaled["scales"][step]
-                assert _close(got, want), (f"{spec} {strategy} rank {rank} step {step}: differs from the run "
+                assert close(got, want), (f"{spec} {strategy} rank {rank} step {step}: differs from the run "
                                            f"without loss scaling by {float((got - want).abs().max()):.3g}")
             else:
                 got = got / scaled["scales"][step]
@@ -212,7 +178,7 @@ class _Scripted:
 
 def _count_reads(rank: int) -> dict:
     """Three parameters in several buckets; the scale is read once per step."""
-    model = _Probe(extra=2)
+    model = Probe(SHAPE, extra=2)
     ddp = DDP(model, bucket_cap_mb=SHAPE[0] * SHAPE[1] * 4 / 2**20)
     scripted = _Scripted([1.0, 2.0, 2.0, 0.5])
     hook = gradpress.ddp.register(ddp, TOPK, min_numel=MIN_NUMEL, scaler=scripted)
@@ -240,11 +206,11 @@ def _refusals() -> dict:
                           ("raise", {"nonfinite": "raise", "scaler": _Scripted([1.0])}),
                           ("object", {"scaler": object()})):
         try:
-            gradpress.ddp.register(DDP(_Probe()), TOPK, min_numel=MIN_NUMEL, **kwargs).close()
+            gradpress.ddp.register(DDP(Probe(SHAPE)), TOPK, min_numel=MIN_NUMEL, **kwargs).close()
             out[label] = "accepted"
         except ValueError as exc:
             out[label] = str(exc)
-    hook = gradpress.ddp.register(DDP(_Probe()), TOPK, min_numel=MIN_NUMEL, nonfinite="skip")
+    hook = gradpress.ddp.register(DDP(Probe(SHAPE)), TOPK, min_numel=MIN_NUMEL, nonfinite="skip")
     try:
         hook.attach_scaler(_Scripted([1.0]))
         out["attach"] = "accepted"

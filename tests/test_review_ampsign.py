@@ -24,8 +24,9 @@ import math
 
 import pytest
 import torch
-import torch.nn as nn
+from amp_helpers import HAS_CPU_SCALER, Probe, cpu_scaler, grown_and_backed_off
 from distributed import run_workers
+from references import dgc_run, powersgd_run, signum_run
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradpress
@@ -40,7 +41,6 @@ INIT_SCALE = 2.0 ** 16  # fp16 AMP's default
 BETA = 0.9  # Signum's and DGC's momentum (their defaults)
 DGC_RATIO = 0.05
 RANK = 2  # PowerSGD's
-HAS_CPU_SCALER = hasattr(torch.amp, "GradScaler")
 SIGN_SPECS = ("signsgd", "signum")
 STATE_SPECS = (f"dgc:ratio={DGC_RATIO}", "signum", f"powersgd:rank={RANK},start_iter=0")
 
@@ -52,23 +52,14 @@ def _grad(rank: int, step: int, dtype: torch.dtype = torch.float32) -> torch.Ten
     return g.to(dtype)
 
 
-class _Probe(nn.Module):
-    def __init__(self, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.w = nn.Parameter(torch.zeros(SHAPE, dtype=dtype))
-
-    def forward(self, g: torch.Tensor) -> torch.Tensor:
-        return (self.w * g).sum()
-
-
 # ------------------------------------------------------------------ the workers
 def _sign_run(rank: int, spec: str, scaled: bool) -> dict:
     """SGD(lr=LR) on ``w`` with ``spec``; per step ``w`` (float64) and the scale of its backward. Without a
     scaler the overflowed step is skipped by hand (what the scaler does), with ``nonfinite='skip'`` (the mode for
     that: the compressor's state is put back; ``propagate`` does so only while a scaler is attached)."""
-    model = _Probe(torch.float32)
+    model = Probe(SHAPE)
     ddp = DDP(model)
-    scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE, growth_interval=2) if scaled else None
+    scaler = cpu_scaler(INIT_SCALE) if scaled else None
     hook = gradpress.ddp.register(ddp, spec, min_numel=MIN_NUMEL, scaler=scaler,
                                   nonfinite="propagate" if scaled else "skip")
     opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -93,7 +84,7 @@ def _sign_run(rank: int, spec: str, scaled: bool) -> dict:
 def _refusal() -> str:
     try:
         scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE)
-        gradpress.ddp.register(DDP(_Probe(torch.float32)), "signsgd", min_numel=MIN_NUMEL, error_feedback=True,
+        gradpress.ddp.register(DDP(Probe(SHAPE)), "signsgd", min_numel=MIN_NUMEL, error_feedback=True,
                                scaler=scaler).close()
         return "accepted"
     except ValueError as exc:
@@ -106,7 +97,7 @@ def _late_refusal() -> dict:
     state, _ = gradpress.ddp.make_hook("signsgd", error_feedback=True, min_numel=MIN_NUMEL)
     state.attach_scaler(torch.amp.GradScaler("cpu", init_scale=INIT_SCALE))
     try:
-        state.bind(DDP(_Probe(torch.float32)))
+        state.bind(DDP(Probe(SHAPE)))
         return {"message": "accepted", "bound": state.bound}
     except ValueError as exc:
         return {"message": str(exc), "bound": state.bound}
@@ -116,9 +107,9 @@ def _state_run(rank: int, spec: str, scaled: bool = True) -> list[torch.Tensor]:
     """float64 averages of ``w.grad`` per step (``nonfinite='propagate'``), no optimizer (G is fixed); with a
     scaler attached at scale 1 (never updated) when ``scaled``: what makes the hook keep the state of an
     overflowed step."""
-    model = _Probe(torch.float64)
+    model = Probe(SHAPE, dtype=torch.float64)
     ddp = DDP(model)
-    scaler = torch.amp.GradScaler("cpu", init_scale=1.0, growth_interval=1 << 30) if scaled else None
+    scaler = cpu_scaler(1.0, growth_interval=1 << 30) if scaled else None
     hook = gradpress.ddp.register(ddp, spec, min_numel=MIN_NUMEL, scaler=scaler)
     grads = []
     for step in range(STEPS):
@@ -170,81 +161,37 @@ def _sign_reference(spec: str, world: int) -> list[torch.Tensor]:
     return out
 
 
-def _dgc_reference(world: int) -> list[torch.Tensor | None]:
-    """DGC by the definition (no clipping, no warm-up): u = beta u + g, v = v + u, send v at the top-k of |v|
-    (k = ceil(ratio d)), zero u and v there; the average of the sends. A step some rank cannot take (an Inf):
-    None, and every buffer as it was."""
-    d = SHAPE[0] * SHAPE[1]
-    k = math.ceil(DGC_RATIO * d)
-    u = [torch.zeros(d, dtype=torch.float64) for _ in range(world)]
-    v = [torch.zeros(d, dtype=torch.float64) for _ in range(world)]
-    out: list[torch.Tensor | None] = []
-    for step in range(STEPS):
-        if not _finite(step, world):
-            out.append(None)
-            continue
-        total = torch.zeros(d, dtype=torch.float64)
-        for r in range(world):
-            u[r] = BETA * u[r] + _grad(r, step, torch.float64).reshape(-1)
-            v[r] = v[r] + u[r]
-            idx = torch.topk(v[r].abs(), k).indices
-            total[idx] += v[r][idx]
-            u[r][idx] = 0.0
-            v[r][idx] = 0.0
-        out.append((total / world).reshape(SHAPE))
-    return out
+def _grads(step: int) -> list[torch.Tensor]:
+    return [_grad(r, step, torch.float64) for r in range(2)]
 
 
-def _signum_reference(world: int) -> list[torch.Tensor | None]:
+def _keep(step: int) -> bool:
+    return _finite(step, 2)
+
+
+def _dgc_reference() -> list[torch.Tensor | None]:
+    """DGC by the definition (no clipping, no warm-up; references.dgc_run); None at the overflowed step, which
+    leaves every buffer as it was."""
+    return dgc_run(_grads, STEPS, _keep, DGC_RATIO, BETA)
+
+
+def _signum_reference() -> list[torch.Tensor | None]:
     """The majority vote of the ranks' momentum signs (the average ``w.grad`` the hook returns)."""
-    m = [torch.zeros(SHAPE, dtype=torch.float64) for _ in range(world)]
-    out: list[torch.Tensor | None] = []
-    for step in range(STEPS):
-        if not _finite(step, world):
-            out.append(None)
-            continue
-        m = [BETA * m[r] + (1 - BETA) * _grad(r, step, torch.float64) for r in range(world)]
-        out.append(torch.sign(sum(_signs(x) for x in m)))
-    return out
+    return signum_run(_grads, STEPS, _keep, BETA)
 
 
-def _gram_schmidt(p: torch.Tensor) -> torch.Tensor:
-    p = p.clone()
-    for i in range(p.shape[1]):
-        p[:, i] /= p[:, i].norm()
-        for j in range(i + 1, p.shape[1]):
-            p[:, j] -= p[:, i] * (p[:, i] @ p[:, j])
-    return p
-
-
-def _powersgd_reference(world: int) -> list[torch.Tensor | None]:
-    """Rank-2 PowerSGD with error feedback (its default) by the definition: M_r = g_r + e_r, P = orth(sum M_r Q),
-    Q = sum M_r^T P / N, average P Q^T, e_r = M_r - P Q^T; Q warm-started from the last step it was computed in,
-    the first drawn from the shared seed of step 0 and key ``w`` (seed 0)."""
-    n, m = SHAPE
+def _powersgd_reference() -> list[torch.Tensor | None]:
+    """Rank-2 PowerSGD with error feedback (its default; references.powersgd_run), the first Q drawn from the
+    shared seed of step 0 and key ``w`` (seed 0)."""
     gen = torch.Generator().manual_seed(derive_seed("shared", 0, 0, "w"))
-    q = torch.randn(m, RANK, generator=gen, dtype=torch.float64)
-    e = [torch.zeros(SHAPE, dtype=torch.float64) for _ in range(world)]
-    out: list[torch.Tensor | None] = []
-    for step in range(STEPS):
-        if not _finite(step, world):
-            out.append(None)
-            continue
-        ms = [_grad(r, step, torch.float64) + e[r] for r in range(world)]
-        p = _gram_schmidt(sum(x @ q for x in ms))
-        q = sum(x.t() @ p for x in ms) / world
-        avg = p @ q.t()
-        e = [x - avg for x in ms]
-        out.append(avg)
-    return out
+    return powersgd_run(_grads, STEPS, _keep, torch.randn(SHAPE[1], RANK, generator=gen, dtype=torch.float64))
 
 
 # ---------------------------------------------------------------------- the tests
 def test_the_scale_grows_and_backs_off(results: list[dict]) -> None:
     if not HAS_CPU_SCALER:
         pytest.skip("this torch has no torch.amp.GradScaler for CPU")
-    s = INIT_SCALE
-    want = [s, s, 2 * s, 2 * s, 4 * s, 2 * s, 2 * s, 4 * s]
+    want = grown_and_backed_off(INIT_SCALE)
     for res in results:
         assert res["sign"]["signsgd"][0]["scales"] == want
 
@@ -275,7 +222,7 @@ def test_error_feedback_with_a_scale_free_compressor_is_refused_with_a_scaler(re
 @pytest.mark.skipif(not HAS_CPU_SCALER, reason="torch.amp.GradScaler('cpu') needs torch >= 2.3")
 @pytest.mark.parametrize("spec", STATE_SPECS)
 def test_an_overflowed_step_leaves_no_trace_in_compressor_state(results: list[dict], spec: str) -> None:
-    ref = {STATE_SPECS[0]: _dgc_reference, "signum": _signum_reference, STATE_SPECS[2]: _powersgd_reference}[spec](2)
+    ref = {STATE_SPECS[0]: _dgc_reference, "signum": _signum_reference, STATE_SPECS[2]: _powersgd_reference}[spec]()
     for rank, res in enumerate(results):
         for step, (got, want) in enumerate(zip(res["state"][spec], ref)):
             if want is None:
@@ -291,7 +238,7 @@ def test_without_a_scaler_an_overflowed_step_takes_no_state_copy(results: list[d
     """The copy costs more than DGC's encode, so it is taken only while a scaler is attached: without one the
     finite rank's DGC buffers take the NaN step's gradient in (the documented rule), and the step after differs
     from the reference that leaves the step out, while the steps before match it."""
-    ref = _dgc_reference(2)
+    ref = _dgc_reference()
     got = results[0]["unscaled"]
     for step in range(OVERFLOW):
         assert torch.allclose(got[step], ref[step], rtol=1e-9, atol=1e-12 * float(ref[step].abs().max())), step

@@ -25,8 +25,7 @@ import math
 
 import pytest
 import torch
-import torch.nn as nn
-from distributed import run_workers
+from amp_helpers import Probe, close, cpu_scaler, grown_and_backed_off, run_scaler_workers, scaled_steps
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradpress
@@ -38,7 +37,6 @@ OVERFLOW = 4  # rank 1's gradient holds an Inf at this step
 TAU = 1.0  # keeps about a third of N(0, 1) entries (more with the residual added)
 THRESHOLD = f"threshold:tau={TAU}"
 INIT_SCALE = 2.0**16
-HAS_CPU_SCALER = hasattr(torch.amp, "GradScaler")
 #: (spec, strategy): the scaled run's unscaled averages against the run without loss scaling
 EQUIVARIANT = (
     (THRESHOLD, "ring"),
@@ -54,39 +52,19 @@ def _grad(rank: int, step: int) -> torch.Tensor:
     return g
 
 
-class _Probe(nn.Module):
-    """``forward(G) = sum(w * G)``: the gradient of ``w`` is G times the loss's upstream gradient."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.w = nn.Parameter(torch.zeros(SHAPE))
-
-    def forward(self, g: torch.Tensor) -> torch.Tensor:
-        return (self.w * g).sum()
-
-
 def _train(rank: int, spec: str, strategy: str, scaled: bool) -> dict:
     """Per step the averaged ``w.grad`` in float64 and the scale of its backward."""
-    model = _Probe()
+    model = Probe(SHAPE)
     ddp = DDP(model)
-    scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE, growth_interval=2) if scaled else None
+    scaler = cpu_scaler(INIT_SCALE) if scaled else None
     # without a scaler the overflowed step is dropped with nonfinite='skip' (every state of the step put back)
     hook = gradpress.ddp.register(ddp, spec, strategy=strategy, min_numel=MIN_NUMEL, scaler=scaler,
                                   error_feedback=True if spec == THRESHOLD else None,
                                   nonfinite="propagate" if scaled else "skip")
     opt = torch.optim.SGD(model.parameters(), lr=0.0)  # w stays 0: the gradients are the fixed G times the scale
-    grads, scales = [], []
-    for step in range(STEPS):
-        opt.zero_grad(set_to_none=True)
-        loss = ddp(_grad(rank, step))
-        (scaler.scale(loss) if scaler is not None else loss).backward()
-        grads.append(model.w.grad.double().clone())
-        scales.append(scaler.get_scale() if scaler is not None else 1.0)
-        if scaler is not None:
-            scaler.step(opt)
-            scaler.update()
+    out = scaled_steps(model, ddp, opt, scaler, lambda step: _grad(rank, step), range(STEPS))
     hook.close()
-    return {"grads": grads, "scales": scales}
+    return out
 
 
 def _workers(rank: int, world: int) -> dict:
@@ -98,9 +76,7 @@ def _workers(rank: int, world: int) -> dict:
 
 @pytest.fixture(scope="module")
 def results() -> list[dict]:
-    if not HAS_CPU_SCALER:
-        pytest.skip("this torch has no torch.amp.GradScaler for CPU")
-    return run_workers(_workers, 2)
+    return run_scaler_workers(_workers, 2)
 
 
 def _threshold_reference(world: int) -> list[torch.Tensor | None]:
@@ -124,13 +100,8 @@ def _threshold_reference(world: int) -> list[torch.Tensor | None]:
     return out
 
 
-def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
-    return torch.allclose(got, want, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
-
-
 def test_the_scale_sequence_grows_and_backs_off(results: list[dict]) -> None:
-    s = INIT_SCALE
-    want = [s, s, 2 * s, 2 * s, 4 * s, 2 * s, 2 * s, 4 * s]  # x2 every 2 good steps, x0.5 after the overflow
+    want = grown_and_backed_off(INIT_SCALE)  # x2 every 2 good steps, x0.5 after the overflow
     for res in results:
         assert res["threshold"]["scales"] == want, res["threshold"]["scales"]
 
@@ -147,7 +118,7 @@ def test_threshold_tau_applies_in_gradient_units_under_a_loss_scale(results: lis
                 assert not bool(torch.isfinite(g).all()), f"rank {rank}: the overflow did not reach the average"
                 continue
             got = g / s
-            assert _close(got, want), (
+            assert close(got, want), (
                 f"rank {rank} step {step} (scale {s}): unscaled average differs from the float64 definition by "
                 f"{float((got - want).abs().max()):.3g} (max {float(want.abs().max()):.3g}); entries sent "
                 f"{int((got != 0).sum())}, by the definition {int((want != 0).sum())}")
@@ -161,7 +132,7 @@ def test_absolute_constants_follow_the_scale(results: list[dict], spec: str, str
             if step == OVERFLOW:
                 continue
             got, want = scaled["grads"][step] / scaled["scales"][step], plain["grads"][step]
-            assert _close(got, want), (f"{spec} {strategy} rank {rank} step {step}: differs from the run without "
+            assert close(got, want), (f"{spec} {strategy} rank {rank} step {step}: differs from the run without "
                                        f"loss scaling by {float((got - want).abs().max()):.3g} "
                                        f"(max {float(want.abs().max()):.3g})")
 

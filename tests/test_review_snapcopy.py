@@ -24,8 +24,9 @@ from typing import Any
 
 import pytest
 import torch
+from copy_count import Copies, tensor_bytes
 from distributed import one_rank_module, run_workers
-from torch.utils._python_dispatch import TorchDispatchMode
+from references import dgc_run, powersgd_run, signum_run
 
 from gradpress.compress import registry
 from gradpress.compress.base import derive_seed
@@ -101,32 +102,6 @@ def _diff(a: Any, b: Any, where: str = "") -> str | None:
     return None if a == b else f"{where}: {a!r} -> {b!r}"
 
 
-def _tensor_bytes(obj: Any) -> int:
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(_tensor_bytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(_tensor_bytes(v) for v in obj)
-    return 0
-
-
-class _Copies(TorchDispatchMode):
-    """Counts the bytes written by tensor copies (``aten.clone``'s output, ``aten.copy_``'s destination)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.bytes = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        if func is torch.ops.aten.clone.default:
-            self.bytes += out.numel() * out.element_size()
-        elif func is torch.ops.aten.copy_.default:
-            self.bytes += args[0].numel() * args[0].element_size()
-        return out
-
-
 class _LiveSignum(Signum):
     """A plugin-like Signum (not registered) whose ``state_dict`` follows torch's convention: the live buffers
     themselves (Signum updates them in place); it does not declare ``state_dict_copies``."""
@@ -166,9 +141,9 @@ def test_the_snapshot_copies_the_state_once(group, name: str) -> None:  # noqa: 
     engine = _engine(STATEFUL[name])
     for step in range(2):
         _step(engine, 0, step)
-    with _Copies() as copies:
+    with Copies() as copies:
         snapshot = engine._snapshot_state()
-    held = _tensor_bytes(snapshot)
+    held = tensor_bytes(snapshot)
     assert copies.bytes == held, (f"{name}: the snapshot copied {copies.bytes} bytes for a state of {held} "
                                   f"({copies.bytes / max(held, 1):.1f} copies)")
 
@@ -224,70 +199,20 @@ def _finite(step: int, bad: set) -> bool:
 
 
 def _dgc(gs: Callable[[int], list[torch.Tensor]], world: int, keep: Callable[[int], bool]) -> list:
-    """DGC by the definition (no clipping, no warm-up): u = beta u + g, v = v + u, send v at the top-k of |v|
-    (k = ceil(ratio d)), zero u and v there; the average of the sends. A step left out: None."""
-    d = SHAPE[0] * SHAPE[1]
-    k = math.ceil(DGC_RATIO * d)
-    u = [torch.zeros(d, dtype=torch.float64) for _ in range(world)]
-    v = [torch.zeros(d, dtype=torch.float64) for _ in range(world)]
-    out: list = []
-    for step in range(STEPS):
-        if not keep(step):
-            out.append(None)
-            continue
-        total = torch.zeros(d, dtype=torch.float64)
-        for r, g in enumerate(gs(step)):
-            u[r] = BETA * u[r] + g.reshape(-1)
-            v[r] = v[r] + u[r]
-            idx = torch.topk(v[r].abs(), k).indices
-            total[idx] += v[r][idx]
-            u[r][idx] = 0.0
-            v[r][idx] = 0.0
-        out.append((total / world).reshape(SHAPE))
-    return out
+    """DGC by the definition (no clipping, no warm-up; references.dgc_run). A step left out: None."""
+    return dgc_run(gs, STEPS, keep, DGC_RATIO, BETA)
 
 
 def _signum(gs: Callable[[int], list[torch.Tensor]], world: int, keep: Callable[[int], bool]) -> list:
-    """The majority vote of the ranks' momentum signs (sign(0) = +1 locally, a tie gives 0)."""
-    m = [torch.zeros(SHAPE, dtype=torch.float64) for _ in range(world)]
-    out: list = []
-    for step in range(STEPS):
-        if not keep(step):
-            out.append(None)
-            continue
-        m = [BETA * m[r] + (1 - BETA) * g for r, g in enumerate(gs(step))]
-        out.append(torch.sign(sum(torch.where(x >= 0, 1.0, -1.0).double() for x in m)))
-    return out
-
-
-def _gram_schmidt(p: torch.Tensor) -> torch.Tensor:
-    p = p.clone()
-    for i in range(p.shape[1]):
-        p[:, i] /= p[:, i].norm()
-        for j in range(i + 1, p.shape[1]):
-            p[:, j] -= p[:, i] * (p[:, i] @ p[:, j])
-    return p
+    """The majority vote of the ranks' momentum signs (references.signum_run)."""
+    return signum_run(gs, STEPS, keep, BETA)
 
 
 def _powersgd(gs: Callable[[int], list[torch.Tensor]], world: int, keep: Callable[[int], bool]) -> list:
-    """Rank-2 PowerSGD with error feedback: M_r = g_r + e_r, P = orth(sum M_r Q), Q = sum M_r^T P / N, average
-    P Q^T, e_r = M_r - P Q^T; Q warm-started from the last step it was computed in, the first drawn from the
-    shared seed of step 0 and key ``w`` (seed 0)."""
+    """Rank-2 PowerSGD with error feedback (references.powersgd_run), the first Q drawn from the shared seed of
+    step 0 and key ``w`` (seed 0)."""
     gen = torch.Generator().manual_seed(derive_seed("shared", 0, 0, "w"))
-    q = torch.randn(SHAPE[1], RANK, generator=gen, dtype=torch.float64)
-    e = [torch.zeros(SHAPE, dtype=torch.float64) for _ in range(world)]
-    out: list = []
-    for step in range(STEPS):
-        if not keep(step):
-            out.append(None)
-            continue
-        ms = [g + e[r] for r, g in enumerate(gs(step))]
-        p = _gram_schmidt(sum(x @ q for x in ms))
-        q = sum(x.t() @ p for x in ms) / world
-        avg = p @ q.t()
-        e = [x - avg for x in ms]
-        out.append(avg)
-    return out
+    return powersgd_run(gs, STEPS, keep, torch.randn(SHAPE[1], RANK, generator=gen, dtype=torch.float64))
 
 
 def _wire_scale(s: torch.Tensor) -> torch.Tensor:

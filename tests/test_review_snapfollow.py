@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 import torch
+from copy_count import Copies, tensor_bytes
 from distributed import one_rank_module
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from gradpress.compress import registry
 from gradpress.compress.registry import _REGISTRY
@@ -68,22 +68,6 @@ class _LivePS(ParameterServer):
 
     def state_dict(self) -> dict[str, Any]:
         return {"roots": self.roots, "next_root": self._next_root}
-
-
-class _Copies(TorchDispatchMode):
-    """Counts the bytes written by tensor copies (``aten.clone``'s output, ``aten.copy_``'s destination)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.bytes = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        if func is torch.ops.aten.clone.default:
-            self.bytes += out.numel() * out.element_size()
-        elif func is torch.ops.aten.copy_.default:
-            self.bytes += args[0].numel() * args[0].element_size()
-        return out
 
 
 @pytest.fixture()
@@ -157,7 +141,7 @@ def test_memory_bytes_counts_the_live_buffers_without_copying_them(group, spec: 
     comp = getattr(comp, "first", comp)  # a composition's state is its first stage's
     live = [t for attr in BUFFERS[spec] for t in getattr(comp, attr).values()]
     assert live, f"{spec}: no state after two steps (the test checks nothing)"
-    with _Copies() as copies:
+    with Copies() as copies:
         mem = engine.memory_bytes()
     assert mem["compressor"] == _bytes(live), f"{spec}: {mem['compressor']} bytes, the buffers hold {_bytes(live)}"
     assert copies.bytes == 0, f"{spec}: memory_bytes copied {copies.bytes} bytes to count {_bytes(live)}"
@@ -171,17 +155,8 @@ def test_memory_bytes_of_every_stateful_compressor_is_its_state_dicts_bytes(grou
         spec = next((s for s in BUFFERS if s.split(":")[0] == name), name)
         engine = _engine(spec, nonfinite="propagate")
         _run(engine, 2)
-        held = 0
-        stack: list = [engine.compressor.state_dict()]
-        while stack:
-            obj = stack.pop()
-            if isinstance(obj, torch.Tensor):
-                held += obj.numel() * obj.element_size()
-            elif isinstance(obj, dict):
-                stack.extend(obj.values())
-            elif isinstance(obj, (list, tuple)):
-                stack.extend(obj)
-        with _Copies() as copies:
+        held = tensor_bytes(engine.compressor.state_dict())
+        with Copies() as copies:
             counted = engine.memory_bytes()["compressor"]
         assert counted == held, f"{name}: memory_bytes says {counted}, state_dict holds {held}"
         assert copies.bytes == 0, f"{name}: memory_bytes copied {copies.bytes} bytes"
@@ -198,7 +173,7 @@ def test_load_state_dict_takes_one_backup_copy(group, spec: str) -> None:  # noq
     tensors = _bytes(engine.feedback.residuals.values()) + _bytes(
         t for attr in BUFFERS[spec] for t in getattr(comp, attr).values())
     assert tensors
-    with _Copies() as copies:
+    with Copies() as copies:
         engine.load_state_dict(state)
     assert copies.bytes == 2 * tensors, (f"{spec}: loading copied {copies.bytes} bytes for {tensors} bytes of "
                                          f"state ({copies.bytes / tensors:.1f} copies; one backup + one load = 2)")
