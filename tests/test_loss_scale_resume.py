@@ -3,6 +3,9 @@
 The state dict records the scale its residuals are kept in (``loss_scale``). Resumed by a hook with no scaler,
 they must be brought back to scale 1 before they are fed back: the float64 reference is the run that never
 scaled (error-feedback top-k by its definition). Before the fix the residual was fed back 2**10 times too large.
+Also covered: a compressor's own buffers in gradient units (DGC's momentum and velocity,
+``Compressor.gradient_state``; reference ``references.dgc_run``), and a state loaded before the hook binds
+(``make_hook(spec)``, ``load_state_dict``, then ``bind``, as Lightning does; or bound by the first backward).
 One process (a one-rank gloo group): the average of one rank is its own decoded message.
 """
 
@@ -10,10 +13,11 @@ from __future__ import annotations
 
 import io
 
+import pytest
 import torch
 import torch.nn as nn
 from distributed import one_rank_module
-from references import error_feedback_topk_run
+from references import dgc_run, error_feedback_topk_run
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradpress
@@ -22,6 +26,9 @@ group = one_rank_module  # the module's fixture
 SHAPE = (8, 16)
 RATIO = 0.125
 SCALE = 2.0 ** 10
+BETA = 0.9  # DGC's momentum (its default)
+TOPK = f"topk:ratio={RATIO}"
+DGC = f"dgc:ratio={RATIO}"  # 128 entries: the sampled threshold samples them all, so it selects the exact top-k
 
 
 class _Scripted:
@@ -80,3 +87,71 @@ def test_a_state_kept_in_a_loss_scale_resumes_without_a_scaler_at_scale_one(grou
     for step, (g, want) in enumerate(zip(got, _reference(4))):
         assert torch.allclose(g, want, rtol=1e-12, atol=1e-12), (
             f"step {step}: differs from the unscaled float64 definition by {float((g - want).abs().max()):.3g}")
+
+
+def _dgc_reference(steps: int) -> list[torch.Tensor | None]:
+    """DGC by its definition (no clipping, no warm-up), unscaled, one rank."""
+    return dgc_run(lambda step: [_grad(step)], steps, lambda step: True, RATIO, BETA)
+
+
+def _saved_under_scale(spec: str, lazy: bool) -> tuple[list[torch.Tensor], bytes]:
+    """Two steps of ``spec`` under the loss scale: the unscaled averages and the saved state dict. ``lazy``: the
+    hook binds itself at its first backward (keys ``param{i}``: its state loads only into one bound alike)."""
+    model = _Probe()
+    ddp = DDP(model)
+    if lazy:
+        hook, fn = gradpress.ddp.make_hook(spec, min_numel=1, scaler=_Scripted(SCALE))
+        ddp.register_comm_hook(hook, fn)
+    else:
+        hook = gradpress.ddp.register(ddp, spec, min_numel=1, scaler=_Scripted(SCALE))
+    got = []
+    for step in range(2):
+        model.zero_grad(set_to_none=True)
+        ddp(_grad(step) * SCALE).backward()
+        got.append(model.w.grad / SCALE)
+    buf = io.BytesIO()
+    torch.save(hook.state_dict(), buf)
+    hook.close()
+    assert hook.loss_scale == SCALE
+    return got, buf.getvalue()
+
+
+def _resumed(spec: str, saved: bytes, how: str) -> list[torch.Tensor]:
+    """Steps 2 and 3 without a scaler, from ``saved``: loaded into a bound hook (``bound``), into an unbound one
+    then bound (``pending``: make_hook, load_state_dict, bind), or into one that binds at its first backward
+    (``first-backward``)."""
+    state = torch.load(io.BytesIO(saved), weights_only=True)
+    model = _Probe()
+    ddp = DDP(model)
+    if how == "bound":
+        hook = gradpress.ddp.register(ddp, spec, min_numel=1)
+        hook.load_state_dict(state)
+    else:
+        hook, fn = gradpress.ddp.make_hook(spec, min_numel=1)
+        hook.load_state_dict(state)
+        assert not hook.bound
+        if how == "pending":
+            hook.bind(ddp)
+        ddp.register_comm_hook(hook, fn)
+    got = []
+    for step in range(2, 4):
+        model.zero_grad(set_to_none=True)
+        ddp(_grad(step)).backward()
+        got.append(model.w.grad.clone())
+    assert hook.loss_scale is None
+    assert hook.step == 4
+    hook.close()
+    return got
+
+
+@pytest.mark.parametrize(("spec", "how"), [(TOPK, "pending"), (TOPK, "first-backward"), (DGC, "bound"),
+                                           (DGC, "pending"), (DGC, "first-backward")])
+def test_compressor_buffers_and_a_state_loaded_before_binding_resume_at_scale_one(group, spec: str,  # noqa: ANN001
+                                                                                   how: str) -> None:
+    got, saved = _saved_under_scale(spec, lazy=how == "first-backward")
+    got += _resumed(spec, saved, how)
+    ref = _reference(4) if spec == TOPK else _dgc_reference(4)
+    for step, (g, want) in enumerate(zip(got, ref, strict=True)):
+        assert torch.allclose(g, want, rtol=1e-12, atol=1e-12), (
+            f"{spec} ({how}) step {step}: differs from the unscaled float64 definition by "
+            f"{float((g - want).abs().max()):.3g}")
