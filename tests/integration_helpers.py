@@ -61,19 +61,24 @@ def expected_step_bytes(model: torch.nn.Module, spec: str, min_numel: int) -> tu
     return sent, dense
 
 
-def scalar_tags(logdir: Path) -> dict[str, list[float]]:
-    """Every scalar tag of the event files under ``logdir`` and its values in step order."""
+def scalar_events(logdir: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar tag of the event files under ``logdir`` and its (step, value) pairs in step order."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     files = sorted(Path(logdir).rglob("events.out.tfevents.*"))
     assert files, f"no TensorBoard event file under {logdir}"
-    out: dict[str, list[float]] = {}
+    out: dict[str, list[tuple[int, float]]] = {}
     for f in files:
         acc = EventAccumulator(str(f), size_guidance={"scalars": 0})
         acc.Reload()
         for tag in acc.Tags()["scalars"]:
-            out.setdefault(tag, []).extend(e.value for e in sorted(acc.Scalars(tag), key=lambda e: e.step))
+            out.setdefault(tag, []).extend((e.step, e.value) for e in sorted(acc.Scalars(tag), key=lambda e: e.step))
     return out
+
+
+def scalar_tags(logdir: Path) -> dict[str, list[float]]:
+    """Every scalar tag of the event files under ``logdir`` and its values in step order."""
+    return {tag: [value for _, value in events] for tag, events in scalar_events(logdir).items()}
 
 
 def leave() -> None:

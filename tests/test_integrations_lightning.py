@@ -5,7 +5,9 @@ One run trains 4 steps with top-k (bytes per step asserted against the
 compressor's own packet sizes), saves a checkpoint; a second run resumes
 from it: each rank's compression state (residuals, step, stats) is restored
 equal to what that rank saved, and training continues from step 4. The stats
-reach Lightning's TensorBoard logger (tags read back from the event files).
+reach Lightning's TensorBoard logger at every step (``log_every_n_steps=1``:
+tags, steps and values read back from the event files, against the bytes the
+test computes).
 
 This file is also the worker script: Lightning's launcher starts it again
 for rank 1 with the same arguments.
@@ -98,7 +100,7 @@ def _fit(out, max_steps: int, ckpt=None) -> None:  # noqa: ANN001
 
 def test_lightning_trains_compresses_and_resumes_with_its_compression_state(tmp_path) -> None:
     import torch
-    from integration_helpers import expected_step_bytes, scalar_tags
+    from integration_helpers import expected_step_bytes, scalar_events
 
     _fit(tmp_path, 4)
     first = [torch.load(tmp_path / f"end-4-rank{r}.pt", weights_only=True) for r in range(2)]
@@ -126,11 +128,17 @@ def test_lightning_trains_compresses_and_resumes_with_its_compression_state(tmp_
         end = torch.load(tmp_path / f"end-8-rank{r}.pt", weights_only=True)
         assert end["state"]["step"] == 8 and end["stats"]["steps"] == 8  # counts continue across the resume
 
-    tags = scalar_tags(tmp_path / "tb" / "steps4")
-    for tag in ("gradpress/bytes_per_step", "gradpress/compression_ratio", "gradpress/compress_s", "gradpress/comm_s"):
-        assert tag in tags, sorted(tags)
-    sent, _ = expected_step_bytes(_model_layers(), SPEC, MIN_NUMEL)
-    assert tags["gradpress/bytes_per_step"][-1] == sent
+    # log_every_n_steps=1: Lightning logs every step (rank 0's), the first run steps 0-3, the resumed one 4-7
+    sent, dense = expected_step_bytes(_model_layers(), SPEC, MIN_NUMEL)
+    for run, steps in (("steps4", range(4)), ("steps8", range(4, 8))):
+        events = scalar_events(tmp_path / "tb" / run)
+        for tag in ("gradpress/bytes_per_step", "gradpress/compression_ratio", "gradpress/compress_s",
+                    "gradpress/comm_s"):
+            assert tag in events, sorted(events)
+        assert events["gradpress/bytes_per_step"] == [(s, float(sent)) for s in steps], (run, sent)
+        assert events["gradpress/dense_bytes_per_step"] == [(s, float(dense)) for s in steps], (run, dense)
+        ratios = events["gradpress/compression_ratio"]  # all steps so far: every step sends the same
+        assert [s for s, _ in ratios] == list(steps) and all(r == pytest.approx(dense / sent) for _, r in ratios)
 
 
 def test_callback_refuses_another_strategy_a_foreign_world_size_and_warns_without_state() -> None:
