@@ -185,3 +185,57 @@ def test_an_average_that_one_rank_bounded_is_the_same_tensor_on_every_rank() -> 
         top = min(torch.finfo(torch.float16 if name == "fp16" else torch.bfloat16).max,
                   torch.finfo(getattr(torch, dtype.split(".")[1])).max)
         assert top / 2 * 0.99 < avg[1, 2].double() <= top, key
+
+
+# ------------------------------------------------------------- under a loss scaler: an overflow is Inf everywhere
+SCALER_STRATEGIES = ("allreduce", "allgather", "ring", "ps", "hierarchical:workers_per_host=2",
+                     "hierarchical:workers_per_host=2,outer=ring")
+SCALER_CODECS = ("fp16", "topk:ratio=0.25>fp16")
+
+
+def _scaler_worker(rank: int, world: int) -> dict:
+    """Rank 1 alone holds 1e6 at [0, 0] (its own fp16 cast overflows, whatever the division by N); every rank
+    holds 7e4 at [1, 0] (7e4 / N fits one payload, the 16-bit sum of N does not). Both exchanged with
+    ``Context.loss_scaler`` True (a loss scaler attached) and False, through every path that adds 16-bit
+    payloads or re-encodes them (collective sum, allgather, ring hops, PS root, hierarchical leaders)."""
+    from gradpress.exchange.base import parse_strategy, strategy_class
+
+    out = {}
+    x = torch.linspace(-1, 1, 64 * 4, dtype=torch.float64).reshape(64, 4).float()
+    x[1, 0] = 7e4
+    if rank == 1:
+        x[0, 0] = 1e6
+    for spec in SCALER_CODECS:
+        for strategy in SCALER_STRATEGIES:
+            name, params = parse_strategy(strategy)
+            strat = strategy_class(name)(None, **params)
+            if spec != "fp16" and name == "allreduce":
+                continue  # a composition is not summable
+            for scaler in (True, False):
+                ctx = Context(key="w", step=0, rank=rank, world_size=world, seed=3, loss_scaler=scaler)
+                res = strat.exchange(create(spec), [x.clone()], [ctx], None)
+                out[(spec, strategy, scaler)] = res.tensors[0]
+    return out
+
+
+def test_under_a_loss_scaler_one_ranks_fp16_overflow_is_inf_on_every_rank_on_every_path() -> None:
+    """Plain fp16 AMP's rule with a scaler (every rank's scaler must see the overflow and skip the step):
+    the overflowing entries come out non-finite on every rank, the same bytes everywhere; without a scaler
+    the same exchange saturates (finite). A PS root or a ring hop that re-encodes without the caller's
+    ``loss_scaler`` saturated the Inf it had received back to 65504."""
+    results = run_workers(_scaler_worker, 4)
+    assert len(results[0]) == 2 * (2 * len(SCALER_STRATEGIES) - 1)
+    for key, avg in results[0].items():
+        spec, strategy, scaler = key
+        for r, res in enumerate(results):
+            got = res[key]
+            same = torch.equal(torch.isfinite(got), torch.isfinite(avg)) and torch.equal(
+                got[torch.isfinite(got)], avg[torch.isfinite(avg)])
+            assert same, f"{key}: rank {r}'s average differs from rank 0's"
+        bad = ~torch.isfinite(avg)
+        if scaler:
+            assert bool(bad[0, 0]) and bool(bad[1, 0]), (f"{spec} via {strategy} with a scaler: the overflow was "
+                                                        f"hidden: {avg[0, 0].item()}, {avg[1, 0].item()}")
+            assert not bool(bad[2:].any()), f"{spec} via {strategy}: entries in range went non-finite"
+        else:
+            assert not bool(bad.any()), f"{spec} via {strategy} without a scaler: not saturated"
