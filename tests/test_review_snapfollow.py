@@ -181,3 +181,26 @@ def test_load_state_dict_takes_one_backup_copy(group, spec: str) -> None:  # noq
     for key in ("momentum", "momentums", "velocities", "q", "residues"):
         for k, v in state["compressor"].get(key, {}).items():
             assert torch.equal(v, after["compressor"][key][k]), f"{spec}: {key}[{k!r}] changed by the load"
+
+
+class _ExtraSignum(Signum):
+    """Keeps one more tensor besides Signum's buffers and says so in its own ``state_dict`` only (no
+    ``state_nbytes`` of its own): Signum's count of its buffers is not this class's."""
+
+    def __init__(self, **params: Any) -> None:
+        super().__init__(**params)
+        self.extra = torch.zeros(37, dtype=torch.float64)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "extra": self.extra.clone()}
+
+
+def test_state_nbytes_goes_with_its_state_dict() -> None:
+    from gradpress.compress import Context
+
+    comp = _ExtraSignum()
+    comp.encode(torch.ones(50), Context(key="w", step=1))
+    want = 50 * 4 + 37 * 8  # Signum's momentum of w (float32) and the extra float64 tensor
+    assert tensor_bytes(comp.state_dict()) == want
+    assert comp.state_nbytes() == want, (f"a subclass with its own state_dict counted {comp.state_nbytes()} bytes "
+                                         f"(Signum's buffers), its state_dict holds {want}")
