@@ -180,8 +180,8 @@ class Ring(Strategy):
         est_pieces: list[list[torch.Tensor]] | None = None
         if compressor.is_summable:
             # every hop adds payloads in their own dtype: bounded summands keep the sum finite (no scaler)
-            own = [[compressor.encode(bound_summand(compressor, piece(flats, i, c), n, ctx(i, c)), ctx(i, c))
-                    for i in range(m)]
+            own = [[compressor.encode(bound_summand(compressor, piece(flats, i, c), n, hc), hc)
+                    for i in range(m) for hc in (ctx(i, c),)]
                    for c in range(n)]
             if feedback is not None:
                 est_pieces = [decode_all(own[c]) for c in range(n)]
