@@ -73,6 +73,23 @@ def close(got: torch.Tensor, want: torch.Tensor) -> bool:
     return torch.allclose(got, want, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
 
 
+def check_unscaled_averages(run: dict, ref: list[torch.Tensor | None], label: str,
+                            detail: Callable[[torch.Tensor, torch.Tensor], str] | None = None) -> None:
+    """Each step's averaged ``w.grad`` of ``run`` (:func:`scaled_steps`) divided by the scale of its backward is
+    :func:`close` to the float64 reference ``ref``; at a step where ``ref`` is None (the overflow) the average
+    is not finite (``nonfinite='propagate'``: every rank's average is NaN, so every scaler skips).
+    ``detail(got, want)`` adds to the message."""
+    for step, (g, s, want) in enumerate(zip(run["grads"], run["scales"], ref)):
+        if want is None:
+            assert not bool(torch.isfinite(g).all()), f"{label}: the overflow did not reach the average"
+            continue
+        got = g / s
+        assert close(got, want), (
+            f"{label} step {step} (scale {s}): unscaled average differs from the float64 definition by "
+            f"{float((got - want).abs().max()):.3g} (max {float(want.abs().max()):.3g})"
+            + ("" if detail is None else f"; {detail(got, want)}"))
+
+
 def run_scaler_workers(fn: Callable[[int, int], Any], world: int) -> list:
     """:func:`distributed.run_workers`, skipped on a torch without a CPU ``GradScaler``."""
     if not HAS_CPU_SCALER:

@@ -81,12 +81,12 @@ def error_feedback_topk_mean(residuals: list[dict[str, torch.Tensor]], grads: li
 
 
 
-def error_feedback_topk_run(grad: Callable[[int, int], torch.Tensor], world: int, steps: int,
-                            ratio: float) -> list[torch.Tensor | None]:
-    """Top-k with error feedback by its definition, in float64, over ``steps`` steps of ``world`` ranks
-    (``grad(rank, step)``): per step the mean over ranks of what each sends (``p = e + g``, send
-    ``topk(p)``, ``e <- p - topk(p)``); None at a step where some rank's gradient is not finite, which
-    leaves every residual as it was (a NaN/Inf step skipped, as by a loss scaler)."""
+def error_feedback_run(grad: Callable[[int, int], torch.Tensor], world: int, steps: int,
+                       send: Callable[[torch.Tensor], torch.Tensor]) -> list[torch.Tensor | None]:
+    """A compressor with error feedback by its definition, in float64, over ``steps`` steps of ``world`` ranks
+    (``grad(rank, step)``): per step the mean over ranks of what each sends (``p = e + g``, send ``send(p)``,
+    ``e <- p - send(p)``); None at a step where some rank's gradient is not finite, which leaves every
+    residual as it was (a NaN/Inf step skipped, as by a loss scaler)."""
     residuals: list[torch.Tensor | None] = [None] * world
     out: list[torch.Tensor | None] = []
     for step in range(steps):
@@ -97,11 +97,17 @@ def error_feedback_topk_run(grad: Callable[[int, int], torch.Tensor], world: int
         sent = []
         for r in range(world):
             p = gs[r] if residuals[r] is None else residuals[r] + gs[r]
-            s = topk(p, ratio)
+            s = send(p)
             residuals[r] = p - s
             sent.append(s)
         out.append(sum(sent) / world)
     return out
+
+
+def error_feedback_topk_run(grad: Callable[[int, int], torch.Tensor], world: int, steps: int,
+                            ratio: float) -> list[torch.Tensor | None]:
+    """:func:`error_feedback_run` of top-k (``topk:ratio=...``)."""
+    return error_feedback_run(grad, world, steps, lambda p: topk(p, ratio))
 
 
 # ----------------------------------------------------------------------------- stateful compressors

@@ -32,7 +32,15 @@ import math
 
 import pytest
 import torch
-from amp_helpers import Probe, close, cpu_scaler, grown_and_backed_off, run_scaler_workers, scaled_steps
+from amp_helpers import (
+    Probe,
+    check_unscaled_averages,
+    close,
+    cpu_scaler,
+    grown_and_backed_off,
+    run_scaler_workers,
+    scaled_steps,
+)
 from distributed import run_workers
 from references import error_feedback_topk_run
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -126,15 +134,7 @@ def test_error_feedback_topk_under_a_changing_loss_scale_matches_the_unscaled_de
         results: list[dict]) -> None:
     ref = _reference(2)
     for rank, res in enumerate(results):
-        run = res["topk"]
-        for step, (g, s, want) in enumerate(zip(run["grads"], run["scales"], ref)):
-            if want is None:  # nonfinite='propagate': every rank's average is NaN, so every scaler skips
-                assert not bool(torch.isfinite(g).all()), f"rank {rank}: the overflow did not reach the average"
-                continue
-            got = g / s
-            assert close(got, want), (f"rank {rank} step {step} (scale {s}): unscaled average differs from the "
-                                       f"definition by {float((got - want).abs().max()):.3g} "
-                                       f"(max {float(want.abs().max()):.3g})")
+        check_unscaled_averages(res["topk"], ref, f"rank {rank}")
 
 
 @pytest.mark.parametrize(("spec", "strategy", "compare"), EQUIVARIANT)

@@ -25,7 +25,16 @@ import math
 
 import pytest
 import torch
-from amp_helpers import Probe, close, cpu_scaler, grown_and_backed_off, run_scaler_workers, scaled_steps
+from amp_helpers import (
+    Probe,
+    check_unscaled_averages,
+    close,
+    cpu_scaler,
+    grown_and_backed_off,
+    run_scaler_workers,
+    scaled_steps,
+)
+from references import error_feedback_run
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradpress
@@ -83,21 +92,7 @@ def _threshold_reference(world: int) -> list[torch.Tensor | None]:
     """Error-feedback ``threshold`` by the definition, in float64, without any loss scale: per step the mean
     over ranks of what each sends (p = e + G, sent = p where |p| > TAU, e = p - sent); None at the overflow step,
     which leaves every residual as it was."""
-    residuals = [torch.zeros(SHAPE, dtype=torch.float64) for _ in range(world)]
-    out: list[torch.Tensor | None] = []
-    for step in range(STEPS):
-        gs = [_grad(r, step).double() for r in range(world)]
-        if not all(bool(torch.isfinite(g).all()) for g in gs):
-            out.append(None)
-            continue
-        sent = []
-        for r in range(world):
-            p = residuals[r] + gs[r]
-            s = torch.where(p.abs() > TAU, p, torch.zeros_like(p))
-            residuals[r] = p - s
-            sent.append(s)
-        out.append(sum(sent) / world)
-    return out
+    return error_feedback_run(_grad, world, STEPS, lambda p: torch.where(p.abs() > TAU, p, torch.zeros_like(p)))
 
 
 def test_the_scale_sequence_grows_and_backs_off(results: list[dict]) -> None:
@@ -112,16 +107,8 @@ def test_threshold_tau_applies_in_gradient_units_under_a_loss_scale(results: lis
         if want is not None:
             assert 0 < int((want != 0).sum()) < want.numel(), step
     for rank, res in enumerate(results):
-        run = res["threshold"]
-        for step, (g, s, want) in enumerate(zip(run["grads"], run["scales"], ref)):
-            if want is None:  # nonfinite='propagate': every rank's average is NaN, so every scaler skips
-                assert not bool(torch.isfinite(g).all()), f"rank {rank}: the overflow did not reach the average"
-                continue
-            got = g / s
-            assert close(got, want), (
-                f"rank {rank} step {step} (scale {s}): unscaled average differs from the float64 definition by "
-                f"{float((got - want).abs().max()):.3g} (max {float(want.abs().max()):.3g}); entries sent "
-                f"{int((got != 0).sum())}, by the definition {int((want != 0).sum())}")
+        check_unscaled_averages(res["threshold"], ref, f"rank {rank}", lambda got, want: (
+            f"entries sent {int((got != 0).sum())}, by the definition {int((want != 0).sum())}"))
 
 
 @pytest.mark.parametrize(("spec", "strategy"), EQUIVARIANT)
