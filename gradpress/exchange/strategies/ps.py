@@ -29,6 +29,7 @@ received from it). Not for majority-vote compressors or multi-round protocols.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -167,8 +168,7 @@ class ParameterServer(Strategy):
                 out_packets.append(Packet(payloads, own.shape, own.dtype, dict(own.meta)))
             else:
                 avg = aggregate_packets(compressor, [by_rank[q][j] for q in range(n)], n)
-                rctx = Context(key=root_key(ctxs[i].key), step=ctxs[i].step, rank=me, world_size=n, seed=ctxs[i].seed,
-                               loss_scale=ctxs[i].loss_scale, loss_scaler=ctxs[i].loss_scaler)
+                rctx = dataclasses.replace(ctxs[i], key=root_key(ctxs[i].key), rank=me, world_size=n)
                 pk, _ = recompress(root_comp, avg, rctx, feedback, Feedback.key(ROOT, rctx.key))
                 out_packets.append(pk)
         # 3. broadcast each root's bytes; everyone decodes them

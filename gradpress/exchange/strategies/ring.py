@@ -40,6 +40,7 @@ multi-round protocols (PowerSGD).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -154,8 +155,7 @@ class Ring(Strategy):
         payload = [0] * m
 
         def ctx(i: int, c: int) -> Context:
-            return Context(key=hop_key(ctxs[i].key, c), step=c0.step, rank=r, world_size=n, seed=c0.seed,
-                           loss_scale=c0.loss_scale, loss_scaler=c0.loss_scaler)
+            return dataclasses.replace(c0, key=hop_key(ctxs[i].key, c), rank=r, world_size=n)  # c0's step, seed, scale
 
         def piece(values: list[torch.Tensor], i: int, c: int) -> torch.Tensor:
             a, b = bounds[i][c]
