@@ -33,7 +33,13 @@ class Context:
 
     ``key`` names the tensor (stable across steps: parameter name), ``step``
     is the synchronous step all ranks agree on, ``rank``/``world_size`` the
-    caller's place. ``shared_seed`` is equal on every rank (shared randomness:
+    caller's place among the compressing units whose packets are aggregated
+    (every worker of a flat strategy; under ``hierarchical`` the H host
+    leaders, ``rank`` the host's index). ``unit_workers`` is how many
+    workers' gradients the encoded tensor is the mean of: L (the workers per
+    host) at a hierarchical leader, which encodes its host's mean, 1
+    elsewhere; ``world_size * unit_workers`` is the number of workers. A
+    constant defined per worker's gradient (DGC's local clip) takes both. ``shared_seed`` is equal on every rank (shared randomness:
     random-k indices, PowerSGD init); ``private_seed`` differs per rank
     (independent stochastic rounding, so averaging reduces variance).
     ``loss_scale`` is the scale the tensor carries: the DDP hook following a
@@ -56,6 +62,7 @@ class Context:
     seed: int = 0
     loss_scale: float = 1.0
     loss_scaler: bool = False
+    unit_workers: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.loss_scale, bool) or not isinstance(self.loss_scale, (int, float)) \
@@ -64,6 +71,9 @@ class Context:
         if not isinstance(self.loss_scaler, bool):
             raise ValueError(f"Context: loss_scaler must be a bool (True: a loss scaler is attached, overflows "
                              f"surface as Inf), got {self.loss_scaler!r}")
+        if isinstance(self.unit_workers, bool) or not isinstance(self.unit_workers, int) or self.unit_workers < 1:
+            raise ValueError(f"Context: unit_workers must be an integer >= 1 (the workers whose mean the tensor "
+                             f"is: L at a hierarchical leader, else 1), got {self.unit_workers!r}")
 
     @property
     def shared_seed(self) -> int:

@@ -20,7 +20,9 @@ rank of each host is its leader.
    else allgather; or ``allreduce``, ``allgather``, ``ring``). The host
    residual ``e_h <- q_h - estimate`` is staged in the engine's feedback
    store under ``host/<key>`` on the leader: error feedback at the leader
-   (its one NaN rule and its step commit apply). An outer ring keeps its hop
+   (its one NaN rule and its step commit apply). The leader encodes as one
+   of H compressing units of a host mean of L workers (``Context``'s
+   ``rank``/``world_size`` = host/H, ``unit_workers`` = L). An outer ring keeps its hop
    residuals as usual (``ring/<key>``, leaders only).
 3. **Broadcast (dense, fast link)**: the leader broadcasts the average to its
    host (one buffer, or piece by piece when pipelined).
@@ -87,6 +89,7 @@ from gradpress.exchange.strategies.hierarchical_costs import predict_seconds
 from gradpress.exchange.strategies.hierarchical_layout import (
     check_divides,
     resolved_workers_per_host,
+    unit_contexts,
     workers_per_host_from_env,
 )
 from gradpress.exchange.strategies.hierarchical_pipeline import pipelined
@@ -251,6 +254,7 @@ class Hierarchical(Strategy):
     ) -> ExchangeResult:
         if self.hosts == 1 and self.world_size > 1:
             return self._one_host(tensors, ctxs, feedback)
+        ctxs = unit_contexts(ctxs, self.host, self.hosts, self.workers_per_host)  # the leaders' encode contexts
         pieces = self._pieces(compressor, tensors)
         if pieces is not None:
             return self._pipelined(compressor, tensors, ctxs, feedback, pieces)

@@ -1,13 +1,17 @@
 """Where ``hierarchical``'s hosts come from: the number of ranks per host
 (from the environment when not given) and the check that it divides the
 group, shared by the strategy and by ``gradpress train``'s check before any
-worker starts."""
+worker starts; and what a host's leader is to the compressor
+(:func:`unit_contexts`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
-__all__ = ["ENV_VARS", "check_divides", "resolved_workers_per_host", "workers_per_host_from_env"]
+from gradpress.compress.context import Context
+
+__all__ = ["ENV_VARS", "check_divides", "resolved_workers_per_host", "unit_contexts", "workers_per_host_from_env"]
 
 ENV_VARS = ("GRADPRESS_WORKERS_PER_HOST", "LOCAL_WORLD_SIZE")
 
@@ -44,3 +48,11 @@ def check_divides(world: int, per: int) -> None:
     if world % per:
         raise ValueError(f"strategy 'hierarchical': workers_per_host={per} does not divide the group's "
                          f"{world} ranks; allowed: a divisor of {world}")
+
+
+def unit_contexts(ctxs: list[Context], host: int, hosts: int, per: int) -> list[Context]:
+    """The leader's encode contexts: one of ``hosts`` compressing units (``rank`` its host's index,
+    ``world_size`` H, as the leaders' group numbers them), encoding the mean of its host's ``per`` workers
+    (``unit_workers`` L); every other field (key, step, seed, loss scale) as the call's. PowerSGD divides
+    Q's sum over the leaders by H; DGC clips the host mean to clip / (L sqrt(H)) (its module docstring)."""
+    return [dataclasses.replace(c, rank=host, world_size=hosts, unit_workers=per) for c in ctxs]
