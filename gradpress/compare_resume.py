@@ -24,10 +24,12 @@ directory and every differing setting, raised before anything trains:
 ``--resume`` continues the same grid and never overwrites another one's
 results; remove that directory (or give another ``--out``) to rerun it.
 
-A summary read back is what ``train.run`` returned when it finished, but for
-non-finite numbers, which summary.json stores as ``null``: a history entry's
-``metric`` and ``loss`` and ``final_loss``/``final_metric`` of a run that
-evaluated read back as NaN (an evaluation always has a number).
+Every run's summary, read back or trained now, enters the compare as
+summary.json holds it (:func:`as_written`): strict JSON, a non-finite number
+``null``, except where it can only be a number (an evaluation always has
+one): a history entry's ``metric`` and ``loss``, and ``final_metric``,
+``final_loss`` and ``test_accuracy`` of a run that evaluated, which are NaN.
+So a grid continued with ``--resume`` writes what an uninterrupted one writes.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from gradpress import train
 from gradpress.train import checkpoint, report
 from gradpress.train.config import TrainConfig, settings
 
-__all__ = ["REUSE", "RESUME", "RUN", "status", "Tally"]
+__all__ = ["REUSE", "RESUME", "RUN", "status", "Tally", "as_written"]
 
 REUSE, RESUME, RUN = "reuse", "resume", "run"
 
@@ -66,14 +68,16 @@ def _check(recorded: Any, where: str, cfg: TrainConfig, ignore: tuple[str, ...])
                          "another --out")
 
 
-def _restore_nonfinite(summary: dict[str, Any]) -> dict[str, Any]:
-    """summary.json's ``null`` for a non-finite number back to NaN where it can only be one (module doc)."""
+def as_written(summary: Mapping[str, Any], read: bool = False) -> dict[str, Any]:
+    """``summary`` as summary.json holds it, ``null`` back to NaN where only a number can stand (module doc);
+    ``read``: it was read from summary.json already."""
+    summary = dict(summary) if read else json.loads(report.dumps(summary))
     nan = math.nan
     summary["history"] = [dict(h, metric=nan if h.get("metric") is None else h["metric"],
                                loss=nan if h.get("loss") is None else h["loss"]) for h in summary.get("history", [])]
     if summary["history"]:
-        for key in ("final_metric", "final_loss"):
-            if summary.get(key) is None:
+        for key in ("final_metric", "final_loss", "test_accuracy"):
+            if key in summary and summary[key] is None:
                 summary[key] = nan
     return summary
 
@@ -93,7 +97,7 @@ def status(cfg: TrainConfig, ignore: tuple[str, ...] = ()) -> tuple[str, dict[st
         if not isinstance(summary, dict):
             raise ValueError(f"resume: {str(path)!r} is not a training summary; remove {str(out)!r} to rerun it")
         _check(summary.get("settings"), repr(str(path)), cfg, ignore)
-        return REUSE, _restore_nonfinite(summary)
+        return REUSE, as_written(summary, read=True)
     ckpt = out / checkpoint.CHECKPOINT
     if ckpt.exists():
         state = checkpoint.load(ckpt)  # a damaged file: its one-line refusal, naming it
@@ -126,7 +130,7 @@ class Tally:
         # a run about to train has no finished summary: an earlier compare's would outlive a failure or an
         # interruption of this one and pass, to a later --resume, for this run's
         (Path(cfg.out) / report.SUMMARY).unlink(missing_ok=True)
-        return train.run(train.make_config(cfg, resume=True) if what == RESUME else cfg)
+        return as_written(train.run(train.make_config(cfg, resume=True) if what == RESUME else cfg))
 
     @staticmethod
     def line(counts: Mapping[str, int], what: str = "runs") -> str:

@@ -8,7 +8,9 @@ for bit (bytes, metrics, histories), its plot byte for byte, and a second ``--re
 and rewrites every output file byte for byte. The history's training clock (``seconds``) is the sum of the
 step times the checkpoint keeps. The rest stands ``train.run`` in: the lr sweep read back, settings that
 differ (a compressor, steps, an lr in a checkpoint) refused naming the directory and each setting before
-anything trains, an equivalent compressor spelling reused. About 40 s on the shared machine."""
+anything trains, an equivalent compressor spelling reused, an earlier summary dropped before a run trains
+again, non-finite numbers read back as the compare that trained wrote them. About 75 s on the shared
+machine (the real grid 55 s)."""
 
 from __future__ import annotations
 
@@ -221,3 +223,34 @@ def test_a_run_that_trains_again_first_drops_an_earlier_summary(tmp_path, monkey
     capsys.readouterr()
     assert cli([*args, "--steps", "10", "--resume"]) == 0
     assert calls == [("none", 0.003, 10, 0)] and "running 1" in capsys.readouterr().err
+
+
+def test_non_finite_numbers_read_back_as_an_uninterrupted_compare_wrote_them(tmp_path, monkeypatch, capsys):
+    """A diverged run's NaN metric and loss and an infinite number elsewhere (summary.json: null): the
+    compare.json and compare.md of a compare read back entirely with --resume are byte for byte those of the
+    compare that trained (NaN where only a number can stand, null elsewhere: strict JSON but for those)."""
+    from pathlib import Path
+
+    base = _fake_run([])
+
+    def diverged(cfg):
+        s = base(cfg)
+        if cfg.compressor == "none":
+            return s
+        s.update(final_metric=math.nan, final_loss=math.nan, diverged_at_step=5, allow_divergence=True,
+                 plan={"predicted_s": math.inf})
+        s["history"] = [dict(s["history"][0], metric=math.nan, loss=math.inf)]
+        report.write_summary(Path(cfg.out), s)
+        return s
+
+    monkeypatch.setattr(train, "run", diverged)
+    args = ["compare", "--compressors", "none,topk:ratio=0.1", "--workload", "digits-mlp", "--steps", "10",
+            "--target", "0.5", "--no-progress", "--out", str(tmp_path / "cmp")]
+    assert cli(args) == 0
+    first = {name: (tmp_path / "cmp" / name).read_bytes() for name in ("compare.json", "compare.md")}
+    row = json.loads(first["compare.json"])[1]
+    assert row["plan"] == {"predicted_s": None} and math.isnan(row["final_metric"])
+    assert math.isnan(row["history"][0]["loss"])  # summary.json's null for inf: only a number can stand there
+    forbid(monkeypatch, "trained", (train, "run"))
+    assert cli([*args, "--resume"]) == 0
+    assert {name: (tmp_path / "cmp" / name).read_bytes() for name in first} == first
