@@ -22,8 +22,10 @@ Seeds (``--seeds N`` or ``--seeds 0,1,2``): every configuration at every
 seed; the table gives mean ± std [min, max] over seeds and counts the seeds
 that miss the target (``not reached (k of N)``), the 95% confidence
 intervals of the mean final metric and of the difference to the reference
-(paired by seed) and a rank by bytes to target
-(:data:`gradpress.compare_stats.RANK_RULE`), see :mod:`gradpress.compare_report`. Learning rate: all methods
+(paired by seed; reported within the metric's range) and a rank by bytes to target
+(:data:`gradpress.compare_stats.RANK_RULE`) or, ``rank_by="time"``, by wall-clock time to
+target, see :mod:`gradpress.compare_report`. An interrupted compare continues with
+``resume`` (:mod:`gradpress.compare_resume`). Learning rate: all methods
 share one (the table says which) unless ``--lr-sweep`` picks one per method
 (see :mod:`gradpress.compare_run`). Each run's
 own files are in ``out/<n>-<compressor>/`` (``out/<n>-<algorithm>-<compressor>/``
@@ -145,19 +147,22 @@ def target_for(summaries: list[dict[str, Any]], target: float | None = None) -> 
     return mean * (0.95 if ref["higher_is_better"] else 1.05)
 
 
-def _reached(s: Mapping[str, Any], target: float | None) -> tuple[int | None, int | None]:
+def _reached(s: Mapping[str, Any], target: float | None) -> tuple[int | None, int | None, float | None]:
+    """(step, cumulative bytes, training clock in seconds) at the first evaluation at or beyond ``target``;
+    the clock None where the history has none (a summary written before train recorded it)."""
     if target is None:
-        return None, None
+        return None, None, None
     for h in s["history"]:
         ok = h["metric"] >= target if s["higher_is_better"] else h["metric"] <= target
         if ok:
-            return h["step"], h["bytes_total"]
-    return None, None
+            return h["step"], h["bytes_total"], h.get("seconds")
+    return None, None, None
 
 
 def annotate(summaries: list[dict[str, Any]], target: float | None) -> list[dict[str, Any]]:
     """Each summary plus ``target``, ``steps_to_target``, ``bytes_to_target``,
-    ``time_to_target`` (steps to target x median step time, seconds),
+    ``time_to_target`` (wall-clock seconds of training to that evaluation: the sum of the step times before
+    it, evaluations not counted, as ``bench e2e --train-to`` measures it; the history's ``seconds``),
     ``reference`` and ``delta_vs_reference`` (vs the reference run with the
     same seed, else the reference's mean)."""
     ref = _reference(summaries)
@@ -168,12 +173,11 @@ def annotate(summaries: list[dict[str, Any]], target: float | None) -> list[dict
     out = []
     for s in summaries:
         s = dict(s)
-        steps, nbytes = _reached(s, tgt)
+        steps, nbytes, seconds = _reached(s, tgt)
         s["target"] = tgt
         s["steps_to_target"] = steps
         s["bytes_to_target"] = nbytes
-        step_s = s.get("median_step_s")
-        s["time_to_target"] = None if steps is None or step_s is None else steps * step_s
+        s["time_to_target"] = seconds
         s["reference"] = label(ref)
         base = ref_by_seed.get(s.get("seed"), ref_mean) if len(refs) > 1 else final(ref)
         s["delta_vs_reference"] = None if final(s) is None or base is None else final(s) - base
@@ -201,13 +205,13 @@ def table(summaries: list[dict[str, Any]]) -> str:
     seeds = len({s.get("seed") for s in summaries}) > 1
     lrs = len({s.get("lr") for s in summaries}) > 1
     head = ["algorithm", "compressor"] + (["seed"] if seeds else []) + (["lr"] if lrs else []) + [f"final {metric}", f"vs {ref}", "bytes/step", "ratio", "step ms", "steps to target",
-            "bytes to target"]
+            "bytes to target", "time to target (s)"]
     rows = []
     for s in summaries:
         if s.get("status") == "failed":
             rows.append([f"`{s.get('algorithm', 'ddp')}`", f"`{s['compressor']}`",
                          *([str(s.get("seed"))] if seeds else []), *([f"{s['lr']:g}"] if lrs else []),
-                         f"failed (exit {s['exit_code']})"] + ["-"] * 6)
+                         f"failed (exit {s['exit_code']})"] + ["-"] * 7)
             continue
         fm = s["final_metric"]
         d = s["delta_vs_reference"]
@@ -223,6 +227,7 @@ def table(summaries: list[dict[str, Any]]) -> str:
             "-" if s["median_step_s"] is None else f"{s['median_step_s'] * 1e3:.1f}",
             "not reached" if s["steps_to_target"] is None else str(s["steps_to_target"]),
             "-" if s["bytes_to_target"] is None else _fmt_bytes(s["bytes_to_target"]),
+            "-" if s.get("time_to_target") is None else f"{s['time_to_target']:.2f}",
         ])
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
     lines = ["| " + " | ".join(h.ljust(w) for h, w in zip(head, widths)) + " |",
@@ -236,8 +241,9 @@ def curve(runs: list[dict[str, Any]]) -> dict[str, Any]:
     ``steps`` all of them share, the ``mean`` metric, the mean cumulative
     ``bytes`` (at least 1, for a log axis) and the band ``lo``/``hi``: the 95%
     confidence interval of the mean (:func:`gradpress.compare_stats.stat`, the
-    table's interval); ``lo``/``hi`` None below two runs."""
-    from gradpress import compare_stats
+    table's interval, clipped as the table reports it to the metric's range,
+    :func:`gradpress.workloads.metric_range`); ``lo``/``hi`` None below two runs."""
+    from gradpress import compare_stats, workloads
 
     steps = sorted(set.intersection(*({h["step"] for h in s["history"]} for s in runs)))
     at = [{h["step"]: h for h in s["history"]} for s in runs]
@@ -249,7 +255,8 @@ def curve(runs: list[dict[str, Any]]) -> dict[str, Any]:
         sts = [compare_stats.stat(v) for v in vals]
         # a step where some seed's metric is not finite has no mean and no interval: no band there (NaN leaves
         # a gap, as in the mean line); stat alone would give the interval of the other seeds
-        cis = [st["ci95"] if st["k"] == st["n"] else None for st in sts]
+        low, high = workloads.metric_range(runs[0]["metric"])
+        cis = [compare_stats.clip(st["ci95"], low, high)[0] if st["k"] == st["n"] else None for st in sts]
         out["lo"] = [math.nan if c is None else c[0] for c in cis]
         out["hi"] = [math.nan if c is None else c[1] for c in cis]
     return out
@@ -335,9 +342,9 @@ def _plan_runs(compressors: str | Iterable[str] | None, algorithms: str | Iterab
 def run(compressors: str | Iterable[str] | None, options: Mapping[str, Any] | None = None, *,
         out: str | None = None, target: float | None = None, algorithms: str | Iterable[str] | None = None,
         seeds: str | int | list[int] | None = None, lr_sweep: str | list[float] | None = None,
-        sweep_steps: int | None = None) -> list[dict[str, Any]]:
+        sweep_steps: int | None = None, resume: bool = False, rank_by: str = "bytes") -> list[dict[str, Any]]:
     """See :func:`gradpress.compare_run.run`."""
     from gradpress import compare_run
 
     return compare_run.run(compressors, options, out=out, target=target, algorithms=algorithms, seeds=seeds,
-                           lr_sweep=lr_sweep, sweep_steps=sweep_steps)
+                           lr_sweep=lr_sweep, sweep_steps=sweep_steps, resume=resume, rank_by=rank_by)

@@ -8,7 +8,8 @@ A run that fails (a worker failed: :class:`~gradpress.train.launch.WorkerFailed`
 does not stop the compare: it is recorded (:func:`failure`) and the others
 go on; after every run and every output file :func:`run` raises
 :class:`RunsFailed` naming the failed runs. Ctrl-C stops at once, keeping
-what was recorded in ``compare-partial.json``."""
+what was recorded in ``compare-partial.json``; ``resume`` continues such a
+grid (:mod:`gradpress.compare_resume`)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from gradpress import compare, compare_report, compare_stats, train, workloads
+from gradpress.compare_resume import Tally
 from gradpress.compress import plugins
 from gradpress.train.config import check_out, load_toml, planned_world
 from gradpress.train.launch import WorkerFailed, check_data
@@ -57,8 +59,8 @@ def failure(cfg: Any, seed: int, out: str, exc: BaseException, sweep: bool = Fal
 
 def _config_file(opts: Mapping[str, Any], out: str | None) -> str:
     """Where the compare writes: ``out``, else the ``--config`` file's
-    ``out``, else :data:`DEFAULT_OUT`. The file may not set ``resume``:
-    compare starts every run afresh in its own directory; nor ``algorithm``
+    ``out``, else :data:`DEFAULT_OUT`. The file may not set ``resume``
+    (compare's own ``--resume`` continues a grid, run by run); nor ``algorithm``
     or ``compressor``: compare sets them per run."""
     path = opts.get("config")
     given = load_toml(str(path)) if path else {}
@@ -68,7 +70,8 @@ def _config_file(opts: Mapping[str, Any], out: str | None) -> str:
                              f"compare sets it per run from --compressors and --algorithms: remove it from the file")
     if given.get("resume", False) is not False:
         raise ValueError(f"resume: not a compare option (config file {str(path)!r} sets resume = "
-                         f"{str(given['resume']).lower()}); compare starts every run afresh: remove it from the file")
+                         f"{str(given['resume']).lower()}); to continue an interrupted compare give compare's own --resume: "
+                         "remove it from the file")
     if out is None:
         out = given.get("out", DEFAULT_OUT)
         if not isinstance(out, (str, os.PathLike)) or not str(out):
@@ -76,13 +79,22 @@ def _config_file(opts: Mapping[str, Any], out: str | None) -> str:
     return str(out)
 
 
+def _sweep_config(cfg: Any, lr: float, seed: int, steps: int | None, root: Path) -> Any:
+    over: dict[str, Any] = {"lr": lr, "seed": seed, "out": str(root / "sweep" / f"{Path(cfg.out).name}-lr{lr:g}-s{seed}")}
+    if steps is not None:
+        over["steps"] = steps
+    return train.make_config(cfg, **over)
+
+
 def sweep(configs: list[Any], rates: list[float], steps: int | None, seeds: list[int],
-          root: Path, failed: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+          root: Path, failed: list[dict[str, Any]] | None = None, tally: Tally | None = None) -> dict[str, Any]:
     """Train every config at every rate (``steps`` steps, or its own budget
     if None) and every sweep seed; pick each config's rate by
     :data:`compare_stats.BEST_LR_RULE`. Returns the JSON-able record. A run
     that fails counts as no metric (as a diverged one) and its
-    :func:`failure` record is appended to ``failed``."""
+    :func:`failure` record is appended to ``failed``. ``tally``: runs them
+    (``--resume``: a finished sweep run read back; default: afresh)."""
+    tally = tally or Tally(False)
     methods = []
     higher = True  # set by the first finished run; with none, every score is missing and the direction moot
     for i, cfg in enumerate(configs):
@@ -90,13 +102,9 @@ def sweep(configs: list[Any], rates: list[float], steps: int | None, seeds: list
         runs = []
         for lr in rates:
             for seed in seeds:
-                over: dict[str, Any] = {"lr": lr, "seed": seed,
-                                        "out": str(root / "sweep" / f"{Path(cfg.out).name}-lr{lr:g}-s{seed}")}
-                if steps is not None:
-                    over["steps"] = steps
-                run_cfg = train.make_config(cfg, **over)
+                run_cfg = _sweep_config(cfg, lr, seed, steps, root)
                 try:
-                    s = train.run(run_cfg)
+                    s = tally.train(run_cfg)
                 except (WorkerFailed, ValueError) as exc:
                     record = failure(run_cfg, seed, run_cfg.out, exc, sweep=True)
                     if failed is not None:
@@ -120,7 +128,8 @@ def sweep(configs: list[Any], rates: list[float], steps: int | None, seeds: list
 def run(compressors: str | Iterable[str] | None, options: Mapping[str, Any] | None = None, *,
         out: str | None = None, target: float | None = None,
         algorithms: str | Iterable[str] | None = None, seeds: str | int | list[int] | None = None,
-        lr_sweep: str | list[float] | None = None, sweep_steps: int | None = None) -> list[dict[str, Any]]:
+        lr_sweep: str | list[float] | None = None, sweep_steps: int | None = None, resume: bool = False,
+        rank_by: str = "bytes") -> list[dict[str, Any]]:
     """Train ``options`` (training options, as for :func:`gradpress.train.run`)
     once per (algorithm, compressor) pair and seed; write the output files;
     return the annotated per-run summaries. ``out`` None: the ``out`` of
@@ -132,7 +141,10 @@ def run(compressors: str | Iterable[str] | None, options: Mapping[str, Any] | No
     tried on ``sweep_steps`` steps (default: a quarter of ``--steps``, or
     the full budget when only epochs are given) at the first seed; each
     method then runs at its own best rate. Runs that fail are recorded and
-    the others go on; then :class:`RunsFailed` is raised (module doc)."""
+    the others go on; then :class:`RunsFailed` is raised (module doc).
+    ``resume``: continue an interrupted compare in ``out`` (:mod:`gradpress.compare_resume`; its
+    ``reused N of M runs`` line on stderr); ``rank_by``: ``bytes`` or ``time`` to target
+    (:data:`compare_stats.RANK_RULES`)."""
     opts = dict(options or {})
     for key in ("algorithm", "compressor", "resume"):
         if key in opts:
@@ -145,6 +157,10 @@ def run(compressors: str | Iterable[str] | None, options: Mapping[str, Any] | No
     if target is not None and (isinstance(target, bool) or not isinstance(target, (int, float))
                                or not math.isfinite(target)):
         raise ValueError(f"target must be a finite number, got {target!r}")
+    if rank_by not in compare_stats.RANK_RULES:
+        raise ValueError(f"rank-by must be one of {', '.join(compare_stats.RANK_RULES)}, got {rank_by!r}")
+    if not isinstance(resume, bool):
+        raise ValueError(f"resume must be true or false, got {resume!r}")
     if sweep_steps is not None and lr_sweep is None:
         raise ValueError("sweep-steps: only with --lr-sweep")
     if sweep_steps is not None and (isinstance(sweep_steps, bool) or not isinstance(sweep_steps, int)
@@ -167,13 +183,24 @@ def run(compressors: str | Iterable[str] | None, options: Mapping[str, Any] | No
             shared_lr = None  # e.g. an algorithm with its own default lr
     # a batch the data cannot fill: refused now (an option error), not by every run in turn
     check_data(configs[0], planned_world(configs[0].nproc) or 1)
+
+    def planned(cfg: Any, seed: int) -> Any:
+        return train.make_config(cfg, seed=seed, out=f"{cfg.out}-s{seed}") if multi else cfg
+
+    tally = Tally(resume)
+    if resume:  # every run directory checked before anything trains; the comparison's lr may await the sweep
+        if rates is not None:
+            Tally.log(tally.check([_sweep_config(c, lr, s, steps, root) for c in configs for lr in rates
+                                   for s in seed_list[:1]]), "lr-sweep runs")
+        Tally.log(tally.check([planned(c, s) for c in configs for s in seed_list],
+                              ignore=("lr",) if rates is not None else ()))
     for name in OUTPUTS:  # a reused directory: no file of an earlier compare is left to pass for this one's
         (root / name).unlink(missing_ok=True)
     record = None
     failed: list[dict[str, Any]] = []  # every failed run, the sweep's included
     total = 0
     if rates is not None:
-        record = sweep(configs, rates, steps, seed_list[:1], root, failed)
+        record = sweep(configs, rates, steps, seed_list[:1], root, failed, tally)
         total += len(configs) * len(rates)
         root.mkdir(parents=True, exist_ok=True)
         (root / "sweep.json").write_text(json.dumps(record, indent=2) + "\n")
@@ -181,9 +208,9 @@ def run(compressors: str | Iterable[str] | None, options: Mapping[str, Any] | No
     try:
         for cfg in configs:
             for seed in seed_list:
-                run_cfg = train.make_config(cfg, seed=seed, out=f"{cfg.out}-s{seed}") if multi else cfg
+                run_cfg = planned(cfg, seed)
                 try:
-                    rows.append(dict(train.run(run_cfg), status="finished"))
+                    rows.append(dict(tally.train(run_cfg), status="finished"))
                 except (WorkerFailed, ValueError) as exc:  # this run failed: record it, go on with the others
                     rows.append(failure(cfg, seed, run_cfg.out, exc))
                     failed.append(rows[-1])
@@ -200,15 +227,16 @@ def run(compressors: str | Iterable[str] | None, options: Mapping[str, Any] | No
     root.mkdir(parents=True, exist_ok=True)
     (root / "compare.json").write_text(json.dumps(rows, indent=2) + "\n")
     if result:
-        agg = compare_report.aggregate(result, len(seed_list))
+        agg = compare_report.aggregate(result, len(seed_list), rank_by)
         lr_note = compare_report.lr_note(result, record)
         (root / "compare-stats.json").write_text(json.dumps(
             {"seeds": seed_list, "target": result[0]["target"], "lr": lr_note, "sweep": record,
-             "plugins": plugins.record(), "rank_rule": compare_stats.RANK_RULE,
+             "plugins": plugins.record(), "rank_by": rank_by, "rank_rule": compare_stats.RANK_RULES[rank_by][1],
              "aggregate": [{k: v for k, v in g.items() if k != "rows"} for g in agg], "failed": failed},
             indent=2) + "\n")
         (root / "compare.md").write_text(compare_report.markdown(result, agg, target, seed_list, multi, lr_note, record,
-                                                                  rows=rows, failed=failed, plugins=plugins.record()))
+                                                                  rows=rows, failed=failed, plugins=plugins.record(),
+                                                                  rank_by=rank_by))
         compare.plot(result, root / "compare.png")
     if failed:
         raise RunsFailed(result, failed, total)

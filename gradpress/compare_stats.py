@@ -30,7 +30,7 @@ from gradpress.train.config import SEED_MAX  # the largest seed, train's rule
 
 __all__ = ["parse_seeds", "parse_lr_grid", "stat", "fmt", "group", "best_lr", "BEST_LR_RULE", "MAX_SEEDS",
            "t_quantile", "interval", "difference", "rank", "fmt_interval", "fmt_difference", "RANK_RULE",
-           "rank_rule"]
+           "TIME_RANK_RULE", "RANK_RULES", "rank_rule", "clip", "clip_stat"]
 
 #: the most seeds one ``--seeds`` may ask for (a count is expanded to a list up front: a typo such as
 #: ``--seeds 99999999999`` must be refused, not allocated)
@@ -172,6 +172,28 @@ def rank_rule(figure: str = "bytes to target", less: str = "fewer bytes") -> str
 
 
 RANK_RULE = rank_rule()
+#: the rule of a rank by wall-clock time to target (``bench e2e --train-to --seeds``, ``compare --rank-by time``)
+TIME_RANK_RULE = rank_rule("wall-clock time to target", "less time")
+#: ``compare --rank-by`` choice -> (the field of :mod:`gradpress.compare_report` ranked, its rule)
+RANK_RULES = {"bytes": ("bytes_to_target", RANK_RULE), "time": ("time_to_target", TIME_RANK_RULE)}
+
+
+def clip(ci: Sequence[float] | None, low: float = -math.inf, high: float = math.inf
+         ) -> tuple[list[float] | None, list[bool]]:
+    """An interval as reported: its ends clipped to ``[low, high]``, the range the quantity can take (an
+    accuracy's mean lies in [0, 1] though mean ± t s / sqrt(n) may not), and which ends were clipped
+    (``[lower, upper]``). None stays None. The t interval itself (``ci95``) is kept unclipped beside it."""
+    if ci is None:
+        return None, [False, False]
+    lo, hi = float(ci[0]), float(ci[1])
+    return [min(max(lo, low), high), min(max(hi, low), high)], [not low <= lo <= high, not low <= hi <= high]
+
+
+def clip_stat(st: dict[str, Any], low: float = -math.inf, high: float = math.inf) -> dict[str, Any]:
+    """``st`` (a :func:`stat` or :func:`difference`) with ``ci95_reported`` (its ``ci95`` clipped to
+    ``[low, high]``, :func:`clip`) and ``clipped`` (which ends were) added; ``ci95`` is left as it was."""
+    st["ci95_reported"], st["clipped"] = clip(st["ci95"], low, high)
+    return st
 
 
 def rank(stats: Sequence[Mapping[str, Any]], seeds: int, lower_is_better: bool = True) -> list[dict[str, Any]]:
@@ -198,17 +220,22 @@ def rank(stats: Sequence[Mapping[str, Any]], seeds: int, lower_is_better: bool =
     return out
 
 
-def fmt_interval(ci: Sequence[float] | None, f: Callable[[float], str] = lambda v: f"{v:.4f}") -> str:
-    """``[lo, hi]`` for a table, ``-`` without an interval."""
-    return "-" if ci is None else f"[{f(ci[0])}, {f(ci[1])}]"
+def fmt_interval(ci: Sequence[float] | None, f: Callable[[float], str] = lambda v: f"{v:.4f}",
+                 clipped: Sequence[bool] = (False, False)) -> str:
+    """``[lo, hi]`` for a table, ``-`` without an interval; an end that :func:`clip` clipped (``clipped``:
+    ``[lower, upper]``) is followed by ``(clipped)``."""
+    if ci is None:
+        return "-"
+    lo, hi = (f(v) + (" (clipped)" if c else "") for v, c in zip(ci, clipped))
+    return f"[{lo}, {hi}]"
 
 
 def fmt_difference(d: Mapping[str, Any], f: Callable[[float], str] = lambda v: f"{v:+.4f}") -> str:
-    """A :func:`difference` for a table: its interval and how it was formed
-    (``paired by seed (n)`` or ``Welch (n_a vs n_b seeds)``), ``-`` without one."""
+    """A :func:`difference` for a table: its interval (as reported, when :func:`clip_stat` clipped it) and how
+    it was formed (``paired by seed (n)`` or ``Welch (n_a vs n_b seeds)``), ``-`` without one."""
     if d["ci95"] is None:
         return "-"
-    cell = fmt_interval(d["ci95"], f)
+    cell = fmt_interval(d.get("ci95_reported", d["ci95"]), f, d.get("clipped", (False, False)))
     if d["kind"] == "paired":
         return f"{cell} paired by seed ({d['n']})"
     return f"{cell} Welch ({d['n_a']} vs {d['n_b']} seeds)"

@@ -162,10 +162,18 @@ GROUPS: dict[str, tuple[list[str], list[str], int]] = {
                 "tests/test_train_hardening.py::test_timeout_flag_is_validated_and_reaches_the_config",
                 "tests/test_train_hardening.py::test_huge_seed_names_the_field",
                 "tests/test_train_hardening.py::test_nproc_above_the_cap_is_refused_before_any_worker"], 26),
-    "compare": (["gradpress/compare.py", "gradpress/compare_run.py", "gradpress/compare_report.py"]
+    "compare": (["gradpress/compare.py", "gradpress/compare_run.py", "gradpress/compare_report.py",
+                 "gradpress/compare_resume.py"]
                 + [f"gradpress/commands/{m}.py" for m in ("algorithms", "bench", "cluster", "compare", "compressors",
                                                           "strategies", "train")],
-                ["tests/test_mutants_compare.py", "tests/test_review_compare_nan.py", "tests/test_cli_strategies.py"]
+                ["tests/test_mutants_compare.py", "tests/test_review_compare_nan.py", "tests/test_cli_strategies.py",
+                 "tests/test_compare_rank_clip.py"]
+                + [f"tests/test_compare_resume.py::{t}" for t in (  # all but the real grid's (it trains)
+                    "test_the_lr_sweep_is_read_back_and_other_settings_are_refused_by_name",
+                    "test_a_finished_run_is_reused_only_for_the_same_compressor",
+                    "test_a_summary_without_recorded_settings_is_refused_not_guessed",
+                    "test_a_run_that_trains_again_first_drops_an_earlier_summary",
+                    "test_non_finite_numbers_read_back_as_an_uninterrupted_compare_wrote_them")]
                 + [f"tests/test_compare.py::{t}" for t in (
                     "test_split_specs", "test_split_specs_rejects",
                     "test_reference_prefers_ddp_none_and_labels_name_the_algorithm", "test_target_and_steps_to_target",

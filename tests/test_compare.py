@@ -138,6 +138,8 @@ def test_compare_algorithms_on_two_workers(tmp_path, capsys):
 def _seeded(name, finals, seed, step_s=0.01, higher=True):
     run = _fake(name, finals, higher, algorithm="ddp")
     run.update(seed=seed, median_step_s=step_s, bytes_per_step=100.0, compression_ratio=1.0, lr=0.01)
+    for h in run["history"]:  # the training clock: slower early steps, so not steps x the median step time
+        h["seconds"] = h["step"] * step_s + 0.1
     return run
 
 
@@ -148,7 +150,7 @@ def test_seed_aggregate_reports_missed_targets():
             _seeded("topk", [0.5, 0.95, 0.96], 0, 0.02), _seeded("topk", [0.2, 0.3, 0.4], 1, 0.02)]
     out = compare.annotate(runs, 0.9)
     assert [r["steps_to_target"] for r in out] == [20, None, 20, None]
-    assert out[2]["time_to_target"] == pytest.approx(0.4)
+    assert out[2]["time_to_target"] == pytest.approx(20 * 0.02 + 0.1)  # the clock at step 20, not 20 x 0.02
     assert out[2]["delta_vs_reference"] == pytest.approx(0.01)  # vs the reference run of the same seed
     groups = compare_report.aggregate(out)
     assert [g["label"] for g in groups] == ["none", "topk"] and groups[0]["seeds"] == [0, 1]

@@ -45,8 +45,8 @@ FIELDS = {
 }
 
 
-#: the figure the table ranks by, and which way is better (:func:`compare_stats.rank_rule`)
-RANK_RULE = compare_stats.rank_rule("wall-clock time to target", "less time")
+#: the figure the table ranks by, and which way is better (the rule of ``gradpress compare --rank-by time``)
+RANK_RULE = compare_stats.TIME_RANK_RULE
 
 
 def combine(results: list[dict[str, Any]], seeds: list[int], command: str) -> dict[str, Any]:

@@ -35,6 +35,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="learning rates (0.003,0.01,0.03) or factors of the default lr (x0.3,x1,x3): each method "
                         "runs at each on a short budget, then the comparison runs at each method's best rate "
                         "(best final metric, ties to the smaller lr); written to sweep.json")
+    p.add_argument("--resume", action="store_true",
+                   help="continue an interrupted compare in DIR: a run with a finished summary.json of the same "
+                        "settings is read back, one with a checkpoint resumes from it, the rest run; a run directory "
+                        "of other settings is an error naming them (docs/train.md)")
+    p.add_argument("--rank-by", dest="rank_by", choices=("bytes", "time"), default="bytes",
+                   help="with --seeds, rank configurations by bytes to target (default: exact) or by wall-clock "
+                        "time to target (noisy on a shared machine)")
     p.add_argument("--sweep-steps", type=int, default=None, metavar="N",
                    help="steps per sweep run (default: a quarter of --steps; the full budget without --steps)")
     train.add_arguments(p, compare=True)
@@ -46,12 +53,14 @@ def run_cli(args: argparse.Namespace) -> int:
     and algorithms"): 0 every run finished, 1 some run failed (all the others
     ran; each named), 2 bad options (before anything trains), 3 some run's loss
     became NaN/Inf (0 with ``--allow-divergence``), 130 interrupted (Ctrl-C)."""
-    opts = {k: v for k, v in vars(args).items() if k in train.FIELDS or k == "config"}
+    # --resume is compare's own (continue the grid), not train's, which compare sets per run
+    opts = {k: v for k, v in vars(args).items() if (k in train.FIELDS or k == "config") and k != "resume"}
     out = opts.pop("out", None)
     failed: list[dict] = []
     try:
         result = compare.run(args.compressors, opts, out=out, target=args.target, algorithms=args.algorithms,
-                             seeds=args.seeds, lr_sweep=args.lr_sweep, sweep_steps=args.sweep_steps)
+                             seeds=args.seeds, lr_sweep=args.lr_sweep, sweep_steps=args.sweep_steps,
+                             resume=args.resume, rank_by=args.rank_by)
     except compare_run.RunsFailed as exc:
         result, failed = exc.result, exc.failed
         error = f"gradpress compare: error: {exc}"
@@ -94,9 +103,12 @@ def _print(args: argparse.Namespace, result: list[dict], out: str) -> None:
     print()
     print(stats["lr"]["text"])
     if args.seeds is not None:
-        groups = compare_report.aggregate(result, len(stats["seeds"]))
+        groups = compare_report.aggregate(result, len(stats["seeds"]), args.rank_by)
         print(compare_report.aggregate_table(groups, result[0]["metric"], result[0]["reference"],
-                                             stats["sweep"] is not None))
+                                             stats["sweep"] is not None, args.rank_by))
+        clipped = compare_report.clipped_note(groups, result[0]["metric"], result[0]["reference"])
+        if clipped:
+            print(clipped)
     else:
         rows = json.loads((Path(out) / "compare.json").read_text())  # failed runs included
         print(compare.table(rows))

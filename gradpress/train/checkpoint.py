@@ -17,7 +17,9 @@ file + rename) after every epoch and at the end (format ``gradpress-train/2``):
   parameters);
 * ``step_times``, ``history``, ``diverged_at_step`` (the first step whose
   loss was NaN/Inf, or None: a run goes on past it only with
-  ``--allow-divergence``, and a resumed run reports that step, not a later one).
+  ``--allow-divergence``, and a resumed run reports that step, not a later one);
+* ``settings``: every setting of the run (:func:`gradpress.train.config.settings`; absent from checkpoints
+  written before it existed), which ``gradpress compare --resume`` checks before resuming from it.
 
 Everything is tensors, numbers, strings, lists and dicts, so the file loads
 with ``torch.load(..., weights_only=True)``. Checkpoints written before
@@ -41,10 +43,10 @@ import torch
 import torch.distributed as dist
 
 from gradpress.torch_compat import allows_globals, safe_globals
-from gradpress.train.config import RESUME_FIXED, TrainConfig
+from gradpress.train.config import RESUME_FIXED, TrainConfig, settings
 
 __all__ = ["CHECKPOINT", "FORMAT", "compat", "verify", "load", "check_resume", "save", "rng_state", "set_rng_state",
-           "rank_state"]
+           "rank_state", "same_setting"]
 
 CHECKPOINT = "checkpoint.pt"
 FORMAT = "gradpress-train/2"
@@ -144,6 +146,12 @@ def check_resume(state: Any, cfg: TrainConfig, world: int, local_world: int | No
         raise ValueError("resume: the checkpoint is from a different configuration (" + "; ".join(diffs) + ")")
 
 
+def same_setting(key: str, theirs: Any, mine: Any) -> bool:
+    """Whether a recorded setting ``key`` is this run's, compressor and strategy specs in their canonical form
+    (:func:`_same` without a world size)."""
+    return _same(key, theirs, mine)
+
+
 def _same(key: str, theirs: Any, mine: Any, world: int | None = None, local_world: int | None = None) -> bool:
     """Whether a checkpoint's setting ``key`` is this run's. Compressor and
     strategy specs compare in their canonical form (``topk`` is
@@ -230,6 +238,7 @@ def save(path: Path, cfg: TrainConfig, world: int, rank: int, device: torch.devi
             "format": FORMAT, "config": compat(cfg, world), "epoch": nxt[0], "batch": nxt[1], "step": step,
             "model": model.state_dict(), "optimizer": opt.state_dict(), "ranks": gathered,
             "step_times": list(step_times), "history": list(history), "diverged_at_step": diverged_at,
+            "settings": settings(cfg),
         }, path)
     dist.barrier()
 

@@ -26,7 +26,7 @@ from gradpress import workloads
 from gradpress.train.cpus import usable_cpus
 from gradpress.train.optim import OPTIMIZERS, SCHEDULES
 
-__all__ = ["TrainConfig", "FIELDS", "RESUME_FIXED", "NONFINITE", "SEED_MAX", "make_config", "check_out", "check_seed", "check_nproc", "nproc_max", "planned_world",
+__all__ = ["TrainConfig", "FIELDS", "RESUME_FIXED", "UNRECORDED", "settings", "NONFINITE", "SEED_MAX", "make_config", "check_out", "check_seed", "check_nproc", "nproc_max", "planned_world",
            "load_toml"]
 
 #: what a step does when a rank's gradient has a NaN/Inf (``gradpress.ddp.NONFINITE_MODES``)
@@ -78,6 +78,16 @@ FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig))
 RESUME_FIXED = ("workload", "data", "hidden", "params", "samples", "text_bytes", "algorithm", "compressor",
                 "strategy", "error_feedback", "optimizer", "schedule", "batch_size", "seed", "min_numel", "nonfinite",
                 "plan_costs", "split")
+#: options that change no figure of a run (where it writes, whether it resumed, what it prints or logs, how
+#: long it waits for a peer): left out of the settings a run records (:func:`settings`)
+UNRECORDED = ("out", "resume", "progress", "timeout", "tensorboard", "log_every")
+
+
+def settings(cfg: TrainConfig) -> dict[str, Any]:
+    """The settings a run records (``summary.json``'s and the checkpoint's ``settings``): every option but
+    :data:`UNRECORDED`, as validated. ``gradpress compare --resume`` reuses or resumes a run only when these
+    equal its plan's."""
+    return {k: getattr(cfg, k) for k in FIELDS if k not in UNRECORDED}
 
 
 def load_toml(path: str) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from gradpress.compress import plugins
+from gradpress.train.config import TrainConfig, settings
 
 __all__ = ["METRICS", "SUMMARY", "human_bytes", "finite_or_null", "dumps", "MetricsLog", "summarize", "write_summary"]
 
@@ -122,6 +123,7 @@ def summarize(*, cfg: Any, described: dict[str, Any], stats: dict[str, Any], wor
         "train_s": train_s,
         "diverged_at_step": diverged_at_step,
         "allow_divergence": bool(getattr(cfg, "allow_divergence", False)),
+        "settings": settings(cfg) if isinstance(cfg, TrainConfig) else None,  # what compare --resume checks
         "plugins": plugins.record(),  # the plugin modules this run loaded (--plugin / GRADPRESS_PLUGINS)
         "history": history,
         "out": str(out),

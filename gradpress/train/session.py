@@ -8,9 +8,12 @@ Invariants:
 * Resume is exact: the checkpoint holds the model, the optimizer, every
   rank's algorithm state and RNG states, and the data position; on CPU the
   losses after resuming equal, bit for bit, those of a run that never stopped.
-* All ranks agree on every logged number: losses and metrics are
+* All ranks agree on every number in the history: losses and metrics are
   all-reduced (metrics over a sharded test set); byte counts are rank 0's
-  algorithm ``stats`` (the bytes that rank actually handed to collectives).
+  algorithm ``stats`` (the bytes that rank actually handed to collectives);
+  a history entry's ``seconds`` (the training clock at that evaluation, the
+  sum of the step times so far, evaluations not counted) is rank 0's,
+  broadcast. Step times themselves are each rank's own.
 """
 
 from __future__ import annotations
@@ -73,6 +76,9 @@ class _Logger:
         self.win_loss = torch.zeros((), dtype=torch.float64, device=run.device)
         self.win_n = 0
         self.win_time = 0.0
+        #: the training clock: the sum of the step times so far (a resumed run's restored ones included); it
+        #: stops while evaluating, as ``bench e2e --train-to``'s does
+        self.clock = sum(run.step_times)
         self.last_bytes = run.algo.stats["bytes_sent"]
         #: first step (on any rank) whose loss was not finite; inf while none (no host sync per step)
         self.bad_step = torch.full((), math.inf, dtype=torch.float64, device=run.device)
@@ -107,6 +113,7 @@ class _Logger:
                                     torch.full_like(self.bad_step, t.step))
         self.win_n += 1
         self.win_time += t.seconds
+        self.clock += t.seconds
         self.bar.update(1)
         epoch_end = t.batch == r.steps_per_epoch - 1
         last = t.step == self.total
@@ -139,8 +146,10 @@ class _Logger:
             distance = r.algo.stats.get("consensus_distance")  # gossip: measured by this evaluation
             if distance is not None:
                 row["consensus_distance"] = distance
+            clock = torch.tensor(self.clock, dtype=torch.float64, device=r.device)
+            dist.broadcast(clock, 0)  # rank 0's clock, so every rank's history is the same
             r.history.append({"step": t.step, "bytes_total": stats["bytes_sent"], "metric": r.metric_value,
-                              "loss": row["loss"]})
+                              "loss": row["loss"], "seconds": float(clock)})
         r.metrics.write(row)
         if self.events is not None:
             # read again: an evaluation (gossip) has just measured the consensus distance

@@ -13,9 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 from gradpress.workloads import charlm, charlm_transformer, digits, mnist1d, userdata, wide
-from gradpress.workloads.base import Workload, WorkloadSpec
+from gradpress.workloads.base import METRIC_RANGES, Workload, WorkloadSpec, metric_range
 
-__all__ = ["Workload", "WorkloadSpec", "names", "get", "build", "defaults", "budget_note", "DEFAULT"]
+__all__ = ["Workload", "WorkloadSpec", "METRIC_RANGES", "metric_range", "names", "get", "build", "defaults", "budget_note", "DEFAULT"]
 
 DEFAULT = "mnist1d-cnn"
 

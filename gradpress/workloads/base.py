@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import tempfile
 from collections.abc import Callable
@@ -22,7 +23,20 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["Workload", "WorkloadSpec", "mlp", "classification_score", "cache_dir", "cached_arrays", "split_cap"]
+__all__ = ["Workload", "WorkloadSpec", "mlp", "classification_score", "cache_dir", "cached_arrays", "split_cap",
+           "METRIC_RANGES", "metric_range"]
+
+#: the values each workload metric can take, by its definition: ``accuracy`` is a fraction of the test samples
+#: (correct / count, in [0, 1]); ``bits_per_char`` a mean cross-entropy in bits (>= 0, unbounded above)
+METRIC_RANGES: dict[str, tuple[float, float]] = {"accuracy": (0.0, 1.0), "bits_per_char": (0.0, math.inf)}
+
+
+def metric_range(metric: str) -> tuple[float, float]:
+    """``(low, high)``: the range of the workload metric ``metric`` (:data:`METRIC_RANGES`); ValueError naming an
+    unknown one."""
+    if metric not in METRIC_RANGES:
+        raise ValueError(f"metric {metric!r}: no known range; allowed: {', '.join(METRIC_RANGES)}")
+    return METRIC_RANGES[metric]
 
 
 def classification_score(output: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, int]:
