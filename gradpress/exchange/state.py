@@ -23,7 +23,7 @@ import torch
 
 from gradpress.exchange.feedback import WORKER
 from gradpress.exchange.keys import KEYS_FORMAT, upgrade_keys
-from gradpress.exchange.planner import Plan
+from gradpress.exchange.rollback import Rollback
 
 __all__ = ["EngineState", "STATE_FORMAT"]
 
@@ -116,9 +116,15 @@ class EngineState:
         Validates fully, then changes: a malformed state (a missing or
         mistyped part) raises ValueError naming the part, and leaves this
         engine exactly as it was (a part that fails while loading is rolled
-        back)."""
+        back: :class:`~gradpress.exchange.rollback.Rollback`)."""
+        state = self.loadable_state(state)
+        with Rollback(self.load_backup, self.restore_backup, "gradpress state dict") as rollback:
+            self.load_checked(state, rollback)
+
+    def loadable_state(self, state: Mapping[str, Any]) -> Mapping[str, Any]:
+        """``state`` checked (format, shape, configuration, rank: ValueError,
+        nothing changed) and with today's keys; what :meth:`load_checked` loads."""
         from gradpress.exchange.agree import config_diff, same_config
-        from gradpress.exchange.base import same_strategy
 
         if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
             found = repr(state.get("format")) if isinstance(state, Mapping) else f"a {type(state).__name__}"
@@ -132,46 +138,45 @@ class EngineState:
                              "the compression state is per rank (residuals differ between ranks): save each rank's "
                              "state_dict() (e.g. to a file named with dist.get_rank()) and load its own on every "
                              "rank; nothing was loaded")
-        state = upgrade_keys(state, [p[0] for p in self.params])  # one written before keys were escaped
-        backup, plan = self._backup(), self.plan
-        part = "feedback"
-        try:
-            self.feedback.load_state_dict(state["feedback"])
-            part = "compressor"
-            self.compressor.load_state_dict(state["compressor"])
-            for name, st in state.get("strategies", {}).items():
-                # an earlier version's name for the same strategy (its defaults written out)
-                name = next((n for n in self.strategies if same_strategy(name, n, self.world_size)), name)
-                if name in self.strategies:
-                    part = f"strategies[{name!r}]"
-                    self.strategies[name].load_state_dict(st)
-            part = "plan"
-            if state.get("plan") and self.strategy_name == "auto":
-                # keep the partitions the residuals are keyed by
-                self.plan = self.choice.plan_from_dict(state["plan"], self.plan)
-            part = "stats"
-            self.stats_counter.load_state_dict(state.get("stats", {}))
-        except Exception as exc:
-            self._restore(backup, plan)
-            if isinstance(exc, ValueError):
-                raise ValueError(f"gradpress state dict: {part}: {exc} (nothing was loaded)") from None
-            raise ValueError(f"gradpress state dict: {part} is malformed ({type(exc).__name__}: {exc}); "
-                             "nothing was loaded") from None
+        return upgrade_keys(state, [p[0] for p in self.params])  # one written before keys were escaped
 
-    def _backup(self) -> dict[str, Any]:
-        """What :meth:`_restore` puts back, one copy of each tensor: the feedback store's ``state_dict``
-        (it clones the residuals), the compressor's and strategies' owned (:meth:`_owned_state`), the stats."""
+    def load_checked(self, state: Mapping[str, Any], rollback: Rollback[Any], prefix: str = "") -> None:
+        """Load a :meth:`loadable_state` part by part, naming each in ``rollback.part`` (after ``prefix``);
+        inside a :class:`~gradpress.exchange.rollback.Rollback` whose backup holds :meth:`load_backup`."""
+        from gradpress.exchange.base import same_strategy
+
+        rollback.part = prefix + "feedback"
+        self.feedback.load_state_dict(state["feedback"])
+        rollback.part = prefix + "compressor"
+        self.compressor.load_state_dict(state["compressor"])
+        for name, st in state.get("strategies", {}).items():
+            # an earlier version's name for the same strategy (its defaults written out)
+            name = next((n for n in self.strategies if same_strategy(name, n, self.world_size)), name)
+            if name in self.strategies:
+                rollback.part = f"{prefix}strategies[{name!r}]"
+                self.strategies[name].load_state_dict(st)
+        rollback.part = prefix + "plan"
+        if state.get("plan") and self.strategy_name == "auto":
+            # keep the partitions the residuals are keyed by
+            self.plan = self.choice.plan_from_dict(state["plan"], self.plan)
+        rollback.part = prefix + "stats"
+        self.stats_counter.load_state_dict(state.get("stats", {}))
+
+    def load_backup(self) -> dict[str, Any]:
+        """What :meth:`restore_backup` puts back, one copy of each tensor: the feedback store's ``state_dict``
+        (it clones the residuals), the compressor's and strategies' owned (:meth:`_owned_state`), the stats,
+        the plan (an object the load replaces, never changes)."""
         comp, strats = self._owned_state()
         return {"feedback": self.feedback.state_dict(), "compressor": comp, "strategies": strats,
-                "stats": copy.deepcopy(self.stats_counter.state_dict())}
+                "stats": copy.deepcopy(self.stats_counter.state_dict()), "plan": self.plan}
 
-    def _restore(self, backup: Mapping[str, Any], plan: Plan) -> None:
-        """Put back what :meth:`load_state_dict` found (its own earlier state)."""
+    def restore_backup(self, backup: Mapping[str, Any]) -> None:
+        """Put back what :meth:`load_backup` took (this engine's own earlier state)."""
         self.feedback.load_state_dict(backup["feedback"])
         self.compressor.load_state_dict(backup["compressor"])
         for name, st in backup["strategies"].items():
             self.strategies[name].load_state_dict(st)
-        self.plan = plan
+        self.plan = backup["plan"]
         self.stats_counter.load_state_dict(backup["stats"])
 
 
