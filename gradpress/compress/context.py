@@ -32,7 +32,9 @@ class Context:
     """What a compressor may know about the call besides the tensor.
 
     ``key`` names the tensor (stable across steps: parameter name), ``step``
-    is the synchronous step all ranks agree on, ``rank``/``world_size`` the
+    is the synchronous step all ranks agree on (the exchange engine's: the
+    caller's step less the steps it dropped, ``nonfinite='skip'`` or an
+    overflow under a loss scaler, which do not count), ``rank``/``world_size`` the
     caller's place. ``shared_seed`` is equal on every rank (shared randomness:
     random-k indices, PowerSGD init); ``private_seed`` differs per rank
     (independent stochastic rounding, so averaging reduces variance).

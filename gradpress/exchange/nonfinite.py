@@ -19,6 +19,12 @@ Modes (``nonfinite=``):
   at the start of the step is restored), the step counts in
   ``stats["skipped_steps"]``; check ``last_step_skipped`` before
   ``optimizer.step()``.
+
+A dropped step (``skip``, and ``propagate`` while ``keep_on_propagate``)
+does not count in the step compressors draw from (``StepGuard.dropped``,
+subtracted from the caller's step in every Context): after a dropped step k
+the next step draws what a run without it draws at step k, as the
+optimizer's step count does not advance in plain AMP.
 * ``raise``: every rank raises ``FloatingPointError`` naming the tensors.
 
 How every rank learns the same thing: one flag per tensor (1 where this
@@ -114,6 +120,10 @@ class StepGuard:
         self._last_skipped: torch.Tensor | None = None
         #: ``propagate`` also puts the state back (set by the DDP hook while a loss scaler is attached)
         self.keep_on_propagate = False
+        #: the steps dropped so far (``skip``, or ``propagate`` with ``keep_on_propagate``: the state put back, the
+        #: step left no trace): the engine's Context step is the caller's step less these, so a random compressor
+        #: draws after a dropped step k what a run without it draws at step k (in the engine's state dict)
+        self.dropped = 0
 
     def begin_call(self, snapshot: bool = True) -> None:
         """The start of a call; at the step's first, the state's copy (``snapshot``: False for a call encoded
@@ -190,6 +200,8 @@ class StepGuard:
         feedback.commit(~bad)
         self._stats.flag_step(bad)
         self._last_skipped = bad if self.mode == "skip" else None
+        if (self.mode == "skip" or self.keep_on_propagate and self.mode == "propagate") and bool(bad):
+            self.dropped += 1  # skip read the flag already; a scaler's hook reads the scale (a sync) per step
 
     @property
     def last_skipped(self) -> bool:

@@ -6,7 +6,9 @@ Format ``gradpress-exchange/2``: config, feedback (every residual, every
 namespace), compressor and strategy state, plan, stats, ``rank`` (the rank
 in the engine's group that saved it: a state is per rank, and another
 rank's is refused; a state without it, written before 2026-11-29, loads
-anywhere), and ``keys``
+anywhere), ``dropped_steps`` (the steps ``nonfinite='skip'``, or
+``propagate`` under a loss scaler, dropped: they do not count in the
+compressors' Context step; a state without it counts none), and ``keys``
 (:data:`~gradpress.exchange.keys.KEYS_FORMAT`: keys built from escaped
 names; a state without it is read by :func:`~gradpress.exchange.keys.upgrade_keys`).
 Loadable with ``torch.load(weights_only=True)``.
@@ -106,6 +108,7 @@ class EngineState:
             "stats": self.stats_counter.state_dict(),
             "rank": self.rank,
             "keys": KEYS_FORMAT,
+            "dropped_steps": self.guard.dropped,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -161,6 +164,7 @@ class EngineState:
             self.plan = self.choice.plan_from_dict(state["plan"], self.plan)
         rollback.part = prefix + "stats"
         self.stats_counter.load_state_dict(state.get("stats", {}))
+        self.guard.dropped = state.get("dropped_steps", 0)  # a state written before the count: none
 
     def load_backup(self) -> dict[str, Any]:
         """What :meth:`restore_backup` puts back, one copy of each tensor: the feedback store's ``state_dict``
@@ -168,7 +172,8 @@ class EngineState:
         the plan (an object the load replaces, never changes)."""
         comp, strats = self._owned_state()
         return {"feedback": self.feedback.state_dict(), "compressor": comp, "strategies": strats,
-                "stats": copy.deepcopy(self.stats_counter.state_dict()), "plan": self.plan}
+                "stats": copy.deepcopy(self.stats_counter.state_dict()), "plan": self.plan,
+                "dropped_steps": self.guard.dropped}
 
     def restore_backup(self, backup: Mapping[str, Any]) -> None:
         """Put back what :meth:`load_backup` took (this engine's own earlier state)."""
@@ -178,6 +183,7 @@ class EngineState:
             self.strategies[name].load_state_dict(st)
         self.plan = backup["plan"]
         self.stats_counter.load_state_dict(backup["stats"])
+        self.guard.dropped = backup["dropped_steps"]
 
 
 def _check_state(state: Mapping[str, Any]) -> None:
@@ -211,8 +217,10 @@ def _check_state(state: Mapping[str, Any]) -> None:
     need(plan is None or isinstance(plan, Mapping), "'plan' must be a dict", plan)
     stats = state.get("stats", {})
     need(isinstance(stats, Mapping), "'stats' must be a dict", stats)
-    rank = state.get("rank", 0)
-    need(isinstance(rank, int) and not isinstance(rank, bool) and rank >= 0, "'rank' must be an integer >= 0", rank)
+    for key in ("rank", "dropped_steps"):
+        value = state.get(key, 0)
+        need(isinstance(value, int) and not isinstance(value, bool) and value >= 0, f"{key!r} must be an integer >= 0",
+             value)
 
 
 def _own(state: Any, copies: bool) -> Any:
