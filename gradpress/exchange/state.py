@@ -44,11 +44,24 @@ class EngineState:
 
     def _snapshot_state(self) -> dict[str, Any] | None:
         """The compressor's and strategies' own state (residuals are staged,
-        never snapshotted), or None when there is none: one copy of each
-        tensor, the one ``state_dict`` takes where it declares
-        ``state_dict_copies`` (only the containers are copied again), else a
-        deep copy of what it returns (it may hold live buffers)."""
-        comp, strats = self._owned_state()
+        never snapshotted), or None when there is none. A compressor that
+        gives its :meth:`~gradpress.compress.Compressor.live_state` has its
+        tensors copied into the buffers of the step before
+        (``guard.kept``: reused while each keeps its shape, dtype and
+        device, allocated otherwise; dropped when the mode stops taking
+        copies): no allocation per step. Else one copy of each tensor, the
+        one ``state_dict`` takes where it declares ``state_dict_copies``
+        (only the containers are copied again), or a deep copy of what it
+        returns (it may hold live buffers). A snapshot lives for its step
+        only (the next one overwrites the kept buffers); restoring it goes
+        through ``load_state_dict``, which copies, so the live state never
+        shares a buffer with it."""
+        live = self.compressor.live_state()
+        if live is None:
+            comp, strats = self._owned_state()
+        else:
+            comp = self.guard.kept = copy_into(live, self.guard.kept)
+            strats = {n: _own(st.state_dict(), st.state_dict_copies) for n, st in self.strategies.items()}
         if not comp and not any(strats.values()):
             return None
         return {"compressor": comp, "strategies": strats}
@@ -234,3 +247,22 @@ def _own(state: Any, copies: bool) -> Any:
     if type(state) in (list, tuple):
         return type(state)(_own(v, True) for v in state)
     return state if isinstance(state, torch.Tensor) else copy.deepcopy(state)
+
+
+def copy_into(live: Any, kept: Any) -> Any:
+    """``live`` (nested dicts, lists, tuples of tensors and plain values) copied into ``kept`` (the result of
+    the call before, or None): a tensor into the kept one at its place when shape, dtype, device and strides
+    match (``copy_``, no allocation), else into a new one (``clone``); other values deep-copied. Entries
+    ``live`` no longer has are dropped (their buffers freed)."""
+    if isinstance(live, torch.Tensor):
+        if isinstance(kept, torch.Tensor) and kept.shape == live.shape and kept.dtype == live.dtype \
+                and kept.device == live.device and kept.stride() == live.stride():
+            return kept.copy_(live)
+        return live.clone()
+    if isinstance(live, Mapping):
+        old = kept if isinstance(kept, Mapping) else {}
+        return {k: copy_into(v, old.get(k)) for k, v in live.items()}
+    if type(live) in (list, tuple):
+        old = kept if type(kept) is type(live) and len(kept) == len(live) else [None] * len(live)
+        return type(live)(copy_into(v, o) for v, o in zip(live, old))
+    return copy.deepcopy(live)
