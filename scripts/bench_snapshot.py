@@ -1,13 +1,16 @@
-"""Time ``nonfinite='skip'``'s per-step state copy, the old way against today's, in one invocation.
+"""Time ``nonfinite='skip'``'s per-step state copy three ways, in one invocation.
 
 Old: ``copy.deepcopy({"compressor": state_dict(), ...})`` (state_dict clones DGC's momentum and velocity, the
-deep copy clones them again). New: ``Synchronizer._snapshot_state`` (the clone ``state_dict`` takes, declared by
-``state_dict_copies``; only the containers are copied again). Measured on a one-rank gloo group (no peer, so the
-step is the compressor's work plus the copy), one thread by default:
+deep copy clones them again; before 2026-11-29). Fresh: one copy per step, the clone ``state_dict`` takes
+(declared by ``state_dict_copies``; only the containers are copied again), a new allocation every step (main
+before the kept buffers). Kept: ``Synchronizer._snapshot_state`` today, the compressor's ``live_state`` copied
+into the buffers of the step before (``StepGuard.kept``), no allocation. Measured on a one-rank gloo group (no
+peer, so the step is the compressor's work plus the copy), one thread by default:
 
-* the snapshot alone, old and new, alternated;
-* a whole DGC step (``Synchronizer.sync`` of one tensor, ``nonfinite='skip'``) with the old snapshot put in the
-  engine's guard, with the new one, and with ``nonfinite='propagate'`` (no copy at all), alternated.
+* the snapshot alone, old, fresh and kept, alternated;
+* a whole DGC step (``Synchronizer.sync`` of one tensor, ``nonfinite='skip'``) with each snapshot put in the
+  engine's guard, with none (``skip`` without a copy), and with ``nonfinite='propagate'``, alternated;
+* the minor page faults per step with the fresh and the kept snapshot (``getrusage``).
 
 Each figure is the median of ``--repeats`` runs of ``--steps`` calls; the ratios are medians of the per-run
 ratios. Run it alone on the machine::
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import resource
 import statistics
 import tempfile
 import time
@@ -40,6 +44,14 @@ def old_snapshot(engine: Synchronizer) -> dict[str, Any] | None:
     return copy.deepcopy({"compressor": comp, "strategies": strats})
 
 
+def fresh_snapshot(engine: Synchronizer) -> dict[str, Any] | None:
+    """One fresh copy per step (2026-11-29 until the kept buffers): the clones ``state_dict`` takes."""
+    comp, strats = engine._owned_state()
+    if not comp and not any(strats.values()):
+        return None
+    return {"compressor": comp, "strategies": strats}
+
+
 def per_call(fn: Callable[[int], Any], calls: int) -> float:
     """Seconds per call of ``fn(i)``, i = 0..calls-1."""
     start = time.perf_counter()
@@ -55,6 +67,14 @@ def alternate(variants: dict[str, Callable[[int], Any]], calls: int, repeats: in
         for name, fn in variants.items():
             out[name].append(per_call(fn, calls))
     return out
+
+
+def minor_faults(fn: Callable[[int], Any], calls: int) -> float:
+    """Minor page faults of this process per call of ``fn(i)`` (``getrusage``: a fresh allocation's pages)."""
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for i in range(calls):
+        fn(i)
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / calls
 
 
 def ms(v: list[float]) -> str:
@@ -110,9 +130,10 @@ def report(args: argparse.Namespace) -> None:
                       if isinstance(d, dict) for v in d.values() if isinstance(v, torch.Tensor))
     print(f"{args.compressor}, {args.numel} elements, {args.threads} thread(s), state {state_bytes / 2**20:.1f} MiB; "
           f"median of {args.repeats} runs of {args.steps} calls")
-    snap = alternate({"old": lambda i: old_snapshot(skip), "new": lambda i: skip._snapshot_state()},
-                     args.steps, args.repeats)
-    print(f"snapshot  old {ms(snap['old'])}  new {ms(snap['new'])}  old/new {ratio(snap['old'], snap['new']):.2f}")
+    snap = alternate({"old": lambda i: old_snapshot(skip), "fresh": lambda i: fresh_snapshot(skip),
+                      "kept": lambda i: skip._snapshot_state()}, args.steps, args.repeats)
+    print(f"snapshot  old {ms(snap['old'])}  fresh {ms(snap['fresh'])}  kept {ms(snap['kept'])}  "
+          f"fresh/kept {ratio(snap['fresh'], snap['kept']):.2f}  old/kept {ratio(snap['old'], snap['kept']):.2f}")
 
     def skip_with(fn: Callable[[], Any]) -> Callable[[int], None]:
         def run(i: int) -> None:
@@ -120,12 +141,18 @@ def report(args: argparse.Namespace) -> None:
             step(skip, i)
         return run
 
-    whole = alternate({"old": skip_with(lambda: old_snapshot(skip)), "new": skip_with(new_fn),
-                       "skip, no copy": skip_with(lambda: None), "none": lambda i: step(engines["propagate"], i)}, args.steps, args.repeats)
+    whole = alternate({"old": skip_with(lambda: old_snapshot(skip)), "fresh": skip_with(lambda: fresh_snapshot(skip)),
+                       "kept": skip_with(new_fn), "skip, no copy": skip_with(lambda: None),
+                       "none": lambda i: step(engines["propagate"], i)}, args.steps, args.repeats)
+    faults = {name: minor_faults(fn, args.steps) for name, fn in
+              {"fresh": skip_with(lambda: fresh_snapshot(skip)), "kept": skip_with(new_fn)}.items()}
     skip.guard._snapshot_fn = new_fn
-    print(f"step      old {ms(whole['old'])}  new {ms(whole['new'])}  old/new {ratio(whole['old'], whole['new']):.2f}"
-          f"  (skip without a copy {ms(whole['skip, no copy'])}, propagate {ms(whole['none'])})")
-
+    print(f"minor page faults per step  fresh {faults['fresh']:.0f}  kept {faults['kept']:.0f}")
+    nocopy = whole["skip, no copy"]
+    print(f"step      old {ms(whole['old'])}  fresh {ms(whole['fresh'])}  kept {ms(whole['kept'])}  "
+          f"skip without a copy {ms(nocopy)}  propagate {ms(whole['none'])}")
+    print(f"step ratios  fresh/kept {ratio(whole['fresh'], whole['kept']):.2f}  "
+          f"fresh/no copy {ratio(whole['fresh'], nocopy):.2f}  kept/no copy {ratio(whole['kept'], nocopy):.2f}")
 
 if __name__ == "__main__":
     raise SystemExit(main())

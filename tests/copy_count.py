@@ -19,11 +19,13 @@ class Copies(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.bytes = 0
+        self.clone_bytes = 0  # those of ``aten.clone`` alone (a fresh allocation)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
         if func is torch.ops.aten.clone.default:
             self.bytes += out.numel() * out.element_size()
+            self.clone_bytes += out.numel() * out.element_size()
         elif func is torch.ops.aten.copy_.default:
             self.bytes += args[0].numel() * args[0].element_size()
         return out

@@ -102,7 +102,7 @@ GROUPS: dict[str, tuple[list[str], list[str], int]] = {
                                                             "presence", "restart", "alarm", "sync_guard")],
                  ["tests/test_mutants_algobase.py", "tests/test_mutants_presence.py", "tests/test_algorithms.py",
                   "tests/test_review_sync_skip.py", "tests/test_algorithms_lsgd.py", "tests/test_algorithms_models.py",
-                  "tests/test_review_adam_presence.py", "tests/test_algorithms_models2.py",
+                  "tests/test_algorithms_models_lsgd_sgp_adam.py", "tests/test_review_adam_presence.py", "tests/test_algorithms_models2.py",
                   "tests/test_skip_restart.py", "tests/test_skip_keep_residual.py", "tests/test_sync_guard.py",
                   "tests/test_sync_keys.py"], 32),
     "compiler": (["gradpress/compress/kit/compiler.py", "gradpress/compress/spans.py", "gradpress/compress/params.py"],

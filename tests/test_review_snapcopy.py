@@ -3,7 +3,9 @@ copy, and what it rests on: every stateful compressor's and strategy's ``state_d
 
 1. Contract (one process, a one-rank gloo group): for every stateful compressor of the registry (and a
    composition), ``state_dict()`` and the engine's snapshot taken after two steps are unchanged, in float64 by
-   value, by three more steps that do move the live state (no live buffer, no view of one, no shared container).
+   value, by three more steps that do move the live state (no live buffer, no view of one, no shared container;
+   the snapshot's kept buffers detached first, which the next step's snapshot would otherwise reuse:
+   ``tests/test_snapshot_kept.py``).
 2. One copy: the bytes the snapshot copies (``aten.clone`` and ``aten.copy_``, counted under a dispatch mode)
    equal the bytes of the state it holds. Before, the state was cloned by ``state_dict`` and again by
    ``copy.deepcopy``: twice (DGC, Signum, PowerSGD, AdaComp). A compressor that does not declare
@@ -120,6 +122,7 @@ def test_state_dict_and_the_snapshot_are_the_callers_own(group, name: str) -> No
         _step(engine, 0, step)
     state, snapshot = engine.compressor.state_dict(), engine._snapshot_state()
     assert snapshot is not None, f"{name}: no snapshot of a stateful compressor"
+    engine.guard.kept = None  # the next step's snapshot would reuse its buffers (by design): detached here
     before, snap_before = _frozen(state), _frozen(snapshot)
     for step in range(2, 5):
         _step(engine, 0, step)

@@ -27,6 +27,7 @@ Invariants:
 
 from __future__ import annotations
 
+import copy
 import datetime
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ from gradpress.compress.base import Param
 from gradpress.compress.spec import coerce_params
 from gradpress.exchange import Synchronizer
 from gradpress.exchange.agree import agree, config_diff, same_config
+from gradpress.exchange.rollback import Rollback
 from gradpress.transport.groups import own_group
 
 __all__ = ["Algorithm", "Preflight", "STATE_FORMAT"]
@@ -240,7 +242,11 @@ class Algorithm(ExchangeHelpers):
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore from :meth:`state_dict`; refuses another configuration."""
+        """Restore from :meth:`state_dict`; refuses another configuration. All or nothing
+        (:class:`~gradpress.exchange.rollback.Rollback`): a state found bad part-way (its extra state after
+        the engine's had loaded, a list of the wrong length...) raises ``ValueError`` naming the part and
+        leaves this algorithm as it was (engine, counters, extra state, and what :meth:`load_touches`
+        names), stepping as one that never saw it."""
         assert self.engine is not None
         if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
             found = repr(state.get("format")) if isinstance(state, Mapping) else f"a {type(state).__name__}"
@@ -248,10 +254,36 @@ class Algorithm(ExchangeHelpers):
         if not same_config(state["config"], self.config()):
             raise ValueError(f"algorithm state dict is from a different configuration "
                              f"({config_diff(state['config'], self.config())})")
-        self.engine.load_state_dict(state["exchange"])
-        self._steps = int(state["steps"])
-        self._exchanges = int(state["exchanges"])
-        self.load_extra_state(state.get("extra", {}))
+        exchange = self.engine.loadable_state(state["exchange"])  # checked before anything changes
+        with Rollback(self._load_backup, self._restore_backup, "algorithm state dict") as rollback:
+            self.engine.load_checked(exchange, rollback, prefix="exchange: ")
+            rollback.part = "steps"
+            self._steps = int(state["steps"])
+            self._exchanges = int(state["exchanges"])
+            rollback.part = "extra"
+            self.load_extra_state(state.get("extra", {}))
+
+    def load_touches(self) -> list[torch.Tensor]:
+        """Tensors outside :meth:`extra_state` that :meth:`load_extra_state` writes (SGP's parameters, set
+        to ``x / w``): a failed load puts them back as they were. Default none."""
+        return []
+
+    def _load_backup(self) -> dict[str, Any]:
+        """This algorithm's state before a load: the engine's backup (one copy), the counters, a deep copy of
+        :meth:`extra_state` (it may hold live tensors that the load overwrites in place), :meth:`load_touches`."""
+        assert self.engine is not None
+        return {"engine": self.engine.load_backup(), "steps": self._steps, "exchanges": self._exchanges,
+                "extra": copy.deepcopy(self.extra_state()),
+                "touched": [t.detach().clone() for t in self.load_touches()]}
+
+    def _restore_backup(self, backup: Mapping[str, Any]) -> None:
+        assert self.engine is not None
+        self.engine.restore_backup(backup["engine"])
+        self._steps, self._exchanges = backup["steps"], backup["exchanges"]
+        self.load_extra_state(backup["extra"])
+        with torch.no_grad():
+            for t, kept in zip(self.load_touches(), backup["touched"]):
+                t.copy_(kept)
 
     def close(self) -> None:
         """Nothing runs in the background here; kept for the training loop's contract."""

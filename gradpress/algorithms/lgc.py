@@ -336,9 +336,8 @@ class LGC(Algorithm):
         self.ae.load_state_dict(state["ae"])
         self.ae_optimizer.load_state_dict(state["ae_optimizer"])
         self.frozen = bool(state["frozen"])
-        if self.frozen:
-            for p in self.ae.parameters():
-                p.requires_grad_(False)
-            self.ae.eval()
+        for p in self.ae.parameters():  # both ways: a failed load puts back an unfrozen state
+            p.requires_grad_(not self.frozen)
+        self.ae.train(not self.frozen)
         self.ae_bytes = int(state["ae_bytes"])
         self.ae_losses = list(state["ae_losses"].unbind(0)) if state["ae_losses"].numel() else []

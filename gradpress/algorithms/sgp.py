@@ -220,6 +220,10 @@ class SGP(GossipAlgorithm):
                 "in_copy": {str(o): [c for c in cs if c is not None] for o, cs in self.in_copy.items()},
                 "inflight": inflight}
 
+    def load_touches(self) -> list[torch.Tensor]:
+        """The parameters: a load sets them to ``x / w`` (a failed one puts them back)."""
+        return list(self.params)
+
     def load_extra_state(self, state: Mapping[str, Any]) -> None:
         if "x" not in state or len(state["x"]) != len(self.x):
             raise ValueError("sgp state: numerators x missing or of another model")

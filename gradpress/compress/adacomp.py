@@ -162,5 +162,8 @@ class AdaComp(Compressor):
     def state_dict(self) -> dict[str, Any]:
         return {"residues": {k: v.clone() for k, v in self.residues.items()}}
 
+    def live_state(self) -> dict[str, Any]:
+        return {"residues": dict(self.residues)}
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.residues = {k: v.clone() for k, v in state.get("residues", {}).items()}

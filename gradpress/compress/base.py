@@ -190,6 +190,7 @@ class Compressor:
             raise TypeError(f"{cls.__name__} overrides Compressor.encode, which is final; implement _encode instead")
         declared_with(cls, "state_dict_copies", "state_dict", False)
         declared_with(cls, "state_nbytes", "state_dict", Compressor.state_nbytes)
+        declared_with(cls, "live_state", "state_dict", Compressor.live_state)
 
     def __init__(self, **params: Any) -> None:
         for key, value in coerce_params(self.PARAMS, params, self.name, "compressor").items():
@@ -328,6 +329,11 @@ class Compressor:
         """The compressor's own state (``stateful``). Set ``state_dict_copies`` when its tensors are copies the
         caller owns; otherwise ``nonfinite='skip'``'s per-step snapshot deep-copies it."""
         return {}
+
+    def live_state(self) -> dict[str, Any] | None:
+        """:meth:`state_dict` with its live tensors, uncopied (the per-step snapshot copies them into buffers it
+        keeps); None, the default and a subclass's that overrides ``state_dict`` only: ``state_dict`` is copied."""
+        return None
 
     def state_nbytes(self) -> int:
         """Bytes of the tensors of :meth:`state_dict`, counted without copying them (``memory_bytes``). This

@@ -122,5 +122,8 @@ class Composed(Compressor):
     def state_dict(self) -> dict[str, Any]:
         return self.first.state_dict()
 
+    def live_state(self) -> dict[str, Any] | None:
+        return self.first.live_state()
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.first.load_state_dict(state)

@@ -32,14 +32,17 @@ class Context:
     """What a compressor may know about the call besides the tensor.
 
     ``key`` names the tensor (stable across steps: parameter name), ``step``
-    is the synchronous step all ranks agree on, ``rank``/``world_size`` the
+    is the synchronous step all ranks agree on (the exchange engine's: the
+    caller's step less the steps it dropped, ``nonfinite='skip'`` or an
+    overflow under a loss scaler, which do not count), ``rank``/``world_size`` the
     caller's place among the compressing units whose packets are aggregated
     (every worker of a flat strategy; under ``hierarchical`` the H host
     leaders, ``rank`` the host's index). ``unit_workers`` is how many
     workers' gradients the encoded tensor is the mean of: L (the workers per
     host) at a hierarchical leader, which encodes its host's mean, 1
     elsewhere; ``world_size * unit_workers`` is the number of workers. A
-    constant defined per worker's gradient (DGC's local clip) takes both. ``shared_seed`` is equal on every rank (shared randomness:
+    constant defined per worker's gradient (DGC's local clip) takes both.
+    ``shared_seed`` is equal on every rank (shared randomness:
     random-k indices, PowerSGD init); ``private_seed`` differs per rank
     (independent stochastic rounding, so averaging reduces variance).
     ``loss_scale`` is the scale the tensor carries: the DDP hook following a

@@ -245,6 +245,10 @@ class DGC(QualityMixin, Compressor):
             "quality": self._meter.state_dict(),
         }
 
+    def live_state(self) -> dict[str, Any]:
+        return {"momentums": dict(self.momentums), "velocities": dict(self.velocities),
+                "quality": self._meter.state_dict()}
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.momentums = {k: v.clone() for k, v in state.get("momentums", {}).items()}
         self.velocities = {k: v.clone() for k, v in state.get("velocities", {}).items()}

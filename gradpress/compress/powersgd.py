@@ -180,5 +180,8 @@ class PowerSGD(Compressor):
     def state_dict(self) -> dict[str, Any]:
         return {"q": {k: v.clone() for k, v in self.q.items()}}
 
+    def live_state(self) -> dict[str, Any]:
+        return {"q": dict(self.q)}
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.q = {k: v.clone() for k, v in state.get("q", {}).items()}

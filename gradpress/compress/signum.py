@@ -82,6 +82,9 @@ class Signum(Compressor):
     def state_dict(self) -> dict[str, Any]:
         return {"momentum": {k: v.clone() for k, v in self.buffers.items()}}
 
+    def live_state(self) -> dict[str, Any]:
+        return {"momentum": dict(self.buffers)}
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         extra = sorted(set(state) - {"momentum"})
         if extra:

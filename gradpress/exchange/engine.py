@@ -300,8 +300,8 @@ class Synchronizer(EngineState):
             d = self.choice.default_decision(key, x.numel(), list(x.shape))
         return d
 
-    def _ctx(self, key: str, step: int) -> Context:
-        return Context(key, step, self.rank, self.world_size, self.seed, loss_scale=self.output_scale,
+    def _ctx(self, key: str, step: int) -> Context:  # a dropped step does not count (StepGuard.dropped)
+        return Context(key, step - self.guard.dropped, self.rank, self.world_size, self.seed, loss_scale=self.output_scale,
                        loss_scaler=self.loss_scaler)
 
     def _exchange(

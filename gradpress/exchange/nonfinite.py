@@ -19,6 +19,12 @@ Modes (``nonfinite=``):
   at the start of the step is restored), the step counts in
   ``stats["skipped_steps"]``; check ``last_step_skipped`` before
   ``optimizer.step()``.
+
+A dropped step (``skip``, and ``propagate`` while ``keep_on_propagate``)
+does not count in the step compressors draw from (``StepGuard.dropped``,
+subtracted from the caller's step in every Context): after a dropped step k
+the next step draws what a run without it draws at step k, as the
+optimizer's step count does not advance in plain AMP.
 * ``raise``: every rank raises ``FloatingPointError`` naming the tensors.
 
 How every rank learns the same thing: one flag per tensor (1 where this
@@ -43,8 +49,9 @@ Flags stay tensors on the hot path (no host sync) except in ``skip`` and
 ``raise`` modes, which must branch: one sync per call there. With a
 compressor or strategy that keeps state, ``skip`` (and ``propagate`` with a
 scaler) copy it at
-the start of every step (``state_dict``: one copy where it declares
-``state_dict_copies``, else a deep copy of it) and put it back at its end when
+the start of every step (into buffers kept from step to step, :attr:`StepGuard.kept`,
+where the compressor gives ``live_state``; else ``state_dict``: one copy where it declares
+``state_dict_copies``, or a deep copy of it) and put it back at its end when
 some rank saw a NaN/Inf: one read of the step's flag then (a host sync on an
 accelerator), and the copy costs what that state weighs (DGC: two buffers per
 tensor). A call encoded ahead (``Synchronizer.prepare``: its state moved
@@ -114,13 +121,21 @@ class StepGuard:
         self._last_skipped: torch.Tensor | None = None
         #: ``propagate`` also puts the state back (set by the DDP hook while a loss scaler is attached)
         self.keep_on_propagate = False
+        #: the steps dropped so far (``skip``, or ``propagate`` with ``keep_on_propagate``: the state put back, the
+        #: step left no trace): the engine's Context step is the caller's step less these, so a random compressor
+        #: draws after a dropped step k what a run without it draws at step k (in the engine's state dict)
+        self.dropped = 0
+        #: the buffers the engine's snapshots are copied into, kept from step to step while the mode takes them
+        self.kept: Any = None
 
     def begin_call(self, snapshot: bool = True) -> None:
         """The start of a call; at the step's first, the state's copy (``snapshot``: False for a call encoded
         ahead, whose state already moved and may be moving again in the caller's thread)."""
         if not self._started:
             self._started = True
-            if snapshot and (self.mode == "skip" or (self.mode == "propagate" and self.keep_on_propagate)):
+            if not (self.mode == "skip" or (self.mode == "propagate" and self.keep_on_propagate)):
+                self.kept = None  # the mode takes no copy (a scaler detached): the kept buffers go
+            elif snapshot:
                 self._snapshot = self._snapshot_fn()
 
     def _note(self, bad: torch.Tensor) -> None:
@@ -190,6 +205,8 @@ class StepGuard:
         feedback.commit(~bad)
         self._stats.flag_step(bad)
         self._last_skipped = bad if self.mode == "skip" else None
+        if (self.mode == "skip" or self.keep_on_propagate and self.mode == "propagate") and bool(bad):
+            self.dropped += 1  # skip read the flag already; a scaler's hook reads the scale (a sync) per step
 
     @property
     def last_skipped(self) -> bool:

@@ -6,7 +6,9 @@ Format ``gradpress-exchange/2``: config, feedback (every residual, every
 namespace), compressor and strategy state, plan, stats, ``rank`` (the rank
 in the engine's group that saved it: a state is per rank, and another
 rank's is refused; a state without it, written before 2026-11-29, loads
-anywhere), and ``keys``
+anywhere), ``dropped_steps`` (the steps ``nonfinite='skip'``, or
+``propagate`` under a loss scaler, dropped: they do not count in the
+compressors' Context step; a state without it counts none), and ``keys``
 (:data:`~gradpress.exchange.keys.KEYS_FORMAT`: keys built from escaped
 names; a state without it is read by :func:`~gradpress.exchange.keys.upgrade_keys`).
 Loadable with ``torch.load(weights_only=True)``.
@@ -23,7 +25,7 @@ import torch
 
 from gradpress.exchange.feedback import WORKER
 from gradpress.exchange.keys import KEYS_FORMAT, upgrade_keys
-from gradpress.exchange.planner import Plan
+from gradpress.exchange.rollback import Rollback
 
 __all__ = ["EngineState", "STATE_FORMAT"]
 
@@ -42,11 +44,24 @@ class EngineState:
 
     def _snapshot_state(self) -> dict[str, Any] | None:
         """The compressor's and strategies' own state (residuals are staged,
-        never snapshotted), or None when there is none: one copy of each
-        tensor, the one ``state_dict`` takes where it declares
-        ``state_dict_copies`` (only the containers are copied again), else a
-        deep copy of what it returns (it may hold live buffers)."""
-        comp, strats = self._owned_state()
+        never snapshotted), or None when there is none. A compressor that
+        gives its :meth:`~gradpress.compress.Compressor.live_state` has its
+        tensors copied into the buffers of the step before
+        (``guard.kept``: reused while each keeps its shape, dtype and
+        device, allocated otherwise; dropped when the mode stops taking
+        copies): no allocation per step. Else one copy of each tensor, the
+        one ``state_dict`` takes where it declares ``state_dict_copies``
+        (only the containers are copied again), or a deep copy of what it
+        returns (it may hold live buffers). A snapshot lives for its step
+        only (the next one overwrites the kept buffers); restoring it goes
+        through ``load_state_dict``, which copies, so the live state never
+        shares a buffer with it."""
+        live = self.compressor.live_state()
+        if live is None:
+            comp, strats = self._owned_state()
+        else:
+            comp = self.guard.kept = copy_into(live, self.guard.kept)
+            strats = {n: _own(st.state_dict(), st.state_dict_copies) for n, st in self.strategies.items()}
         if not comp and not any(strats.values()):
             return None
         return {"compressor": comp, "strategies": strats}
@@ -106,6 +121,7 @@ class EngineState:
             "stats": self.stats_counter.state_dict(),
             "rank": self.rank,
             "keys": KEYS_FORMAT,
+            "dropped_steps": self.guard.dropped,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -116,9 +132,15 @@ class EngineState:
         Validates fully, then changes: a malformed state (a missing or
         mistyped part) raises ValueError naming the part, and leaves this
         engine exactly as it was (a part that fails while loading is rolled
-        back)."""
+        back: :class:`~gradpress.exchange.rollback.Rollback`)."""
+        state = self.loadable_state(state)
+        with Rollback(self.load_backup, self.restore_backup, "gradpress state dict") as rollback:
+            self.load_checked(state, rollback)
+
+    def loadable_state(self, state: Mapping[str, Any]) -> Mapping[str, Any]:
+        """``state`` checked (format, shape, configuration, rank: ValueError,
+        nothing changed) and with today's keys; what :meth:`load_checked` loads."""
         from gradpress.exchange.agree import config_diff, same_config
-        from gradpress.exchange.base import same_strategy
 
         if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
             found = repr(state.get("format")) if isinstance(state, Mapping) else f"a {type(state).__name__}"
@@ -132,47 +154,49 @@ class EngineState:
                              "the compression state is per rank (residuals differ between ranks): save each rank's "
                              "state_dict() (e.g. to a file named with dist.get_rank()) and load its own on every "
                              "rank; nothing was loaded")
-        state = upgrade_keys(state, [p[0] for p in self.params])  # one written before keys were escaped
-        backup, plan = self._backup(), self.plan
-        part = "feedback"
-        try:
-            self.feedback.load_state_dict(state["feedback"])
-            part = "compressor"
-            self.compressor.load_state_dict(state["compressor"])
-            for name, st in state.get("strategies", {}).items():
-                # an earlier version's name for the same strategy (its defaults written out)
-                name = next((n for n in self.strategies if same_strategy(name, n, self.world_size)), name)
-                if name in self.strategies:
-                    part = f"strategies[{name!r}]"
-                    self.strategies[name].load_state_dict(st)
-            part = "plan"
-            if state.get("plan") and self.strategy_name == "auto":
-                # keep the partitions the residuals are keyed by
-                self.plan = self.choice.plan_from_dict(state["plan"], self.plan)
-            part = "stats"
-            self.stats_counter.load_state_dict(state.get("stats", {}))
-        except Exception as exc:
-            self._restore(backup, plan)
-            if isinstance(exc, ValueError):
-                raise ValueError(f"gradpress state dict: {part}: {exc} (nothing was loaded)") from None
-            raise ValueError(f"gradpress state dict: {part} is malformed ({type(exc).__name__}: {exc}); "
-                             "nothing was loaded") from None
+        return upgrade_keys(state, [p[0] for p in self.params])  # one written before keys were escaped
 
-    def _backup(self) -> dict[str, Any]:
-        """What :meth:`_restore` puts back, one copy of each tensor: the feedback store's ``state_dict``
-        (it clones the residuals), the compressor's and strategies' owned (:meth:`_owned_state`), the stats."""
+    def load_checked(self, state: Mapping[str, Any], rollback: Rollback[Any], prefix: str = "") -> None:
+        """Load a :meth:`loadable_state` part by part, naming each in ``rollback.part`` (after ``prefix``);
+        inside a :class:`~gradpress.exchange.rollback.Rollback` whose backup holds :meth:`load_backup`."""
+        from gradpress.exchange.base import same_strategy
+
+        rollback.part = prefix + "feedback"
+        self.feedback.load_state_dict(state["feedback"])
+        rollback.part = prefix + "compressor"
+        self.compressor.load_state_dict(state["compressor"])
+        for name, st in state.get("strategies", {}).items():
+            # an earlier version's name for the same strategy (its defaults written out)
+            name = next((n for n in self.strategies if same_strategy(name, n, self.world_size)), name)
+            if name in self.strategies:
+                rollback.part = f"{prefix}strategies[{name!r}]"
+                self.strategies[name].load_state_dict(st)
+        rollback.part = prefix + "plan"
+        if state.get("plan") and self.strategy_name == "auto":
+            # keep the partitions the residuals are keyed by
+            self.plan = self.choice.plan_from_dict(state["plan"], self.plan)
+        rollback.part = prefix + "stats"
+        self.stats_counter.load_state_dict(state.get("stats", {}))
+        self.guard.dropped = state.get("dropped_steps", 0)  # a state written before the count: none
+
+    def load_backup(self) -> dict[str, Any]:
+        """What :meth:`restore_backup` puts back, one copy of each tensor: the feedback store's ``state_dict``
+        (it clones the residuals), the compressor's and strategies' owned (:meth:`_owned_state`), the stats,
+        the plan (an object the load replaces, never changes)."""
         comp, strats = self._owned_state()
         return {"feedback": self.feedback.state_dict(), "compressor": comp, "strategies": strats,
-                "stats": copy.deepcopy(self.stats_counter.state_dict())}
+                "stats": copy.deepcopy(self.stats_counter.state_dict()), "plan": self.plan,
+                "dropped_steps": self.guard.dropped}
 
-    def _restore(self, backup: Mapping[str, Any], plan: Plan) -> None:
-        """Put back what :meth:`load_state_dict` found (its own earlier state)."""
+    def restore_backup(self, backup: Mapping[str, Any]) -> None:
+        """Put back what :meth:`load_backup` took (this engine's own earlier state)."""
         self.feedback.load_state_dict(backup["feedback"])
         self.compressor.load_state_dict(backup["compressor"])
         for name, st in backup["strategies"].items():
             self.strategies[name].load_state_dict(st)
-        self.plan = plan
+        self.plan = backup["plan"]
         self.stats_counter.load_state_dict(backup["stats"])
+        self.guard.dropped = backup["dropped_steps"]
 
 
 def _check_state(state: Mapping[str, Any]) -> None:
@@ -206,8 +230,10 @@ def _check_state(state: Mapping[str, Any]) -> None:
     need(plan is None or isinstance(plan, Mapping), "'plan' must be a dict", plan)
     stats = state.get("stats", {})
     need(isinstance(stats, Mapping), "'stats' must be a dict", stats)
-    rank = state.get("rank", 0)
-    need(isinstance(rank, int) and not isinstance(rank, bool) and rank >= 0, "'rank' must be an integer >= 0", rank)
+    for key in ("rank", "dropped_steps"):
+        value = state.get(key, 0)
+        need(isinstance(value, int) and not isinstance(value, bool) and value >= 0, f"{key!r} must be an integer >= 0",
+             value)
 
 
 def _own(state: Any, copies: bool) -> Any:
@@ -221,3 +247,22 @@ def _own(state: Any, copies: bool) -> Any:
     if type(state) in (list, tuple):
         return type(state)(_own(v, True) for v in state)
     return state if isinstance(state, torch.Tensor) else copy.deepcopy(state)
+
+
+def copy_into(live: Any, kept: Any) -> Any:
+    """``live`` (nested dicts, lists, tuples of tensors and plain values) copied into ``kept`` (the result of
+    the call before, or None): a tensor into the kept one at its place when shape, dtype, device and strides
+    match (``copy_``, no allocation), else into a new one (``clone``); other values deep-copied. Entries
+    ``live`` no longer has are dropped (their buffers freed)."""
+    if isinstance(live, torch.Tensor):
+        if isinstance(kept, torch.Tensor) and kept.shape == live.shape and kept.dtype == live.dtype \
+                and kept.device == live.device and kept.stride() == live.stride():
+            return kept.copy_(live)
+        return live.clone()
+    if isinstance(live, Mapping):
+        old = kept if isinstance(kept, Mapping) else {}
+        return {k: copy_into(v, old.get(k)) for k, v in live.items()}
+    if type(live) in (list, tuple):
+        old = kept if type(kept) is type(live) and len(kept) == len(live) else [None] * len(live)
+        return type(live)(copy_into(v, o) for v, o in zip(live, old))
+    return copy.deepcopy(live)

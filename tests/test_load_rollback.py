@@ -1,0 +1,363 @@
+"""A ``load_state_dict`` that fails part-way leaves the object exactly as it was, and usable: the DDP hook
+and the algorithms that own state, one spawn of 2 gloo workers, about 30 s.
+
+Each case runs an object ``a`` and its twin ``b`` (same model, data and seed) for 3 steps, ``a`` having
+saved its state (through ``torch.save`` / ``torch.load(weights_only=True)``) after its first step, so that
+the saved state differs from the live one in every part (residuals, compressor and strategy state,
+counters, anchors, momenta...). That state, broken in a part the load reaches only after others have
+loaded (the PS strategy's state after the residuals and the compressor's; the stats, the engine's last
+part; an algorithm's extra state after the engine's; inside the extra state, a tensor of the wrong shape
+after the earlier ones were copied, a truncated list after the tensors were set), is loaded into ``a``:
+``ValueError`` naming the part and "nothing was loaded"; ``a``'s ``state_dict()`` then equals the one
+taken before the load (every tensor bitwise and of the same dtype, every counter, the step, the loss
+scale), so do its parameters, the hook stays bound; and the next 2 steps of ``a`` and ``b`` give
+bit-identical parameters and states. An unbound hook keeps the state it was given to load at binding when
+a later load is refused.
+
+The model is loaded from the same checkpoint before the failed load, as a resumed run does (SGP's load
+sets the parameters to ``x / w``: a failed one must leave them as loaded). LGC's broken state sets
+``frozen`` before failing: the autoencoder must stay trainable.
+
+A case that raises is reported by its own test (``crash``); the others still run.
+
+Planted: the rollback's restore removed (``Rollback.__exit__`` re-raising without ``restore``): all 14
+cases of the hook and the algorithms fail (the unbound hook's passes: nothing is loaded there); SGP's
+``load_touches`` returning nothing: its case fails (``params[0]: values differ``); LGC's load freezing
+only one way (the code before): its case crashes at the next step (the frozen autoencoder has no grad).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+from distributed import checkpoint, run_workers
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradpress
+import gradpress.algorithms as algorithms
+
+WORLD = 2
+F64 = torch.float64
+STEPS_BEFORE, STEPS_AFTER = 3, 2
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3)).to(F64)
+
+
+def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    x = torch.randn(5, 6, generator=g, dtype=F64)
+    return x, torch.sin(x[:, :3])
+
+
+def _params(model: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+#: the stats that are wall-clock seconds: a twin's differ (compared only in the state before and after a load)
+TIMING = ("compress_s", "comm_s")
+
+
+def _diff(a: Any, b: Any, path: str = "", timing: bool = True) -> str | None:
+    """Where ``a`` and ``b`` differ (tensors: dtype, shape and every bit), or None; ``timing``: compare
+    the :data:`TIMING` stats too."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            return f"{path}: {type(a).__name__} vs {type(b).__name__}"
+        if a.dtype != b.dtype or a.shape != b.shape:
+            return f"{path}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+        return None if torch.equal(a, b) else f"{path}: values differ"
+    if isinstance(a, dict) and isinstance(b, dict):
+        if set(a) != set(b):
+            return f"{path}: keys {sorted(map(str, a))} vs {sorted(map(str, b))}"
+        for k in a:
+            if (timing or k not in TIMING) and (d := _diff(a[k], b[k], f"{path}[{k!r}]", timing)) is not None:
+                return d
+        return None
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if len(a) != len(b):
+            return f"{path}: {len(a)} vs {len(b)} items"
+        for i, (x, y) in enumerate(zip(a, b)):
+            if (d := _diff(x, y, f"{path}[{i}]", timing)) is not None:
+                return d
+        return None
+    return None if a == b else f"{path}: {a!r} vs {b!r}"
+
+
+# ------------------------------------------------------------------ the algorithms
+def _wrong_shape(t: torch.Tensor) -> torch.Tensor:
+    """A tensor ``copy_`` cannot broadcast into ``t``."""
+    return torch.zeros(t.numel() + 1, dtype=t.dtype)
+
+
+def _last_anchor(s: dict) -> None:
+    s["extra"]["anchor"][-1] = _wrong_shape(s["extra"]["anchor"][-1])
+
+
+def _ps_root(s: dict) -> None:
+    s["exchange"]["strategies"]["ps"]["next_root"] = "x"
+
+
+def _stats(s: dict) -> None:
+    s["exchange"]["stats"]["tensor_bytes"] = 5
+
+
+def _outer(s: dict) -> None:
+    s["extra"]["outer"]["param_groups"] = []
+
+
+def _merged_bytes(s: dict) -> None:
+    s["extra"]["merged_bytes"] = "x"
+
+
+def _in_copy(s: dict) -> None:
+    s["extra"]["in_copy"] = {"99": []}
+
+
+def _last_hat(s: dict) -> None:
+    s["extra"]["hat"][-1] = _wrong_shape(s["extra"]["hat"][-1])
+
+
+def _leaders(s: dict) -> None:
+    s["extra"]["leaders"]["local"] = ["x"]
+
+
+def _lr_sums(s: dict) -> None:
+    s["extra"]["lr_sums"] = s["extra"]["lr_sums"][:-1]
+
+
+def _v_steps(s: dict) -> None:
+    s["extra"]["v_steps"] = s["extra"]["v_steps"][:-1]
+
+
+def _stepped(s: dict) -> None:
+    s["extra"]["phase"]["stepped"] = s["extra"]["phase"]["stepped"][:-1]
+
+
+def _lgc_frozen(s: dict) -> None:
+    s["extra"]["frozen"] = True  # loaded (the autoencoder frozen), then:
+    s["extra"]["ae_bytes"] = "x"
+
+
+TOPK = {"compressor": "topk:ratio=0.5", "min_numel": 1}
+#: case: (spec, optimizer, options, how the saved state is broken, the part the error names)
+ALGORITHMS: dict[str, tuple[str, str, dict[str, Any], Callable[[dict], None], str]] = {
+    "localsgd": ("localsgd:period=2", "momentum", TOPK, _last_anchor, "extra"),
+    "localsgd_ps": ("localsgd:period=2", "momentum", {**TOPK, "strategy": "ps"}, _ps_root,
+                    "exchange: strategies['ps']"),
+    "localsgd_stats": ("localsgd:period=2", "momentum", TOPK, _stats, "exchange: stats"),
+    "diloco": ("diloco:period=2,outer_momentum=0.5", "momentum", {**TOPK, "nonfinite": "skip"}, _outer, "extra"),
+    "streaming": ("streaming-diloco:period=2,fragments=2,overlap=1", "momentum", {}, _merged_bytes, "extra"),
+    "sgp": ("sgp", "sgd", TOPK, _in_copy, "extra"),
+    "choco": ("choco", "sgd", TOPK, _last_hat, "extra"),
+    "lsgd": ("lsgd:tau=2", "sgd", {}, _leaders, "extra"),
+    "scaffold": ("scaffold", "sgd", {}, _lr_sums, "extra"),
+    "onebit_adam": ("onebit_adam:freeze_step=2", "adam", {"min_numel": 1}, _v_steps, "extra"),
+    "zeroone_adam": ("zeroone_adam", "adam", {"min_numel": 1}, _stepped, "extra"),
+    # in phase 2 (the autoencoder trains) at every step here: a failed load must leave it trainable
+    "lgc": ("lgc:dense_steps=1,ae_steps=10,ratio=0.5", "sgd", {"min_numel": 1}, _lgc_frozen, "extra"),
+}
+
+
+def _optimizer(kind: str, model: nn.Module) -> torch.optim.Optimizer:
+    if kind == "adam":
+        return torch.optim.Adam(model.parameters(), lr=0.01)
+    if kind == "momentum":
+        return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def _algo_step(model: nn.Module, opt: torch.optim.Optimizer, algo: Any, rank: int, step: int) -> None:
+    x, y = _batch(rank, step)
+    opt.zero_grad(set_to_none=True)
+    ((model(x) - y) ** 2).mean().backward()
+    algo.step()
+
+
+def _algorithm_case(rank: int, spec: str, kind: str, options: dict[str, Any], corrupt: Callable[[dict], None]
+                    ) -> dict[str, Any]:
+    objs = []
+    for _ in range(2):
+        model = _model()
+        opt = _optimizer(kind, model)
+        objs.append((model, opt, algorithms.create(spec, model, opt, **options)))
+    (ma, oa, a), (mb, ob, b) = objs
+    saved = None
+    for step in range(STEPS_BEFORE):
+        _algo_step(ma, oa, a, rank, step)
+        _algo_step(mb, ob, b, rank, step)
+        if step == 0:
+            saved = checkpoint(algo=a, model=ma)
+    assert saved is not None
+    for model in (ma, mb):  # a resumed run loads the model first, then the algorithm (SGP sets it to x / w)
+        model.load_state_dict(saved["model"])
+    before, params = copy.deepcopy(a.state_dict()), _params(ma)
+    broken = copy.deepcopy(saved["algo"])
+    corrupt(broken)
+    try:
+        a.load_state_dict(broken)
+        error = None
+    except ValueError as exc:
+        error = str(exc)
+    out: dict[str, Any] = {"error": error, "saved_differs": _diff(saved["algo"], before),
+                           "state": _diff(before, a.state_dict(), "state"),
+                           "params": _diff(params, _params(ma), "params"), "twin": []}
+    for step in range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER):
+        _algo_step(ma, oa, a, rank, step)
+        _algo_step(mb, ob, b, rank, step)
+        out["twin"].append((_diff(_params(ma), _params(mb), f"params after step {step}"),
+                            _diff(a.state_dict(), b.state_dict(), f"state after step {step}", timing=False)))
+    a.close()
+    b.close()
+    return out
+
+
+# ------------------------------------------------------------------ the DDP hook
+def _hook_ps(s: dict) -> None:
+    s["strategies"]["ps"]["next_root"] = "x"
+
+
+def _hook_stats(s: dict) -> None:
+    s["stats"]["strategy_bytes"] = 5
+
+
+#: case: (compressor, strategy, how the saved state is broken, the part the error names)
+HOOKS: dict[str, tuple[str, str, Callable[[dict], None], str]] = {
+    "hook_ps": ("topk:ratio=0.3", "ps", _hook_ps, "strategies['ps']"),
+    "hook_stats": ("dgc:ratio=0.3", "collective", _hook_stats, "stats"),
+}
+
+
+def _hook_step(ddp: DDP, opt: torch.optim.Optimizer, rank: int, step: int) -> None:
+    x, y = _batch(rank, step)
+    opt.zero_grad(set_to_none=True)
+    ((ddp(x) - y) ** 2).mean().backward()
+    opt.step()
+
+
+def _hook_case(rank: int, compressor: str, strategy: str, corrupt: Callable[[dict], None]) -> dict[str, Any]:
+    objs = []
+    for _ in range(2):
+        ddp = DDP(_model())
+        hook = gradpress.ddp.register(ddp, compressor, strategy=strategy, min_numel=1)
+        objs.append((ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), hook))
+    (da, oa, a), (db, ob, b) = objs
+    saved = None
+    for step in range(STEPS_BEFORE):
+        _hook_step(da, oa, rank, step)
+        _hook_step(db, ob, rank, step)
+        if step == 0:
+            saved = checkpoint(hook=a)["hook"]
+    assert saved is not None
+    before, params = copy.deepcopy(a.state_dict()), _params(da)
+    broken = copy.deepcopy(saved)
+    corrupt(broken)
+    try:
+        a.load_state_dict(broken)
+        error = None
+    except ValueError as exc:
+        error = str(exc)
+    out: dict[str, Any] = {"error": error, "saved_differs": _diff(saved, before),
+                           "state": _diff(before, a.state_dict(), "state"),
+                           "params": _diff(params, _params(da), "params"), "bound": a._engine is not None,
+                           "step": a.step, "twin": []}
+    for step in range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER):
+        _hook_step(da, oa, rank, step)
+        _hook_step(db, ob, rank, step)
+        out["twin"].append((_diff(_params(da), _params(db), f"params after step {step}"),
+                            _diff(a.state_dict(), b.state_dict(), f"state after step {step}", timing=False)))
+    a.close()
+    b.close()
+    return out
+
+
+def _unbound_hook(rank: int) -> dict[str, Any]:
+    """An unbound hook given a good state, then a refused one: it binds with the good one."""
+    ddp = DDP(_model())
+    src, function = gradpress.ddp.make_hook("topk:ratio=0.3", min_numel=1)  # binds at its first backward
+    ddp.register_comm_hook(src, function)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for step in range(2):
+        _hook_step(ddp, opt, rank, step)
+    good = checkpoint(hook=src)["hook"]
+    src.close()
+    fresh = DDP(_model())
+    hook, function = gradpress.ddp.make_hook("topk:ratio=0.3", min_numel=1)
+    hook.load_state_dict(good)
+    try:
+        hook.load_state_dict({**good, "format": "gradpress-hook/99"})
+        error = None
+    except ValueError as exc:
+        error = str(exc)
+    pending = _diff(good, hook.state_dict(), "pending")
+    fresh.register_comm_hook(hook, function)
+    _hook_step(fresh, torch.optim.SGD(fresh.parameters(), lr=0.1), rank, 2)
+    out = {"error": error, "pending": pending, "bound": hook.bound, "bound_step": hook.step}
+    hook.close()
+    return out
+
+
+def _caught(run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """``run()``, or its exception as ``{"crash": ...}`` (every rank runs the same cases alike, so one case
+    failing on every rank leaves the others to run)."""
+    try:
+        return run()
+    except Exception as exc:  # noqa: BLE001 - reported by the test of that case
+        return {"crash": f"{type(exc).__name__}: {exc}"}
+
+
+def _worker(rank: int, world: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, (spec, kind, options, corrupt, _) in ALGORITHMS.items():
+        out[name] = _caught(lambda: _algorithm_case(rank, spec, kind, options, corrupt))  # noqa: B023
+    for name, (compressor, strategy, corrupt, _) in HOOKS.items():
+        out[name] = _caught(lambda: _hook_case(rank, compressor, strategy, corrupt))  # noqa: B023
+    out["unbound"] = _caught(lambda: _unbound_hook(rank))
+    return out
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict[str, Any]]:
+    return run_workers(_worker, WORLD)
+
+
+def _check(results: list[dict[str, Any]], name: str, part: str) -> None:
+    for rank, res in enumerate(r[name] for r in results):
+        assert "crash" not in res, (name, rank, res.get("crash"))
+        assert res["saved_differs"] is not None, (name, rank, "the saved state equals the live one: no test")
+        assert res["error"] is not None, (name, rank, "the broken state loaded")
+        assert f": {part}" in res["error"] and "nothing was loaded" in res["error"], (name, rank, res["error"])
+        assert res["state"] is None, (name, rank, res["state"])
+        assert res["params"] is None, (name, rank, res["params"])
+        for params, state in res["twin"]:
+            assert params is None and state is None, (name, rank, params, state)
+
+
+@pytest.mark.parametrize("name", list(ALGORITHMS))
+def test_a_failed_algorithm_load_leaves_it_as_it_was_and_stepping_as_its_twin(results: list[dict[str, Any]],
+                                                                              name: str) -> None:
+    _check(results, name, ALGORITHMS[name][4])
+
+
+@pytest.mark.parametrize("name", list(HOOKS))
+def test_a_failed_hook_load_leaves_it_bound_as_it_was_and_stepping_as_its_twin(results: list[dict[str, Any]],
+                                                                               name: str) -> None:
+    _check(results, name, HOOKS[name][3])
+    for res in (r[name] for r in results):
+        assert res["bound"] and res["step"] == STEPS_BEFORE, (name, res["bound"], res["step"])
+
+
+def test_an_unbound_hook_keeps_its_pending_state_when_a_later_load_is_refused(results: list[dict[str, Any]]
+                                                                              ) -> None:
+    for res in (r["unbound"] for r in results):
+        assert "crash" not in res, res.get("crash")
+        assert res["error"] is not None and "gradpress-hook/99" in res["error"], res["error"]
+        assert res["pending"] is None, res["pending"]
+        assert res["bound"] and res["bound_step"] == 3, res  # bound with the good state (saved at step 2)
