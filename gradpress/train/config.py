@@ -316,7 +316,9 @@ def _validate_exchange(cfg: TrainConfig) -> None:
         from gradpress.exchange.costs import load_costs
 
         cfg.plan_costs = str(cfg.plan_costs)
-        load_costs(cfg.plan_costs, compressor=create(cfg.compressor).spec())  # fails before workers start
+        # fails before workers start; the world size too when it is known (--nproc, WORLD_SIZE): it was
+        # refused only in the workers, once per rank in one message
+        load_costs(cfg.plan_costs, compressor=create(cfg.compressor).spec(), world_size=world)
 
 
 def _validate(cfg: TrainConfig) -> TrainConfig:
