@@ -23,6 +23,7 @@ import torch
 
 import gradpress.train.algorithm as algorithms
 from gradpress import workloads
+from gradpress.compress.spec import spelled_as
 from gradpress.train.cpus import usable_cpus
 from gradpress.train.optim import OPTIMIZERS, SCHEDULES
 
@@ -226,7 +227,8 @@ def _validate_workload(cfg: TrainConfig) -> None:
     if cfg.workload is None:
         cfg.workload = workloads.DEFAULT
     if not isinstance(cfg.workload, str) or cfg.workload not in workloads.names():
-        raise ValueError(f"unknown workload {cfg.workload!r}; allowed: {', '.join(workloads.names())}")
+        raise ValueError(f"unknown workload {cfg.workload!r}{spelled_as(cfg.workload, workloads.names())}; "
+                         f"allowed: {', '.join(workloads.names())}")
     if cfg.workload == "data-mlp" and cfg.data is None:
         raise ValueError("data: workload 'data-mlp' needs --data PATH.npz (arrays x and y)")
     for key, value in workloads.defaults(cfg.workload).items():
