@@ -310,12 +310,14 @@ def test_bench_plan_reports_a_failed_worker_in_one_line(tmp_path, capsys, monkey
 
 
 def _three_way_agreement(rank: int, world: int) -> dict:
-    """agree() on 3 ranks: rank 2 alone differs (a field), then rank 2 alone failed (an error)."""
+    """agree() on 3 ranks: rank 2 alone differs (a field), then rank 2 alone failed (an error), then ranks 0
+    and 2 failed alike and rank 1 otherwise."""
     from gradpress.exchange.agree import agree
 
     out = {}
     for case, mine, error in (("config", {"a": 1, "b": 2 if rank == 2 else 1}, None),
-                              ("error", {"a": 1}, "boom on 2" if rank == 2 else None)):
+                              ("error", {"a": 1}, "boom on 2" if rank == 2 else None),
+                              ("alike", {"a": 1}, "other" if rank == 1 else "same")):
         try:
             agree(mine, error, None)
             out[case] = None
@@ -332,3 +334,6 @@ def test_agreement_compares_every_rank_not_the_first_two() -> None:
     for r in results:
         assert r["config"] == "gradpress configuration differs between ranks: rank 2 has b=2 but rank 0 has 1"
         assert r["error"] == "gradpress registration failed: rank 2: boom on 2"
+        # the same refusal on several ranks is said once, naming them (it was repeated once per rank: with
+        # --nproc 64 the one sentence 64 times); ordered by the first rank that gave each
+        assert r["alike"] == "gradpress registration failed: ranks 0, 2: same; rank 1: other"

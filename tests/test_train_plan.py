@@ -6,8 +6,10 @@ nothing says so in its summary and in compare's table."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
+from refusals import forbid
 
 from gradpress import compare, train
 from gradpress.cli import main as cli
@@ -52,6 +54,31 @@ def test_plan_costs_are_checked_before_workers_start(tmp_path, capsys) -> None: 
     with pytest.raises(ValueError, match="does not exist"):
         train.make_config({**COMMON, "compressor": "topk:ratio=0.1", "strategy": "auto",
                            "plan_costs": str(tmp_path / "missing.json")})
+
+
+def test_a_cost_file_of_another_world_size_is_refused_before_workers_start(tmp_path, capsys, monkeypatch) -> None:  # noqa: ANN001
+    """A cost file measured on 2 workers given to ``--nproc 3`` (or torchrun's WORLD_SIZE=3): the workers
+    refused it, each rank the same sentence in one message, after they had started; now the launcher
+    does, once. Unknown world (no --nproc, no WORLD_SIZE): left to the workers, as before."""
+    import torch.distributed.launcher.api as launcher
+
+    forbid(monkeypatch, "workers were started", (launcher, "elastic_launch"))
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps(CostModel.from_mapping(SLOW).to_json(compressor="topk:ratio=0.1", world_size=2)))
+    base = ["train", "--workload", "digits-mlp", "--compressor", "topk:ratio=0.1", "--strategy", "auto",
+            "--plan-costs", str(costs), "--out", str(tmp_path / "o")]
+    expected = f"plan_costs: {str(costs)!r} was measured with world_size 2, this run has 3; measure again with"
+    assert cli([*base, "--nproc", "3"]) == 2
+    err = capsys.readouterr().err
+    assert expected in err and err.count("was measured with") == 1, err
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        train.make_config({**COMMON, "nproc": None, "compressor": "topk:ratio=0.1", "strategy": "auto",
+                           "plan_costs": str(costs)})
+    monkeypatch.delenv("WORLD_SIZE")
+    cfg = train.make_config({**COMMON, "nproc": 2, "compressor": "topk:ratio=0.1", "strategy": "auto",
+                             "plan_costs": str(costs)})  # its own world size: accepted
+    assert cfg.plan_costs == str(costs)
 
 
 def test_a_run_that_compressed_nothing_says_so(tmp_path, capsys) -> None:  # noqa: ANN001

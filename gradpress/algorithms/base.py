@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import difflib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -45,7 +46,10 @@ from gradpress.exchange.agree import agree, config_diff, same_config
 from gradpress.exchange.rollback import Rollback
 from gradpress.transport.groups import own_group
 
-__all__ = ["Algorithm", "Preflight", "STATE_FORMAT"]
+__all__ = ["Algorithm", "Preflight", "STATE_FORMAT", "OPTIONS"]
+
+#: the keyword options every algorithm takes besides its ``PARAMS`` (the keywords of :meth:`Algorithm.__init__`)
+OPTIONS = ("compressor", "error_feedback", "strategy", "min_numel", "seed", "nonfinite", "process_group", "timeout")
 
 STATE_FORMAT = "gradpress-algorithm/1"
 
@@ -150,6 +154,17 @@ class Algorithm(ExchangeHelpers):
                              "(the algorithm does its own exchange)")
 
     def _set_params(self, params: Mapping[str, Any]) -> None:
+        # A keyword that is neither a parameter nor a shared option (a typo such as ``compresor=``,
+        # or ``scaler=`` copied from ``gradpress.ddp.register``): name both lists, or the message
+        # would offer only the parameters and hide that ``compressor=`` exists.
+        known = [p.name for p in self.PARAMS]
+        unknown = sorted(set(params) - set(known))
+        if unknown:
+            close = difflib.get_close_matches(unknown[0], [*known, *OPTIONS], n=1)
+            raise ValueError(f"algorithm {self.name!r}: unknown parameter or option {unknown[0]!r}"
+                             + (f" (did you mean {close[0]!r}?)" if close else "")
+                             + f"; allowed parameters: {', '.join(known) or 'none'}; "
+                             f"allowed options: {', '.join(OPTIONS)}")
         for key, value in coerce_params(self.PARAMS, params, self.name, "algorithm").items():
             setattr(self, key, value)
 

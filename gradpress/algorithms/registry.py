@@ -42,6 +42,10 @@ def parse(spec: str) -> tuple[type[Algorithm], dict[str, Any]]:
     if ">" in spec:
         raise ValueError(f"algorithm spec {spec!r}: algorithms do not compose ('>' is for compressors)")
     name, raw = parse_stage(spec, kind="algorithm")
+    if name == "ddp" and name not in names():  # `--algorithm ddp` of the commands is the hook, not a class here
+        raise ValueError("algorithm 'ddp' is not built by gradpress.algorithms: it is DistributedDataParallel with "
+                         "the gradpress hook, gradpress.ddp.register(DistributedDataParallel(model), compressor) "
+                         f"(docs/integrations.md, \"Your own DDP script\"); allowed here: {', '.join(names())}")
     cls = get_class(name)
     return cls, coerce_params(cls.PARAMS, raw, name, "algorithm", defaults=False)
 

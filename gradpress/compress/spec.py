@@ -116,10 +116,22 @@ class Registry(Generic[T]):
         if name not in self.classes:
             self.load_plugins()
         if name not in self.classes:
-            raise ValueError(f"unknown {self.kind} {name!r}; allowed: {', '.join(sorted(self.classes))}"
+            raise ValueError(f"unknown {self.kind} {name!r}{spelled_as(name, self.classes)}"
+                             + f"; allowed: {', '.join(sorted(self.classes))}"
                              + (" (one of your own: load its module with --plugin MODULE or GRADPRESS_PLUGINS=MODULE, "
                                 "docs/authoring.md)" if self.plugins else ""))
         return self.classes[name]
+
+
+def spelled_as(name: str, names: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` when ``name`` is one of ``names`` spelled another way (``TopK``, ``QSGD``,
+    ``streaming_diloco``, ``dgc-threshold``: case, and ``-`` for ``_``), else ``""``: a hint for an
+    unknown-name error."""
+    def folded(n: str) -> str:
+        return n.lower().replace("_", "-")
+
+    same = sorted(n for n in names if folded(n) == folded(name))
+    return f" (did you mean {same[0]!r}?)" if same else ""
 
 
 def append_piece(specs: list[str], piece: str, what: str, text: str) -> None:

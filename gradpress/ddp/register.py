@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -75,7 +76,7 @@ def make_hook(
     min_numel: int = 1024,
     seed: int = 0,
     process_group: dist.ProcessGroup | None = None,
-    plan_costs: CostModel | Mapping[str, Any] | None = None,
+    plan_costs: CostModel | Mapping[str, Any] | str | os.PathLike[str] | None = None,
     nonfinite: str = "propagate",
     timeout: float | datetime.timedelta | None = None,
     coalesce: bool | None = None,
@@ -127,7 +128,7 @@ def register(
     min_numel: int = 1024,
     seed: int = 0,
     process_group: dist.ProcessGroup | None = None,
-    plan_costs: CostModel | Mapping[str, Any] | None = None,
+    plan_costs: CostModel | Mapping[str, Any] | str | os.PathLike[str] | None = None,
     nonfinite: str = "propagate",
     timeout: float | datetime.timedelta | None = None,
     coalesce: bool | None = None,
@@ -166,8 +167,10 @@ def register(
     must pass the same value.
     ``scaler``: the ``torch.amp.GradScaler`` of fp16 autocast (each rank its
     own): the residuals, kept in the scale of their step, follow its scale
-    (read once per step; :meth:`GradpressHook.attach_scaler` attaches one
-    later). Needs ``nonfinite='propagate'``.
+    (read once per step). Every rank gives one or none does; it cannot be
+    attached to or detached from the registered (bound) hook afterwards:
+    :meth:`GradpressHook.attach_scaler` is for a ``make_hook(spec)`` state
+    before it binds. Needs ``nonfinite='propagate'``.
     """
     if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
         raise ValueError(f"ddp_model must be torch.nn.parallel.DistributedDataParallel, got {type(ddp_model).__name__}")

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["agree", "config_diff", "same_config"]
+__all__ = ["agree", "by_message", "config_diff", "same_config"]
 
 
 def _same_field(field: str, theirs: Any, mine: Any, world: Any = None) -> bool:
@@ -44,6 +44,17 @@ def config_diff(theirs: dict[str, Any], mine: dict[str, Any], theirs_name: str =
     ) or "parameters: names or shapes differ"
 
 
+def by_message(errors: list[str | None]) -> list[str]:
+    """``rank R: message`` per distinct message of ``errors`` (one entry per rank, None where it did not
+    fail), in the order of the first rank that gave it, the ranks that gave the same one named together
+    (``ranks 0, 1, 2: message``): a refusal every rank makes alike is said once, not once per worker."""
+    ranks: dict[str, list[int]] = {}
+    for r, error in enumerate(errors):
+        if error:
+            ranks.setdefault(error, []).append(r)
+    return [f"rank {rs[0]}: {m}" if len(rs) == 1 else f"ranks {', '.join(map(str, rs))}: {m}" for m, rs in ranks.items()]
+
+
 def agree(mine: dict[str, Any] | None, error: str | None, group: dist.ProcessGroup | None, what: str = "gradpress",
           stage: str = "registration", hints: Mapping[str, str] | None = None) -> None:
     """Raise on every rank if any rank failed (``error``) or the
@@ -54,7 +65,7 @@ def agree(mine: dict[str, Any] | None, error: str | None, group: dist.ProcessGro
     world = dist.get_world_size(group)
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, {"config": mine, "error": error}, group=group)
-    errors = [f"rank {r}: {e['error']}" for r, e in enumerate(everyone) if e["error"]]
+    errors = by_message([e["error"] for e in everyone])
     if errors:
         raise ValueError(f"{what} {stage} failed: " + "; ".join(errors))
     configs = [e["config"] for e in everyone]

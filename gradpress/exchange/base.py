@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from gradpress.compress.base import Compressor, Context, Packet, declared_with
-from gradpress.compress.spec import Registry
+from gradpress.compress.spec import Registry, spelled_as
 from gradpress.exchange.costs import CostModel
 from gradpress.exchange.feedback import Feedback
 
@@ -299,7 +299,7 @@ def parse_strategy(spec: str) -> tuple[str, dict[str, Any]]:
         raise ValueError(f"strategy must be a name like 'allgather' or 'hierarchical:chunk=1048576', got {spec!r}")
     name, params = parse_stage(spec, "strategy")
     if name not in available():
-        raise ValueError(f"unknown strategy {name!r}; allowed: {', '.join(available())}")
+        raise ValueError(f"unknown strategy {name!r}{spelled_as(name, available())}; allowed: {', '.join(available())}")
     declared = () if name in PSEUDO else getattr(strategy_class(name), "PARAMS", ())
     if params and not declared:
         raise ValueError(f"strategy {name!r} takes no parameters, got {', '.join(sorted(params))}")

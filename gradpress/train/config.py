@@ -23,6 +23,7 @@ import torch
 
 import gradpress.train.algorithm as algorithms
 from gradpress import workloads
+from gradpress.compress.spec import spelled_as
 from gradpress.train.cpus import usable_cpus
 from gradpress.train.optim import OPTIMIZERS, SCHEDULES
 
@@ -236,7 +237,8 @@ def _validate_workload(cfg: TrainConfig) -> None:
     if cfg.workload is None:
         cfg.workload = workloads.DEFAULT
     if not isinstance(cfg.workload, str) or cfg.workload not in workloads.names():
-        raise ValueError(f"unknown workload {cfg.workload!r}; allowed: {', '.join(workloads.names())}")
+        raise ValueError(f"unknown workload {cfg.workload!r}{spelled_as(cfg.workload, workloads.names())}; "
+                         f"allowed: {', '.join(workloads.names())}")
     if cfg.workload == "data-mlp" and cfg.data is None:
         raise ValueError("data: workload 'data-mlp' needs --data PATH.npz (arrays x and y)")
     for key, value in workloads.defaults(cfg.workload).items():
@@ -326,7 +328,9 @@ def _validate_exchange(cfg: TrainConfig) -> None:
         from gradpress.exchange.costs import load_costs
 
         cfg.plan_costs = str(cfg.plan_costs)
-        load_costs(cfg.plan_costs, compressor=create(cfg.compressor).spec())  # fails before workers start
+        # fails before workers start; the world size too when it is known (--nproc, WORLD_SIZE): it was
+        # refused only in the workers, once per rank in one message
+        load_costs(cfg.plan_costs, compressor=create(cfg.compressor).spec(), world_size=world)
 
 
 def _validate(cfg: TrainConfig) -> TrainConfig:

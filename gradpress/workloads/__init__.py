@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from gradpress.compress.spec import spelled_as
 from gradpress.workloads import charlm, charlm_transformer, digits, mnist1d, userdata, wide
 from gradpress.workloads.base import METRIC_RANGES, Workload, WorkloadSpec, metric_range
 
@@ -57,7 +58,7 @@ def names() -> list[str]:
 
 def get(name: str) -> WorkloadSpec:
     if name not in _SPECS:
-        raise ValueError(f"unknown workload {name!r}; allowed: {', '.join(_SPECS)}")
+        raise ValueError(f"unknown workload {name!r}{spelled_as(name, _SPECS)}; allowed: {', '.join(_SPECS)}")
     return _SPECS[name]
 
 
