@@ -66,9 +66,10 @@ def _config_file(opts: Mapping[str, Any], out: str | None) -> str:
         if key in given:
             raise ValueError(f"{key}: not a compare option (config file {str(path)!r} sets {key} = {given[key]!r}); "
                              f"compare sets it per run from --compressors and --algorithms: remove it from the file")
-    if given.get("resume", False) is not False:
-        raise ValueError(f"resume: not a compare option (config file {str(path)!r} sets resume = "
-                         f"{str(given['resume']).lower()}); compare starts every run afresh: remove it from the file")
+    for key in ("resume", "reshard"):
+        if given.get(key, False) is not False:
+            raise ValueError(f"{key}: not a compare option (config file {str(path)!r} sets {key} = "
+                             f"{str(given[key]).lower()}); compare starts every run afresh: remove it from the file")
     if out is None:
         out = given.get("out", DEFAULT_OUT)
         if not isinstance(out, (str, os.PathLike)) or not str(out):
@@ -134,7 +135,7 @@ def run(compressors: str | Iterable[str] | None, options: Mapping[str, Any] | No
     method then runs at its own best rate. Runs that fail are recorded and
     the others go on; then :class:`RunsFailed` is raised (module doc)."""
     opts = dict(options or {})
-    for key in ("algorithm", "compressor", "resume"):
+    for key in ("algorithm", "compressor", "resume", "reshard"):
         if key in opts:
             raise ValueError(f"{key}: not a compare option (compare sets it per run)")
     out = _config_file(opts, out)
