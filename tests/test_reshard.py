@@ -9,7 +9,7 @@ N and M in 1..5), the train checkpoint's checks (the refusal without
 ``--reshard`` names both world sizes, the flag and the global batch;
 mid-epoch and non-IID checkpoints refused; ``--reshard`` only with
 ``--resume``), the learning-rate shift, and the frameworks' ``rank_entry``.
-No workers; about 13 s on the busy 2-core machine (most of it the hypothesis property). The end-to-end runs are in test_reshard_train.py."""
+No workers; about 5 s at load 8 on the shared 2-core machine (most of it the hypothesis property). The end-to-end runs are in test_reshard_train.py."""
 
 from __future__ import annotations
 

@@ -8,9 +8,9 @@ worker starts, naming both world sizes and the flag. Local SGD (replicas
 that differ mid-period) starts every new rank from the mean of the saved
 models (marked ``long``: another 4-worker run). A ring checkpoint is refused,
 naming the strategy. Marked ``long`` too: 2 workers resumed on 4. Without
-the ``long`` ones it starts 4 workers once and 2 workers three times; 105 s
-at load 20 on the shared 2-core machine (the 4-worker launch is most of it),
-expected near 40 s on a quiet one."""
+the ``long`` ones (38 s together) it starts 4 workers once and 2 workers
+three times: 19 s at load 8 on the shared 2-core machine (105 s at load 20;
+the 4-worker launch is most of it)."""
 
 from __future__ import annotations
 
@@ -136,7 +136,7 @@ def test_a_ring_checkpoint_is_refused_naming_the_strategy(tmp_path, capsys):
 
 
 @pytest.mark.long
-def test_two_workers_resume_on_four(four, tmp_path):
+def test_two_workers_resume_on_four(tmp_path):
     out = tmp_path / "two"
     assert cli(["train", "--nproc", "2", "--epochs", "1", *COMMON, "--out", str(out)]) == 0
     saved = torch.load(out / "checkpoint.pt", weights_only=True)
