@@ -8,10 +8,13 @@ ring / ps / hierarchical strategies, leader SGD), a hypothesis property
 N and M in 1..5), the train checkpoint's checks (the refusal without
 ``--reshard`` names both world sizes, the flag and the global batch;
 mid-epoch and non-IID checkpoints refused; ``--reshard`` only with
-``--resume``), the learning-rate shift, and the frameworks' ``rank_entry``.
+``--resume``), the learning-rate shift (in the loop too), the frameworks' ``rank_entry`` and the option of the
+Lightning, Accelerate and Trainer integrations.
 No workers; about 5 s at load 8 on the shared 2-core machine (most of it the hypothesis property). The end-to-end runs are in test_reshard_train.py."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -234,3 +237,73 @@ def test_rank_entry_refuses_another_world_size_unless_resharding():
     ring = {**saved, "ranks": [{**s, "strategies": {"ring": {}}} for s in saved["ranks"]]}
     with pytest.raises(ValueError, match=r"ckpt: cannot reshard 3 rank\(s\) into 2: .*strategy 'ring'"):
         rank_entry(ring, 0, 2, reshard=True, where="ckpt")
+
+
+def test_run_steps_puts_the_schedule_at_the_shifted_position():
+    """After a reshard the cosine schedule is at (step + shift) / horizon: the loop's lr, recorded before each
+    step, against the formula written out here."""
+    from gradpress.train.loop import run_steps
+
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    class Plain:
+        def __init__(self):
+            self.model = model
+
+        def step(self):
+            opt.step()
+
+    seen = []
+    batches = [(1, b, torch.randn(2, 3), torch.randn(2, 1)) for b in range(3)]
+    run_steps(Plain(), opt, torch.nn.functional.mse_loss, batches, lr=0.1, schedule="cosine", horizon=24, step=4,
+              after=lambda tick: seen.append(opt.param_groups[0]["lr"]), schedule_shift=4)
+    want = [0.1 * 0.5 * (1 + math.cos(math.pi * s / 24)) for s in (8, 9, 10)]
+    assert seen == pytest.approx(want, rel=1e-12)
+
+
+def _hook_ranks(n, res):
+    return {"format": RANKS_FORMAT, "world_size": n,
+            "ranks": [{**_engine(r, n, residual=res[r]), "format": HOOK_FORMAT, "step": 2, "layout": "parameter",
+                       "loss_scale": None} for r in range(n)]}
+
+
+def test_the_integrations_pass_reshard_through(monkeypatch):
+    """Lightning's callback and Accelerate's checkpointed hook: refused by default naming their own option,
+    folded with ``reshard=True`` (the unbound hook keeps the folded state until it binds)."""
+    from types import SimpleNamespace
+
+    import gradpress.accelerate as acc
+    from gradpress.ddp import make_hook
+    from gradpress.lightning import GradpressCallback
+
+    res = [torch.randn(6) for _ in range(3)]
+    saved = _hook_ranks(3, res)
+    state, _ = make_hook("topk:ratio=0.05")
+    trainer = SimpleNamespace(strategy=SimpleNamespace(gradpress_state=state), global_rank=1, world_size=2)
+    with pytest.raises(ValueError, match=r"has 3, this run has 2; .*pass GradpressCallback\(reshard=True\)"):
+        GradpressCallback().on_load_checkpoint(trainer, None, {"gradpress": saved})
+    GradpressCallback(reshard=True).on_load_checkpoint(trainer, None, {"gradpress": saved})
+    pending = state.state_dict()
+    assert (pending["rank"], pending["config"]["world_size"]) == (1, 2)
+    assert torch.equal(pending["feedback"]["residuals"]["w"], _mean64(res).float())
+
+    state.close()
+
+    class Hook:  # what CheckpointedHook uses of a bound hook: its group, load_state_dict
+        group = None
+        loaded = None
+
+        def load_state_dict(self, mine):
+            self.loaded = mine
+
+    monkeypatch.setattr(acc.dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(acc.dist, "get_world_size", lambda group=None: 4)
+    hook = Hook()
+    with pytest.raises(ValueError, match=r"accelerator.load_state: .*pass reshard=True to gradpress.accelerate"):
+        acc.CheckpointedHook(hook).load_state_dict(saved)
+    assert hook.loaded is None
+    acc.CheckpointedHook(hook, reshard=True).load_state_dict(saved)
+    assert (hook.loaded["rank"], hook.loaded["config"]["world_size"]) == (0, 4)
+    assert torch.equal(hook.loaded["feedback"]["residuals"]["w"], _mean64(res).float())
+    assert acc.trainer_callback("none", reshard=True).reshard is True
