@@ -9,7 +9,7 @@ N and M in 1..5), the train checkpoint's checks (the refusal without
 ``--reshard`` names both world sizes, the flag and the global batch;
 mid-epoch and non-IID checkpoints refused; ``--reshard`` only with
 ``--resume``), the learning-rate shift (in the loop too), the frameworks' ``rank_entry`` and the option of the
-Lightning, Accelerate and Trainer integrations.
+Lightning, Accelerate and Trainer integrations, and ``reshard`` in a --config file (train: yes; compare: refused).
 No workers; about 5 s at load 8 on the shared 2-core machine (most of it the hypothesis property). The end-to-end runs are in test_reshard_train.py."""
 
 from __future__ import annotations
@@ -307,3 +307,22 @@ def test_the_integrations_pass_reshard_through(monkeypatch):
     assert (hook.loaded["rank"], hook.loaded["config"]["world_size"]) == (0, 4)
     assert torch.equal(hook.loaded["feedback"]["residuals"]["w"], _mean64(res).float())
     assert acc.trainer_callback("none", reshard=True).reshard is True
+
+
+def test_a_config_file_may_ask_train_to_reshard_but_not_compare(tmp_path, monkeypatch, capsys):
+    """``reshard = true`` in a --config TOML is a train option like ``resume``; compare starts every run afresh
+    and refuses it, naming the key and the file, before anything trains."""
+    from gradpress import compare, train
+    from gradpress.cli import main as cli
+
+    toml = tmp_path / "run.toml"
+    toml.write_text('workload = "digits-mlp"\nresume = true\nreshard = true\n')
+    assert make_config({"config": str(toml), "out": str(tmp_path / "o")}).reshard is True
+    monkeypatch.setattr(train, "run", lambda cfg: pytest.fail("trained with reshard in compare's options"))
+    assert cli(["compare", "--compressors", "none", "--config", str(toml), "--out", str(tmp_path / "c")]) == 2
+    assert "not a compare option" in capsys.readouterr().err
+    toml.write_text('workload = "digits-mlp"\nreshard = true\n')
+    assert cli(["compare", "--compressors", "none", "--config", str(toml), "--out", str(tmp_path / "c")]) == 2
+    assert f"reshard: not a compare option (config file {str(toml)!r} sets reshard = true)" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="reshard: not a compare option"):
+        compare.run("none", {"reshard": True}, out=str(tmp_path / "c"))
