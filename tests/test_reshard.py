@@ -8,9 +8,12 @@ ring / ps / hierarchical strategies, leader SGD), a hypothesis property
 N and M in 1..5), the train checkpoint's checks (the refusal without
 ``--reshard`` names both world sizes, the flag and the global batch;
 mid-epoch and non-IID checkpoints refused; ``--reshard`` only with
-``--resume``), the learning-rate shift (in the loop too), the frameworks' ``rank_entry`` and the option of the
-Lightning, Accelerate and Trainer integrations, and ``reshard`` in a --config file (train: yes; compare: refused).
-No workers; about 5 s at load 8 on the shared 2-core machine (most of it the hypothesis property). The end-to-end runs are in test_reshard_train.py."""
+``--resume``), the learning-rate shift (in the loop too), the frameworks'
+``rank_entry`` and the option of the Lightning, Accelerate and Trainer
+integrations, and ``reshard`` in a --config file (train: yes; compare:
+refused). No workers; 25 s at load 8 on the shared 2-core machine (11 s of
+it importing Lightning and Transformers). The end-to-end runs are in
+test_reshard_train.py."""
 
 from __future__ import annotations
 
