@@ -51,7 +51,7 @@ import torch
 
 from gradpress.exchange.state import STATE_FORMAT
 
-__all__ = ["Fold", "fold", "fold_leaves", "rule", "fold_engine", "refuse", "ACTION"]
+__all__ = ["Fold", "fold", "fold_leaves", "rule", "fold_engine", "fold_config", "refuse", "ACTION"]
 
 #: what a refusal tells the user to do
 ACTION = ("resume on the checkpoint's {n} worker(s) without resharding, or start a fresh run on {m} worker(s) "
