@@ -72,10 +72,13 @@ def _ddp(model: Any, where: str, distributed_type: Any, cpu_option: str) -> torc
 
 class CheckpointedHook:
     """A hook state as Accelerate checkpoints custom objects: ``state_dict``
-    (collective: every rank's state) and ``load_state_dict`` (this rank's)."""
+    (collective: every rank's state) and ``load_state_dict`` (this rank's;
+    from a checkpoint of another world size only with ``reshard``: the saved
+    ranks' states folded, :mod:`gradpress.exchange.reshard`)."""
 
-    def __init__(self, hook: GradpressHook) -> None:
+    def __init__(self, hook: GradpressHook, reshard: bool = False) -> None:
         self.hook = hook
+        self.reshard = reshard
 
     def state_dict(self) -> dict[str, Any]:
         return gather_states(self.hook)
@@ -83,7 +86,8 @@ class CheckpointedHook:
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         group = self.hook.group
         load_rank_state(self.hook, saved, dist.get_rank(group), dist.get_world_size(group),
-                        where="accelerator.load_state")
+                        where="accelerator.load_state", reshard=self.reshard,
+                        option="reshard=True to gradpress.accelerate.register")
 
 
 def _with_scaler(options: dict[str, Any], framework: Any, where: str, source: str) -> dict[str, Any]:
@@ -93,20 +97,24 @@ def _with_scaler(options: dict[str, Any], framework: Any, where: str, source: st
     return {**options, "scaler": scaler} if scaler is not None else options
 
 
-def register(accelerator: Any, model: Any, spec: Any = "none", **options: Any) -> GradpressHook:
+def register(accelerator: Any, model: Any, spec: Any = "none", *, reshard: bool = False,
+             **options: Any) -> GradpressHook:
     """Register gradpress on ``model`` as returned by ``accelerator.prepare``
     (collective: every process calls it, before the first backward) and its
     state for ``accelerator.save_state``/``load_state``. ``options``: those
     of :func:`gradpress.ddp.register`; ``scaler`` defaults to the
     accelerator's (``accelerator.scaler``: fp16 mixed precision), which
     scales the loss in ``accelerator.backward``, and then needs
-    ``nonfinite='propagate'``. Returns the hook (``stats``, ...)."""
+    ``nonfinite='propagate'``. ``reshard``: ``accelerator.load_state`` of a
+    checkpoint written on another number of processes folds the saved ranks'
+    compression state into this run's (docs/integrations.md); refused
+    otherwise. Returns the hook (``stats``, ...)."""
     ddp = _ddp(model, "gradpress.accelerate.register", getattr(accelerator, "distributed_type", "?"),
                "Accelerator(cpu=True)")
     options = _with_scaler(options, getattr(accelerator, "scaler", None), "gradpress.accelerate.register",
                            "the accelerator's loss scaler (accelerator.scaler, mixed_precision='fp16')")
     hook = gradpress.ddp.register(ddp, spec, **options)
-    accelerator.register_for_checkpointing(CheckpointedHook(hook))
+    accelerator.register_for_checkpointing(CheckpointedHook(hook, reshard=bool(reshard)))
     return hook
 
 
@@ -126,8 +134,9 @@ def _callback_class() -> type:
         """Registers gradpress on the Trainer's DDP model, logs its stats,
         keeps its state in the Trainer's checkpoints."""
 
-        def __init__(self, spec: Any = "none", *, resume_from: str | None = None, **options: Any) -> None:
-            self.spec, self.options, self.resume_from = spec, options, resume_from
+        def __init__(self, spec: Any = "none", *, resume_from: str | None = None, reshard: bool = False,
+                     **options: Any) -> None:
+            self.spec, self.options, self.resume_from, self.reshard = spec, options, resume_from, bool(reshard)
             self.trainer: Any = None
             self.hook: GradpressHook | None = None
             self._ddp: Any = None
@@ -150,7 +159,8 @@ def _callback_class() -> type:
                 path = os.path.join(folder, TRAINER_FILE)
                 if os.path.exists(path):
                     load_rank_state(self.hook, torch.load(path, map_location="cpu", weights_only=True),
-                                    dist.get_rank(self.hook.group), dist.get_world_size(self.hook.group), where=path)
+                                    dist.get_rank(self.hook.group), dist.get_world_size(self.hook.group), where=path,
+                                    reshard=self.reshard, option="reshard=True to the Trainer callback")
                 else:
                     warnings.warn(f"GradpressTrainerCallback: resuming at step {state.global_step} but {path} does "
                                   "not exist; compression starts with empty residuals (pass resume_from=FOLDER)",
@@ -181,7 +191,10 @@ def trainer_callback(spec: Any = "none", *, resume_from: str | None = None, **op
 def attach_trainer(trainer: Any, spec: Any = "none", *, resume_from: str | None = None, **options: Any) -> Any:
     """Add gradpress to a ``transformers.Trainer`` (before ``trainer.train()``).
     The callback goes first, so reporters (TensorBoard, ...) see the stats it
-    adds to each log. Returns the callback (its ``hook`` once training began)."""
+    adds to each log. ``reshard=True`` (among ``options``): resuming from a checkpoint
+    written on another number of processes folds the saved ranks' compression state
+    into this run's (docs/integrations.md); refused otherwise. Returns the callback
+    (its ``hook`` once training began)."""
     callback = trainer_callback(spec, resume_from=resume_from, **options)
     callback.trainer = trainer
     trainer.callback_handler.callbacks.insert(0, callback)

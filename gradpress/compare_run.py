@@ -72,6 +72,9 @@ def _config_file(opts: Mapping[str, Any], out: str | None) -> str:
         raise ValueError(f"resume: not a compare option (config file {str(path)!r} sets resume = "
                          f"{str(given['resume']).lower()}); to continue an interrupted compare give compare's own --resume: "
                          "remove it from the file")
+    if given.get("reshard", False) is not False:
+        raise ValueError(f"reshard: not a compare option (config file {str(path)!r} sets reshard = "
+                         f"{str(given['reshard']).lower()}); every run of a compare uses its --nproc: remove it from the file")
     if out is None:
         out = given.get("out", DEFAULT_OUT)
         if not isinstance(out, (str, os.PathLike)) or not str(out):
@@ -146,7 +149,7 @@ def run(compressors: str | Iterable[str] | None, options: Mapping[str, Any] | No
     ``reused N of M runs`` line on stderr); ``rank_by``: ``bytes`` or ``time`` to target
     (:data:`compare_stats.RANK_RULES`)."""
     opts = dict(options or {})
-    for key in ("algorithm", "compressor", "resume"):
+    for key in ("algorithm", "compressor", "resume", "reshard"):
         if key in opts:
             raise ValueError(f"{key}: not a compare option (compare sets it per run)")
     out = _config_file(opts, out)

@@ -118,11 +118,15 @@ class GradpressCallback(Callback):
     """Checkpoints the gradpress state with Lightning's checkpoints and logs
     its stats. ``state``: the hook state (default: the trainer's
     :class:`GradpressStrategy`'s). ``log_stats``: log the stats each training step
-    (Lightning's ``log_every_n_steps`` decides what reaches the logger)."""
+    (Lightning's ``log_every_n_steps`` decides what reaches the logger).
+    ``reshard``: a checkpoint written on another number of processes is loaded
+    with the saved ranks' states folded into this run's
+    (:mod:`gradpress.exchange.reshard`); refused otherwise."""
 
-    def __init__(self, state: GradpressHook | None = None, *, log_stats: bool = True) -> None:
+    def __init__(self, state: GradpressHook | None = None, *, log_stats: bool = True, reshard: bool = False) -> None:
         self.state = state
         self.log_stats = log_stats
+        self.reshard = bool(reshard)
 
     def _state(self, trainer: Any) -> GradpressHook:
         if self.state is not None:
@@ -155,4 +159,5 @@ class GradpressCallback(Callback):
                           "GradpressCallback); compression starts with empty residuals", stacklevel=2)
             return
         load_rank_state(self._state(trainer), saved, trainer.global_rank, trainer.world_size,
-                        where=f"Lightning checkpoint[{CHECKPOINT_KEY!r}]")
+                        where=f"Lightning checkpoint[{CHECKPOINT_KEY!r}]", reshard=self.reshard,
+                        option="GradpressCallback(reshard=True)")

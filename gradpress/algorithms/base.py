@@ -43,6 +43,7 @@ from gradpress.compress.base import Param
 from gradpress.compress.spec import coerce_params
 from gradpress.exchange import Synchronizer
 from gradpress.exchange.agree import agree, config_diff, same_config
+from gradpress.exchange.reshard import Fold, fold_config, fold_leaves, refuse, rule
 from gradpress.exchange.rollback import Rollback
 from gradpress.transport.groups import own_group
 
@@ -89,6 +90,9 @@ class Algorithm(ExchangeHelpers):
     PARAMS: ClassVar[tuple[Param, ...]] = ()
     summary: ClassVar[str] = ""
     default_compressor: ClassVar[str] = "none"
+    #: why a checkpoint of this algorithm cannot be resumed on another world size (None: its state folds by
+    #: the generic rule of :mod:`gradpress.exchange.reshard`: replicated kept, per-rank floating state averaged)
+    reshard_refusal: ClassVar[str | None] = None
 
     def __init__(
         self,
@@ -305,3 +309,29 @@ class Algorithm(ExchangeHelpers):
 
     def __repr__(self) -> str:
         return f"<algorithm {self.spec()} compressor={self.compressor.spec() if self.engine else '?'}>"
+
+
+@rule(STATE_FORMAT)
+def _fold_state(vals: list[Any], at: Fold) -> dict[str, Any]:
+    """An algorithm's state on another world size (:mod:`gradpress.exchange.reshard`): refused when the
+    algorithm declares ``reshard_refusal``; ``config.world_size`` set to the new world; ``extra`` by the
+    generic rule, named after the algorithm; ``exchange`` by the engine's rule."""
+    from gradpress.algorithms.registry import get_class
+
+    spec = vals[0]["config"].get("algorithm") if isinstance(vals[0].get("config"), Mapping) else None
+    owner = f"algorithm {spec!r}"
+    try:
+        why = get_class(str(spec).partition(":")[0]).reshard_refusal
+    except ValueError:
+        why = None
+    if why:
+        raise refuse(vals, at.at("extra", owner), why)
+    out: dict[str, Any] = {}
+    for key in vals[0]:
+        if not all(key in v for v in vals):
+            raise refuse(vals, at.at(key, owner), "present on some saved ranks only")
+        if key == "config":
+            out[key] = fold_config(vals, at)
+        else:
+            out[key] = fold_leaves([v[key] for v in vals], at.at(key, owner))
+    return out

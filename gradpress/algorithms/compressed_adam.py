@@ -103,6 +103,8 @@ class CompressedAdam(Algorithm):
     :meth:`gradients` (base class), :meth:`_exact_average`, :meth:`_moments`, :meth:`_apply`."""
 
     default_compressor = "efsignsgd"
+    reshard_refusal = ("its compressed allreduce cuts the momentum into one partition per saved rank, whose "
+                       "owners keep the server-side residuals")
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
                  compressor: str | Compressor | None = None, strategy: str = "collective",

@@ -102,6 +102,7 @@ def _unit(v: float) -> bool:
 @register
 class LSGD(Algorithm):
     name = "lsgd"
+    reshard_refusal = "its leaders are ranks of the saved world and it keeps one running loss per saved rank"
     PARAMS = (
         Param("tau", int, 4, "integer >= 1", lambda v: v >= 1, "steps between leader elections and pulls"),
         Param("c", float, 0.75, "number in (0, 1]", _unit, "pull strength toward the leader (one group)"),

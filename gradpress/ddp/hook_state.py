@@ -23,9 +23,14 @@ from gradpress.ddp.loss_scale import check_kept
 from gradpress.ddp.state_format import _OLD_FORMAT, HOOK_FORMAT, LAYOUT, _upgrade_v1, upgrade_layout
 from gradpress.exchange import Synchronizer
 from gradpress.exchange.keys import upgrade_keys
+from gradpress.exchange.reshard import fold_engine, rule
 from gradpress.exchange.state import STATE_FORMAT
 
 __all__ = ["save", "check_format", "load"]
+
+# a hook state is the engine's plus the hook's step, layout and loss scale: it folds onto another world
+# size by the engine's rule (:mod:`gradpress.exchange.reshard`)
+rule(HOOK_FORMAT)(fold_engine)
 
 
 def save(engine: Synchronizer, step: int, loss_scale: float | None = None) -> dict[str, Any]:

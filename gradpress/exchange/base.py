@@ -192,6 +192,9 @@ class Strategy:
     #: snapshot copies only its containers (otherwise it deep-copies it). A subclass overriding ``state_dict``
     #: gets False unless it sets the flag in its own body
     state_dict_copies: ClassVar[bool] = False
+    #: why a checkpoint that ran this strategy cannot be resumed on another world size (None: its state and
+    #: residuals fold by the generic rule of :mod:`gradpress.exchange.reshard`)
+    reshard_refusal: ClassVar[str | None] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -61,6 +61,9 @@ def add_arguments(p: argparse.ArgumentParser, *, compare: bool = False) -> None:
     p.add_argument("--config", default=S, metavar="FILE.toml", help="read options from a TOML file; flags override it")
     if not compare:
         p.add_argument("--resume", action="store_true", default=S, help="continue from DIR/checkpoint.pt")
+        p.add_argument("--reshard", action="store_true", default=S,
+                       help="with --resume: continue a checkpoint of another number of workers, its per-rank state "
+                            "folded into this run's (at an epoch boundary, --split iid; docs/train.md)")
     p.add_argument("--device", default=S, metavar="cpu|cuda", help="cpu (gloo, default) or cuda (nccl)")
     p.add_argument("--log-every", dest="log_every", type=int, default=S, help="log every N steps (default 10)")
     p.add_argument("--eval-every", dest="eval_every", type=int, default=S,

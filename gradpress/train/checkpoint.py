@@ -19,7 +19,10 @@ file + rename) after every epoch and at the end (format ``gradpress-train/2``):
   loss was NaN/Inf, or None: a run goes on past it only with
   ``--allow-divergence``, and a resumed run reports that step, not a later one);
 * ``settings``: every setting of the run (:func:`gradpress.train.config.settings`; absent from checkpoints
-  written before it existed), which ``gradpress compare --resume`` checks before resuming from it.
+  written before it existed), which ``gradpress compare --resume`` checks before resuming from it;
+* ``reshards``: every change of world size so far, ``{"from", "to", "step",
+  "epoch"}`` (``--resume --reshard``, :mod:`gradpress.train.reshard`; absent
+  in a checkpoint written before it existed: none).
 
 Everything is tensors, numbers, strings, lists and dicts, so the file loads
 with ``torch.load(..., weights_only=True)``. Checkpoints written before
@@ -134,16 +137,24 @@ def load(path: Path) -> dict[str, Any]:
 def check_resume(state: Any, cfg: TrainConfig, world: int, local_world: int | None = None) -> None:
     """Refuse a checkpoint of another configuration (:data:`RESUME_FIXED`, the world size), naming every
     setting that differs. ``local_world``: the ``LOCAL_WORLD_SIZE`` of the workers a launcher is about to
-    start (a host layout from the environment resolves as theirs will)."""
+    start (a host layout from the environment resolves as theirs will). Another world size passes with
+    ``cfg.reshard`` when :func:`gradpress.train.reshard.check` allows it; without, its entry names the flag."""
     if not isinstance(state, Mapping) or state.get("format") != FORMAT:
         found = state.get("format") if isinstance(state, Mapping) else None
         raise ValueError(f"resume: {cfg.out}/{CHECKPOINT} is not a gradpress training checkpoint "
                          f"(format {found!r}; allowed: {FORMAT!r}, {_LEGACY!r})")
+    from gradpress.train import reshard
+
     theirs, mine = {**_ADDED_DEFAULTS, **state["config"]}, compat(cfg, world)
     diffs = [f"{k}: checkpoint has {theirs.get(k)!r}, this run has {mine[k]!r}" for k in mine
-             if not _same(k, theirs.get(k), mine[k], world, local_world)]
+             if k != "world_size" and not _same(k, theirs.get(k), mine[k], world, local_world)]
+    resharding = theirs.get("world_size") != world
+    if resharding and not getattr(cfg, "reshard", False):
+        diffs.append(reshard.refusal(theirs.get("world_size"), world, cfg.batch_size))
     if diffs:
         raise ValueError("resume: the checkpoint is from a different configuration (" + "; ".join(diffs) + ")")
+    if resharding:
+        reshard.check(state, cfg.split, world)
 
 
 def same_setting(key: str, theirs: Any, mine: Any) -> bool:
@@ -198,10 +209,11 @@ def _strategy_canonical() -> Any:
 _CANONICAL = {"compressor": _compressor_canonical, "strategy": _strategy_canonical}
 
 
-def rank_state(state: Mapping[str, Any], rank: int, key: str) -> Any:
+def rank_state(state: Mapping[str, Any], rank: int, key: str, mine: Mapping[str, Any] | None = None) -> Any:
     """This rank's ``model`` or ``optimizer`` state: its own where the
-    checkpoint has one (replicas that may differ), else rank 0's."""
-    mine = state["ranks"][rank]
+    checkpoint has one (replicas that may differ), else rank 0's. ``mine``:
+    this rank's entry when it is not ``state["ranks"][rank]`` (resharded)."""
+    mine = state["ranks"][rank] if mine is None else mine
     return mine[key] if key in mine else state[key]
 
 
@@ -222,11 +234,13 @@ def _atomic_save(obj: Any, path: Path) -> None:
 
 def save(path: Path, cfg: TrainConfig, world: int, rank: int, device: torch.device, model: torch.nn.Module,
          opt: torch.optim.Optimizer, algo: Any, nxt: tuple[int, int], step: int, step_times: list[float],
-         history: list[dict[str, Any]], diverged_at: int | None = None) -> None:
+         history: list[dict[str, Any]], diverged_at: int | None = None,
+         reshards: list[dict[str, int]] | None = None) -> None:
     """Gather every rank's algorithm and RNG state on rank 0 (and model and
     optimizer, unless the algorithm keeps replicas identical), which writes
     one file atomically. ``diverged_at``: the first step whose loss was not
-    finite (None: none so far)."""
+    finite (None: none so far). ``reshards``: the run's changes of world size
+    (:mod:`gradpress.train.reshard`)."""
     mine: dict[str, Any] = {"algorithm": algo.state_dict(), "rng": rng_state(device)}
     if not getattr(algo, "replicated", False):
         mine["model"] = model.state_dict()
@@ -239,6 +253,7 @@ def save(path: Path, cfg: TrainConfig, world: int, rank: int, device: torch.devi
             "model": model.state_dict(), "optimizer": opt.state_dict(), "ranks": gathered,
             "step_times": list(step_times), "history": list(history), "diverged_at_step": diverged_at,
             "settings": settings(cfg),
+            "reshards": [dict(r) for r in reshards or []],
         }, path)
     dist.barrier()
 

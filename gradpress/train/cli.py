@@ -46,6 +46,9 @@ def run_cli(args: argparse.Namespace) -> int:
     rank0 = int(os.environ.get("RANK", "0")) == 0
     if rank0:
         print(summary_line(summary))
+        for r in summary.get("reshards") or []:
+            print(f"resharded: the checkpoint of {r['from']} worker(s) continued on {r['to']} at step {r['step']} "
+                  f"(epoch {r['epoch']})")
         if summary.get("strategy") == "auto" and summary.get("plan"):
             from gradpress.exchange.planner import Plan
 

@@ -57,6 +57,7 @@ class TrainConfig:
     seed: int = 0
     out: str = "runs/train"
     resume: bool = False
+    reshard: bool = False
     device: str = "cpu"
     log_every: int = 10
     eval_every: int = 0
@@ -81,7 +82,7 @@ RESUME_FIXED = ("workload", "data", "hidden", "params", "samples", "text_bytes",
                 "plan_costs", "split")
 #: options that change no figure of a run (where it writes, whether it resumed, what it prints or logs, how
 #: long it waits for a peer): left out of the settings a run records (:func:`settings`)
-UNRECORDED = ("out", "resume", "progress", "timeout", "tensorboard", "log_every")
+UNRECORDED = ("out", "resume", "reshard", "progress", "timeout", "tensorboard", "log_every")
 
 
 def settings(cfg: TrainConfig) -> dict[str, Any]:
@@ -341,9 +342,12 @@ def _validate(cfg: TrainConfig) -> TrainConfig:
     cfg.device = _choice("device", cfg.device, ("cpu", "cuda"))
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' requested but torch.cuda.is_available() is False; allowed here: cpu")
-    for name in ("resume", "progress", "allow_divergence"):
+    for name in ("resume", "reshard", "progress", "allow_divergence"):
         if not isinstance(getattr(cfg, name), bool):
             raise ValueError(f"{name} must be true or false, got {getattr(cfg, name)!r}")
+    if cfg.reshard and not cfg.resume:
+        raise ValueError("reshard: true without resume; allowed: --reshard with --resume (it folds a checkpoint "
+                         "of another world size into this run's)")
     if not isinstance(cfg.out, (str, os.PathLike)) or not str(cfg.out):
         raise ValueError(f"out must be a directory path, got {cfg.out!r}")
     cfg.out = str(cfg.out)

@@ -87,6 +87,10 @@ def run(config: Mapping[str, Any] | argparse.Namespace | TrainConfig | None = No
 
             state = checkpoint.load(Path(cfg.out) / checkpoint.CHECKPOINT)
             checkpoint.check_resume(state, cfg, cfg.nproc, local_world=cfg.nproc)  # the workers' LOCAL_WORLD_SIZE
+            from gradpress.train import reshard
+
+            if reshard.saved_world(state) != cfg.nproc:  # --reshard: a state that cannot be folded fails here
+                reshard.entry(state, 0, cfg.nproc)
             del state
         return _launch(cfg)
     return train(cfg)

@@ -97,15 +97,16 @@ class Tick:
 def run_steps(algo: Any, optimizer: torch.optim.Optimizer, loss_fn: Callable[..., torch.Tensor],
               batches: Iterable[tuple[int, int, torch.Tensor, torch.Tensor]], *, lr: float, schedule: str,
               horizon: int, step: int = 0, device: torch.device | None = None,
-              after: Callable[[Tick], bool | None] | None = None) -> int:
+              after: Callable[[Tick], bool | None] | None = None, schedule_shift: int = 0) -> int:
     """The training loop: for each batch, set the scheduled learning rate, run
     :func:`train_step`, time it (on CUDA after a device synchronization),
     then call ``after(tick)`` outside the timed region; it returns True to
-    stop. ``step``: steps already done (the schedule's position). Returns the
-    number of steps done."""
+    stop. ``step``: steps already done (the schedule's position, plus
+    ``schedule_shift`` after a change of world size: :mod:`gradpress.train.reshard`).
+    Returns the number of steps done."""
     for epoch, b, x, y in batches:
         t0 = time.perf_counter()
-        set_lr(optimizer, lr, schedule, step, horizon)
+        set_lr(optimizer, lr, schedule, step + schedule_shift, horizon)
         loss = train_step(algo, optimizer, loss_fn, x, y)
         if device is not None and device.type == "cuda":
             torch.cuda.synchronize(device)

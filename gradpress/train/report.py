@@ -84,9 +84,10 @@ class MetricsLog:
 def summarize(*, cfg: Any, described: dict[str, Any], stats: dict[str, Any], world: int, steps: int,
               steps_per_epoch: int, n_params: int, wl: Any, metric_value: float | None,
               history: list[dict[str, Any]], step_times: list[float], train_s: float, out: Path,
-              diverged_at_step: int | None = None) -> dict[str, Any]:
+              diverged_at_step: int | None = None, reshards: list[dict[str, int]] | None = None) -> dict[str, Any]:
     """The summary of a run (every rank computes the same one).
-    ``diverged_at_step``: the first step whose loss was NaN/Inf on some rank."""
+    ``diverged_at_step``: the first step whose loss was NaN/Inf on some rank.
+    ``reshards``: the run's changes of world size, ``{"from", "to", "step", "epoch"}`` (``--reshard``)."""
     steps_done = max(stats["steps"], 1)
     bytes_per_step = stats["bytes_sent"] / steps_done
     dense_per_step = stats["dense_bytes"] / steps_done
@@ -122,6 +123,7 @@ def summarize(*, cfg: Any, described: dict[str, Any], stats: dict[str, Any], wor
         "comm_s": stats["comm_s"],
         "train_s": train_s,
         "diverged_at_step": diverged_at_step,
+        "reshards": [dict(r) for r in reshards or []],
         "allow_divergence": bool(getattr(cfg, "allow_divergence", False)),
         "settings": settings(cfg) if isinstance(cfg, TrainConfig) else None,  # what compare --resume checks
         "plugins": plugins.record(),  # the plugin modules this run loaded (--plugin / GRADPRESS_PLUGINS)

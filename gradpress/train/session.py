@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from gradpress import workloads
 from gradpress.torch_compat import destroy_process_group
-from gradpress.train import algorithm, checkpoint, report, splits
+from gradpress.train import algorithm, checkpoint, report, reshard, splits
 from gradpress.train.config import TrainConfig
 from gradpress.train.evaluate import evaluate
 from gradpress.train.launch import init_group
@@ -168,7 +168,7 @@ class _Logger:
         if epoch_end or last:
             nxt = (t.epoch + 1, 0) if epoch_end else (t.epoch, t.batch + 1)
             checkpoint.save(r.out / checkpoint.CHECKPOINT, cfg, r.world, r.rank, r.device, r.model, r.opt, r.algo,
-                            nxt, t.step, r.step_times, r.history, self.diverged_at)
+                            nxt, t.step, r.step_times, r.history, self.diverged_at, r.reshards)
         return False
 
 
@@ -187,6 +187,7 @@ class _Run:
         self.history: list[dict[str, Any]] = []
         self.metric_value: float | None = None
         self.diverged_at: int | None = None  # restored from the checkpoint (--allow-divergence)
+        self.reshards: list[dict[str, int]] = []  # the run's changes of world size (--reshard)
 
     def setup(self) -> dict[str, Any] | None:
         cfg, device = self.cfg, self.device
@@ -197,6 +198,11 @@ class _Run:
                 raise ValueError(f"resume: no checkpoint at {str(path)!r}")
             state = checkpoint.load(path)
             checkpoint.check_resume(state, cfg, self.world)
+            self.reshards = reshard.reshards(state, self.world)
+        resharded = state is not None and reshard.saved_world(state) != self.world
+        # this rank's entry: its own, or the saved ranks' folded into this world (no RNG: seeded afresh)
+        mine = None if state is None else (reshard.entry(state, self.rank, self.world) if resharded
+                                           else state["ranks"][self.rank])
         torch.manual_seed(cfg.seed)
         np.random.seed(cfg.seed)
         random.seed(cfg.seed)
@@ -204,20 +210,23 @@ class _Run:
                                   samples=cfg.samples, text_bytes=cfg.text_bytes)
         self.model = self.wl.model.to(device)
         if state is not None:
-            self.model.load_state_dict(checkpoint.rank_state(state, self.rank, "model"))
+            self.model.load_state_dict(checkpoint.rank_state(state, self.rank, "model", mine))
         self.opt = make_optimizer(cfg.optimizer, self.model.parameters(), cfg.lr)
         self.algo = algorithm.create(cfg.algorithm, self.model, self.opt, compressor=cfg.compressor,
                                      error_feedback=_EF[cfg.error_feedback], strategy=cfg.strategy,
                                      min_numel=cfg.min_numel, seed=cfg.seed, nonfinite=cfg.nonfinite,
                                      plan_costs=cfg.plan_costs, timeout=cfg.timeout)
-        if state is not None:
-            if "model" in state["ranks"][self.rank]:  # replicas differ: building took rank 0's parameters
-                self.model.load_state_dict(state["ranks"][self.rank]["model"])
-            self.opt.load_state_dict(checkpoint.rank_state(state, self.rank, "optimizer"))
+        if state is not None and mine is not None:
+            if "model" in mine:  # replicas differ: building took rank 0's parameters
+                self.model.load_state_dict(mine["model"])
+            self.opt.load_state_dict(checkpoint.rank_state(state, self.rank, "optimizer", mine))
             for group in self.opt.param_groups:  # lr may be changed on resume
                 group["lr"] = cfg.lr
-            self.algo.load_state_dict(state["ranks"][self.rank]["algorithm"])
-            checkpoint.set_rng_state(state["ranks"][self.rank]["rng"], device)
+            self.algo.load_state_dict(mine["algorithm"])
+            if resharded:
+                reshard.seed_fresh(cfg.seed, state["step"])
+            else:
+                checkpoint.set_rng_state(mine["rng"], device)
             self.step_times = list(state["step_times"])
             self.history = list(state["history"])
             self.metric_value = self.history[-1]["metric"] if self.history else None
@@ -233,7 +242,8 @@ class _Run:
         self.steps_per_epoch = steps_per_epoch(len(y_train), self.world, cfg.batch_size, cfg.workload,
                                                shard=None if shard is None else len(shard), split=cfg.split)
         horizon = cfg.epochs * self.steps_per_epoch  # the schedule's length; --steps only stops early
-        total = horizon if cfg.steps is None else min(horizon, cfg.steps)
+        shift = reshard.schedule_shift(self.reshards, self.steps_per_epoch)  # 0 unless resharded
+        total = horizon - shift if cfg.steps is None else min(horizon - shift, cfg.steps)
         start, step = ((state["epoch"], state["batch"]), state["step"]) if state is not None else ((0, 0), 0)
         self.metrics = report.MetricsLog(self.out, self.rank, step if state is not None else None)
         logger = _Logger(self, step, total)
@@ -242,13 +252,14 @@ class _Run:
                                 batch_size=cfg.batch_size, epochs=cfg.epochs, start=start, count=max(total - step, 0),
                                 shard=shard)
         step = run_steps(self.algo, self.opt, self.wl.loss, batches, lr=cfg.lr, schedule=cfg.schedule,
-                         horizon=horizon, step=step, device=self.device, after=logger)
+                         horizon=horizon, step=step, device=self.device, after=logger, schedule_shift=shift)
         logger.close()
         summary = report.summarize(
             cfg=cfg, described=self.algo.describe(), stats=self.algo.stats, world=self.world, steps=step,
             steps_per_epoch=self.steps_per_epoch, n_params=sum(p.numel() for p in self.model.parameters()),
             wl=self.wl, metric_value=self.metric_value, history=self.history, step_times=self.step_times,
-            train_s=time.perf_counter() - t_start, out=self.out, diverged_at_step=logger.diverged_at)
+            train_s=time.perf_counter() - t_start, out=self.out, diverged_at_step=logger.diverged_at,
+            reshards=self.reshards)
         if self.rank == 0:
             report.write_summary(self.out, summary)
         return summary

@@ -113,6 +113,7 @@ class Hierarchical(Strategy):
 
     order = 4
     state_dict_copies = True  # numbers and a name
+    reshard_refusal = "its host layout and the leaders' host/ residuals belong to the hosts of the saved world"
     planned = False
     PARAMS = (
         Param("workers_per_host", int, 0, "workers_per_host >= 0 (0: from the environment)", lambda v: v >= 0,

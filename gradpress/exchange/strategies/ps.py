@@ -65,6 +65,7 @@ class ParameterServer(Strategy):
 
     order = 3
     state_dict_copies = True  # a fresh dict of root ranks
+    reshard_refusal = "its roots are ranks of the saved world and its root residuals live on them"
 
     def __init__(self, group: Any) -> None:
         super().__init__(group)

@@ -79,6 +79,8 @@ class Ring(Strategy):
     """Compressed ring allreduce; see the module docstring."""
 
     order = 2
+    reshard_refusal = ("its per-hop residuals (the ring/ namespace) belong to the chunk positions of a ring of "
+                       "the saved world size")
 
     def __init__(self, group: Any) -> None:
         super().__init__(group)
