@@ -179,3 +179,39 @@ def test_the_plot_error_bars_are_the_tables_interval(tmp_path):
     assert "error bars: 95% confidence interval of the mean (t, n-1 df)" in e2e_seeds.caption(res).replace("\n", " ")
     path = e2e_seeds.plot(res, tmp_path / "e2e.png")
     assert path.stat().st_size > 1000
+
+
+def test_the_difference_is_welch_when_the_seeds_differ_even_in_equal_number():
+    """DDP missed seed 2, the configuration seed 0: 2 values each, at different seeds, so nothing pairs them
+    (``plants7``: pairing the values in order when their counts match gave ``paired by seed (2)`` of seed 1's
+    and seed 2's time minus seed 0's and seed 1's)."""
+    times = {("torch ddp", "ddp"): [15.0, 13.4, None], ("gradpress late", "gradpress"): [None, 5.0, 6.5]}
+    res = _combined(times)
+    head, rows, _ = _table(res)
+    a, b = [5.0, 6.5], [15.0, 13.4]
+    (ma, sa), (mb, sb) = mean_sd(a), mean_sd(b)
+    va, vb = sa * sa / 2, sb * sb / 2
+    df = (va + vb) ** 2 / (va * va / 1 + vb * vb / 1)  # Welch-Satterthwaite
+    half = t_ref(0.975, df) * math.sqrt(va + vb)
+    col = head.index("vs torch ddp: 95% CI of the mean time difference (s)")
+    assert rows["gradpress late"][col] == f"[{ma - mb - half:+.2f}, {ma - mb + half:+.2f}] Welch (2 vs 2 seeds)"
+    g = next(g for g in res["aggregate"] if g["label"] == "gradpress late")
+    assert g["vs_reference"]["kind"] == "welch" and g["vs_reference"]["df"] == pytest.approx(df, rel=1e-12)
+    assert g["vs_reference"]["ci95"] == pytest.approx([ma - mb - half, ma - mb + half], rel=1e-9)
+
+
+def test_the_rank_is_by_time_to_target_even_where_steps_to_target_order_them_the_other_way():
+    """A compressed run often needs more steps to reach the target, each step cheaper: the rank is by wall-clock
+    time (``plants7``: ranking by steps to target passed every other test, whose steps follow the time)."""
+    times = {("torch ddp", "ddp"): [15.0, 13.4, 16.1], ("gradpress fast", "gradpress"): [3.3, 2.9, 3.5]}
+    steps = {"torch ddp": [100, 110, 120], "gradpress fast": [300, 310, 320]}
+    results = _results(times)
+    for j, res in enumerate(results):
+        for r in res["rows"]:
+            r["steps_to_target"] = steps[r["label"]][j]
+    res = e2e_seeds.combine(results, SEEDS, "gradpress bench e2e --train-to 0.85 --seeds 3")
+    ci = {lab: ci_ref(v) for (lab, _), v in times.items()}
+    want = {c: 1 + sum(ci[o][1] < ci[c][0] for o in ci) for c in ci}
+    assert want == {"torch ddp": 2, "gradpress fast": 1}
+    assert {g["label"]: g["rank"] for g in res["aggregate"]} == want
+    assert res["aggregate"][0]["steps_to_target"]["values"] == steps["torch ddp"]  # the steps are the ones set

@@ -216,3 +216,20 @@ def test_the_plot_has_no_band_where_some_seed_is_not_finite():
     assert math.isnan(curve["lo"][1]) and math.isnan(curve["hi"][1])  # and so has the band
     lo, hi = ci_ref([FINALS[("none", s)] for s in (0, 1, 2)])
     assert (curve["lo"][0], curve["hi"][0]) == pytest.approx((lo, min(hi, 1.0)))  # an accuracy: within [0, 1]
+
+
+def test_configurations_with_the_same_bytes_to_target_at_every_seed_share_their_rank():
+    """Bytes per step are deterministic, so two configurations often reach the target after the same bytes at
+    every seed: their intervals are the same point, neither lies *below* the other, so they share a rank and
+    name each other (``plants7``: a rank counting intervals whose top touches its bottom, ``<=``, put both
+    at rank 3)."""
+    per_seed = {"none": [100.0] * 3, "fp16": [100.0] * 3, "topk:ratio=0.1": [50.0] * 3}
+    runs = [_summary(c, s, 0.9, b) for c, v in per_seed.items() for s, b in enumerate(v)]
+    head, rows = _table(runs, target=0.5)
+    ci = {c: (v[0], v[0]) for c, v in per_seed.items()}  # mean +- t * 0: no spread, the interval is a point
+    want = {c: 1 + sum(ci[o][1] < ci[c][0] for o in ci) for c in ci}  # the rule: whole interval strictly below
+    assert want == {"none": 2, "fp16": 2, "topk:ratio=0.1": 1}
+    rank, seps = head.index("rank (bytes to target)"), head.index("not separable from")
+    for c in ci:
+        assert rows[c][rank] == str(want[c]), c
+    assert rows["none"][seps] == "`fp16`" and rows["fp16"][seps] == "`none`" and rows["topk:ratio=0.1"][seps] == "-"

@@ -5,7 +5,9 @@ they must be brought back to scale 1 before they are fed back: the float64 refer
 scaled (error-feedback top-k by its definition). Before the fix the residual was fed back 2**10 times too large.
 Also covered: a compressor's own buffers in gradient units (DGC's momentum and velocity,
 ``Compressor.gradient_state``; reference ``references.dgc_run``), and a state loaded before the hook binds
-(``make_hook(spec)``, ``load_state_dict``, then ``bind``, as Lightning does; or bound by the first backward).
+(``make_hook(spec)``, ``load_state_dict``, then ``bind``, as Lightning does; or bound by the first backward),
+a state reloaded under a scaler at a step whose scale the hook had already read (it reads it again), and
+every scale-free average of a call (two tensors in one bucket) multiplied by the scale (the ``plants7`` session).
 One process (a one-rank gloo group): the average of one rank is its own decoded message.
 """
 
@@ -125,3 +127,61 @@ def test_compressor_buffers_and_a_state_loaded_before_binding_resume_at_scale_on
         assert torch.allclose(g, want, rtol=1e-12, atol=1e-12), (
             f"{spec} ({how}) step {step}: differs from the unscaled float64 definition by "
             f"{float((g - want).abs().max()):.3g}")
+
+
+def test_a_state_reloaded_at_the_step_whose_scale_was_read_reads_the_scale_again(group) -> None:  # noqa: ANN001
+    """A state loaded into a live hook at a step number it has already run (a roll back to the checkpoint of
+    that step) is in the checkpoint's scale: the hook reads the scaler again at that step, even though it read
+    it there before (``plants7``: without forgetting the step read, ``restore`` left the residual kept at
+    2**10 fed into a gradient scaled by 2**9, off the float64 definition)."""
+    scaler = _Scripted(SCALE)
+    model = _Probe()
+    ddp = DDP(model)
+    hook = gradpress.ddp.register(ddp, TOPK, min_numel=1, scaler=scaler)
+
+    def step(s: int) -> torch.Tensor:
+        model.zero_grad(set_to_none=True)
+        ddp(_grad(s) * scaler.scale).backward()
+        return model.w.grad / scaler.scale
+
+    step(0)
+    saved = hook.state_dict()  # hook step 1, kept in SCALE
+    step(1)  # the hook read the scale at step 1
+    scaler.scale = SCALE / 2  # the step overflowed somewhere: the scaler backed off
+    hook.load_state_dict(saved)  # back to step 1
+    got = step(1)
+    hook.close()
+    want = _reference(2)[1]
+    assert torch.allclose(got, want, rtol=1e-12, atol=1e-12), (
+        f"step 1 replayed after the reload differs from the unscaled float64 definition by "
+        f"{float((got - want).abs().max()):.3g}")
+    assert hook.loss_scale == SCALE / 2
+
+
+class _Pair(nn.Module):
+    """Two parameters of different shapes in one DDP bucket (one engine call, two compressed tensors)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.zeros(SHAPE, dtype=torch.float64))
+        self.b = nn.Parameter(torch.zeros(SHAPE[::-1], dtype=torch.float64))
+
+    def forward(self, g: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        return (self.a * g).sum() + (self.b * h).sum()
+
+
+@pytest.mark.parametrize("spec", ["signsgd", "signum"])
+def test_every_scale_free_average_of_a_call_carries_the_scale(group, spec: str) -> None:  # noqa: ANN001
+    """A scale-free compressor's averages (``scale_degree`` 0: +-1) are multiplied by the step's scale, every
+    tensor of the call, not the first only (``plants7``: ``comp_idx[:1]`` went unnoticed, every other test
+    gives the hook one tensor). One rank: the average is the rank's own sign, sign(0) = +1; Signum's first
+    step's momentum is (1 - beta) g, of g's sign."""
+    model = _Pair()
+    ddp = DDP(model)
+    hook = gradpress.ddp.register(ddp, spec, min_numel=1, scaler=_Scripted(SCALE))
+    g, h = _grad(0), _grad(1).t().contiguous()
+    ddp(g * SCALE, h * SCALE).backward()
+    hook.close()
+    for name, x, grad in (("a", g, model.a.grad), ("b", h, model.b.grad)):
+        want = torch.where(x >= 0, 1.0, -1.0).double() * SCALE
+        assert torch.equal(grad, want), f"{spec}: parameter {name}'s average is not sign(g) * the loss scale"
