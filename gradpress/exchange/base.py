@@ -60,6 +60,8 @@ class Encoded:
     residuals: list[torch.Tensor] | None
     buffer: torch.Tensor | list[torch.Tensor]
     seconds: float
+    #: the counted Context step it was encoded at (set by ``Synchronizer.prepare``; ``sync`` checks it)
+    counted: int | None = None
 
 
 @dataclass
