@@ -16,7 +16,7 @@ a later load is refused. The stats' counters are checked at the load: ``"steps":
 ``tensor_bytes`` is refused naming the key, the value and what is allowed, and rolled back. An unbound hook
 whose pending state does not load as it binds (rank 1's saved by rank 0), through ``bind`` or at the first
 backward, fails on every rank (rank 0's loads: the ranks agree) and stays unbound with that state; loaded a
-fitting one, it binds with it.
+fitting one, it binds with it. A state loaded on rank 0 only binds on both (the agreement runs on every rank).
 
 The model is loaded from the same checkpoint before the failed load, as a resumed run does (SGP's load
 sets the parameters to ``x / w``: a failed one must leave them as loaded). LGC's broken state sets
@@ -365,6 +365,13 @@ def _unbound_refused(rank: int) -> dict[str, Any]:
         res.update(rebound=hook.bound, step=hook.step)
         out[way] = res
         hook.close()
+        if way == "bind":  # a state loaded on rank 0 only: the binding's agreement runs on every rank, no hang
+            hook, function = gradpress.ddp.make_hook("topk:ratio=0.3", min_numel=1)
+            if rank == 0:
+                hook.load_state_dict(good)
+            hook.bind(DDP(_model()))
+            out["rank0_only"] = {"bound": hook.bound, "step": hook.step}
+            hook.close()
     return out
 
 
@@ -440,3 +447,4 @@ def test_an_unbound_hook_whose_pending_state_is_refused_at_binding_stays_unbound
             assert got["bound"] is False, (rank, way)
             assert got["pending"] is None, (rank, way, got["pending"])
             assert got["rebound"] and got["step"] == 3, (rank, way, got)  # the good state (saved at step 2)
+        assert res["rank0_only"] == {"bound": True, "step": 2 if rank == 0 else 0}, (rank, res["rank0_only"])

@@ -160,9 +160,7 @@ class GradpressHook:
         if self._scale.scaler is not None:
             check_engine(engine)  # refused: the hook stays unbound
         by_name = dict(named)
-        restored = None
-        if self._pending_state is not None:
-            restored = hook_state.load_pending(engine, by_name, self._pending_state)
+        restored = hook_state.load_pending(engine, by_name, self._pending_state)  # collective, pending or not
         self._engine, self._names, self._by_name = engine, {id(p): n for n, p in named}, by_name
         self._pending_state = None
         if restored is not None:

@@ -78,14 +78,15 @@ def load(engine: Synchronizer, by_name: Mapping[str, torch.nn.Parameter],
 
 
 def load_pending(engine: Synchronizer, by_name: Mapping[str, torch.nn.Parameter],
-                 state: Mapping[str, Any]) -> tuple[int, float | None]:
-    """:func:`load` of the state an unbound hook kept, into the ``engine`` just built for it (not yet the
-    hook's). Collective on the engine's group: the ranks agree on the outcome, so a state refused on any rank
-    is refused on every rank (``ValueError`` naming each rank's reason); the hook then stays unbound with its
-    pending state and drops this engine."""
+                 state: Mapping[str, Any] | None) -> tuple[int, float | None] | None:
+    """:func:`load` of the state an unbound hook kept (None: none), into the ``engine`` just built for it (not
+    yet the hook's); None when there was none. Collective on the engine's group, on every rank whether it kept
+    a state or not (a state loaded on some ranks only must not leave the others out of it): the ranks agree on
+    the outcome, so a state refused on any rank is refused on every rank (``ValueError`` naming each rank's
+    reason); the hook then stays unbound with its pending state and drops this engine."""
     error, restored = None, None
     try:
-        restored = load(engine, by_name, state)
+        restored = load(engine, by_name, state) if state is not None else None
     except ValueError as exc:
         error = str(exc)
     try:
@@ -93,5 +94,4 @@ def load_pending(engine: Synchronizer, by_name: Mapping[str, torch.nn.Parameter]
     except ValueError as exc:
         raise ValueError(f"{exc}. The hook stays unbound and keeps that state: load a state saved by a hook "
                          "of this model and configuration (load_state_dict), then bind again") from None
-    assert restored is not None  # every rank loaded it
     return restored
