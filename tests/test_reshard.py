@@ -112,6 +112,35 @@ def test_fold_refuses_what_has_no_mean_naming_the_key_path(change, path):
     assert "resume on the checkpoint's 3 worker(s)" in msg
 
 
+def test_engine_refusals_name_the_piece_that_owns_the_key():
+    """In the engine's state a refusal names its owner: the error feedback of the compressor for a residual,
+    the compressor for its state, plain ``state`` for another part (written for the survivors of ``make
+    mutants``: ``key == "feedback"`` -> ``key is not "feedback"`` passed every test)."""
+    def saved(part):
+        out = [_engine(r, 2, residual=torch.zeros(4)) for r in range(2)]
+        part(out[1])
+        return out
+
+    cases = [
+        (lambda s: s["feedback"]["residuals"].update(w=torch.zeros(5)),
+         "/feedback/residuals/w (error feedback of compressor 'topk:ratio=0.05')"),
+        (lambda s: s.update(compressor={"count": 3}), "/compressor (compressor 'topk:ratio=0.05')"),
+        (lambda s: s.update(plan={"w": 3}), "/plan (state)"),
+    ]
+    for part, named in cases:
+        with pytest.raises(ValueError) as info:
+            fold(saved(part), 0, 3)
+        assert named in str(info.value), (named, str(info.value))
+
+
+def test_a_refusal_shows_the_first_four_values():
+    """Integers that differ on 6 saved ranks: the message lists the first four and "..." (survivor of ``make
+    mutants``: ``vals[:4]`` -> ``vals[:5]``)."""
+    with pytest.raises(ValueError) as info:
+        fold([{"n": r} for r in range(6)], 0, 2)
+    assert "values differ between saved ranks (0, 1, 2, 3, ...)" in str(info.value), str(info.value)
+
+
 def test_integer_tensors_that_differ_are_refused():
     saved = [{"count": torch.tensor([1, 2])}, {"count": torch.tensor([1, 3])}]
     with pytest.raises(ValueError, match=r"/count .*torch.int64 tensor that differs"):
