@@ -1,5 +1,5 @@
-"""A dropped step does not advance the step random compressors draw from: one process, a one-rank gloo group,
-about 5 s.
+"""A dropped step does not advance the step random compressors draw from: one process, a one-rank gloo group
+(CHOCO's case: one spawn of 2 gloo workers), about 25 s.
 
 A step ``nonfinite='skip'`` drops (a NaN in the gradient), or one ``propagate`` hands to the loss scaler as NaN
 while one is attached (``StepGuard.keep_on_propagate``, what the DDP hook sets), leaves no trace, as the
@@ -16,8 +16,19 @@ step draws at its place. Checked against references computed here:
 * resume through ``torch.load(weights_only=True)`` after the dropped step continues bit-identically (the
   count is in the state dict, ``dropped_steps``).
 
+Every Context the engine or an algorithm builds comes from one helper (``Synchronizer.context``, its step
+``StepGuard.counted``), checked against the same formula: a call encoded ahead (``prepare``, Comprex's
+staleness >= 1) while an earlier call may still be dropped draws at the step counted at its sync (prepare
+declines while ``StepGuard.may_drop``; a count that moved between prepare and sync is refused); Comprex
+(staleness 0 and 1, ``skip``) end to end; CHOCO's codec (gossip's own messages) resumed from a state that
+counted dropped steps.
+
 Planted: the Context step left at the caller's (the old behaviour, ``engine._ctx``): the seed and the
-average after the dropped step fail in both modes; ``dropped_steps`` not loaded: the resume fails.
+average after the dropped step fail in both modes, Comprex's fails at its first exchange after a dropped one
+(step 3 where 2 is counted); ``dropped_steps`` not loaded: the resume fails. ``prepare`` declining on
+``nonfinite == 'skip'`` only and no check in ``sync`` (the code before): the encoded-ahead call drew at
+step 2 where 1 is counted (``[0, 2, 1] == [0, 1, 1]``); that check removed: ``DID NOT RAISE``. The codec
+building its own Context with the caller's step (the code before): CHOCO's steps 3 and 4 drew at 3 and 4.
 """
 
 from __future__ import annotations
@@ -46,6 +57,7 @@ STEPS = 7
 BAD = {2, 4}  # the dropped steps
 PROBE = "test-step-probe"
 SEEN: list[tuple[int, int]] = []  # (Context.step, shared_seed) of every encode
+KEYS: list[str] = []  # the Context key of every encode
 
 
 class _Probe(RandomK):
@@ -55,6 +67,7 @@ class _Probe(RandomK):
 
     def _encode(self, x: torch.Tensor, ctx: Any) -> Any:
         SEEN.append((ctx.step, ctx.shared_seed))
+        KEYS.append(ctx.key)
         return super()._encode(x, ctx)
 
 
@@ -153,3 +166,103 @@ def test_resume_after_a_dropped_step_is_bit_identical(group, mode: str) -> None:
         a, b = _step(engine, s), _step(resumed, s)
         assert torch.equal(a, b) or (s in BAD and a.isnan().any() and b.isnan().any()), (mode, s)
         assert torch.equal(engine.feedback.residuals["w"], resumed.feedback.residuals["w"]), (mode, s)
+
+
+# ------------------------------------------------------------- every Context the engine or an algorithm builds
+def test_a_call_encoded_ahead_draws_from_the_step_counted_at_its_sync(group, probe: str) -> None:  # noqa: ANN001
+    """Comprex's prepare-ahead, by the engine's calls: step 2 is encoded ahead (``prepare``) while step 1, whose
+    gradient holds a NaN, is still to sync; step 1 is then dropped (``propagate`` under a loss scaler) before
+    step 2 syncs. Step 2 counts as 1: its Context step and seed are those of counted step 1 (the reference),
+    so ``prepare`` declines while a step may be dropped and the call is encoded at its sync; without a scaler
+    (nothing can be dropped) it is encoded ahead, at the counted step, which ``sync`` checks."""
+    SEEN.clear()
+    engine = _engine(f"{probe}:ratio={RATIO}", "propagate")  # keep_on_propagate: a scaler's hook
+    engine.sync(["w"], [_grad(0)], step=0)
+    ahead = engine.prepare(["w"], [_grad(3)], step=2)
+    engine.sync(["w"], [_grad(2)], step=1)  # BAD: dropped
+    assert engine.guard.dropped == 1
+    engine.sync(["w"], [_grad(3)], step=2, prepared=ahead)
+    assert [c for c, _ in SEEN] == [0, 1, 1], SEEN  # step 1 drew at 1 (then dropped); step 2 counts as 1
+    assert [sd for _, sd in SEEN] == [_shared_seed(SEED, c, "w") for c in (0, 1, 1)]
+    assert ahead is None
+
+    plain = _engine(f"{probe}:ratio={RATIO}", "propagate")
+    plain.guard.keep_on_propagate = False  # no scaler: no step is ever dropped, the call is encoded ahead
+    plain.guard.dropped = 2  # as loaded from a state that counted 2 dropped steps
+    SEEN.clear()
+    ahead = plain.prepare(["w"], [_grad(5)], step=5)
+    assert ahead is not None and ahead.counted == 3 and SEEN == [(3, _shared_seed(SEED, 3, "w"))], (ahead, SEEN)
+    plain.guard.dropped = 3  # the count moved between prepare and sync: refused, not synced with a stale draw
+    with pytest.raises(RuntimeError, match="encoded at counted step 3, but step 5 now counts as 2"):
+        plain.sync(["w"], [_grad(5)], step=5, prepared=ahead)
+
+
+def _choco_worker(rank: int, world: int) -> list[tuple[str, int, int]]:
+    """CHOCO on 2 workers with the probe: 3 steps, its state saved with 2 dropped steps counted (as a run
+    whose engine dropped 2 would hold) and loaded into a fresh one, which takes 2 steps: its encodes."""
+    import gradpress.algorithms as algorithms
+
+    registry.register(_Probe)
+
+    def make() -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 2)).to(torch.float64)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        return model, opt, algorithms.create("choco", model, opt, compressor=f"{PROBE}:ratio=0.25", min_numel=1,
+                                             seed=SEED)
+
+    def step(model: torch.nn.Module, opt: torch.optim.Optimizer, algo: Any, t: int) -> None:
+        opt.zero_grad()
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * t + rank), dtype=torch.float64)
+        model(x).square().mean().backward()
+        algo.step()
+
+    model, opt, algo = make()
+    for t in range(3):
+        step(model, opt, algo, t)
+    state = algo.state_dict()
+    state["exchange"]["dropped_steps"] = 2
+    algo.close()
+    model, opt, algo = make()
+    algo.load_state_dict(state)
+    SEEN.clear()
+    KEYS.clear()
+    for t in range(3, 5):
+        step(model, opt, algo, t)
+    algo.close()
+    return [(k, c, sd) for k, (c, sd) in zip(KEYS, SEEN)]
+
+
+def test_gossip_contexts_draw_from_the_counted_step() -> None:
+    """CHOCO's codec (gossip's own messages) builds its Contexts through the engine's ``context``: resumed
+    from a state that counted 2 dropped steps, its steps 3 and 4 draw at counted steps 1 and 2, every
+    compressed parameter's message (Context step, and seed by the documented formula of that step and key)."""
+    from distributed import run_workers
+
+    for rank, seen in enumerate(run_workers(_choco_worker, 2)):
+        names = ["0.weight", "1.weight"]  # the biases (1-D) are sent plain
+        assert [(k, c) for k, c, _ in seen] == [(k, c) for c in (1, 2) for k in names], (rank, seen)
+        assert all(sd == _shared_seed(SEED, c, k) for k, c, sd in seen), (rank, seen)
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_comprex_draws_from_the_counted_step(group, probe: str, staleness: int) -> None:  # noqa: ANN001
+    """Comprex (``update=optimizer``, ``nonfinite='skip'``; staleness 1: each exchange on the background thread
+    while the next step computes and is launched): the exchange of a step whose gradient holds a NaN is
+    dropped, and each later exchange e draws at e less the exchanges dropped before it (Context step and seed
+    by the documented formula: the reference here)."""
+    import gradpress.algorithms as algorithms
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 8, bias=False).to(torch.float64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    algo = algorithms.create(f"comprex:staleness={staleness},update=optimizer,clip=0", model, opt,
+                             compressor=f"{probe}:ratio=0.25", min_numel=1, seed=SEED, nonfinite="skip")
+    SEEN.clear()
+    for t in range(STEPS):
+        model.weight.grad = _grad(t)[:8, :16].clone()
+        algo.step()
+    algo.close()
+    counted = [t - sum(b < t for b in BAD) for t in range(STEPS)]
+    assert SEEN == [(c, _shared_seed(SEED, c, "weight")) for c in counted], (staleness, SEEN, counted)
+    assert algo.engine.guard.dropped == len(BAD)

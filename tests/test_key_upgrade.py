@@ -88,7 +88,7 @@ def test_gossip_contexts_use_the_escaped_key() -> None:
     so a stateful compressor's state (redsync's positions) is where ``upgrade_keys`` puts an old state's: the
     codec resumed from the upgraded old state encodes the next step exactly as the uninterrupted one."""
     from gradpress.algorithms.gossip_codec import Codec
-    from gradpress.compress import create
+    from gradpress.compress import Context, create
     from gradpress.exchange.keys import upgrade_keys
 
     names = list(ESCAPED)
@@ -96,7 +96,8 @@ def test_gossip_contexts_use_the_escaped_key() -> None:
     spec = "redsync:ratio=0.25"
 
     def codec(comp):  # noqa: ANN001, ANN202
-        return Codec(comp, names, shapes, [True] * len(names), "choco", 0, 0, 1)
+        return Codec(comp, names, shapes, [True] * len(names), "choco",
+                     lambda key, step: Context(key=key, step=step, seed=0))
 
     def grads(step: int) -> list[torch.Tensor]:
         g = torch.Generator().manual_seed(step)

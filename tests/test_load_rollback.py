@@ -12,7 +12,11 @@ after the earlier ones were copied, a truncated list after the tensors were set)
 taken before the load (every tensor bitwise and of the same dtype, every counter, the step, the loss
 scale), so do its parameters, the hook stays bound; and the next 2 steps of ``a`` and ``b`` give
 bit-identical parameters and states. An unbound hook keeps the state it was given to load at binding when
-a later load is refused.
+a later load is refused. The stats' counters are checked at the load: ``"steps": "x"`` or a float byte count in
+``tensor_bytes`` is refused naming the key, the value and what is allowed, and rolled back. An unbound hook
+whose pending state does not load as it binds (rank 1's saved by rank 0), through ``bind`` or at the first
+backward, fails on every rank (rank 0's loads: the ranks agree) and stays unbound with that state; loaded a
+fitting one, it binds with it. A state loaded on rank 0 only binds on both (the agreement runs on every rank).
 
 The model is loaded from the same checkpoint before the failed load, as a resumed run does (SGP's load
 sets the parameters to ``x / w``: a failed one must leave them as loaded). LGC's broken state sets
@@ -24,6 +28,9 @@ Planted: the rollback's restore removed (``Rollback.__exit__`` re-raising withou
 cases of the hook and the algorithms fail (the unbound hook's passes: nothing is loaded there); SGP's
 ``load_touches`` returning nothing: its case fails (``params[0]: values differ``); LGC's load freezing
 only one way (the code before): its case crashes at the next step (the frozen autoencoder has no grad).
+The stats loaded unchecked (``check_counters`` not called): ``hook_stats_steps`` loads and crashes at the next
+step (``TypeError: can only concatenate str``), ``hook_stats_tensor_bytes`` loads. The hook bound to the new
+engine before the pending state loads (the code before): the unbound-refused test fails (``bound`` True).
 """
 
 from __future__ import annotations
@@ -228,10 +235,22 @@ def _hook_stats(s: dict) -> None:
     s["stats"]["strategy_bytes"] = 5
 
 
+def _hook_steps(s: dict) -> None:
+    s["stats"]["steps"] = "x"  # loaded, the stats' sums and ratio would break later: refused at the load
+
+
+def _hook_seconds(s: dict) -> None:
+    s["stats"]["tensor_bytes"] = {**s["stats"]["tensor_bytes"], "0.weight": 1.5}
+
+
 #: case: (compressor, strategy, how the saved state is broken, the part the error names)
 HOOKS: dict[str, tuple[str, str, Callable[[dict], None], str]] = {
     "hook_ps": ("topk:ratio=0.3", "ps", _hook_ps, "strategies['ps']"),
     "hook_stats": ("dgc:ratio=0.3", "collective", _hook_stats, "stats"),
+    "hook_stats_steps": ("topk:ratio=0.3", "collective", _hook_steps, "stats: stats['steps']: 'x' (str); allowed: "
+                         "an integer >= 0"),
+    "hook_stats_tensor_bytes": ("topk:ratio=0.3", "collective", _hook_seconds, "stats: stats['tensor_bytes']"
+                                "['0.weight']: 1.5 (float); allowed: an integer >= 0"),
 }
 
 
@@ -304,6 +323,58 @@ def _unbound_hook(rank: int) -> dict[str, Any]:
     return out
 
 
+def _unbound_refused(rank: int) -> dict[str, Any]:
+    """Unbound hooks whose pending state fails to load as they bind: rank 1's was saved by rank 0 (refused
+    there; rank 0's own loads). Through ``bind`` and through the first backward: every rank refuses alike,
+    each hook stays unbound with its pending state; a fitting state loaded after, it binds with that one."""
+    out: dict[str, Any] = {}
+    for way in ("bind", "backward"):  # the saved state's keys: names (bind), or param{i} (the first backward)
+        ddp = DDP(_model())
+        src, function = gradpress.ddp.make_hook("topk:ratio=0.3", min_numel=1)
+        if way == "bind":
+            src.bind(ddp)
+        ddp.register_comm_hook(src, function)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        for step in range(2):
+            _hook_step(ddp, opt, rank, step)
+        good = checkpoint(hook=src)["hook"]
+        src.close()
+        pending = {**good, "rank": 0}  # rank 1: another rank's state
+        fresh = DDP(_model())
+        hook, function = gradpress.ddp.make_hook("topk:ratio=0.3", min_numel=1)
+        hook.load_state_dict(pending)
+        try:
+            if way == "bind":
+                hook.bind(fresh)
+            else:
+                fresh.register_comm_hook(hook, function)
+                x, y = _batch(rank, 2)
+                ((fresh(x) - y) ** 2).mean().backward()
+            error = None
+        except (ValueError, RuntimeError) as exc:
+            error = str(exc)
+        res = {"error": error, "bound": hook.bound, "pending": _diff(pending, hook.state_dict(), "pending")}
+        hook.load_state_dict(good)  # the fitting state: binds with it
+        if way == "bind":
+            hook.bind(fresh)
+            fresh.register_comm_hook(hook, function)
+        else:  # a DDP model whose backward raised is not reused
+            fresh = DDP(_model())
+            fresh.register_comm_hook(hook, function)
+        _hook_step(fresh, torch.optim.SGD(fresh.parameters(), lr=0.1), rank, 2)
+        res.update(rebound=hook.bound, step=hook.step)
+        out[way] = res
+        hook.close()
+        if way == "bind":  # a state loaded on rank 0 only: the binding's agreement runs on every rank, no hang
+            hook, function = gradpress.ddp.make_hook("topk:ratio=0.3", min_numel=1)
+            if rank == 0:
+                hook.load_state_dict(good)
+            hook.bind(DDP(_model()))
+            out["rank0_only"] = {"bound": hook.bound, "step": hook.step}
+            hook.close()
+    return out
+
+
 def _caught(run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     """``run()``, or its exception as ``{"crash": ...}`` (every rank runs the same cases alike, so one case
     failing on every rank leaves the others to run)."""
@@ -320,6 +391,7 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
     for name, (compressor, strategy, corrupt, _) in HOOKS.items():
         out[name] = _caught(lambda: _hook_case(rank, compressor, strategy, corrupt))  # noqa: B023
     out["unbound"] = _caught(lambda: _unbound_hook(rank))
+    out["unbound_refused"] = _caught(lambda: _unbound_refused(rank))
     return out
 
 
@@ -361,3 +433,18 @@ def test_an_unbound_hook_keeps_its_pending_state_when_a_later_load_is_refused(re
         assert res["error"] is not None and "gradpress-hook/99" in res["error"], res["error"]
         assert res["pending"] is None, res["pending"]
         assert res["bound"] and res["bound_step"] == 3, res  # bound with the good state (saved at step 2)
+
+
+def test_an_unbound_hook_whose_pending_state_is_refused_at_binding_stays_unbound_with_it(
+        results: list[dict[str, Any]]) -> None:
+    for rank, res in enumerate(r["unbound_refused"] for r in results):
+        assert "crash" not in res, (rank, res.get("crash"))
+        for way in ("bind", "backward"):
+            got = res[way]
+            assert got["error"] is not None, (rank, way, "the binding went through")
+            assert "rank 1" in got["error"] and "saved by rank 0, loaded on rank 1" in got["error"], (rank, way, got)
+            assert "stays unbound" in got["error"], (rank, way, got["error"])
+            assert got["bound"] is False, (rank, way)
+            assert got["pending"] is None, (rank, way, got["pending"])
+            assert got["rebound"] and got["step"] == 3, (rank, way, got)  # the good state (saved at step 2)
+        assert res["rank0_only"] == {"bound": True, "step": 2 if rank == 0 else 0}, (rank, res["rank0_only"])

@@ -3,7 +3,9 @@
 states into one of M against references computed here (float64 means by
 the formula, replicated leaves kept bitwise, dtypes kept), its refusals
 naming the key path and the piece (integers that differ, shapes, keys, the
-ring / ps / hierarchical strategies, leader SGD), a hypothesis property
+ring / ps / hierarchical strategies, leader SGD; a ring is refused only by
+what a saved rank holds of its world size: a hop residual, compressor state
+under a hop key, ring state; one holding none folds), a hypothesis property
 (the folded residuals' mean over the M new ranks is the N saved ranks' mean,
 N and M in 1..5), the train checkpoint's checks (the refusal without
 ``--reshard`` names both world sizes, the flag and the global batch;
@@ -18,6 +20,7 @@ test_reshard_train.py."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -109,6 +112,35 @@ def test_fold_refuses_what_has_no_mean_naming_the_key_path(change, path):
     assert "resume on the checkpoint's 3 worker(s)" in msg
 
 
+def test_engine_refusals_name_the_piece_that_owns_the_key():
+    """In the engine's state a refusal names its owner: the error feedback of the compressor for a residual,
+    the compressor for its state, plain ``state`` for another part (written for the survivors of ``make
+    mutants``: ``key == "feedback"`` -> ``key is not "feedback"`` passed every test)."""
+    def saved(part):
+        out = [_engine(r, 2, residual=torch.zeros(4)) for r in range(2)]
+        part(out[1])
+        return out
+
+    cases = [
+        (lambda s: s["feedback"]["residuals"].update(w=torch.zeros(5)),
+         "/feedback/residuals/w (error feedback of compressor 'topk:ratio=0.05')"),
+        (lambda s: s.update(compressor={"count": 3}), "/compressor (compressor 'topk:ratio=0.05')"),
+        (lambda s: s.update(plan={"w": 3}), "/plan (state)"),
+    ]
+    for part, named in cases:
+        with pytest.raises(ValueError) as info:
+            fold(saved(part), 0, 3)
+        assert named in str(info.value), (named, str(info.value))
+
+
+def test_a_refusal_shows_the_first_four_values():
+    """Integers that differ on 6 saved ranks: the message lists the first four and "..." (survivor of ``make
+    mutants``: ``vals[:4]`` -> ``vals[:5]``)."""
+    with pytest.raises(ValueError) as info:
+        fold([{"n": r} for r in range(6)], 0, 2)
+    assert "values differ between saved ranks (0, 1, 2, 3, ...)" in str(info.value), str(info.value)
+
+
 def test_integer_tensors_that_differ_are_refused():
     saved = [{"count": torch.tensor([1, 2])}, {"count": torch.tensor([1, 3])}]
     with pytest.raises(ValueError, match=r"/count .*torch.int64 tensor that differs"):
@@ -162,8 +194,45 @@ def test_engine_state_gets_the_new_world_and_rank_and_rank_0s_counters():
 @pytest.mark.parametrize("strategy", ["ring", "ps", "hierarchical"])
 def test_strategies_cut_by_the_world_size_are_refused_by_name(strategy):
     saved = [_engine(r, 2, strategy) for r in range(2)]
+    if strategy == "ring":  # a hop residual (a non-summable compressor with error feedback) on rank 1
+        saved[1]["feedback"]["residuals"]["ring/w"] = torch.ones(3)
     with pytest.raises(ValueError, match=rf"/strategies/{strategy} \(strategy '{strategy}'\): its "):
         fold(saved, 0, 3)
+
+
+def test_a_ring_that_holds_nothing_of_its_world_size_folds():
+    """A ring checkpoint of a summable compressor, or error feedback off: no hop residual (ring/), no ring
+    state, no compressor state under a hop key. It folds by the generic rule (the worker residual: the float64
+    mean by the formula), onto a larger and a smaller world."""
+    res = [torch.randn(6, generator=torch.Generator().manual_seed(r)) for r in range(3)]
+    saved = [_engine(r, 3, "ring", residual=res[r]) for r in range(3)]
+    for world in (2, 5):
+        for rank in range(world):
+            out = fold(saved, rank, world)
+            assert out["rank"] == rank and out["config"]["world_size"] == world
+            assert out["config"]["strategy"] == "ring" and out["strategies"] == {"ring": {}}
+            assert torch.equal(out["feedback"]["residuals"]["w"], _mean64(res).float())
+
+
+@pytest.mark.parametrize("where", ["hop residual", "compressor state", "ring state"])
+def test_a_ring_that_holds_state_of_its_world_size_is_refused_naming_it(where):
+    """Any one piece of world-size dependent ring state refuses the fold, naming the first saved rank that
+    holds it and the piece: a hop residual or ring state on rank 2 only; compressor state under a hop's key on
+    every rank (floats that differ: the generic rule alone would average them)."""
+    saved = [_engine(r, 3, "ring", residual=torch.zeros(6)) for r in range(3)]
+    rank = 2
+    if where == "hop residual":
+        saved[2]["feedback"]["residuals"]["ring/w"], named = torch.ones(6), "residual 'ring/w'"
+    elif where == "compressor state":  # a stateful compressor's state under a hop's key (keys.hop_key)
+        for r, s in enumerate(saved):
+            s["compressor"] = {"momentum": {"w#ring1": torch.full((2,), float(r))}}
+        named, rank = "compressor state of 'w#ring1'", 0
+    else:
+        saved[2]["strategies"]["ring"] = {"residuals": {}}
+        named = "ring state ['residuals']"
+    with pytest.raises(ValueError, match=r"/strategies/ring \(strategy 'ring'\): its per-hop residuals .*: saved "
+                                         rf"rank {rank} holds {re.escape(named)}; resume on the checkpoint's 3"):
+        fold(saved, 0, 2)
 
 
 def test_algorithm_state_refusal_names_the_algorithm():
@@ -238,6 +307,8 @@ def test_rank_entry_refuses_another_world_size_unless_resharding():
     assert out["rank"] == 1 and out["config"]["world_size"] == 2
     assert torch.equal(out["feedback"]["residuals"]["w"], _mean64(res).float())
     ring = {**saved, "ranks": [{**s, "strategies": {"ring": {}}} for s in saved["ranks"]]}
+    assert torch.equal(rank_entry(ring, 0, 2, reshard=True)["feedback"]["residuals"]["w"], _mean64(res).float())
+    ring["ranks"][0] = {**ring["ranks"][0], "feedback": {"residuals": {"ring/w": torch.ones(5)}}}  # a hop residual
     with pytest.raises(ValueError, match=r"ckpt: cannot reshard 3 rank\(s\) into 2: .*strategy 'ring'"):
         rank_entry(ring, 0, 2, reshard=True, where="ckpt")
 

@@ -7,7 +7,9 @@ the next checkpoint; without ``--reshard`` the run is refused before any
 worker starts, naming both world sizes and the flag. Local SGD (replicas
 that differ mid-period) starts every new rank from the mean of the saved
 models (marked ``long``: another 4-worker run). A ring checkpoint is refused,
-naming the strategy. Marked ``long`` too: 2 workers resumed on 4. Without
+naming the strategy and the hop residual a saved rank holds (top-k with error
+feedback); one of random-k (summable: no hop residual) continues from 2
+workers on 3. Marked ``long`` too: 2 workers resumed on 4. Without
 the ``long`` ones (38 s together) it starts 4 workers once and 2 workers
 three times: 19 s at load 8 on the shared 2-core machine (105 s at load 20;
 the 4-worker launch is most of it)."""
@@ -133,6 +135,24 @@ def test_a_ring_checkpoint_is_refused_naming_the_strategy(tmp_path, capsys):
     assert cli(["train", "--nproc", "3", "--epochs", "2", "--resume", "--reshard", *args]) == 2
     err = capsys.readouterr().err
     assert "cannot reshard 2 rank(s) into 3: /algorithm/strategies/ring (strategy 'ring'): its per-hop residuals" in err
+    assert "saved rank 0 holds residual 'ring/" in err  # top-k with error feedback: hop residuals
+
+
+def test_a_ring_checkpoint_of_a_summable_compressor_resumes_on_another_world_size(tmp_path, capsys):
+    """random-k through the ring keeps no hop residual (the summed payloads are the packets): the checkpoint
+    of 2 workers holds nothing of its world size and continues on 3, the next checkpoint of 3 ranks."""
+    out = tmp_path / "ring"
+    args = [*COMMON, "--samples", "128", "--strategy", "ring", "--compressor", "randomk:ratio=0.05", "--out",
+            str(out)]
+    assert cli(["train", "--nproc", "2", "--epochs", "1", *args]) == 0
+    saved = torch.load(out / "checkpoint.pt", weights_only=True)
+    residuals = [r["algorithm"]["feedback"]["residuals"] for r in saved["ranks"]]
+    assert residuals[0] and not any("/" in k for r in residuals for k in r), residuals[0].keys()  # worker's only
+    capsys.readouterr()
+    assert cli(["train", "--nproc", "3", "--epochs", "2", "--resume", "--reshard", *args]) == 0
+    assert "resharded: the checkpoint of 2 worker(s) continued on 3" in capsys.readouterr().out
+    after = torch.load(out / "checkpoint.pt", weights_only=True)
+    assert len(after["ranks"]) == 3 and after["reshards"][0]["from"] == 2 and after["reshards"][0]["to"] == 3
 
 
 @pytest.mark.long

@@ -154,8 +154,7 @@ class GossipAlgorithm(Algorithm):
                              "x^ are this method's error feedback (what Q drops stays in x - x^ and is sent later)")
         decisions = self.engine.plan.decisions
         self.codec = Codec(comp, [n for n, _ in self.named], [p.shape for _, p in self.named],
-                           [decisions[n].compressed for n, _ in self.named], self.name, self.engine.seed,
-                           self.rank, self.world_size)
+                           [decisions[n].compressed for n, _ in self.named], self.name, self.engine.context)
         self.home_device = self.named[0][1].device if self.named else torch.device("cpu")
         self.comm_device = wire_device(self.group, self.home_device)
         self.p2p_timeout = timeout_of(self.group, None)  # the group's: the caller's ``timeout`` or the base group's

@@ -41,6 +41,7 @@ by what it declares.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -124,10 +125,14 @@ class Codec:
     :func:`gossip_scale`) or, for tensors the plan leaves uncompressed (1-D,
     below ``min_numel``) and for the identity, the tensor itself. One wire
     buffer per message (:func:`~gradpress.transport.wire.pack_packets`),
-    optionally with extra float64 scalars (SGP's PushSum weight)."""
+    optionally with extra float64 scalars (SGP's PushSum weight). ``context``
+    builds each encode's Context from the key and the caller's step: the
+    algorithm's engine's :meth:`~gradpress.exchange.Synchronizer.context`, the
+    one every exchange path uses (seed, rank, world and the counted step:
+    a dropped step does not count), never a copy of it."""
 
     def __init__(self, compressor: Compressor, keys: list[str], shapes: list[torch.Size], compressed: list[bool],
-                 method: str, seed: int, rank: int, world: int) -> None:
+                 method: str, context: Callable[[str, int], Context]) -> None:
         self.compressor = compressor
         self.plain = create("none")
         self.keys = keys
@@ -137,14 +142,14 @@ class Codec:
         self.scales = [gossip_scale(compressor, math.prod(s), method) if c else 1.0
                        for s, c in zip(shapes, self.compressed)]
         self.variable = bool(compressor.variable_size) and any(self.compressed)
-        self.seed, self.rank, self.world = seed, rank, world
+        self.context = context
 
     @property
     def any_compressed(self) -> bool:
         return any(self.compressed)
 
     def _ctx(self, i: int, step: int) -> Context:
-        return Context(key=self.ctx_keys[i], step=step, rank=self.rank, world_size=self.world, seed=self.seed)
+        return self.context(self.ctx_keys[i], step)
 
     def encode(self, tensors: list[torch.Tensor], step: int, scalars: list[torch.Tensor] = ()  # type: ignore[assignment]
                ) -> tuple[torch.Tensor, list[Packet]]:

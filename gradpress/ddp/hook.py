@@ -39,7 +39,9 @@ it binds on :meth:`GradpressHook.bind` (keys: parameter names), or else by
 itself when the first backward has handed it every bucket (keys:
 ``param{i}`` in the order of that first step's buckets, the same on every
 rank and in every run of the same model). A state loaded while unbound is
-applied when it binds (the state dict itself: :mod:`gradpress.ddp.hook_state`).
+applied when it binds (the state dict itself: :mod:`gradpress.ddp.hook_state`);
+one that does not load then, on any rank, fails the binding on every rank and
+leaves the hook unbound with that state still pending.
 
 Invariant: every bucket DDP hands over is queued, in DDP's order, with the
 keys of its parameters and the step of its backward (the step moves once per
@@ -151,13 +153,19 @@ class GradpressHook:
         self._watch.start(None if is_ddp or self._used is not None else [p for _, p in named], self._step)
 
     def _bind_named(self, named: Sequence[tuple[str, torch.nn.Parameter]]) -> None:
+        """Build the engine and restore the state loaded before binding into it, then bind. Any refusal
+        (the scaler's, or the pending state not loading on some rank: agreed, every rank raises alike)
+        leaves the hook unbound with its pending state, the built engine dropped."""
         engine = self._build(named, self._scale.scaler is not None)  # the ranks agree on the scaler too
         if self._scale.scaler is not None:
             check_engine(engine)  # refused: the hook stays unbound
-        self._engine, self._names, self._by_name = engine, {id(p): n for n, p in named}, dict(named)
-        pending, self._pending_state = self._pending_state, None
-        if pending is not None:
-            self.load_state_dict(pending)
+        by_name = dict(named)
+        restored = hook_state.load_pending(engine, by_name, self._pending_state)  # collective, pending or not
+        self._engine, self._names, self._by_name = engine, {id(p): n for n, p in named}, by_name
+        self._pending_state = None
+        if restored is not None:
+            self._step, kept = restored
+            self._scale.restore(kept)
 
     # --------------------------------------------------------------- views
     compressor = property(lambda self: self.engine.compressor)
@@ -331,7 +339,8 @@ class GradpressHook:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore from :meth:`state_dict` (also one written before the exchange engine, ``gradpress-hook/1``, or before
         gradients had their parameter's layout: ``upgrade_layout``). Refuses another configuration's state (compressor,
-        strategy, world size, parameters...); an unbound state keeps it (format checked) and loads it as it binds."""
+        strategy, world size, parameters...); an unbound state keeps it (format checked) and loads it as it binds
+        (refused there: ``ValueError`` from the binding, the hook still unbound with the state kept)."""
         if self._engine is None:
             hook_state.check_format(state)
             self._pending_state = state

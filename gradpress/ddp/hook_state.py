@@ -22,11 +22,12 @@ import torch
 from gradpress.ddp.loss_scale import check_kept
 from gradpress.ddp.state_format import _OLD_FORMAT, HOOK_FORMAT, LAYOUT, _upgrade_v1, upgrade_layout
 from gradpress.exchange import Synchronizer
+from gradpress.exchange.agree import agree
 from gradpress.exchange.keys import upgrade_keys
 from gradpress.exchange.reshard import fold_engine, rule
 from gradpress.exchange.state import STATE_FORMAT
 
-__all__ = ["save", "check_format", "load"]
+__all__ = ["save", "check_format", "load", "load_pending"]
 
 # a hook state is the engine's plus the hook's step, layout and loss scale: it folds onto another world
 # size by the engine's rule (:mod:`gradpress.exchange.reshard`)
@@ -74,3 +75,23 @@ def load(engine: Synchronizer, by_name: Mapping[str, torch.nn.Parameter],
     engine_state["format"] = STATE_FORMAT  # the engine's own (not a copy of its whole state to read it)
     engine.load_state_dict(engine_state)  # validates fully, changes nothing on error
     return step, kept
+
+
+def load_pending(engine: Synchronizer, by_name: Mapping[str, torch.nn.Parameter],
+                 state: Mapping[str, Any] | None) -> tuple[int, float | None] | None:
+    """:func:`load` of the state an unbound hook kept (None: none), into the ``engine`` just built for it (not
+    yet the hook's); None when there was none. Collective on the engine's group, on every rank whether it kept
+    a state or not (a state loaded on some ranks only must not leave the others out of it): the ranks agree on
+    the outcome, so a state refused on any rank is refused on every rank (``ValueError`` naming each rank's
+    reason); the hook then stays unbound with its pending state and drops this engine."""
+    error, restored = None, None
+    try:
+        restored = load(engine, by_name, state) if state is not None else None
+    except ValueError as exc:
+        error = str(exc)
+    try:
+        agree({}, error, engine.group, stage="restore of the state loaded before binding")
+    except ValueError as exc:
+        raise ValueError(f"{exc}. The hook stays unbound and keeps that state: load a state saved by a hook "
+                         "of this model and configuration (load_state_dict), then bind again") from None
+    return restored

@@ -60,6 +60,8 @@ class Encoded:
     residuals: list[torch.Tensor] | None
     buffer: torch.Tensor | list[torch.Tensor]
     seconds: float
+    #: the counted Context step it was encoded at (set by ``Synchronizer.prepare``; ``sync`` checks it)
+    counted: int | None = None
 
 
 @dataclass
@@ -195,6 +197,9 @@ class Strategy:
     #: why a checkpoint that ran this strategy cannot be resumed on another world size (None: its state and
     #: residuals fold by the generic rule of :mod:`gradpress.exchange.reshard`)
     reshard_refusal: ClassVar[str | None] = None
+    #: ``held(state)``: what in a saved rank's engine state the refusal is about (None: nothing, and a checkpoint
+    #: whose every saved rank holds nothing folds); unset: always refused (:mod:`gradpress.exchange.reshard`)
+    reshard_held: ClassVar[Callable[[Mapping[str, Any]], str | None] | None] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

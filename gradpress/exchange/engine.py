@@ -161,8 +161,10 @@ class Synchronizer(EngineState):
         the call cannot be split: ``nonfinite=skip`` (its verdict decides the
         residuals), nothing compressed, several strategies or partitions, or
         a strategy without ``encode`` (the ring re-compresses at every hop),
-        or a multi-round compressor (PowerSGD's Q depends on the summed P)."""
-        if self.nonfinite == "skip":
+        or a multi-round compressor (PowerSGD's Q depends on the summed P).
+        Also None while a step may be dropped (``StepGuard.may_drop``; a call in
+        flight dropped before this one's sync would leave its Context step stale)."""
+        if self.guard.may_drop:
             return None
         keys, tensors = list(keys), list(tensors)
         decisions = [self._decision(k, t) for k, t in zip(keys, tensors)]
@@ -177,11 +179,12 @@ class Synchronizer(EngineState):
         fb = self.feedback if self.error_feedback else None
         tkeys = [escape(k) for k in keys]
         payload = [fb.compensate(tkeys[i], tensors[i]) if fb is not None else tensors[i] for i in comp_idx]
-        encoded: Encoded = strategy.encode(self.compressor, payload, [self._ctx(tkeys[i], step) for i in comp_idx], fb)
+        encoded: Encoded = strategy.encode(self.compressor, payload, [self.context(tkeys[i], step) for i in comp_idx], fb)
         if fb is not None and encoded.residuals is not None:
             for i, r in zip(comp_idx, encoded.residuals):
                 fb.keep_now(tkeys[i], r.reshape(tensors[i].shape))
         encoded.seconds = time.perf_counter() - t0
+        encoded.counted = self.guard.counted(step)
         return encoded
 
     def sync(self, keys: Sequence[str], tensors: Sequence[torch.Tensor], *, step: int,
@@ -203,6 +206,8 @@ class Synchronizer(EngineState):
         averages every tensor, as DDP does."""
         if used is not None and (prepared is not None or len(used) != len(keys)):
             raise ValueError(f"used: one flag per tensor ({len(keys)}), without prepared=; got {len(used)}")
+        if prepared is not None:
+            self.guard.check_counted(prepared.counted, step)
         try:
             self.guard.begin_call(snapshot=prepared is None)
             self._sync(list(keys), list(tensors), step, flat, end_of_step, prepared, used)
@@ -300,10 +305,6 @@ class Synchronizer(EngineState):
             d = self.choice.default_decision(key, x.numel(), list(x.shape))
         return d
 
-    def _ctx(self, key: str, step: int) -> Context:  # a dropped step does not count (StepGuard.dropped)
-        return Context(key, step - self.guard.dropped, self.rank, self.world_size, self.seed, loss_scale=self.output_scale,
-                       loss_scaler=self.loss_scaler)
-
     def _exchange(
         self, keys: list[str], tensors: list[torch.Tensor], comp_idx: list[int], decisions: list[Decision],
         step: int, prelude: Prelude, prepared: Encoded | None = None, by_strategy: dict[str, int] | None = None,
@@ -331,10 +332,10 @@ class Synchronizer(EngineState):
         for pos, i in enumerate(comp_idx):
             d, p, key = decisions[i], compensated[pos], tkeys[i]
             if d.parts <= 1:
-                groups.setdefault(d.strategy, []).append((pos, p, self._ctx(key, step), tensors[i]))
+                groups.setdefault(d.strategy, []).append((pos, p, self.context(key, step), tensors[i]))
             else:
                 for k, part in enumerate(torch.tensor_split(p.reshape(-1), d.parts)):
-                    groups.setdefault(d.strategy, []).append((pos, part, self._ctx(part_key(key, k), step), None))
+                    groups.setdefault(d.strategy, []).append((pos, part, self.context(part_key(key, k), step), None))
         missing = [name for name in groups if name not in self.strategies]
         if missing:
             raise RuntimeError(f"plan uses strategy {missing[0]!r}, which this engine cannot use with {self.compressor.name!r}")

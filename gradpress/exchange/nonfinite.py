@@ -22,9 +22,12 @@ Modes (``nonfinite=``):
 
 A dropped step (``skip``, and ``propagate`` while ``keep_on_propagate``)
 does not count in the step compressors draw from (``StepGuard.dropped``,
-subtracted from the caller's step in every Context): after a dropped step k
-the next step draws what a run without it draws at step k, as the
-optimizer's step count does not advance in plain AMP.
+subtracted from the caller's step in every Context, :meth:`StepGuard.counted`
+through ``Synchronizer.context``, also in an algorithm's own codec): after a
+dropped step k the next step draws what a run without it draws at step k, as
+the optimizer's step count does not advance in plain AMP. A call encoded
+ahead (``Synchronizer.prepare``) is not while a step may be dropped
+(:attr:`StepGuard.may_drop`): its count is known only at its sync.
 * ``raise``: every rank raises ``FloatingPointError`` naming the tensors.
 
 How every rank learns the same thing: one flag per tensor (1 where this
@@ -127,6 +130,25 @@ class StepGuard:
         self.dropped = 0
         #: the buffers the engine's snapshots are copied into, kept from step to step while the mode takes them
         self.kept: Any = None
+
+    def counted(self, step: int) -> int:
+        """The step a caller's ``step`` counts as: less the steps dropped so far (the step every Context the
+        engine or an algorithm builds carries; :meth:`Synchronizer.context`)."""
+        return step - self.dropped
+
+    def check_counted(self, counted: int | None, step: int) -> None:
+        """``RuntimeError`` unless a call encoded ahead at counted step ``counted`` (``Encoded.counted``) is
+        synced at a ``step`` that still counts as that (no step dropped, no state loaded in between)."""
+        if counted != self.counted(step):
+            raise RuntimeError(f"sync(prepared=): the call was encoded at counted step {counted}, but step {step} "
+                               f"now counts as {self.counted(step)} (a step was dropped, or a state loaded, between "
+                               "prepare and sync); encode it again (prepare) or sync without prepared=")
+
+    @property
+    def may_drop(self) -> bool:
+        """Whether a step may still be dropped (``skip``, or ``propagate`` while ``keep_on_propagate``): the
+        count of a later step is known only once the calls before it have ended."""
+        return self.mode == "skip" or (self.mode == "propagate" and self.keep_on_propagate)
 
     def begin_call(self, snapshot: bool = True) -> None:
         """The start of a call; at the step's first, the state's copy (``snapshot``: False for a call encoded

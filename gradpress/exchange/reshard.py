@@ -31,6 +31,11 @@ names the world (``config.world_size``, ``rank``), keeps rank 0's
 counted once) and refuses the strategies whose state depends on the world
 size (``Strategy.reshard_refusal``: the ring's per-hop residuals, the
 parameter server's roots and their residuals, hierarchical's host layout);
+one that can tell what in a saved state it is about
+(``Strategy.reshard_held``: the ring's) is refused only when some saved rank
+holds some of it, decided by the checkpoint's content (the ring's own state,
+its hop residuals, compressor state under a hop key): a ring that ran a
+summable compressor, or error feedback off, keeps none and folds;
 an algorithm whose state names ranks refuses through
 ``Algorithm.reshard_refusal`` (leader SGD, the compressed Adams).
 
@@ -181,9 +186,13 @@ def fold_engine(vals: list[Any], at: Fold) -> dict[str, Any]:
     compressor = f"compressor {config.get('compressor')!r}" if isinstance(config, Mapping) else "compressor"
     for name in sorted({n for v in vals for n in (v.get("strategies") or {})}):
         try:
-            why = strategy_class(name).reshard_refusal
+            cls = strategy_class(name)
         except ValueError:
-            why = None
+            continue
+        why = cls.reshard_refusal
+        if why and cls.reshard_held is not None:  # refused by what the saved ranks hold, if anything
+            held = [(r, h) for r, v in enumerate(vals) if (h := cls.reshard_held(v)) is not None]
+            why = f"{why}: saved rank {held[0][0]} holds {held[0][1]}" if held else None
         if why:
             raise refuse(vals, at.at("strategies").at(name, f"strategy {name!r}"), why)
     out: dict[str, Any] = {}

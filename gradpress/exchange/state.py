@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from gradpress.compress import Context
 from gradpress.exchange.feedback import WORKER
 from gradpress.exchange.keys import KEYS_FORMAT, upgrade_keys
 from gradpress.exchange.rollback import Rollback
@@ -34,13 +35,22 @@ STATE_FORMAT = "gradpress-exchange/2"
 
 class EngineState:
     """Mixin of :class:`~gradpress.exchange.engine.Synchronizer` (uses its
-    compressor, strategies, feedback, plan, choice, stats_counter, config)."""
+    compressor, strategies, feedback, plan, choice, stats_counter, config,
+    guard, rank, world_size, seed)."""
 
     #: the step's loss scale (set by the DDP hook while a scaler is attached; 1 otherwise), in every encode Context:
     #: scale-free averages (``scale_degree == 0``) are multiplied by it
     output_scale: float = 1.0
     #: a loss scaler is attached (set by the DDP hook; in every Context): fp16/bf16 overflows become Inf, not saturated
     loss_scaler: bool = False
+
+    def context(self, key: str, step: int) -> Context:
+        """The Context of ``key`` at the caller's ``step``: every one the engine builds, and those an
+        algorithm builds for its own exchanges (gossip's codec). Its step is the counted one
+        (:meth:`~gradpress.exchange.nonfinite.StepGuard.counted`: a dropped step does not count), so a random
+        compressor draws after a dropped step k what a run without it draws at step k."""
+        return Context(key, self.guard.counted(step), self.rank, self.world_size, self.seed,
+                       loss_scale=self.output_scale, loss_scaler=self.loss_scaler)
 
     def _snapshot_state(self) -> dict[str, Any] | None:
         """The compressor's and strategies' own state (residuals are staged,

@@ -10,13 +10,14 @@ tensors (no host sync on the hot path) and folded into counts when read.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-__all__ = ["STATS_KEYS", "ExchangeStats"]
+__all__ = ["STATS_KEYS", "ExchangeStats", "check_counters"]
 
 #: Every key of ``stats`` and what it means.
 STATS_KEYS: dict[str, str] = {
@@ -50,6 +51,43 @@ _COUNTERS = ("steps", "bytes_sent", "host_bytes", "dense_bytes", "last_step_byte
              "strategy_bytes")
 #: the counters that are mappings (per tensor, per strategy)
 _MAPPINGS = ("tensor_bytes", "strategy_bytes")
+
+
+def _counter_error(where: str, value: Any, seconds: bool) -> str | None:
+    """Why ``value`` cannot be the counter at ``where`` (None: it can): a count is an integer >= 0, seconds
+    a finite number >= 0 (an integer too); never a bool."""
+    if seconds:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+        allowed = "a finite number of seconds >= 0"
+    else:
+        ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+        allowed = "an integer >= 0"
+    return None if ok else f"stats[{where}]: {value!r} ({type(value).__name__}); allowed: {allowed}"
+
+
+def check_counters(state: Any) -> None:
+    """Raise ``ValueError`` naming the key, the value and what is allowed unless ``state`` is a mapping whose
+    counters (those it has of :data:`_COUNTERS`; others are ignored) are what :class:`ExchangeStats` keeps:
+    ``tensor_bytes`` and ``strategy_bytes`` mappings of string keys to integers >= 0, the ``*_s`` seconds
+    finite numbers >= 0, every other counter an integer >= 0. A state that loaded otherwise would break the
+    stats later (a sum, a ratio, a summary) far from the load."""
+    if not isinstance(state, Mapping):
+        raise ValueError(f"stats: {type(state).__name__} {str(state)[:80]!r}; allowed: a dict of counters")
+    for key in _COUNTERS:
+        if key not in state:
+            continue
+        value = state[key]
+        if key in _MAPPINGS:
+            if not isinstance(value, Mapping):
+                raise ValueError(f"stats[{key!r}]: {type(value).__name__} {str(value)[:80]!r}; allowed: a dict "
+                                 "of byte counts (integers >= 0) by name")
+            for name, count in value.items():
+                if not isinstance(name, str):
+                    raise ValueError(f"stats[{key!r}]: key {name!r} ({type(name).__name__}); allowed: strings")
+                if (why := _counter_error(f"{key!r}][{name!r}", count, False)) is not None:
+                    raise ValueError(why)
+        elif (why := _counter_error(repr(key), value, key.endswith("_s"))) is not None:
+            raise ValueError(why)
 
 
 def _zero(counter: str) -> Any:
@@ -133,7 +171,9 @@ class ExchangeStats:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore the counters; one a state lacks (written before it
         existed, e.g. ``host_bytes``) restarts at zero: it counts from the
-        resume, never this object's earlier figure."""
+        resume, never this object's earlier figure. Every counter is checked
+        first (:func:`check_counters`: ``ValueError``, nothing changed)."""
+        check_counters(state)
         with self._lock:
             self._totals.update({k: (dict(state[k]) if k in _MAPPINGS else state[k]) if k in state else _zero(k)
                                  for k in _COUNTERS})

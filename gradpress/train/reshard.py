@@ -13,8 +13,9 @@ starts from:
   leaves kept, differing floating leaves averaged in float64 and cast back,
   so the mean of additive per-rank state such as residuals is unchanged;
   the rest refused, naming the key path and the strategy, compressor or
-  algorithm: ``ring``, ``ps``, ``hierarchical``, ``lsgd`` and the
-  compressed Adams are refused, their state being cut by the world size);
+  algorithm: ``ps``, ``hierarchical``, ``lsgd`` and the compressed Adams
+  are refused, their state being cut by the world size; ``ring`` when a saved
+  rank holds hop state, ``Strategy.reshard_held``);
 * RNG: a fresh stream seeded from (seed, step) as a fresh run seeds its ranks
   (``torch.manual_seed``, ``np.random.seed``, ``random.seed``; a fresh run
   seeds every rank alike, so the new ranks are seeded alike too). A

@@ -41,7 +41,9 @@ multi-round protocols (PowerSGD).
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -50,7 +52,7 @@ from gradpress.compress.base import Compressor, Context, Packet
 from gradpress.exchange.base import ExchangeResult, Prelude, Strategy, bound_summand, register_strategy
 from gradpress.exchange.costs import CostModel
 from gradpress.exchange.feedback import Feedback, namespace
-from gradpress.exchange.keys import hop_key
+from gradpress.exchange.keys import hop_key, split_key
 from gradpress.exchange.strategies.recompress import template, unsupported_reason
 from gradpress.transport import wire
 from gradpress.transport.p2p import exchange_bytes
@@ -59,6 +61,22 @@ __all__ = ["Ring", "chunk_bounds"]
 
 #: where the hop residuals live in the engine's feedback store
 RING = namespace("ring")
+
+
+#: a hop's exchanged key (:func:`~gradpress.exchange.keys.hop_key`; a tensor's escaped key holds no '#')
+_HOP = re.compile(r"#ring\d+")
+
+
+def _keys(tree: Any) -> list[str]:
+    """Every string key of the mappings nested in ``tree`` (dicts, lists, tuples)."""
+    out: list[str] = []
+    if isinstance(tree, Mapping):
+        for key, value in tree.items():
+            out += ([key] if isinstance(key, str) else []) + _keys(value)
+    elif isinstance(tree, (list, tuple)):
+        for value in tree:
+            out += _keys(value)
+    return out
 
 
 def chunk_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
@@ -81,6 +99,23 @@ class Ring(Strategy):
     order = 2
     reshard_refusal = ("its per-hop residuals (the ring/ namespace) belong to the chunk positions of a ring of "
                        "the saved world size")
+
+    @staticmethod
+    def reshard_held(state: Mapping[str, Any]) -> str | None:
+        """What in a saved rank's engine ``state`` belongs to a ring of its world size, or None: the ring's own
+        state, a hop residual (the ring/ namespace; a non-summable compressor with error feedback) or compressor
+        state under a hop's key (``<key>#ring<c>``: a stateful compressor re-compressing at the hops). A summable
+        compressor, or one without state with error feedback off, leaves none: such a checkpoint folds."""
+        own = (state.get("strategies") or {}).get("ring")
+        if own:
+            return f"ring state {sorted(map(str, own))}"
+        fb = state.get("feedback")
+        residuals = fb.get("residuals") if isinstance(fb, Mapping) else None
+        for key in residuals if isinstance(residuals, Mapping) else ():
+            if isinstance(key, str) and split_key(key)[0] == RING:
+                return f"residual {key!r}"
+        keys = _keys(state.get("compressor"))
+        return next((f"compressor state of {k!r}" for k in keys if _HOP.search(k)), None)
 
     def __init__(self, group: Any) -> None:
         super().__init__(group)
