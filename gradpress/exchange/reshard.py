@@ -32,7 +32,8 @@ counted once) and refuses the strategies whose state depends on the world
 size (``Strategy.reshard_refusal``: the ring's per-hop residuals, the
 parameter server's roots and their residuals, hierarchical's host layout);
 an algorithm whose state names ranks refuses through
-``Algorithm.reshard_refusal`` (leader SGD, the compressed Adams).
+``Algorithm.reshard_refused`` (leader SGD, the compressed Adams; SGP's
+per-offset copies onto a graph of other offsets).
 
 Invariant: the fold never changes a saved state (new containers; a kept
 tensor is the saved one, which the loaders copy), and for every new rank

@@ -14,7 +14,8 @@ starts from:
   so the mean of additive per-rank state such as residuals is unchanged;
   the rest refused, naming the key path and the strategy, compressor or
   algorithm: ``ring``, ``ps``, ``hierarchical``, ``lsgd`` and the
-  compressed Adams are refused, their state being cut by the world size);
+  compressed Adams are refused, their state being cut by the world size,
+  and compressed ``sgp`` onto a graph of other hop offsets);
 * RNG: a fresh stream seeded from (seed, step) as a fresh run seeds its ranks
   (``torch.manual_seed``, ``np.random.seed``, ``random.seed``; a fresh run
   seeds every rank alike, so the new ranks are seeded alike too). A
