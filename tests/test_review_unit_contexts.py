@@ -11,7 +11,8 @@ probe recording every encode's Context: at the two leaders (global ranks 0 and 2
 2 and ``rank`` its host's index; the other ranks encode nothing.
 
 Planted: ``Ring``'s hop context rebuilt as ``Context(key, c0.step, r, n, c0.seed, loss_scale=...)`` (the
-field-by-field way): the ring case fails with ``unit_workers`` 1 at the leaders' hop encodes.
+field-by-field way): the ring case fails with ``unit_workers`` 1 at the leaders' hop encodes; ``unit_contexts``
+applied after the pipelined path's return: the pipelined case fails (piece ``w#0`` encoded as rank 0 of 4, 1).
 """
 
 from __future__ import annotations
