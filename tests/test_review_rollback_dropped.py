@@ -1,4 +1,5 @@
-"""A failed algorithm load puts back the count of dropped steps: one process, a one-rank gloo group, about 15 s on the shared machine (imports most of it).
+"""A failed load puts back the count of dropped steps and the ``auto`` plan: one process, a one-rank gloo group,
+about 15 s on the shared machine (imports most of it).
 
 ``Algorithm.load_state_dict`` loads the engine's state first (its ``dropped_steps`` included: the steps
 ``nonfinite='skip'`` dropped, which the compressors' Context step leaves out), then the algorithm's extra
@@ -8,8 +9,11 @@ it has dropped 1 when a state saved before that step (0 dropped) with a broken o
 ``tests/test_load_rollback.py`` loads states whose count equals the live one (no step dropped there), so it
 cannot see the count left at the loaded value.
 
+Under ``strategy='auto'`` the engine's load replaces the plan before the stats (its last part): stats found bad
+must leave the engine's own plan object. Neither is reached by ``tests/test_load_rollback.py`` (no ``auto``).
+
 Planted: ``EngineState.restore_backup`` not putting ``dropped_steps`` back: the count is 0 after the failed
-load (``assert 0 == 1``) and the state dict differs from the one before.
+load (``assert 0 == 1``); not putting ``plan`` back: the engine keeps the loaded plan (``is`` fails).
 """
 
 from __future__ import annotations
@@ -65,3 +69,23 @@ def test_a_failed_load_keeps_the_dropped_count(group) -> None:  # noqa: ANN001
     after = _saved(algo)
     assert after["exchange"]["dropped_steps"] == 1
     assert after["steps"] == before["steps"] and after["exchanges"] == before["exchanges"]
+
+
+def test_a_failed_engine_load_keeps_the_auto_plan(group) -> None:  # noqa: ANN001
+    """``strategy='auto'``: the load replaces the plan (the partitions the residuals are keyed by) before the
+    stats, its last part; stats found bad there must leave the engine's own plan, not the state's."""
+    from gradpress.exchange.engine import Synchronizer
+
+    engine = Synchronizer("topk:ratio=0.5", params=[("w", (16, 32), torch.float32)], strategy="auto", min_numel=1,
+                          nonfinite="skip")
+    engine.sync(["w"], [torch.randn(16, 32, generator=torch.Generator().manual_seed(1))], step=0)
+    mine = engine.plan
+    state = engine.state_dict()
+    assert state["plan"] and "w" in state["plan"]
+    other = {"strategy": "allgather", "parts": mine["w"].parts + 1}
+    assert state["plan"]["w"] != other
+    state["plan"] = {**state["plan"], "w": other}
+    state["stats"] = {**state["stats"], "tensor_bytes": 5}  # refused by the stats counter, after the plan loaded
+    with pytest.raises(ValueError, match=r"stats.*nothing was loaded"):
+        engine.load_state_dict(state)
+    assert engine.plan is mine and engine.plan.to_dict()["w"] != other
