@@ -44,7 +44,8 @@ def _register_probe(seen: list[tuple[str, int]]) -> None:
         name = PROBE
 
         def _encode(self, x: torch.Tensor, ctx: Any) -> Any:
-            seen.append((ctx.key, ctx.step))
+            if not ctx.key.startswith("__"):  # not gradpress's own probes (wire size, meta)
+                seen.append((ctx.key, ctx.step))
             return super()._encode(x, ctx)
 
     registry.register(_Probe)
