@@ -23,12 +23,16 @@ declines while ``StepGuard.may_drop``; a count that moved between prepare and sy
 (staleness 0 and 1, ``skip``) end to end; CHOCO's codec (gossip's own messages) resumed from a state that
 counted dropped steps.
 
+A step ``propagate`` hands on with no scaler attached drops nothing: it counts.
+
 Planted: the Context step left at the caller's (the old behaviour, ``engine._ctx``): the seed and the
 average after the dropped step fail in both modes, Comprex's fails at its first exchange after a dropped one
 (step 3 where 2 is counted); ``dropped_steps`` not loaded: the resume fails. ``prepare`` declining on
 ``nonfinite == 'skip'`` only and no check in ``sync`` (the code before): the encoded-ahead call drew at
 step 2 where 1 is counted (``[0, 2, 1] == [0, 1, 1]``); that check removed: ``DID NOT RAISE``. The codec
 building its own Context with the caller's step (the code before): CHOCO's steps 3 and 4 drew at 3 and 4.
+``StepGuard.end_step`` counting every propagated NaN step, scaler or not: the no-scaler case fails (the
+other tests passed).
 """
 
 from __future__ import annotations
@@ -149,6 +153,19 @@ def test_a_dropped_step_does_not_advance_the_drawn_step(group, probe: str, mode:
         else:
             assert torch.equal(avg, ref), (mode, step, (avg - ref).abs().max().item())
     assert engine.state_dict()["dropped_steps"] == len(BAD)
+
+
+def test_a_step_propagated_without_a_scaler_counts(group, probe: str) -> None:  # noqa: ANN001
+    """``propagate`` with no loss scaler attached hands the NaN on and drops nothing (the optimizer takes the
+    step): every step counts, the drawn step is the caller's, and the state dict says 0 dropped."""
+    SEEN.clear()
+    engine = _engine(f"{probe}:ratio={RATIO}", "propagate")
+    engine.guard.keep_on_propagate = False  # no scaler: what the DDP hook leaves without one
+    got = [_step(engine, s) for s in range(STEPS)]
+    assert all(got[b].isnan().any() for b in BAD)
+    assert [c for c, _ in SEEN] == list(range(STEPS)), SEEN
+    assert [sd for _, sd in SEEN] == [_shared_seed(SEED, s, "w") for s in range(STEPS)]
+    assert engine.state_dict()["dropped_steps"] == 0
 
 
 @pytest.mark.parametrize("mode", ["skip", "propagate"])

@@ -98,6 +98,22 @@ def _diff(a: Any, b: Any, path: str = "", timing: bool = True) -> str | None:
     return None if a == b else f"{path}: {a!r} vs {b!r}"
 
 
+def _broken_load(obj: Any, saved: dict, corrupt: Callable[[dict], None], model: nn.Module) -> dict[str, Any]:
+    """Load ``saved`` broken by ``corrupt`` into ``obj`` (an algorithm or a hook): the error, whether ``saved``
+    differs from ``obj``'s state before the load, and where the state and ``model``'s parameters after it
+    differ from before (None: nowhere); ``twin`` to fill with the steps after."""
+    before, params = copy.deepcopy(obj.state_dict()), _params(model)
+    broken = copy.deepcopy(saved)
+    corrupt(broken)
+    try:
+        obj.load_state_dict(broken)
+        error = None
+    except ValueError as exc:
+        error = str(exc)
+    return {"error": error, "saved_differs": _diff(saved, before), "state": _diff(before, obj.state_dict(), "state"),
+            "params": _diff(params, _params(model), "params"), "twin": []}
+
+
 # ------------------------------------------------------------------ the algorithms
 def _wrong_shape(t: torch.Tensor) -> torch.Tensor:
     """A tensor ``copy_`` cannot broadcast into ``t``."""
@@ -205,17 +221,7 @@ def _algorithm_case(rank: int, spec: str, kind: str, options: dict[str, Any], co
     assert saved is not None
     for model in (ma, mb):  # a resumed run loads the model first, then the algorithm (SGP sets it to x / w)
         model.load_state_dict(saved["model"])
-    before, params = copy.deepcopy(a.state_dict()), _params(ma)
-    broken = copy.deepcopy(saved["algo"])
-    corrupt(broken)
-    try:
-        a.load_state_dict(broken)
-        error = None
-    except ValueError as exc:
-        error = str(exc)
-    out: dict[str, Any] = {"error": error, "saved_differs": _diff(saved["algo"], before),
-                           "state": _diff(before, a.state_dict(), "state"),
-                           "params": _diff(params, _params(ma), "params"), "twin": []}
+    out = _broken_load(a, saved["algo"], corrupt, ma)
     for step in range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER):
         _algo_step(ma, oa, a, rank, step)
         _algo_step(mb, ob, b, rank, step)
@@ -275,18 +281,7 @@ def _hook_case(rank: int, compressor: str, strategy: str, corrupt: Callable[[dic
         if step == 0:
             saved = checkpoint(hook=a)["hook"]
     assert saved is not None
-    before, params = copy.deepcopy(a.state_dict()), _params(da)
-    broken = copy.deepcopy(saved)
-    corrupt(broken)
-    try:
-        a.load_state_dict(broken)
-        error = None
-    except ValueError as exc:
-        error = str(exc)
-    out: dict[str, Any] = {"error": error, "saved_differs": _diff(saved, before),
-                           "state": _diff(before, a.state_dict(), "state"),
-                           "params": _diff(params, _params(da), "params"), "bound": a._engine is not None,
-                           "step": a.step, "twin": []}
+    out = {**_broken_load(a, saved, corrupt, da), "bound": a._engine is not None, "step": a.step}
     for step in range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER):
         _hook_step(da, oa, rank, step)
         _hook_step(db, ob, rank, step)

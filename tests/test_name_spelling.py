@@ -23,36 +23,18 @@ def other_spellings(name: str) -> list[str]:
     return sorted(c for c in candidates if c != name)
 
 
-@pytest.mark.parametrize("name", compressor_names())
-def test_a_compressor_spelled_another_way_is_named(name: str) -> None:
+#: kind -> (its registered names, the parser that refuses an unknown one)
+PARSERS = {"compressor": (compressor_names, gradpress.compressor), "algorithm": (algorithms.names, algorithms.parse),
+           "strategy": (strategy_names, parse_strategy), "workload": (workloads.names, workloads.get)}
+
+
+@pytest.mark.parametrize(("kind", "name"), [(kind, name) for kind, (names, _) in PARSERS.items() for name in names()])
+def test_a_name_spelled_another_way_is_named(kind: str, name: str) -> None:
+    parse = PARSERS[kind][1]
     for spelling in other_spellings(name):
         with pytest.raises(ValueError) as exc:
-            gradpress.compressor(spelling)
-        assert f"unknown compressor {spelling!r} (did you mean {name!r}?); allowed: " in str(exc.value), str(exc.value)
-
-
-@pytest.mark.parametrize("name", algorithms.names())
-def test_an_algorithm_spelled_another_way_is_named(name: str) -> None:
-    for spelling in other_spellings(name):
-        with pytest.raises(ValueError) as exc:
-            algorithms.parse(spelling)
-        assert f"unknown algorithm {spelling!r} (did you mean {name!r}?); allowed: " in str(exc.value), str(exc.value)
-
-
-@pytest.mark.parametrize("name", strategy_names())
-def test_a_strategy_spelled_another_way_is_named(name: str) -> None:
-    for spelling in other_spellings(name):
-        with pytest.raises(ValueError) as exc:
-            parse_strategy(spelling)
-        assert f"unknown strategy {spelling!r} (did you mean {name!r}?); allowed: " in str(exc.value), str(exc.value)
-
-
-@pytest.mark.parametrize("name", workloads.names())
-def test_a_workload_spelled_another_way_is_named(name: str) -> None:
-    for spelling in other_spellings(name):
-        with pytest.raises(ValueError) as exc:
-            workloads.get(spelling)
-        assert f"unknown workload {spelling!r} (did you mean {name!r}?); allowed: " in str(exc.value), str(exc.value)
+            parse(spelling)
+        assert f"unknown {kind} {spelling!r} (did you mean {name!r}?); allowed: " in str(exc.value), str(exc.value)
 
 
 def test_the_train_command_names_them_too(capsys, tmp_path) -> None:  # noqa: ANN001

@@ -5,7 +5,7 @@ the formula, replicated leaves kept bitwise, dtypes kept), its refusals
 naming the key path and the piece (integers that differ, shapes, keys, the
 ring / ps / hierarchical strategies, leader SGD; a ring is refused only by
 what a saved rank holds of its world size: a hop residual, compressor state
-under a hop key, ring state; one holding none folds), a hypothesis property
+under a hop key, ring state; one holding none folds; SGP's copies onto a graph of other offsets), a hypothesis property
 (the folded residuals' mean over the M new ranks is the N saved ranks' mean,
 N and M in 1..5), the train checkpoint's checks (the refusal without
 ``--reshard`` names both world sizes, the flag and the global batch;
@@ -245,6 +245,38 @@ def test_algorithm_state_refusal_names_the_algorithm():
     out = fold([algo(r, "localsgd:period=2") for r in range(2)], 3, 4)
     assert out["config"]["world_size"] == 4 and out["exchange"]["config"]["world_size"] == 4
     assert out["exchange"]["rank"] == 3 and torch.equal(out["extra"]["x"], torch.full((2,), 0.5))
+
+
+def _sgp(rank, world, offsets, compressed=True):
+    """SGP's state as it saves it: per-offset public copies (``out_copy``/``in_copy``) only when it compresses."""
+    copies = {str(o): [torch.full((3,), float(rank + o))] for o in offsets} if compressed else {}
+    return {"format": ALGO_FORMAT, "config": {"algorithm": "sgp:peers=1,overlap=0,gamma=1.0", "world_size": world},
+            "steps": 4, "exchanges": 4, "exchange": _engine(rank, world),
+            "extra": {"x": [torch.full((3,), float(rank))], "w": torch.tensor(1.0 + rank, dtype=torch.float64),
+                      "out_copy": copies, "in_copy": copies, "inflight": []}}
+
+
+def test_sgp_copies_fold_only_onto_a_graph_of_the_same_offsets():
+    """The exponential graph has offsets [1, 2] on 3 or 4 workers, [1] on 2, [1, 2, 4] on 5..8: SGP's copies per
+    offset fold onto the same offsets (4 -> 3: every copy the float64 mean), and are refused, naming the
+    algorithm, both offset lists and the sizes that keep them, onto others (4 -> 2 loaded the fold and failed
+    in the workers: 'out_copy has offsets ['1', '2'], this run [1]'). Uncompressed there are no copies: 4 -> 2
+    folds."""
+    saved = [_sgp(r, 4, [1, 2]) for r in range(4)]
+    out = fold(saved, 2, 3)
+    assert sorted(out["extra"]["out_copy"]) == ["1", "2"]
+    want = _mean64([torch.full((3,), float(r + 2)) for r in range(4)]).float()
+    assert torch.equal(out["extra"]["in_copy"]["2"][0], want)
+    assert float(out["extra"]["w"]) == 2.5 and out["config"]["world_size"] == 3
+    for world in (2, 5):
+        with pytest.raises(ValueError) as info:
+            fold(saved, 0, world)
+        text = str(info.value)
+        assert "/extra (algorithm 'sgp:peers=1,overlap=0,gamma=1.0'): its compressed pushes keep a public copy" in text
+        assert f"offsets [1, 2] on 4 worker(s), {[1] if world == 2 else [1, 2, 4]} on {world}" in text
+        assert "(the same offsets: 3 to 4 workers)" in text
+    plain = fold([_sgp(r, 4, [1, 2], compressed=False) for r in range(4)], 1, 2)
+    assert plain["extra"]["out_copy"] == {} and float(plain["extra"]["w"]) == 2.5
 
 
 # ------------------------------------------------------------------ the train checkpoint's checks

@@ -304,6 +304,13 @@ class Algorithm(ExchangeHelpers):
             for t, kept in zip(self.load_touches(), backup["touched"]):
                 t.copy_(kept)
 
+    @classmethod
+    def reshard_refused(cls, saved: list[Mapping[str, Any]], world: int) -> str | None:
+        """Why the algorithm states ``saved`` (one per saved rank) cannot be folded into ``world`` ranks, or None
+        (:func:`_fold_state`). Default :attr:`reshard_refusal`; an algorithm whose state is cut by the world
+        size only for some sizes (SGP's copies per graph offset) decides from both sizes."""
+        return cls.reshard_refusal
+
     def close(self) -> None:
         """Nothing runs in the background here; kept for the training loop's contract."""
 
@@ -314,14 +321,14 @@ class Algorithm(ExchangeHelpers):
 @rule(STATE_FORMAT)
 def _fold_state(vals: list[Any], at: Fold) -> dict[str, Any]:
     """An algorithm's state on another world size (:mod:`gradpress.exchange.reshard`): refused when the
-    algorithm declares ``reshard_refusal``; ``config.world_size`` set to the new world; ``extra`` by the
+    algorithm's :meth:`Algorithm.reshard_refused` says why; ``config.world_size`` set to the new world; ``extra`` by the
     generic rule, named after the algorithm; ``exchange`` by the engine's rule."""
     from gradpress.algorithms.registry import get_class
 
     spec = vals[0]["config"].get("algorithm") if isinstance(vals[0].get("config"), Mapping) else None
     owner = f"algorithm {spec!r}"
     try:
-        why = get_class(str(spec).partition(":")[0]).reshard_refusal
+        why = get_class(str(spec).partition(":")[0]).reshard_refused(vals, at.world)
     except ValueError:
         why = None
     if why:

@@ -102,6 +102,21 @@ class SGP(GossipAlgorithm):
             raise ValueError(f"algorithm 'sgp': parameter 'peers' got {params['peers']}; allowed: 1 <= peers <= "
                              f"{len(offs)} on {world_size} workers (distinct offsets {offs})")
 
+    @classmethod
+    def reshard_refused(cls, saved: list[Mapping[str, Any]], world: int) -> str | None:
+        """Compressed pushes keep a public copy per hop offset of the exponential graph (``out_copy``,
+        ``in_copy``): a checkpoint folds onto a world size of the same offsets only (N in 2^(k-1)+1 .. 2^k).
+        Uncompressed, there are no copies, and a message in flight is absorbed whatever its offset."""
+        n = len(saved)
+        before, after = exponential_offsets(n), exponential_offsets(world)
+        if before == after or not any((s.get("extra") or {}).get("out_copy") for s in saved):
+            return None
+        k = (n - 1).bit_length()
+        same = f"{(1 << (k - 1)) + 1} to {1 << k} workers" if n > 1 else "1 worker"
+        return (f"its compressed pushes keep a public copy per hop offset of the exponential graph: offsets {before} "
+                f"on {n} worker(s), {after} on {world}, so some copies have no edge on the other graph (the same "
+                f"offsets: {same})")
+
     def setup_gossip(self) -> None:
         self.check_graph({"peers": self.peers}, self.world_size)  # type: ignore[attr-defined]
 

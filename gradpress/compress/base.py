@@ -30,15 +30,14 @@ wire (bit-packed where the method packs bits).
 from __future__ import annotations
 
 import copy
-import math
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any, ClassVar, final
 
 import torch
 
 from gradpress.compress.context import Context, derive_seed
 from gradpress.compress.packet import Packet, check_decode_out
+from gradpress.compress.param import Param
 from gradpress.compress.sparse import check_indexable
 from gradpress.compress.spec import coerce_params
 
@@ -60,65 +59,6 @@ def generator_for(device: torch.device, seed: int) -> torch.Generator:
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     return gen
-
-
-@dataclass(frozen=True)
-class Param:
-    """A typed, validated compressor parameter.
-
-    ``check`` returns True for allowed values; ``allowed`` says in words what
-    is allowed (used in error messages and in ``gradpress compressors``).
-    """
-
-    name: str
-    type: type
-    default: Any
-    allowed: str = "any"
-    check: Callable[[Any], bool] | None = None
-    doc: str = ""
-
-    def coerce(self, value: Any, owner: str, kind: str = "compressor") -> Any:
-        """Convert ``value`` (possibly a spec-string token) and validate it.
-
-        ``owner`` is the name of what the parameter belongs to and ``kind``
-        what that is (``"compressor"``, ``"algorithm"``, ...): errors read
-        ``"<kind> '<owner>': parameter ..."``."""
-        try:
-            if self.type is bool and isinstance(value, str):
-                low = value.strip().lower()
-                if low in ("1", "true", "yes", "on"):
-                    value = True
-                elif low in ("0", "false", "no", "off"):
-                    value = False
-                else:
-                    raise ValueError(value)
-            elif self.type is int and isinstance(value, str):
-                as_float = float(value)
-                if not as_float.is_integer():
-                    raise ValueError(value)
-                value = int(as_float)
-            elif self.type is int and isinstance(value, float):
-                if not value.is_integer():
-                    raise ValueError(value)
-                value = int(value)
-            elif self.type is int and isinstance(value, bool):
-                raise ValueError(value)
-            elif value is not None and not isinstance(value, self.type):
-                value = self.type(value)
-        except (TypeError, ValueError):
-            raise ValueError(
-                f"{kind} {owner!r}: parameter {self.name!r} got {value!r}; "
-                f"expected {self.type.__name__} ({self.allowed})"
-            ) from None
-        if self.type is float and isinstance(value, float) and not math.isfinite(value):
-            raise ValueError(
-                f"{kind} {owner!r}: parameter {self.name!r} got {value!r}; allowed: {self.allowed}"
-            )
-        if self.check is not None and not self.check(value):
-            raise ValueError(
-                f"{kind} {owner!r}: parameter {self.name!r} got {value!r}; allowed: {self.allowed}"
-            )
-        return value
 
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)

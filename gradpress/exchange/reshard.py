@@ -37,7 +37,8 @@ holds some of it, decided by the checkpoint's content (the ring's own state,
 its hop residuals, compressor state under a hop key): a ring that ran a
 summable compressor, or error feedback off, keeps none and folds;
 an algorithm whose state names ranks refuses through
-``Algorithm.reshard_refusal`` (leader SGD, the compressed Adams).
+``Algorithm.reshard_refused`` (leader SGD, the compressed Adams; SGP's
+per-offset copies onto a graph of other offsets).
 
 Invariant: the fold never changes a saved state (new containers; a kept
 tensor is the saved one, which the loaders copy), and for every new rank

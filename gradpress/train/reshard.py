@@ -15,7 +15,8 @@ starts from:
   the rest refused, naming the key path and the strategy, compressor or
   algorithm: ``ps``, ``hierarchical``, ``lsgd`` and the compressed Adams
   are refused, their state being cut by the world size; ``ring`` when a saved
-  rank holds hop state, ``Strategy.reshard_held``);
+  rank holds hop state, ``Strategy.reshard_held``; compressed ``sgp`` onto a
+  graph of other hop offsets);
 * RNG: a fresh stream seeded from (seed, step) as a fresh run seeds its ranks
   (``torch.manual_seed``, ``np.random.seed``, ``random.seed``; a fresh run
   seeds every rank alike, so the new ranks are seeded alike too). A
