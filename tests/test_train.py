@@ -64,7 +64,7 @@ def _write_legacy(path):
     (["--nonfinite", "ignore"], "nonfinite must be one of propagate, skip, raise"),
     (["--algorithm", "nosuch"], "unknown algorithm 'nosuch'; allowed: ddp, "),
     (["--algorithm", "localsgd:period=0"], "algorithm 'localsgd': parameter 'period' got 0"),
-    (["--algorithm", "localsgd:perio=2"], "unknown parameter 'perio'; allowed parameters: period"),
+    (["--algorithm", "localsgd:perio=2"], "unknown parameter 'perio' (did you mean 'period'?); allowed parameters: period"),
 ])
 def test_bad_arguments_exit_2(capsys, tmp_path, argv, needle):
     assert cli(["train", "--out", str(tmp_path), *argv]) == 2
