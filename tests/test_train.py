@@ -45,7 +45,7 @@ def _write_legacy(path):
 # ------------------------------------------------------------------ errors
 @pytest.mark.parametrize("argv,needle", [
     (["--workload", "imagenet"], "unknown workload 'imagenet'; allowed: mnist1d-cnn"),
-    (["--error-feedback", "maybe"], "error_feedback must be one of on, off, auto"),
+    (["--error-feedback", "maybe"], "--error-feedback must be one of on, off, auto"),
     (["--optimizer", "lbfgs"], "optimizer must be one of sgd, momentum, adam"),
     (["--lr", "-1"], "lr must be a positive"),
     (["--epochs", "0"], "epochs must be an integer >= 1"),
