@@ -54,6 +54,7 @@ from typing import Any
 
 from gradpress import train
 from gradpress.compress.spec import append_piece
+from gradpress.train.algorithm import shown
 
 __all__ = ["split_specs", "run", "table", "target_for", "plot", "annotate", "label", "curve"]
 
@@ -94,9 +95,11 @@ def _slug(spec: str) -> str:
 
 
 def label(s: Mapping[str, Any]) -> str:
-    """A run's name: its compressor, prefixed ``ALGORITHM/`` unless the algorithm is ``ddp``."""
+    """A run's name: its compressor, prefixed ``ALGORITHM/`` unless the algorithm is ``ddp``; the algorithm
+    without its defaults (:func:`gradpress.train.algorithm.shown`: one name per canonical spec, so runs group
+    as before), the compressor as the run recorded it."""
     algo = s.get("algorithm", "ddp")
-    return s["compressor"] if algo == "ddp" else f"{algo}/{s['compressor']}"
+    return s["compressor"] if algo == "ddp" else f"{shown(algo)}/{s['compressor']}"
 
 
 def _is_identity(spec: str) -> bool:
@@ -209,14 +212,14 @@ def table(summaries: list[dict[str, Any]]) -> str:
     rows = []
     for s in summaries:
         if s.get("status") == "failed":
-            rows.append([f"`{s.get('algorithm', 'ddp')}`", f"`{s['compressor']}`",
+            rows.append([f"`{shown(s.get('algorithm', 'ddp'))}`", f"`{s['compressor']}`",
                          *([str(s.get("seed"))] if seeds else []), *([f"{s['lr']:g}"] if lrs else []),
                          f"failed (exit {s['exit_code']})"] + ["-"] * 7)
             continue
         fm = s["final_metric"]
         d = s["delta_vs_reference"]
         rows.append([
-            f"`{s.get('algorithm', 'ddp')}`",
+            f"`{shown(s.get('algorithm', 'ddp'))}`",
             f"`{s['compressor']}`" + (" (nothing compressed)" if s.get("nothing_compressed") else "")
             + ("" if s.get("diverged_at_step") is None else f" (diverged at step {s['diverged_at_step']})"),
             *([str(s.get("seed"))] if seeds else []), *([f"{s['lr']:g}"] if lrs else []),

@@ -19,7 +19,8 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any, Generic, TypeVar
 
-__all__ = ["NAME_PATTERN", "parse_stage", "coerce_params", "append_piece", "Registry", "spelled_as", "close_to"]
+__all__ = ["NAME_PATTERN", "parse_stage", "coerce_params", "append_piece", "Registry", "spelled_as", "close_to",
+           "without_defaults"]
 
 #: what a registered name may be: spec strings (``name:key=value>name``) and comma-separated lists must spell it
 NAME_PATTERN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
@@ -152,6 +153,14 @@ def close_to(name: str, names: Iterable[str]) -> str:
     by_folded = {n.lower().replace("-", "_"): n for n in names}
     close = difflib.get_close_matches(name.lower().replace("-", "_"), list(by_folded), n=1, cutoff=CLOSE_CUTOFF)
     return f" (did you mean {by_folded[close[0]]!r}?)" if close else ""
+
+
+def without_defaults(name: str, values: Mapping[str, Any], defaults: Mapping[str, Any]) -> str:
+    """``name[:key=value,...]`` with only the ``values`` whose text differs from their default's: the
+    canonical spec (every parameter, ``key=value`` as the class prints it) less what the reader need not
+    read. Parsed, it gives back the same canonical spec, since a parameter left out takes its default."""
+    kept = [f"{k}={v}" for k, v in values.items() if k not in defaults or str(v) != str(defaults[k])]
+    return name + (":" + ",".join(kept) if kept else "")
 
 
 def append_piece(specs: list[str], piece: str, what: str, text: str) -> None:
