@@ -70,7 +70,10 @@ def run_cli(args: argparse.Namespace) -> int:
     except ValueError as exc:  # a training flag's bad value: named as the flag typed (--lr), not the field (lr)
         from gradpress.train.flags import name_flags
 
-        raise ValueError(name_flags(str(exc), {*opts, *(["out"] if out else [])})) from None
+        message = name_flags(str(exc), {*opts, *(["out"] if out else [])})
+        if message == str(exc):
+            raise
+        raise ValueError(message) from None
     except KeyboardInterrupt:
         partial = Path(out or _out(opts)) / "compare-partial.json"
         kept = f" (the runs recorded: {partial})" if partial.exists() else ""

@@ -234,7 +234,10 @@ def make_config(config: Mapping[str, Any] | argparse.Namespace | TrainConfig | N
         from gradpress.train.flags import name_flags
 
         # a command line: the error names the flag the user typed (--error-feedback), not the field
-        raise ValueError(name_flags(str(exc), vars(config))) from None
+        message = name_flags(str(exc), vars(config))
+        if message == str(exc):
+            raise
+        raise ValueError(message) from None
 
 
 def _validate_workload(cfg: TrainConfig) -> None:
