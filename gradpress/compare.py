@@ -54,6 +54,7 @@ from typing import Any
 
 from gradpress import train
 from gradpress.compress.spec import append_piece
+from gradpress.train.algorithm import shown
 
 __all__ = ["split_specs", "run", "table", "target_for", "plot", "annotate", "label", "curve"]
 
@@ -94,9 +95,11 @@ def _slug(spec: str) -> str:
 
 
 def label(s: Mapping[str, Any]) -> str:
-    """A run's name: its compressor, prefixed ``ALGORITHM/`` unless the algorithm is ``ddp``."""
+    """A run's name: its compressor, prefixed ``ALGORITHM/`` unless the algorithm is ``ddp``; the algorithm
+    without its defaults (:func:`gradpress.train.algorithm.shown`: one name per canonical spec, so runs group
+    as before), the compressor as the run recorded it."""
     algo = s.get("algorithm", "ddp")
-    return s["compressor"] if algo == "ddp" else f"{algo}/{s['compressor']}"
+    return s["compressor"] if algo == "ddp" else f"{shown(algo)}/{s['compressor']}"
 
 
 def _is_identity(spec: str) -> bool:
@@ -209,14 +212,14 @@ def table(summaries: list[dict[str, Any]]) -> str:
     rows = []
     for s in summaries:
         if s.get("status") == "failed":
-            rows.append([f"`{s.get('algorithm', 'ddp')}`", f"`{s['compressor']}`",
+            rows.append([f"`{shown(s.get('algorithm', 'ddp'))}`", f"`{s['compressor']}`",
                          *([str(s.get("seed"))] if seeds else []), *([f"{s['lr']:g}"] if lrs else []),
                          f"failed (exit {s['exit_code']})"] + ["-"] * 7)
             continue
         fm = s["final_metric"]
         d = s["delta_vs_reference"]
         rows.append([
-            f"`{s.get('algorithm', 'ddp')}`",
+            f"`{shown(s.get('algorithm', 'ddp'))}`",
             f"`{s['compressor']}`" + (" (nothing compressed)" if s.get("nothing_compressed") else "")
             + ("" if s.get("diverged_at_step") is None else f" (diverged at step {s['diverged_at_step']})"),
             *([str(s.get("seed"))] if seeds else []), *([f"{s['lr']:g}"] if lrs else []),
@@ -262,10 +265,15 @@ def curve(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+#: the note in each panel of a plot with no finite point to draw
+NO_CURVE = "no finite {metric} to plot:\nevery run diverged or has no evaluation\n(the table and compare.json have the runs)"
+
+
 def plot(summaries: list[dict[str, Any]], path: Path) -> None:
     """Two panels: metric vs step, metric vs cumulative bytes (log x). Runs
     of one configuration at several seeds: their mean, and a shaded band,
-    the 95% confidence interval of the mean (:func:`curve`)."""
+    the 95% confidence interval of the mean (:func:`curve`). No finite point
+    at all (every run diverged): the panels empty, with :data:`NO_CURVE`."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -279,6 +287,7 @@ def plot(summaries: list[dict[str, Any]], path: Path) -> None:
     for s in summaries:
         if s["history"]:
             groups.setdefault(label(s), []).append(s)
+    drawn = False  # some curve has a finite point
     for i, (name, runs) in enumerate(groups.items()):
         # over seeds: the mean curve at the evaluation steps all runs share, the 95% interval of the mean around it
         c = curve(runs)
@@ -290,11 +299,17 @@ def plot(summaries: list[dict[str, Any]], path: Path) -> None:
             name += f", {len(runs)} seeds"
         a1.plot(steps, mean, label=name, **style)
         a2.plot(nbytes, mean, label=name, **style)
-        if c["lo"] is not None:
+        drawn = drawn or any(math.isfinite(v) for v in mean)
+        # a band with no finite end anywhere (every seed diverged) is not drawn: matplotlib's fill_between of
+        # NaN alone leaves a log axis with no positive limits ("Data cannot be log-scaled") when the figure saves
+        if c["lo"] is not None and any(math.isfinite(v) for v in c["lo"] + c["hi"]):
             lo, hi = c["lo"], c["hi"]
             a1.fill_between(steps, lo, hi, color=style["color"], alpha=0.18, linewidth=0)
             a2.fill_between(nbytes, lo, hi, color=style["color"], alpha=0.18, linewidth=0)
     for ax in (a1, a2):
+        if not drawn:  # every run diverged before its first evaluation or has no evaluation: empty panels, said so
+            ax.text(0.5, 0.5, NO_CURVE.format(metric=metric), transform=ax.transAxes, ha="center", va="center",
+                    color="0.35", fontsize=9, wrap=True)
         if tgt is not None and math.isfinite(tgt):
             ax.axhline(tgt, color="0.5", linestyle="--", linewidth=1)
         ax.grid(True, alpha=0.3, which="both")

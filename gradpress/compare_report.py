@@ -19,6 +19,7 @@ import math
 from typing import Any
 
 from gradpress import compare, compare_stats, workloads
+from gradpress.train.algorithm import shown
 
 __all__ = ["aggregate", "aggregate_table", "lr_note", "markdown", "clipped_note", "TIME_NOTE"]
 
@@ -102,7 +103,7 @@ def aggregate_table(groups: list[dict[str, Any]], metric: str, reference: str, p
     order = sorted(range(len(groups)), key=lambda i: (groups[i]["rank"] is None, groups[i]["rank"] or 0, i))
     for g in (groups[i] for i in order):
         n = g["final_metric"]["n"]
-        rows.append([f"`{g['algorithm']}`",
+        rows.append([f"`{shown(g['algorithm'])}`",
                      f"`{g['compressor']}`" + (" (nothing compressed)" if g["nothing_compressed"] else "")]
                     + ([f"{g['lr']:g}"] if per_method_lr else []) + [
             str(n),
@@ -193,7 +194,7 @@ def markdown(result: list[dict[str, Any]], groups: list[dict[str, Any]], target:
         f"{s0['world_size']} worker(s), {s0['steps']} steps, batch {s0['batch_size']} per worker, "
         f"{s0['optimizer']}, {s0['schedule']} schedule, {seed_text}, data split {s0.get('split', 'iid')}. Bytes are those rank 0 handed to collectives "
         f"(strategies: {', '.join(sorted({s['strategy'] for s in result}))}; "
-        f"algorithms: {', '.join(dict.fromkeys(s.get('algorithm', 'ddp') for s in result))}).",
+        f"algorithms: {', '.join(dict.fromkeys(shown(s.get('algorithm', 'ddp')) for s in result))}).",
         note["text"],
         f"Target {s0['metric']}: {'-' if tgt is None else f'{tgt:.4f}'} ({rule}).",
     ]

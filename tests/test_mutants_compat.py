@@ -94,9 +94,9 @@ SUMMARY = {"workload": "digits-mlp", "compressor": "topk:ratio=0.1", "world_size
            "compression_ratio": 1333.33, "median_step_s": 0.0125}
 
 
-@pytest.mark.parametrize("algorithm", [None, "ddp", "localsgd:period=8", "comprex:staleness=1", "choco"])
+@pytest.mark.parametrize("algorithm", [None, "ddp", "localsgd:period=4", "comprex:staleness=2", "choco"])
 def test_summary_line_labels_the_algorithm_unless_ddp_and_gives_the_median_step_in_ms(algorithm: str | None) -> None:
-    """Names that sort before and after "ddp"."""
+    """Names that sort before and after "ddp" (parameters off their defaults: the line leaves defaults out)."""
     s = dict(SUMMARY) if algorithm is None else {**SUMMARY, "algorithm": algorithm}
     what = "topk:ratio=0.1" if algorithm in (None, "ddp") else f"{algorithm} / topk:ratio=0.1"
     assert cli.summary_line(s) == (f"digits-mlp / {what} on 2 worker(s): 10 steps, accuracy 0.9123, 1.5KB/step "

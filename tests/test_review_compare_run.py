@@ -295,7 +295,7 @@ def test_an_out_that_cannot_be_written_is_refused_before_any_run(tmp_path, capsy
     for out in (tmp_path / "file", tmp_path / "file" / "cmp"):
         assert cli(_args(out)) == 2
         err = capsys.readouterr().err
-        assert err.startswith("gradpress compare: error: out: ") and str(out) in err, err
+        assert err.startswith("gradpress compare: error: --out: ") and str(out) in err, err
         assert len(err.strip().splitlines()) == 1, err
 
 

@@ -45,7 +45,7 @@ def _write_legacy(path):
 # ------------------------------------------------------------------ errors
 @pytest.mark.parametrize("argv,needle", [
     (["--workload", "imagenet"], "unknown workload 'imagenet'; allowed: mnist1d-cnn"),
-    (["--error-feedback", "maybe"], "error_feedback must be one of on, off, auto"),
+    (["--error-feedback", "maybe"], "--error-feedback must be one of on, off, auto"),
     (["--optimizer", "lbfgs"], "optimizer must be one of sgd, momentum, adam"),
     (["--lr", "-1"], "lr must be a positive"),
     (["--epochs", "0"], "epochs must be an integer >= 1"),
@@ -64,7 +64,7 @@ def _write_legacy(path):
     (["--nonfinite", "ignore"], "nonfinite must be one of propagate, skip, raise"),
     (["--algorithm", "nosuch"], "unknown algorithm 'nosuch'; allowed: ddp, "),
     (["--algorithm", "localsgd:period=0"], "algorithm 'localsgd': parameter 'period' got 0"),
-    (["--algorithm", "localsgd:perio=2"], "unknown parameter 'perio'; allowed parameters: period"),
+    (["--algorithm", "localsgd:perio=2"], "unknown parameter 'perio' (did you mean 'period'?); allowed parameters: period"),
 ])
 def test_bad_arguments_exit_2(capsys, tmp_path, argv, needle):
     assert cli(["train", "--out", str(tmp_path), *argv]) == 2
@@ -478,7 +478,7 @@ def test_localsgd_trains_on_two_workers_and_resumes_exactly_mid_period(tmp_path,
               "topk:ratio=0.1", "--strategy", "allgather", "--min-numel", "64", "--log-every", "1", "--no-progress"]
     full, part = tmp_path / "full", tmp_path / "part"
     assert cli([*common, "--out", str(full)]) == 0
-    assert "digits-mlp / localsgd:period=3,optimizer_state=auto / topk:ratio=0.1 on 2 worker(s): 16 steps" in capsys.readouterr().out
+    assert "digits-mlp / localsgd:period=3 / topk:ratio=0.1 on 2 worker(s): 16 steps" in capsys.readouterr().out
     s = json.loads((full / "summary.json").read_text())
     assert (s["algorithm"], s["compressor"], s["strategy"], s["error_feedback"]) == (
         "localsgd:period=3,optimizer_state=auto", "topk:ratio=0.1", "allgather", True)

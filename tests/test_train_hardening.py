@@ -357,11 +357,11 @@ def test_nproc_above_the_cap_is_refused_before_any_worker(tmp_path, capsys, no_w
     words = f"nproc must be an integer from 1 to {NPROC_CAP}"
     assert cli(["train", *TINY, "--out", str(tmp_path / "t"), "--nproc", too_many]) == 2
     line = _one_line_error(capsys.readouterr().err)
-    assert line.startswith(f"gradpress train: error: {words}") and line.endswith(f"got {too_many}"), line
+    assert line.startswith(f"gradpress train: error: --{words}") and line.endswith(f"got {too_many}"), line
     assert f"max(64, 8 x {len(os.sched_getaffinity(0))} cores)" in line, line
     assert cli(["compare", *TINY, "--compressors", "none", "--out", str(tmp_path / "c"), "--nproc", "4000"]) == 2
     line = _one_line_error(capsys.readouterr().err)
-    assert line.startswith(f"gradpress compare: error: {words}") and line.endswith("got 4000"), line
+    assert line.startswith(f"gradpress compare: error: --{words}") and line.endswith("got 4000"), line
     from gradpress import demo
 
     with pytest.raises(ValueError, match=words):

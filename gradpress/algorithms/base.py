@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import copy
 import datetime
-import difflib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -40,7 +39,7 @@ import torch.distributed as dist
 from gradpress.algorithms.exchange_helpers import ExchangeHelpers
 from gradpress.compress import Compressor, create
 from gradpress.compress.base import Param
-from gradpress.compress.spec import coerce_params
+from gradpress.compress.spec import close_to, coerce_params
 from gradpress.exchange import Synchronizer
 from gradpress.exchange.agree import agree, config_diff, same_config
 from gradpress.exchange.reshard import Fold, fold_config, fold_leaves, refuse, rule
@@ -164,9 +163,8 @@ class Algorithm(ExchangeHelpers):
         known = [p.name for p in self.PARAMS]
         unknown = sorted(set(params) - set(known))
         if unknown:
-            close = difflib.get_close_matches(unknown[0], [*known, *OPTIONS], n=1)
             raise ValueError(f"algorithm {self.name!r}: unknown parameter or option {unknown[0]!r}"
-                             + (f" (did you mean {close[0]!r}?)" if close else "")
+                             + close_to(unknown[0], [*known, *OPTIONS])
                              + f"; allowed parameters: {', '.join(known) or 'none'}; "
                              f"allowed options: {', '.join(OPTIONS)}")
         for key, value in coerce_params(self.PARAMS, params, self.name, "algorithm").items():

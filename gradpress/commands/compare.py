@@ -67,6 +67,13 @@ def run_cli(args: argparse.Namespace) -> int:
     except WorkerFailed as exc:  # not a run of its own (kept for callers that raise it)
         print(f"gradpress compare: error: {exc}", file=sys.stderr)
         return 1
+    except ValueError as exc:  # a training flag's bad value: named as the flag typed (--lr), not the field (lr)
+        from gradpress.train.flags import name_flags
+
+        message = name_flags(str(exc), {*opts, *(["out"] if out else [])})
+        if message == str(exc):
+            raise
+        raise ValueError(message) from None
     except KeyboardInterrupt:
         partial = Path(out or _out(opts)) / "compare-partial.json"
         kept = f" (the runs recorded: {partial})" if partial.exists() else ""

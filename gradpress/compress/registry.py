@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from gradpress.compress.base import Compressor
-from gradpress.compress.spec import Registry, parse_stage
+from gradpress.compress.spec import Registry, parse_stage, without_defaults
 
 _REGISTRY: Registry[type[Compressor]] = Registry("compressor", "gradpress.compress", skip=("base", "registry", "compose", "plugins"), plugins=True)
 
@@ -98,6 +98,17 @@ def create(spec: str | Compressor, **params: Any) -> Compressor:
     for nxt in built[1:]:
         result = Composed(result, nxt)
     return result
+
+
+def short_spec(spec: str | Compressor) -> str:
+    """The compressor's canonical spec (:meth:`Compressor.spec`) without the parameters at their defaults,
+    stage by stage (``qsgd:levels=4,bucket=512>fp16`` -> ``qsgd:levels=4>fp16``): for people (progress
+    lines, tables); it builds the same compressor. ValueError as :func:`create`."""
+    comp = create(spec)
+    first, second = getattr(comp, "first", None), getattr(comp, "second", None)
+    if isinstance(first, Compressor) and isinstance(second, Compressor):
+        return f"{short_spec(first)}>{short_spec(second)}"
+    return without_defaults(comp.name, comp.config(), type(comp)().config())
 
 
 def describe() -> list[dict[str, Any]]:

@@ -12,13 +12,15 @@
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import pkgutil
 import re
 from collections.abc import Iterable, Mapping
 from typing import Any, Generic, TypeVar
 
-__all__ = ["NAME_PATTERN", "parse_stage", "coerce_params", "append_piece", "Registry"]
+__all__ = ["NAME_PATTERN", "parse_stage", "coerce_params", "append_piece", "Registry", "spelled_as", "close_to",
+           "without_defaults"]
 
 #: what a registered name may be: spec strings (``name:key=value>name``) and comma-separated lists must spell it
 NAME_PATTERN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
@@ -29,13 +31,14 @@ T = TypeVar("T", bound=type)
 def coerce_params(declared: Iterable[Any], given: Mapping[str, Any], owner: str, kind: str,
                   defaults: bool = True) -> dict[str, Any]:
     """``{name: value}`` for ``given`` against the ``Param``s ``declared``:
-    an unknown name raises ValueError naming it and the allowed ones; each
-    value is coerced and validated by its ``Param``. ``defaults``: also
-    fill every parameter not given with its default."""
+    an unknown name raises ValueError naming it, its near miss
+    (:func:`close_to`) and the allowed ones; each value is coerced and
+    validated by its ``Param``. ``defaults``: also fill every parameter not
+    given with its default."""
     known = {p.name: p for p in declared}
     unknown = sorted(set(given) - set(known))
     if unknown:
-        raise ValueError(f"{kind} {owner!r}: unknown parameter {unknown[0]!r}; "
+        raise ValueError(f"{kind} {owner!r}: unknown parameter {unknown[0]!r}{close_to(unknown[0], known)}; "
                          f"allowed parameters: {', '.join(known) or 'none'}")
     out = {}
     for p in known.values():
@@ -132,6 +135,32 @@ def spelled_as(name: str, names: Iterable[str]) -> str:
 
     same = sorted(n for n in names if folded(n) == folded(name))
     return f" (did you mean {same[0]!r}?)" if same else ""
+
+
+#: how alike (difflib's ratio, of the case- and ``-``/``_``-folded names) a misspelling must be to get a guess:
+#: ``ration``/``ratio`` 0.91, ``level``/``levels`` 0.91, ``perio``/``period`` 0.91; ``H``/``period`` 0.
+CLOSE_CUTOFF = 0.8
+
+
+def close_to(name: str, names: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` for a parameter name ``name`` that is not one of ``names``: the one spelled
+    the same but for case and ``-``/``_`` (:func:`spelled_as`), else the closest by :mod:`difflib` at
+    :data:`CLOSE_CUTOFF` or above (one guess at most), else ``""``."""
+    names = list(names)
+    same = spelled_as(name, names)
+    if same:
+        return same
+    by_folded = {n.lower().replace("-", "_"): n for n in names}
+    close = difflib.get_close_matches(name.lower().replace("-", "_"), list(by_folded), n=1, cutoff=CLOSE_CUTOFF)
+    return f" (did you mean {by_folded[close[0]]!r}?)" if close else ""
+
+
+def without_defaults(name: str, values: Mapping[str, Any], defaults: Mapping[str, Any]) -> str:
+    """``name[:key=value,...]`` with only the ``values`` whose text differs from their default's: the
+    canonical spec (every parameter, ``key=value`` as the class prints it) less what the reader need not
+    read. Parsed, it gives back the same canonical spec, since a parameter left out takes its default."""
+    kept = [f"{k}={v}" for k, v in values.items() if k not in defaults or str(v) != str(defaults[k])]
+    return name + (":" + ",".join(kept) if kept else "")
 
 
 def append_piece(specs: list[str], piece: str, what: str, text: str) -> None:

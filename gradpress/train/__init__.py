@@ -12,7 +12,8 @@ Entry points:
   :class:`TrainConfig`.
 
 Modules, one job each: :mod:`~gradpress.train.config` (options, TOML,
-validation), :mod:`~gradpress.train.args` (flags), :mod:`~gradpress.train.launch`
+validation), :mod:`~gradpress.train.args` (flags), :mod:`~gradpress.train.flags` (errors named by
+flag), :mod:`~gradpress.train.launch`
 (local workers, process group), :mod:`~gradpress.train.algorithm` (what
 runs: ``ddp`` or ``gradpress.algorithms``), :mod:`~gradpress.train.optim`
 (optimizers, schedules), :mod:`~gradpress.train.loop` (data order, one step,

@@ -23,11 +23,12 @@ from typing import Any, Protocol
 
 import torch
 
-from gradpress.compress.spec import spelled_as
+from gradpress.compress.spec import spelled_as, without_defaults
 from gradpress.torch_compat import ddp_kwargs
 
 __all__ = ["Algorithm", "DDPAlgorithm", "create", "check_spec", "default_compressor", "names", "describe",
-           "preflight", "split_spec", "strategy_names"]
+           "preflight", "split_spec", "strategy_names", "short_spec", "shown",
+           "shown_compressor"]
 
 
 class Algorithm(Protocol):
@@ -79,6 +80,40 @@ def check_spec(spec: Any) -> str:
     cls, values = _registry().parse(spec.strip())  # checks the parameters
     full = {p.name: values.get(p.name, p.default) for p in cls.PARAMS}
     return cls.name + (":" + ",".join(f"{k}={v}" for k, v in full.items()) if full else "")
+
+
+def short_spec(spec: Any) -> str:
+    """:func:`check_spec`'s canonical form without the parameters at their defaults (``diloco:period=8,
+    outer_lr=0.7,...,inner_state=keep`` -> ``diloco:period=8``, ``localsgd:period=8,optimizer_state=auto``
+    -> ``localsgd``): what progress lines and tables show; :func:`check_spec` of it is the canonical form
+    again (which summary.json, compare.json and checkpoints keep). ValueError as :func:`check_spec`."""
+    canonical = check_spec(spec)
+    name = split_spec(canonical)[0]
+    if name == "ddp":
+        return "ddp"
+    cls, values = _registry().parse(canonical)
+    return without_defaults(cls.name, {p.name: values.get(p.name, p.default) for p in cls.PARAMS},
+                            {p.name: p.default for p in cls.PARAMS})
+
+
+def shown(spec: Any) -> str:
+    """:func:`short_spec` for people, or ``spec`` as it is where it does not parse here (a plugin's algorithm
+    read back from an older run's files without the plugin loaded)."""
+    try:
+        return short_spec(spec)
+    except ValueError:
+        return str(spec)
+
+
+def shown_compressor(spec: Any) -> str:
+    """A compressor spec for people: :func:`gradpress.compress.registry.short_spec`, or ``spec`` as it is
+    where it does not parse here."""
+    from gradpress.compress.registry import short_spec as short_compressor
+
+    try:
+        return short_compressor(spec)
+    except ValueError:
+        return str(spec)
 
 
 def preflight(spec: str, run: Any) -> None:

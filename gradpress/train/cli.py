@@ -11,6 +11,7 @@ from typing import Any
 
 from gradpress import workloads
 from gradpress.compress import plugins
+from gradpress.train.algorithm import shown, shown_compressor
 from gradpress.train.args import add_arguments
 from gradpress.train.launch import WorkerFailed, run
 from gradpress.train.report import METRICS, SUMMARY, human_bytes
@@ -22,7 +23,8 @@ def summary_line(s: Mapping[str, Any]) -> str:
     metric = s["final_metric"]
     m = "n/a" if metric is None else f"{metric:.4f}"
     median = s.get("median_step_s")
-    what = s["compressor"] if s.get("algorithm", "ddp") == "ddp" else f"{s['algorithm']} / {s['compressor']}"
+    comp = shown_compressor(s["compressor"])  # the specs without their defaults; summary.json has them all
+    what = comp if s.get("algorithm", "ddp") == "ddp" else f"{shown(s['algorithm'])} / {comp}"
     host = s.get("host_bytes_per_step") or 0  # hierarchical: dense bytes that never leave a host
     inside = f"{human_bytes(host)} of it inside hosts; " if host else ""
     return (f"{s['workload']} / {what} on {s['world_size']} worker(s): {s['steps']} steps, "

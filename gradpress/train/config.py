@@ -205,7 +205,9 @@ def make_config(config: Mapping[str, Any] | argparse.Namespace | TrainConfig | N
                 **overrides: Any) -> TrainConfig:
     """Merge defaults < the TOML file named by ``config`` (key ``config``) <
     explicit values, fill workload defaults and validate everything.
-    Raises ValueError naming the field, the value and what is allowed."""
+    Raises ValueError naming the field, the value and what is allowed; for
+    an ``argparse.Namespace`` (a command line), the flag of each field it
+    sets (:func:`gradpress.train.flags.name_flags`)."""
     if config is None:
         given: dict[str, Any] = {}
     elif isinstance(config, TrainConfig):
@@ -220,11 +222,22 @@ def make_config(config: Mapping[str, Any] | argparse.Namespace | TrainConfig | N
     unknown = [k for k in given if k not in FIELDS and k != "config"]
     if unknown:
         raise ValueError(f"unknown training option(s) {', '.join(map(repr, unknown))}; allowed: {', '.join(FIELDS)}")
-    merged: dict[str, Any] = {}
-    if given.get("config"):
-        merged.update(load_toml(str(given["config"])))
-    merged.update({k: v for k, v in given.items() if k != "config"})
-    return _validate(TrainConfig(**merged))
+    try:
+        merged: dict[str, Any] = {}
+        if given.get("config"):
+            merged.update(load_toml(str(given["config"])))
+        merged.update({k: v for k, v in given.items() if k != "config"})
+        return _validate(TrainConfig(**merged))
+    except ValueError as exc:
+        if not isinstance(config, argparse.Namespace):
+            raise
+        from gradpress.train.flags import name_flags
+
+        # a command line: the error names the flag the user typed (--error-feedback), not the field
+        message = name_flags(str(exc), vars(config))
+        if message == str(exc):
+            raise
+        raise ValueError(message) from None
 
 
 def _validate_workload(cfg: TrainConfig) -> None:

@@ -63,7 +63,9 @@ class _Logger:
         self.r = run
         self.total = total
         cfg = run.cfg
-        desc = cfg.compressor if cfg.algorithm == "ddp" else f"{cfg.algorithm}/{cfg.compressor}"
+        # for people: the specs without their defaults (summary.json keeps the canonical algorithm spec)
+        comp = algorithm.shown_compressor(cfg.compressor)
+        desc = comp if cfg.algorithm == "ddp" else f"{algorithm.shown(cfg.algorithm)}/{comp}"
         self.desc = f"{cfg.workload} {desc}"
         show = run.rank == 0 and cfg.progress
         # a bar's carriage-return refreshes would fill a log file with one huge line: on a
