@@ -292,16 +292,24 @@ def _hook_case(rank: int, compressor: str, strategy: str, corrupt: Callable[[dic
     return out
 
 
-def _unbound_hook(rank: int) -> dict[str, Any]:
-    """An unbound hook given a good state, then a refused one: it binds with the good one."""
+def _two_steps_state(rank: int, bind: bool) -> dict[str, Any]:
+    """The state of a top-k hook after two steps (bound by ``bind`` before its first backward, else at it)."""
     ddp = DDP(_model())
-    src, function = gradpress.ddp.make_hook("topk:ratio=0.3", min_numel=1)  # binds at its first backward
+    src, function = gradpress.ddp.make_hook("topk:ratio=0.3", min_numel=1)
+    if bind:
+        src.bind(ddp)
     ddp.register_comm_hook(src, function)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     for step in range(2):
         _hook_step(ddp, opt, rank, step)
     good = checkpoint(hook=src)["hook"]
     src.close()
+    return good
+
+
+def _unbound_hook(rank: int) -> dict[str, Any]:
+    """An unbound hook given a good state, then a refused one: it binds with the good one."""
+    good = _two_steps_state(rank, bind=False)  # binds at its first backward
     fresh = DDP(_model())
     hook, function = gradpress.ddp.make_hook("topk:ratio=0.3", min_numel=1)
     hook.load_state_dict(good)
@@ -324,16 +332,7 @@ def _unbound_refused(rank: int) -> dict[str, Any]:
     each hook stays unbound with its pending state; a fitting state loaded after, it binds with that one."""
     out: dict[str, Any] = {}
     for way in ("bind", "backward"):  # the saved state's keys: names (bind), or param{i} (the first backward)
-        ddp = DDP(_model())
-        src, function = gradpress.ddp.make_hook("topk:ratio=0.3", min_numel=1)
-        if way == "bind":
-            src.bind(ddp)
-        ddp.register_comm_hook(src, function)
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-        for step in range(2):
-            _hook_step(ddp, opt, rank, step)
-        good = checkpoint(hook=src)["hook"]
-        src.close()
+        good = _two_steps_state(rank, bind=way == "bind")
         pending = {**good, "rank": 0}  # rank 1: another rank's state
         fresh = DDP(_model())
         hook, function = gradpress.ddp.make_hook("topk:ratio=0.3", min_numel=1)
