@@ -174,8 +174,8 @@ def relation(comp: Compressor, spec: str, x: torch.Tensor, out: torch.Tensor, pa
             big = float(torch.finfo(dt).max)
             want = (xd[nz] * (xd.numel() / k)).clamp(-big, big)
             return None if _close(od[nz], want, dt) else "kept values are not x * d/k"
-        if name == "dgc" and comp.clip > 0:  # clipped to clip / sqrt(N) (N = 2 in ctx) before selection
-            coef = min(1.0, comp.clip / math.sqrt(2) / (float(_norms(x, xd.numel())[0]) + 1e-6))
+        if name == "dgc" and comp.clip > 0:  # clipped to clip * sqrt(N) (N = 2 in ctx) before selection
+            coef = min(1.0, comp.clip * math.sqrt(2) / (float(_norms(x, xd.numel())[0]) + 1e-6))
             return None if _close(od[nz], xd[nz] * coef, dt) else "kept values are not the clipped x"
         if not torch.equal(od[nz], xd[nz]):
             return "kept values differ from x"

@@ -327,8 +327,8 @@ def test_dgc_clipping_nan_and_state() -> None:
     g = torch.full((400,), 0.5)  # norm 10
     comp = create("dgc:ratio=0.0025,momentum=0,clip=1.0")
     comp.encode(g, Context(key="c", world_size=4))
-    # clipped to 1 / sqrt(4) before accumulation; one entry sent, the rest kept
-    assert float(torch.linalg.vector_norm(comp.velocities["c"])) == pytest.approx(0.5 * math.sqrt(399 / 400), rel=1e-4)
+    # clipped to 1 * sqrt(4) before accumulation (the mean of 4 such is bounded by 1); one entry sent, the rest kept
+    assert float(torch.linalg.vector_norm(comp.velocities["c"])) == pytest.approx(2.0 * math.sqrt(399 / 400), rel=1e-4)
     before = {k: v.clone() for k, v in comp.state_dict()["velocities"].items()}
     bad = g.clone()
     bad[3] = float("nan")

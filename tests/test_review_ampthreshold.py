@@ -1,9 +1,9 @@
 """Absolute constants in gradient units under ``GradScaler`` (fp16 AMP with the DDP hook; 2 gloo workers, one
 launch, about 10 s).
 
-``threshold:tau=T`` keeps the entries with |g| > T, and DGC's ``clip`` bounds ||g||_2 by clip / sqrt(N): both
+``threshold:tau=T`` keeps the entries with |g| > T, and DGC's ``clip`` bounds ||g||_2 by clip * sqrt(N): both
 are in the gradient's units. Under a loss scale s the hook sees s * g, so the compressor must compare with
-T * s (and clip to clip * s / sqrt(N)): ``register(..., scaler=)`` hands it the step's scale in its encode
+T * s (and clip to clip * s * sqrt(N)): ``register(..., scaler=)`` hands it the step's scale in its encode
 Context (``Context.loss_scale``, 1 without a scaler).
 
 Every gradient is a fixed tensor G (the loss is ``sum(w * G)``: ``w.grad`` is G times the loss scale, exactly),

@@ -53,7 +53,7 @@ def test_powersgd_warm_start_recovers_after_a_zero_gradient(first: str) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_dgc_local_clipping_of_a_gradient_whose_norm_overflows(dtype: torch.dtype) -> None:
-    """DGC clips ||g||_2 to clip * N^-1/2 (Lin et al. 2018, sec. 3.2). With
+    """DGC clips ||g||_2 to clip * N^1/2 (Lin et al. 2018, sec. 3.2, on g / N as in Algorithm 1). With
     finite entries near the dtype's max the norm is inf, the coefficient
     clip / inf was 0 and the whole gradient was silently sent as zeros."""
     big = torch.finfo(dtype).max
@@ -63,7 +63,7 @@ def test_dgc_local_clipping_of_a_gradient_whose_norm_overflows(dtype: torch.dtyp
     comp = create(f"dgc:ratio=1,clip={clip},momentum=0")
     y = comp.decode(comp.encode(x, Context(key="w", step=0, world_size=world)))
     x64 = x.double()
-    want = x64 * (clip / world**0.5 / torch.linalg.vector_norm(x64 / big) / big)  # the paper's clip, float64
+    want = x64 * (clip * world**0.5 / torch.linalg.vector_norm(x64 / big) / big)  # the paper's clip, float64
     tol = 1e-5 if dtype != torch.bfloat16 else 1e-2
     assert torch.isfinite(y).all()
     assert torch.allclose(y.double(), want, rtol=tol, atol=tol * float(want.abs().max()))

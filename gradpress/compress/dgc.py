@@ -4,25 +4,32 @@ Compression: Reducing the Communication Bandwidth for Distributed Training").
 Per tensor (state keyed by ``ctx.key``), with ``g`` the incoming gradient:
 
 1. Local gradient clipping (``clip > 0``): ``g`` is rescaled so that
-   ``||g||_2 <= clip / (L sqrt(U))``, with U = ``ctx.world_size`` the
-   compressing units whose packets are averaged and L = ``ctx.unit_workers``
-   the workers whose mean ``g`` is. Flat (every worker a unit, L = 1) this is
-   the paper's section 3.2 rule, clip * N^(-1/2) (ALGORITHMS.md marks the
-   factor unverified; we follow the paper): the paper clips locally *before*
-   accumulation and scales the threshold by N^(-1/2), "the current node's
-   fraction of the global threshold if all N nodes had identical gradient
-   distributions": for independent g_k of equal variance,
-   ||sum_k g_k||^2 ~ sum_k ||g_k||^2 <= N (clip^2 / N) = clip^2, so the sum
-   of the N local gradients (N times their mean, the update) is bounded as
-   a clip at ``clip`` of it would bound it.
-   Under ``hierarchical`` a host leader encodes its host's mean
-   m_h = S_h / L (H = U hosts of L workers, N = H L). The same bound on the
-   sum: S = sum_h S_h = L sum_h m_h, and for independent host sums
-   ||S||^2 ~ L^2 sum_h ||m_h||^2 <= L^2 H t^2; t = clip / (L sqrt(H)) makes
-   it clip^2 again (each host sum's share clip / sqrt(H), the paper's rule
-   with the H hosts as its nodes). clip / sqrt(N), which the leaders used
-   before, bounds it by sqrt(L) clip instead (the host mean's norm is
-   already sqrt(L) below one worker's for independent workers).
+   ``||g||_2 <= clip * sqrt(U)``, with U = ``ctx.world_size`` the
+   compressing units whose packets are averaged (each ``g`` is a unit's
+   gradient, the mean of its ``ctx.unit_workers`` workers, not divided by
+   U). The paper (sec. 3.2) clips "the current gradient" of Algorithm 1,
+   whose line 6 accumulates G^k += (1/(N b)) grad f, i.e. the local
+   gradient already divided by N (eq. 3: nabla_{k,t} = (1/(N b)) sum
+   grad f), to clip * N^(-1/2), "the current node's fraction of the global
+   threshold", the global clip being the conventional one on the
+   aggregated update, the mean sum_k nabla_{k,t}. For g_k / N clipped to
+   clip / sqrt(N), ||g_k|| <= clip sqrt(N), and for independent g_k of
+   equal variance ||(1/N) sum_k g_k||^2 ~ (1/N^2) sum_k ||g_k||^2
+   <= clip^2: the MEAN gradient is bounded by ``clip``. The same placement
+   in an independent implementation: PaddlePaddle's DGCMomentumOptimizer
+   (python/paddle/distributed/fleet/meta_optimizers/dgc_optimizer.py)
+   clips at clip_norm * num_trainers**-0.5 a gradient whose loss "has
+   divided by nranks" (its dgc kernel then multiplies by nranks). The
+   authors' code (github synxlin/deep-gradient-compression, dgc/memory.py)
+   only has an optional, unset ``gradient_clipping`` hook on the local
+   gradient. Until this was checked gradpress clipped g_k itself to
+   clip / sqrt(N), which bounds the mean at clip / N.
+   Under ``hierarchical`` a host leader encodes its host's mean m_h
+   (H = U hosts of L workers); the update is (1/H) sum_h m_h, and for
+   independent host means its norm^2 ~ (1/H^2) sum_h ||m_h||^2 <= t^2 / H:
+   t = clip sqrt(H) bounds the mean by clip again (the paper's rule with
+   the H hosts as its nodes; the sum-bound of the earlier rule,
+   clip / (L sqrt(H)), times N = H L). Hence the one rule clip sqrt(U).
    The norm is computed without overflow or underflow of its squares
    (:func:`gradpress.compress.numerics.row_norms`). ``clip`` (and the 1e-6
    guard of the norm) are in gradient units: multiplied by
@@ -152,7 +159,7 @@ class DGC(QualityMixin, Compressor):
         ratio_param(0.001, "kept fraction (density) after warm-up"),
         Param("sample_ratio", float, 0.01, "0 < sample_ratio <= 1", lambda v: 0 < v <= 1, "fraction of |x| sampled for the threshold"),
         Param("momentum", float, 0.9, "0 <= momentum < 1", lambda v: 0 <= v < 1, "momentum m of the correction u <- m*u + g"),
-        Param("clip", float, 0.0, "clip >= 0 (0 = off)", lambda v: v >= 0, "local gradient-norm clip, scaled by N^-1/2 (hierarchical: host mean to clip/(L sqrt(H)))"),
+        Param("clip", float, 0.0, "clip >= 0 (0 = off)", lambda v: v >= 0, "local gradient-norm clip: bounds the mean update; each unit's gradient to clip*sqrt(N) (Lin et al. Alg. 1)"),
         Param("warmup_epochs", int, 0, "warmup_epochs >= 0", lambda v: v >= 0, "epochs W of exponential ratio warm-up"),
         Param("steps_per_epoch", int, 0, "steps_per_epoch >= 0 (>= 1 when warmup_epochs > 0)", lambda v: v >= 0, "steps per epoch, for the warm-up"),
     )
@@ -194,8 +201,8 @@ class DGC(QualityMixin, Compressor):
         lo, hi = torch.aminmax(g)  # one read; NaN and +-inf propagate into the extremes
         finite = bool(torch.isfinite(lo) & torch.isfinite(hi))
         if self.clip > 0:
-            # clip / (L sqrt(U)) per compressing unit (module docstring), in the gradient's scale
-            max_norm = self.clip * ctx.loss_scale / (ctx.unit_workers * math.sqrt(max(1, ctx.world_size)))
+            # clip sqrt(U) per compressing unit: bounds the mean of the U packets (module docstring)
+            max_norm = self.clip * ctx.loss_scale * math.sqrt(max(1, ctx.world_size))
             norm = row_norms(g.view(1, -1)).reshape(())  # no overflow/underflow of the squares
             if finite and bool(torch.isinf(norm)):  # the norm itself exceeds the dtype (so > max_norm):
                 g = g * scale_pow2(torch.maximum(-lo, hi), wd)  # clip g / max|g| (exact power of two)

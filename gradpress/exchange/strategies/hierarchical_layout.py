@@ -54,5 +54,5 @@ def unit_contexts(ctxs: list[Context], host: int, hosts: int, per: int) -> list[
     """The leader's encode contexts: one of ``hosts`` compressing units (``rank`` its host's index,
     ``world_size`` H, as the leaders' group numbers them), encoding the mean of its host's ``per`` workers
     (``unit_workers`` L); every other field (key, step, seed, loss scale) as the call's. PowerSGD divides
-    Q's sum over the leaders by H; DGC clips the host mean to clip / (L sqrt(H)) (its module docstring)."""
+    Q's sum over the leaders by H; DGC clips the host mean to clip sqrt(H) (its module docstring)."""
     return [dataclasses.replace(c, rank=host, world_size=hosts, unit_workers=per) for c in ctxs]
