@@ -20,7 +20,9 @@ an interruption never leaves another run's summary there for a later
 
 A summary or checkpoint of other settings (or one written before runs
 recorded their settings, which cannot be checked) is an error naming the
-directory and every differing setting, raised before anything trains:
+directory and every differing setting, raised before anything trains (a
+comparison run's lr under ``--lr-sweep``: right after the sweep chose it,
+before any comparison run trains):
 ``--resume`` continues the same grid and never overwrites another one's
 results; remove that directory (or give another ``--out``) to rerun it.
 

@@ -89,6 +89,18 @@ def _sweep_config(cfg: Any, lr: float, seed: int, steps: int | None, root: Path)
     return train.make_config(cfg, **over)
 
 
+def _check_swept_rates(tally: Tally, planned: list[Any]) -> None:
+    """``--resume --lr-sweep``: the comparison's runs at the rates the sweep chose, checked (all their other
+    settings were checked before the sweep). A directory of an earlier compare whose sweep chose another rate
+    (one of its sweep runs had failed, say) is refused, naming it and both lrs, rather than recorded as a
+    failed run once the comparison has begun to train."""
+    try:
+        tally.check(planned)
+    except ValueError as exc:
+        raise ValueError(f"lr-sweep: the sweep chose another rate than the earlier compare in this --out ran at "
+                         f"(one of its sweep runs may have failed): {exc}") from None
+
+
 def sweep(configs: list[Any], rates: list[float], steps: int | None, seeds: list[int],
           root: Path, failed: list[dict[str, Any]] | None = None, tally: Tally | None = None) -> dict[str, Any]:
     """Train every config at every rate (``steps`` steps, or its own budget
@@ -207,6 +219,8 @@ def run(compressors: str | Iterable[str] | None, options: Mapping[str, Any] | No
         total += len(configs) * len(rates)
         root.mkdir(parents=True, exist_ok=True)
         (root / "sweep.json").write_text(json.dumps(record, indent=2) + "\n")
+        if resume:  # the rates are chosen: every comparison run's directory at them, before any of those trains
+            _check_swept_rates(tally, [planned(c, s) for c in configs for s in seed_list])
     rows: list[dict[str, Any]] = []  # the comparison's runs in order: summaries and failure records
     try:
         for cfg in configs:

@@ -8,7 +8,7 @@ for bit (bytes, metrics, histories), its plot byte for byte, and a second ``--re
 and rewrites every output file byte for byte. The history's training clock (``seconds``) is the sum of the
 step times the checkpoint keeps. The rest stands ``train.run`` in: the lr sweep read back, settings that
 differ (a compressor, steps, an lr in a checkpoint) refused naming the directory and each setting before
-anything trains, an equivalent compressor spelling reused, an earlier summary dropped before a run trains
+anything trains, a rate the resumed sweep chooses otherwise refused right after the sweep, an equivalent compressor spelling reused, an earlier summary dropped before a run trains
 again, non-finite numbers read back as the compare that trained wrote them. About 75 s on the shared
 machine (the real grid 55 s)."""
 
@@ -160,6 +160,39 @@ def test_the_lr_sweep_is_read_back_and_other_settings_are_refused_by_name(tmp_pa
     assert "0-none-lr0.01-s0/summary.json' is a run of a different configuration (steps: " in err
     assert "has 10, this compare has 5)" in err and "remove" in err
     assert {name: (out / name).read_bytes() for name in files} == files  # nothing rewritten
+
+
+def test_a_rate_the_sweep_now_chooses_otherwise_is_refused_before_a_comparison_run_trains(tmp_path, monkeypatch,
+                                                                                           capsys):
+    """An earlier compare whose sweep run topk@0.03 failed chose 0.01 for topk (exit 1). Resumed, the sweep
+    reruns that run and now chooses 0.03 (the stand-in scores a higher lr higher): topk's comparison
+    directories hold runs at 0.01. Refused right after the sweep (exit 2, naming the directory and both
+    lrs), before any comparison run trains: 0-none-s1, its summary removed, would train first."""
+    calls: list = []
+    fake = _fake_run(calls)
+
+    def failing(cfg):
+        if cfg.compressor.startswith("topk") and cfg.lr == 0.03:
+            raise WorkerFailed("worker 0 failed")
+        return fake(cfg)
+
+    monkeypatch.setattr(train, "run", failing)
+    out = tmp_path / "cmp"
+    assert cli(["compare", *SWEEP, "--out", str(out)]) == 1
+    sweep_record = json.loads((out / "sweep.json").read_text())
+    assert [m["best_lr"] for m in sweep_record["methods"]] == [0.03, 0.01]
+    topk_dir = out / "1-topk_ratio=0.1-s0"
+    assert json.loads((topk_dir / "summary.json").read_text())["settings"]["lr"] == 0.01
+    (out / "0-none-s1" / "summary.json").unlink()
+    monkeypatch.setattr(train, "run", fake)
+    calls.clear()
+    capsys.readouterr()
+    assert cli(["compare", *SWEEP, "--resume", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert calls == [("topk:ratio=0.1", 0.03, 10, 0)]  # the failed sweep run only: no comparison run trained
+    assert "lr-sweep: the sweep chose another rate" in err
+    assert f"'{topk_dir / 'summary.json'}' is a run of a different configuration (lr: " in err
+    assert "has 0.01, this compare has 0.03)" in err and f"remove '{topk_dir}'" in err
 
 
 @pytest.mark.parametrize("recorded,reused", [("topk:ratio=0.5", False), ("topk:ratio=0.1,bucket=0", None),
