@@ -117,23 +117,27 @@ def error_feedback_topk_run(grad: Callable[[int, int], torch.Tensor], world: int
 Grads = Callable[[int], list[torch.Tensor]]
 
 
+def kept_steps_run(grads: Grads, steps: int, keep: Callable[[int], bool],
+                   average: Callable[[list[torch.Tensor]], torch.Tensor]) -> list[torch.Tensor | None]:
+    """Per step ``average(grads(step))``, the step's average by a method's definition (which updates the
+    method's buffers it closes over); None for a step left out, where ``average`` is not called, so every
+    buffer stays as it was."""
+    return [average(grads(step)) if keep(step) else None for step in range(steps)]
+
+
 def dgc_run(grads: Grads, steps: int, keep: Callable[[int], bool], ratio: float,
             beta: float) -> list[torch.Tensor | None]:
     """DGC by the definition (no clipping, no warm-up): u = beta u + g, v = v + u, send v at the top-k of |v|
     (k = ceil(ratio d)), zero u and v there; per step the average of the ranks' sends."""
     u: list[torch.Tensor] = []
     v: list[torch.Tensor] = []
-    out: list[torch.Tensor | None] = []
-    for step in range(steps):
-        if not keep(step):
-            out.append(None)
-            continue
-        gs = grads(step)
+
+    def average(gs: list[torch.Tensor]) -> torch.Tensor:
         d = gs[0].numel()
         k = math.ceil(ratio * d)
         if not u:
-            u = [torch.zeros(d, dtype=torch.float64) for _ in gs]
-            v = [torch.zeros(d, dtype=torch.float64) for _ in gs]
+            u.extend(torch.zeros(d, dtype=torch.float64) for _ in gs)
+            v.extend(torch.zeros(d, dtype=torch.float64) for _ in gs)
         total = torch.zeros(d, dtype=torch.float64)
         for r, g in enumerate(gs):
             u[r] = beta * u[r] + g.reshape(-1)
@@ -142,25 +146,23 @@ def dgc_run(grads: Grads, steps: int, keep: Callable[[int], bool], ratio: float,
             total[idx] += v[r][idx]
             u[r][idx] = 0.0
             v[r][idx] = 0.0
-        out.append((total / len(gs)).reshape(gs[0].shape))
-    return out
+        return (total / len(gs)).reshape(gs[0].shape)
+
+    return kept_steps_run(grads, steps, keep, average)
 
 
 def signum_run(grads: Grads, steps: int, keep: Callable[[int], bool], beta: float) -> list[torch.Tensor | None]:
     """Signum's average: the majority vote of the ranks' momentum signs, m = beta m + (1 - beta) g (sign(0) =
     +1 locally, a tie gives 0)."""
     m: list[torch.Tensor] = []
-    out: list[torch.Tensor | None] = []
-    for step in range(steps):
-        if not keep(step):
-            out.append(None)
-            continue
-        gs = grads(step)
+
+    def average(gs: list[torch.Tensor]) -> torch.Tensor:
         if not m:
-            m = [torch.zeros_like(g, dtype=torch.float64) for g in gs]
-        m = [beta * m[r] + (1 - beta) * g for r, g in enumerate(gs)]
-        out.append(torch.sign(sum(torch.where(x >= 0, 1.0, -1.0).double() for x in m)))
-    return out
+            m.extend(torch.zeros_like(g, dtype=torch.float64) for g in gs)
+        m[:] = [beta * m[r] + (1 - beta) * g for r, g in enumerate(gs)]
+        return torch.sign(sum(torch.where(x >= 0, 1.0, -1.0).double() for x in m))
+
+    return kept_steps_run(grads, steps, keep, average)
 
 
 def gram_schmidt(p: torch.Tensor) -> torch.Tensor:
@@ -179,21 +181,19 @@ def powersgd_run(grads: Grads, steps: int, keep: Callable[[int], bool],
     average P Q^T, e_r = M_r - P Q^T; Q warm-started from the last step it was computed in, the first ``q``
     (float64, columns x rank: the caller draws it as the compressor does)."""
     e: list[torch.Tensor] = []
-    out: list[torch.Tensor | None] = []
-    for step in range(steps):
-        if not keep(step):
-            out.append(None)
-            continue
-        gs = grads(step)
+
+    def average(gs: list[torch.Tensor]) -> torch.Tensor:
+        nonlocal q
         if not e:
-            e = [torch.zeros_like(g, dtype=torch.float64) for g in gs]
+            e.extend(torch.zeros_like(g, dtype=torch.float64) for g in gs)
         ms = [g + e[r] for r, g in enumerate(gs)]
         p = gram_schmidt(sum(x @ q for x in ms))
         q = sum(x.t() @ p for x in ms) / len(gs)
         avg = p @ q.t()
-        e = [x - avg for x in ms]
-        out.append(avg)
-    return out
+        e[:] = [x - avg for x in ms]
+        return avg
+
+    return kept_steps_run(grads, steps, keep, average)
 
 
 # ----------------------------------------------------------------------------- statistics over seeds
