@@ -126,14 +126,16 @@ class Registry(Generic[T]):
         return self.classes[name]
 
 
+def _folded(name: str) -> str:
+    """``name`` as the hints compare it: lower case, ``_`` as ``-``."""
+    return name.lower().replace("_", "-")
+
+
 def spelled_as(name: str, names: Iterable[str]) -> str:
     """`` (did you mean 'x'?)`` when ``name`` is one of ``names`` spelled another way (``TopK``, ``QSGD``,
     ``streaming_diloco``, ``dgc-threshold``: case, and ``-`` for ``_``), else ``""``: a hint for an
     unknown-name error."""
-    def folded(n: str) -> str:
-        return n.lower().replace("_", "-")
-
-    same = sorted(n for n in names if folded(n) == folded(name))
+    same = sorted(n for n in names if _folded(n) == _folded(name))
     return f" (did you mean {same[0]!r}?)" if same else ""
 
 
@@ -150,8 +152,8 @@ def close_to(name: str, names: Iterable[str]) -> str:
     same = spelled_as(name, names)
     if same:
         return same
-    by_folded = {n.lower().replace("-", "_"): n for n in names}
-    close = difflib.get_close_matches(name.lower().replace("-", "_"), list(by_folded), n=1, cutoff=CLOSE_CUTOFF)
+    by_folded = {_folded(n): n for n in names}
+    close = difflib.get_close_matches(_folded(name), list(by_folded), n=1, cutoff=CLOSE_CUTOFF)
     return f" (did you mean {by_folded[close[0]]!r}?)" if close else ""
 
 
