@@ -34,7 +34,10 @@ Per tensor (state keyed by ``ctx.key``), with ``g`` the incoming gradient:
    (:func:`gradpress.compress.numerics.row_norms`). ``clip`` (and the 1e-6
    guard of the norm) are in gradient units: multiplied by
    ``ctx.loss_scale`` (the DDP hook's loss scale under fp16 AMP, else 1),
-   so a scaled gradient is clipped as the unscaled one would be.
+   so a scaled gradient is clipped as the unscaled one would be. Scope:
+   one exchanged tensor (``ctx.key``: a parameter or one partition
+   ``name#k``), as PaddlePaddle clips per parameter; the whole model's norm
+   is unknown while the DDP hook sends its first bucket.
 2. Momentum correction: ``u <- m*u + g``; ``v <- v + u``.
 3. Select about k = ceil(delta_e * d) entries of ``|v|`` (sampled threshold
    below), send ``v`` there.
