@@ -89,6 +89,12 @@ def _sweep_config(cfg: Any, lr: float, seed: int, steps: int | None, root: Path)
     return train.make_config(cfg, **over)
 
 
+def _clear_outputs(root: Path) -> None:
+    """Remove the files an earlier compare wrote in ``root`` (:data:`OUTPUTS`)."""
+    for name in OUTPUTS:
+        (root / name).unlink(missing_ok=True)
+
+
 def _check_swept_rates(tally: Tally, planned: list[Any]) -> None:
     """``--resume --lr-sweep``: the comparison's runs at the rates the sweep chose, checked (all their other
     settings were checked before the sweep). A directory of an earlier compare whose sweep chose another rate
@@ -209,18 +215,21 @@ def run(compressors: str | Iterable[str] | None, options: Mapping[str, Any] | No
                                    for s in seed_list[:1]]), "lr-sweep runs")
         Tally.log(tally.check([planned(c, s) for c in configs for s in seed_list],
                               ignore=("lr",) if rates is not None else ()))
-    for name in OUTPUTS:  # a reused directory: no file of an earlier compare is left to pass for this one's
-        (root / name).unlink(missing_ok=True)
+    if not resume:  # a reused directory: no file of an earlier compare is left to pass for this one's
+        _clear_outputs(root)
     record = None
     failed: list[dict[str, Any]] = []  # every failed run, the sweep's included
     total = 0
     if rates is not None:
         record = sweep(configs, rates, steps, seed_list[:1], root, failed, tally)
         total += len(configs) * len(rates)
-        root.mkdir(parents=True, exist_ok=True)
-        (root / "sweep.json").write_text(json.dumps(record, indent=2) + "\n")
         if resume:  # the rates are chosen: every comparison run's directory at them, before any of those trains
             _check_swept_rates(tally, [planned(c, s) for c in configs for s in seed_list])
+    if resume:  # the earlier outputs (of this grid: checked) kept until nothing can refuse this compare
+        _clear_outputs(root)
+    if record is not None:
+        root.mkdir(parents=True, exist_ok=True)
+        (root / "sweep.json").write_text(json.dumps(record, indent=2) + "\n")
     rows: list[dict[str, Any]] = []  # the comparison's runs in order: summaries and failure records
     try:
         for cfg in configs:

@@ -184,10 +184,14 @@ def test_a_rate_the_sweep_now_chooses_otherwise_is_refused_before_a_comparison_r
     topk_dir = out / "1-topk_ratio=0.1-s0"
     assert json.loads((topk_dir / "summary.json").read_text())["settings"]["lr"] == 0.01
     (out / "0-none-s1" / "summary.json").unlink()
+    earlier = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    assert {"compare.json", "compare.png", "sweep.json"} <= set(earlier)
     monkeypatch.setattr(train, "run", fake)
     calls.clear()
     capsys.readouterr()
     assert cli(["compare", *SWEEP, "--resume", "--out", str(out)]) == 2
+    # refused: the earlier compare's outputs are all still there, unchanged (they were removed before the sweep)
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == earlier
     err = capsys.readouterr().err
     assert calls == [("topk:ratio=0.1", 0.03, 10, 0)]  # the failed sweep run only: no comparison run trained
     assert "lr-sweep: the sweep chose another rate" in err
