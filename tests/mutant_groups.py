@@ -272,7 +272,8 @@ GROUPS: dict[str, tuple[list[str], list[str], int]] = {
                   + [f"tests/test_bench_e2e.py::test_{t}" for t in (
                       "per_configuration_learning_rate", "cli_rejects_bad_arguments_before_building_a_cluster",
                       "cli_refuses_out_of_range_values_before_any_namespace")], 20),
-    "e2e": ([f"gradpress/bench/{m}.py" for m in ("e2e_worker", "e2e_run", "e2e_profile", "e2e")],
+    "e2e": ([f"gradpress/bench/{m}.py" for m in ("e2e_worker", "e2e_worker_setup", "e2e_worker_counts", "e2e_run",
+                                                "e2e_profile", "e2e")],
             ["tests/test_mutants_e2e.py", "tests/test_mutants_e2e_run.py"]
             + [f"tests/test_bench_e2e.py::test_{t}" for t in (
                 "payload_formulas", "interface_bytes_reads_this_namespace", "e2e_is_a_bench_subcommand",
@@ -374,8 +375,9 @@ FOCUS: dict[str, dict[str, list[str]]] = {
         # the run's compute-only median, speed-ups and notes, the profile's phases, the command (not the worker's
         # thread, group and file plumbing, _set_threads/_setup/_finish/_write, nor the profile script's argument
         # parsing, which test_usable_cpus.py checks)
-        "gradpress/bench/e2e_worker.py": ["interface_bytes", "payload_bytes_per_step", "_batches", "_build_algorithm",
-                                          "run_compute", "run_step", "run_train", "run_train.after", "main"],
+        "gradpress/bench/e2e_worker.py": ["run_compute", "run_step", "run_train", "run_train.after", "main"],
+        "gradpress/bench/e2e_worker_setup.py": ["_batches", "_build_algorithm"],
+        "gradpress/bench/e2e_worker_counts.py": ["interface_bytes", "payload_bytes_per_step", "step_counts"],
         "gradpress/bench/e2e_run.py": ["_compute", "run_e2e", "_parameters"],
         "gradpress/bench/e2e_profile.py": ["_median_s", "profile"],
         "gradpress/bench/e2e.py": ["register_bench", "_seeds", "main", "write_outputs"],
