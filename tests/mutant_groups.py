@@ -140,7 +140,7 @@ GROUPS: dict[str, tuple[list[str], list[str], int]] = {
                "tests/test_review_resume.py::test_resume_keeps_the_step_the_loss_first_became_non_finite",
                "tests/test_review_resume.py::test_resume_keeps_the_metrics_lines_before_a_torn_last_line",
                "tests/test_train_hardening.py::test_divergence_writes_null_names_the_step_and_fails"], 15),
-    "config": ([f"gradpress/train/{m}.py" for m in ("config", "args", "launch", "cpus", "flags")],
+    "config": ([f"gradpress/train/{m}.py" for m in ("config", "validate", "checks", "args", "launch", "cpus", "flags")],
                ["tests/test_mutants_config.py", "tests/test_mutants_cpus.py", "tests/test_cgroup_cpus.py",
                 "tests/test_usable_cpus.py", "tests/test_cli_flag_errors.py",
                 "tests/test_train.py::test_bad_arguments_exit_2", "tests/test_train.py::test_bad_config_files",
