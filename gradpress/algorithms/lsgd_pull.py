@@ -3,7 +3,7 @@ parameters to every rank, and every worker moved toward them.
 
 :class:`Pulls` is a mixin of :class:`~gradpress.algorithms.lsgd.LSGD`
 (which sets the attributes declared below in ``setup`` and
-``after_broadcast``), after the election it starts every pull with
+``after_broadcast``) and a subclass of the election every pull starts with
 (:class:`~gradpress.algorithms.lsgd_election.Election`); kept apart from the
 algorithm's configuration and state so that each module stays short.
 
