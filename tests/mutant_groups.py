@@ -28,7 +28,8 @@ GROUPS: dict[str, tuple[list[str], list[str], int]] = {
     "diloco": (["gradpress/algorithms/diloco.py"],
                ["tests/test_diloco_switch.py", "tests/test_diloco_keep_switch.py", "tests/test_diloco_residual_decay.py",
                 "tests/test_algorithms_outer.py", "tests/test_references.py"], 10),
-    "lsgd": (["gradpress/algorithms/lsgd.py"], ["tests/test_algorithms_lsgd.py", "tests/test_lsgd_average.py"], 10),
+    "lsgd": ([f"gradpress/algorithms/{m}.py" for m in ("lsgd", "lsgd_election", "lsgd_pull")],
+             ["tests/test_algorithms_lsgd.py", "tests/test_lsgd_average.py"], 10),
     "support": ([f"gradpress/exchange/strategies/{m}.py" for m in ("union", "cyclic", "support")],
                 ["tests/test_union.py", "tests/test_cyclic.py"], 10),
     "streaming": (["gradpress/algorithms/streaming.py"], ["tests/test_streaming_buffers.py", "tests/test_algorithms_outer.py"], 8),
@@ -64,8 +65,8 @@ GROUPS: dict[str, tuple[list[str], list[str], int]] = {
                "tests/test_kit_identity.py"], 12),
     "planner": ([f"gradpress/exchange/{m}.py" for m in ("planner", "plans", "costs", "pieces")],
                 ["tests/test_plan.py", "tests/test_accounting.py", "tests/test_hierarchical.py"], 8),
-    "hook": ([f"gradpress/ddp/{m}.py" for m in ("hook", "comm_thread", "hook_state", "register",
-                                                "ranks", "buckets", "loss_scale")],
+    "hook": ([f"gradpress/ddp/{m}.py" for m in ("hook", "hook_binding", "hook_views", "comm_thread", "hook_state",
+                                                "register", "ranks", "buckets", "loss_scale")],
              ["tests/test_mutants_buckets.py", "tests/test_plants_ddp.py", "tests/test_ddp.py", "tests/test_ddp_models.py",
               "tests/test_ddp_unused_warning.py", "tests/test_unused_edges.py", "tests/test_review_ampscale.py"], 12),
     "guards": ([f"gradpress/exchange/{m}.py" for m in ("agree", "nonfinite", "state", "background")],
@@ -139,7 +140,7 @@ GROUPS: dict[str, tuple[list[str], list[str], int]] = {
                "tests/test_review_resume.py::test_resume_keeps_the_step_the_loss_first_became_non_finite",
                "tests/test_review_resume.py::test_resume_keeps_the_metrics_lines_before_a_torn_last_line",
                "tests/test_train_hardening.py::test_divergence_writes_null_names_the_step_and_fails"], 15),
-    "config": ([f"gradpress/train/{m}.py" for m in ("config", "args", "launch", "cpus", "flags")],
+    "config": ([f"gradpress/train/{m}.py" for m in ("config", "validate", "checks", "args", "launch", "cpus", "flags")],
                ["tests/test_mutants_config.py", "tests/test_mutants_cpus.py", "tests/test_cgroup_cpus.py",
                 "tests/test_usable_cpus.py", "tests/test_cli_flag_errors.py",
                 "tests/test_train.py::test_bad_arguments_exit_2", "tests/test_train.py::test_bad_config_files",
@@ -271,7 +272,8 @@ GROUPS: dict[str, tuple[list[str], list[str], int]] = {
                   + [f"tests/test_bench_e2e.py::test_{t}" for t in (
                       "per_configuration_learning_rate", "cli_rejects_bad_arguments_before_building_a_cluster",
                       "cli_refuses_out_of_range_values_before_any_namespace")], 20),
-    "e2e": ([f"gradpress/bench/{m}.py" for m in ("e2e_worker", "e2e_run", "e2e_profile", "e2e")],
+    "e2e": ([f"gradpress/bench/{m}.py" for m in ("e2e_worker", "e2e_worker_setup", "e2e_worker_counts", "e2e_run",
+                                                "e2e_profile", "e2e")],
             ["tests/test_mutants_e2e.py", "tests/test_mutants_e2e_run.py"]
             + [f"tests/test_bench_e2e.py::test_{t}" for t in (
                 "payload_formulas", "interface_bytes_reads_this_namespace", "e2e_is_a_bench_subcommand",
@@ -373,8 +375,9 @@ FOCUS: dict[str, dict[str, list[str]]] = {
         # the run's compute-only median, speed-ups and notes, the profile's phases, the command (not the worker's
         # thread, group and file plumbing, _set_threads/_setup/_finish/_write, nor the profile script's argument
         # parsing, which test_usable_cpus.py checks)
-        "gradpress/bench/e2e_worker.py": ["interface_bytes", "payload_bytes_per_step", "_batches", "_build_algorithm",
-                                          "run_compute", "run_step", "run_train", "run_train.after", "main"],
+        "gradpress/bench/e2e_worker.py": ["run_compute", "run_step", "run_train", "run_train.after", "main"],
+        "gradpress/bench/e2e_worker_setup.py": ["_batches", "_build_algorithm"],
+        "gradpress/bench/e2e_worker_counts.py": ["interface_bytes", "payload_bytes_per_step", "step_counts"],
         "gradpress/bench/e2e_run.py": ["_compute", "run_e2e", "_parameters"],
         "gradpress/bench/e2e_profile.py": ["_median_s", "profile"],
         "gradpress/bench/e2e.py": ["register_bench", "_seeds", "main", "write_outputs"],

@@ -1,4 +1,5 @@
-"""The worker of ``gradpress bench e2e`` (bench/e2e_worker.py), pinned where
+"""The worker of ``gradpress bench e2e`` (bench/e2e_worker.py and what it
+imports from e2e_worker_setup.py and e2e_worker_counts.py), pinned where
 the other bench tests do not reach: written for survivors of ``make mutants``
 (``e2e`` group; the run, the profile and the command are in
 test_mutants_e2e_run.py). Every expected value is computed here by the
@@ -22,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from gradpress import torch_compat
-from gradpress.bench import e2e_worker
+from gradpress.bench import e2e_worker, e2e_worker_counts, e2e_worker_setup
 from gradpress.bench.e2e_configs import RunConfig
 from gradpress.train import loop
 
@@ -109,7 +110,7 @@ def test_interface_bytes_reads_rx_and_tx_bytes_of_exactly_that_interface(monkeyp
             "  eth0: 101 2 3 4 5 6 7 8 909 10 11 12 13 14 15 16\n")
     import io
 
-    monkeypatch.setattr(e2e_worker, "open", lambda path: io.StringIO(text), raising=False)
+    monkeypatch.setattr(e2e_worker_counts, "open", lambda path: io.StringIO(text), raising=False)
     assert e2e_worker.interface_bytes("eth0") == (101, 909)
     assert e2e_worker.interface_bytes("lo") == (11, 19)
     with pytest.raises(ValueError, match="'eth' not found"):
@@ -403,7 +404,7 @@ def _drive(monkeypatch, metrics: list[float], dt: float, higher_is_better: bool 
 
     monkeypatch.setattr(e2e_worker, "run_steps", run_steps)
     monkeypatch.setattr(e2e_worker, "evaluate", evaluate)
-    monkeypatch.setattr(e2e_worker, "_build", build)
+    monkeypatch.setattr(e2e_worker_setup, "_build", build)  # the one _setup calls
     return seen
 
 

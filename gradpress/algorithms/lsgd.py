@@ -74,11 +74,15 @@ pull's targets are bit-identical on every rank (the broadcast copy, or
 the last global leader's current one (``evaluate=leader``, the default) or
 the workers' average (``evaluate=average``, as the authors' code tests its
 "center" model).
+
+Modules, one job each: this one (the parameters, their checks, the
+parameters' copies and the step's schedule, the checkpointed state), the
+running loss and the election (:mod:`gradpress.algorithms.lsgd_election`),
+the pulls and the evaluated model (:mod:`gradpress.algorithms.lsgd_pull`).
 """
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -88,11 +92,10 @@ import torch.distributed as dist
 
 from gradpress.algorithms.base import Algorithm, Preflight
 from gradpress.algorithms.loss_probe import probe_class
+from gradpress.algorithms.lsgd_pull import Pulls
 from gradpress.algorithms.registry import register
 from gradpress.compress.base import Param
-from gradpress.transport.collectives import flat_by_dtype, fused_allreduce
-from gradpress.transport.groups import device_of, timeout_of
-from gradpress.transport.p2p import global_rank
+from gradpress.transport.groups import timeout_of
 
 
 def _unit(v: float) -> bool:
@@ -100,7 +103,7 @@ def _unit(v: float) -> bool:
 
 
 @register
-class LSGD(Algorithm):
+class LSGD(Pulls, Algorithm):
     name = "lsgd"
     reshard_refusal = "its leaders are ranks of the saved world and it keeps one running loss per saved rank"
     PARAMS = (
@@ -149,7 +152,7 @@ class LSGD(Algorithm):
         self.preflight({p.name: getattr(self, p.name) for p in self.PARAMS},
                        Preflight(type(self.optimizer), self.compressor, self.strategy_name, self.engine.nonfinite,
                                  self.world_size))
-        groups = self.groups  # type: ignore[attr-defined]
+        groups = self.groups
         self.compressed = not self.compressor.identity
         self._probe = probe_class(self.observe)
         #: losses seen in this step (sum, count) and step means since the election (sum, count);
@@ -163,207 +166,38 @@ class LSGD(Algorithm):
         self.last_losses = torch.full((self.world_size,), math.nan, dtype=torch.float64)
 
     def after_broadcast(self) -> None:
-        size = self.world_size // self.groups  # type: ignore[attr-defined]
+        size = self.world_size // self.groups
         self._hook = self.model.register_forward_hook(self._tag)
         self.subgroup: dist.ProcessGroup | None = None
-        if self.groups > 1:  # type: ignore[attr-defined]
+        if self.groups > 1:
             ranks = dist.get_process_group_ranks(self.group)
-            for g in range(self.groups):  # type: ignore[attr-defined]  # every rank creates every group
+            for g in range(self.groups):  # every rank creates every group
                 sub = dist.new_group(ranks=ranks[g * size:(g + 1) * size], backend=dist.get_backend(self.group),
                                      timeout=timeout_of(self.group, None))
                 if self.rank in range(g * size, (g + 1) * size):
                     self.subgroup = sub
         self.ref = [p.detach().clone() for _, p in self.named] if self.compressed else []
         #: the per-step pull's targets (the last elected leaders' parameters; the start before the first)
-        prox = self.prox > 0  # type: ignore[attr-defined]
+        prox = self.prox > 0
         self.target = {"global": [p.detach().clone() for _, p in self.named] if prox and not self.compressed else [],
-                       "local": [p.detach().clone() for _, p in self.named] if prox and self.groups > 1 else []}  # type: ignore[attr-defined]
+                       "local": [p.detach().clone() for _, p in self.named] if prox and self.groups > 1 else []}
         self._eval: torch.nn.Module | None = None
-
-    # ------------------------------------------------------------------ loss
-    def _tag(self, module: torch.nn.Module, inputs: Any, output: Any) -> Any:
-        if module.training and torch.is_grad_enabled() and type(output) is torch.Tensor:
-            return output.as_subclass(self._probe)
-        return None
-
-    def observe(self, loss: torch.Tensor) -> None:
-        """Count one training loss of this step (gradient accumulation: several)."""
-        value = loss.detach().reshape(()).to(torch.float64)
-        self._seen[0] = value if self._seen[0] is None else self._seen[0] + value
-        self._seen[1] += 1
 
     def step(self, loss: torch.Tensor | None = None) -> None:
         """After ``loss.backward()``: the local step; every ``tau`` steps the
         election and the pull. ``loss``: this step's training loss (else the
         one captured from ``backward()``)."""
-        if loss is not None:
-            self._seen = [None, 0]
-            self.observe(loss)
-        if not self._seen[1]:
-            raise RuntimeError(f"algorithm {self.name!r} needs the training loss: call step(loss), or compute "
-                               "the loss from the model's output in training mode and call backward() on it")
-        mean = self._seen[0] / self._seen[1]
-        self._window = [mean if self._window[0] is None else self._window[0] + mean, self._window[1] + 1]
-        if self.window:  # type: ignore[attr-defined]
-            self._recent = [*self._recent, mean][-self.window:]  # type: ignore[attr-defined]
-        self._seen = [None, 0]
+        self._take_step_loss(loss)
         self.local_step()
-        if self.prox > 0:  # type: ignore[attr-defined]
+        if self.prox > 0:
             self.prox_pull()
-        t, groups = self._steps, self.groups  # type: ignore[attr-defined]
+        t, groups = self._steps, self.groups
         if groups == 1:
-            due_local, due_global = False, t % self.tau == 0  # type: ignore[attr-defined]
+            due_local, due_global = False, t % self.tau == 0
         else:
-            due_local, due_global = t % self.tau == 0, t % self.tau_global == 0  # type: ignore[attr-defined]
+            due_local, due_global = t % self.tau == 0, t % self.tau_global == 0
         if due_local or due_global:
             self.pull(due_local, due_global)
-
-    @torch.no_grad()
-    def prox_pull(self) -> None:
-        """One step's pull toward the last election's leaders:
-        ``x <- x + (prox / tau_g) (x_g - x) [+ (prox / tau) (x_l - x)]``
-        (``tau_g``: ``tau`` with one group, ``tau_global`` with several)."""
-        groups = self.groups  # type: ignore[attr-defined]
-        pulls = [(self.prox / (self.tau if groups == 1 else self.tau_global),  # type: ignore[attr-defined]
-                  self.ref if self.compressed else self.target["global"])]
-        if groups > 1:
-            pulls.append((self.prox / self.tau, self.target["local"]))  # type: ignore[attr-defined]
-        self._move_toward(pulls)
-
-    @torch.no_grad()
-    def _move_toward(self, pulls: list[tuple[float, list[torch.Tensor]]]) -> None:
-        """``x <- x + sum_k c_k (t_k - x)`` for every parameter, all pulls from
-        the same ``x``; one pull is ``lerp_``, or with weight 1 a copy (exactly
-        the target's, even from a NaN ``x``, which ``lerp_`` would keep)."""
-        for i, (_, p) in enumerate(self.named):
-            if len(pulls) == 1:
-                p.copy_(pulls[0][1][i]) if pulls[0][0] == 1 else p.lerp_(pulls[0][1][i], pulls[0][0])
-            else:
-                x = p.detach().clone()
-                for c, target in pulls:
-                    p.add_(target[i] - x, alpha=c)
-
-    # ---------------------------------------------------------------- leaders
-    def elect(self) -> torch.Tensor:
-        """Gather every rank's running loss (one allgather); set ``leaders``."""
-        device = device_of(self.group)
-        mine = (self._window[0] / self._window[1] if self._window[1] else torch.tensor(math.nan, dtype=torch.float64))
-        if self.window and self._recent:  # type: ignore[attr-defined]
-            mine = torch.stack(self._recent).mean()
-        self._window = [None, 0]
-        losses = [torch.zeros((), dtype=torch.float64, device=device) for _ in range(self.world_size)]
-        dist.all_gather(losses, mine.reshape(()).to(device), group=self.group)
-        self._count(8)
-        values = [float(v) for v in losses]
-        # NaN after every number, +inf included: a NaN loss never leads unless every loss is NaN
-        key = [(math.isnan(v), v if not math.isnan(v) else 0.0, r) for r, v in enumerate(values)]
-        size = self.world_size // self.groups  # type: ignore[attr-defined]
-        self.leaders = {"global": min(key)[-1],
-                        "local": [min(key[g * size:(g + 1) * size])[-1] for g in range(self.groups)]}  # type: ignore[attr-defined]
-        self.last_losses = torch.tensor(values, dtype=torch.float64)
-        return self.last_losses
-
-    def _count(self, sent: int, end_of_step: bool = False) -> None:
-        assert self.engine is not None
-        self.engine.stats_counter.record(sent=sent, dense=0, compress_s=0.0, comm_s=0.0, compressed=0, plain=0,
-                                         tensor_bytes={}, end_of_step=end_of_step)
-        self._last["bytes"] += sent
-
-    def broadcast_params(self, src: int, group: dist.ProcessGroup, count: bool = True,
-                         tensors: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
-        """Rank ``src``'s (group rank of ``self.group``) parameters (or its
-        ``tensors``), on every rank of ``group``."""
-        flats, views = flat_by_dtype(tensors if tensors is not None else [p for _, p in self.named])
-        for flat in flats:
-            dist.broadcast(flat, global_rank(self.group, src), group=group)
-            if count:
-                self._count(flat.numel() * flat.element_size())
-        return views
-
-    @torch.no_grad()
-    def global_leader_params(self, src: int) -> list[torch.Tensor]:
-        """The global leader's parameters: a broadcast, or (compressed) the
-        engine average to which only the leader contributes, added to ``ref``."""
-        if not self.compressed:
-            return self.broadcast_params(src, self.group)
-        n = self.world_size
-        lead = self.rank == src
-        diffs = [(p.detach() - r) * n if lead else torch.zeros_like(r) for (_, p), r in zip(self.named, self.ref)]
-        self.sync(diffs)
-        for r, d in zip(self.ref, diffs):
-            r.add_(d)
-        return self.ref
-
-    @torch.no_grad()
-    def pull(self, due_local: bool, due_global: bool) -> None:
-        """Elect, fetch the leaders' parameters, move every worker toward them."""
-        self.elect()
-        if self.average:  # type: ignore[attr-defined]
-            self.averaged_pull(self.leaders["global"])
-            self._exchanges += 1
-            self._count(0, end_of_step=True)
-            return
-        targets: list[tuple[float, list[torch.Tensor]]] = []
-        if due_global:
-            c = self.c if self.groups == 1 else self.c_global  # type: ignore[attr-defined]
-            targets.append((c, self.global_leader_params(self.leaders["global"])))
-            if self.target["global"]:
-                self.target["global"] = [t.clone() for t in targets[-1][1]]
-        if due_local:
-            assert self.subgroup is not None
-            src = self.leaders["local"][self.rank // (self.world_size // self.groups)]  # type: ignore[attr-defined]
-            targets.append((self.c_local, self.broadcast_params(src, self.subgroup)))  # type: ignore[attr-defined]
-            if self.target["local"]:
-                self.target["local"] = [t.clone() for t in targets[-1][1]]
-        self._move_toward(targets)
-        if not (self.compressed and due_global):  # no engine call closed this exchange
-            self._exchanges += 1
-            self._count(0, end_of_step=True)
-
-    @torch.no_grad()
-    def averaged_pull(self, src: int) -> None:
-        """``x <- (1 - c) mean_i(x_i) + c x_src`` on every rank: one allreduce
-        of ``w_i x_i`` with ``w_i = (1 - c) / N + c [i == src]`` (bit-identical
-        result on every rank; with ``c = 1`` every other weight is 0 and the
-        leader's parameters arrive exactly)."""
-        c = self.c  # type: ignore[attr-defined]
-        w = (1 - c) / self.world_size + (c if self.rank == src else 0.0)
-        # weight 0 sends zeros, not 0 * x (NaN where a diverged worker's x is)
-        summed, sent = fused_allreduce([p.detach() * w if w else torch.zeros_like(p) for _, p in self.named],
-                                       self.group)
-        self._count(sent)
-        for (_, p), s in zip(self.named, summed):
-            p.copy_(s)
-
-    # ------------------------------------------------------------ evaluation
-    @torch.no_grad()
-    def eval_model(self) -> torch.nn.Module:
-        """``evaluate=leader``: the last global leader's current model, on
-        every rank; ``evaluate=average``: the workers' average (the "center"
-        model the authors' code tests). Collective; this traffic is
-        evaluation, not training, and is not counted."""
-        if self.world_size == 1:
-            return self.model
-        if self.evaluate == "average":  # type: ignore[attr-defined]
-            if self._consensus is not None:
-                return self.consensus_model()
-            self._hook.remove()  # the copy must not carry the loss-capturing hook
-            try:
-                return self.consensus_model()
-            finally:
-                self._hook = self.model.register_forward_hook(self._tag)
-        if self._eval is None:
-            self._hook.remove()
-            self._eval = copy.deepcopy(self.model)
-            self._hook = self.model.register_forward_hook(self._tag)
-        params = self.broadcast_params(self.leaders["global"], self.group, count=False)
-        for p, src in zip([q for q in self._eval.parameters() if q.requires_grad], params):
-            p.copy_(src)
-        own = [b for b in self.model.buffers() if b.numel()]  # the leader's too (BatchNorm statistics)
-        theirs = self.broadcast_params(self.leaders["global"], self.group, count=False, tensors=own)
-        for mine, t in zip([b for b in self._eval.buffers() if b.numel()], theirs):
-            mine.copy_(t)
-        return self._eval
 
     # ------------------------------------------------------------------ state
     def extra_state(self) -> dict[str, Any]:

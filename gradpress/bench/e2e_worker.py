@@ -30,13 +30,19 @@ starts (the timed loop only indexes a list). Every rank writes
 Invariant: every rank builds the identical model from the same seed, so DDP
 is built with ``init_sync=False`` (its 40 MB parameter broadcast at 100 Mbit
 would cost seconds per configuration and measure nothing).
+
+Modules, one job each: this one (the modes: what is timed and how, the
+result file, the command line), what a worker runs built from its job
+(:mod:`gradpress.bench.e2e_worker_setup`: threads, workload, batches,
+group, algorithm or PyTorch baseline), the figures it reports
+(:mod:`gradpress.bench.e2e_worker_counts`: link, payload and ``stats``
+counters, buckets, plan). The modes look the helpers up in this module.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
@@ -46,171 +52,22 @@ from typing import Any
 
 import torch
 
-from gradpress import torch_compat
-from gradpress.bench.e2e_configs import RunConfig
+from gradpress.bench.e2e_worker_counts import _buckets, interface_bytes, payload_bytes_per_step, step_counts
+from gradpress.bench.e2e_worker_setup import (
+    _batches,
+    _build,
+    _build_algorithm,
+    _finish,
+    _set_threads,
+    _setup,
+    _TorchDDP,
+)
 from gradpress.train.evaluate import evaluate
 from gradpress.train.loop import Tick, run_steps, shard_batches, steps_per_epoch, train_step
 from gradpress.train.optim import make_optimizer
 from gradpress.transport.groups import leave
 
 __all__ = ["main", "payload_bytes_per_step", "interface_bytes"]
-
-
-# ------------------------------------------------------------------ helpers
-def interface_bytes(dev: str) -> tuple[int, int]:
-    """``(rx_bytes, tx_bytes)`` of interface ``dev`` in this process's
-    network namespace, from ``/proc/net/dev`` (per-namespace)."""
-    with open("/proc/net/dev") as f:
-        for line in f:
-            name, sep, rest = line.partition(":")
-            if sep and name.strip() == dev:
-                fields = rest.split()
-                return int(fields[0]), int(fields[8])
-    raise ValueError(f"interface {dev!r} not found in /proc/net/dev")
-
-
-def payload_bytes_per_step(model: torch.nn.Module, cfg: RunConfig) -> int:
-    """Bytes one worker hands to collectives per step for the PyTorch
-    baselines (the gradpress hook counts its own): plain DDP allreduces every
-    gradient in fp32, fp16 in half precision; PowerSGD (after its start
-    iteration) allreduces P (n x r) and Q (m x r) in fp32 for every matrix
-    (shape[0] x rest) where (n + m) r * 2 < n m (PyTorch's default
-    ``min_compression_rate``), and the other tensors uncompressed."""
-    total = 0
-    for p in model.parameters():
-        if not p.requires_grad:
-            continue
-        n_el, size = p.numel(), p.element_size()
-        if cfg.kind == "torch-fp16":
-            total += n_el * 2
-        elif cfg.kind == "torch-powersgd" and p.dim() > 1:
-            n = p.shape[0]
-            m = n_el // n
-            r = min(cfg.rank, n, m)
-            total += (n + m) * r * size if (n + m) * r * 2 < n * m else n_el * size
-        else:
-            total += n_el * size
-    return total
-
-
-def _set_threads(job: dict[str, Any]) -> None:
-    threads = job.get("threads")
-    if threads:
-        torch.set_num_threads(int(threads))
-    try:
-        torch.set_num_interop_threads(1)
-    except RuntimeError:
-        pass
-
-
-def _build(job: dict[str, Any]):
-    from gradpress import workloads
-
-    torch.manual_seed(int(job["seed"]))
-    opts = {k: job[k] for k in ("params", "hidden", "samples") if job.get(k) is not None}
-    return workloads.build(job["workload"], **opts)
-
-
-def _batches(wl: Any, batch_size: int, count: int, rank: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    x, y = wl.train
-    g = torch.Generator().manual_seed(seed * 7919 + rank)
-    out = []
-    for _ in range(count):
-        idx = torch.randint(0, len(y), (batch_size,), generator=g)
-        out.append((x[idx].contiguous(), y[idx].contiguous()))
-    return out
-
-
-def _setup(job: dict[str, Any]) -> tuple[RunConfig, int, int, Any, torch.nn.Module, torch.optim.Optimizer]:
-    """Join the group; the configuration, rank, world size, workload, model, optimizer."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized():  # a test may run the worker inside its own group
-        dist.init_process_group("gloo")
-    wl = _build(job)
-    opt = make_optimizer(job["optimizer"], wl.model.parameters(), job["lr"])
-    return RunConfig.from_dict(job["config"]), dist.get_rank(), dist.get_world_size(), wl, wl.model, opt
-
-
-def _finish(algo: Any) -> None:
-    import torch.distributed as dist
-
-    algo.close()
-    dist.barrier()
-    torch_compat.destroy_process_group()
-
-
-class _TorchDDP:
-    """A PyTorch baseline (plain DDP, or DDP with one of PyTorch's comm hooks)
-    in the training loop's algorithm interface; the bare module (no DDP) for
-    the compute-only steps."""
-
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, ddp: Any = None) -> None:
-        self.module, self.model, self.step = model, (ddp if ddp is not None else model), optimizer.step
-
-    def eval_model(self) -> torch.nn.Module:
-        return self.module
-
-    def close(self) -> None:
-        pass
-
-
-def _build_algorithm(model: torch.nn.Module, opt: torch.optim.Optimizer, cfg: RunConfig, seed: int):
-    """What runs ``cfg``: (algorithm, gradpress stats source or None, bucket_cap_mb).
-    gradpress configurations go through the training package's algorithms
-    (``ddp``: DDP + the gradpress hook); the PyTorch baselines wrap DDP with
-    PyTorch's own hooks."""
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    bucket_cap_mb = None
-    if cfg.single_bucket:  # one bucket: PowerSGD's hook on gloo needs it
-        bucket_cap_mb = math.ceil(sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20) + 1
-    ddp_options = {"init_sync": False, "broadcast_buffers": False, "bucket_cap_mb": bucket_cap_mb}
-    if cfg.kind == "gradpress":
-        from gradpress.train.algorithm import create
-
-        algo = create(cfg.algorithm, model, opt, compressor=cfg.spec, strategy=cfg.strategy, seed=seed,
-                      error_feedback=cfg.error_feedback, ddp_options=ddp_options if cfg.algorithm == "ddp" else None)
-        return algo, algo, bucket_cap_mb
-    if cfg.kind not in ("ddp", "torch-fp16", "torch-powersgd"):
-        raise ValueError(f"config kind {cfg.kind!r} is not one of ddp, torch-fp16, torch-powersgd, gradpress")
-    ddp = DDP(model, **torch_compat.ddp_kwargs(ddp_options))
-    if cfg.kind == "torch-fp16":
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-        ddp.register_comm_hook(dist.group.WORLD, default_hooks.fp16_compress_hook)
-    elif cfg.kind == "torch-powersgd":
-        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
-
-        state = ps.PowerSGDState(process_group=None, matrix_approximation_rank=cfg.rank,
-                                 start_powerSGD_iter=cfg.start, min_compression_rate=2, use_error_feedback=True,
-                                 warm_start=True, random_seed=seed)
-        ddp.register_comm_hook(state, ps.powerSGD_hook)
-    return _TorchDDP(model, opt, ddp), None, bucket_cap_mb
-
-
-def _buckets(algo: Any) -> int | None:
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    ddp = algo.model
-    if not isinstance(ddp, DDP):
-        return None  # not DDP: an algorithm that exchanges on its own
-    try:
-        sizes = ddp._get_ddp_logging_data().get("rebuilt_bucket_sizes") or ddp._get_ddp_logging_data().get("bucket_sizes")
-    except Exception:  # noqa: BLE001 - private API: report unknown instead of failing the run
-        return None
-    return len(str(sizes).split(",")) if sizes else None
-
-
-def _plan(algo: Any) -> dict[str, list[Any]]:
-    """Per tensor, [strategy, parts] of the gradpress hook's plan; an algorithm
-    without DDP reports its one strategy for every tensor."""
-    from gradpress.train.algorithm import DDPAlgorithm
-
-    if isinstance(algo, DDPAlgorithm):
-        return {k: [d.strategy, d.parts] for k, d in algo.hook.plan.decisions.items()}
-    return {"*": [algo.describe()["strategy"], 1]}
 
 
 def _write(job: dict[str, Any], rank: int, result: dict[str, Any]) -> None:
@@ -292,26 +149,7 @@ def run_step(job: dict[str, Any]) -> dict[str, Any]:
         result["link_rx_bytes_per_step"] = (net1[0] - net0[0]) / n
         result["link_tx_bytes_per_step"] = (net1[1] - net0[1]) / n
     if gp is not None and stats0 is not None:
-        s1 = gp.stats
-        steps = max(s1["steps"] - stats0["steps"], 1)
-        result.update({
-            "payload_bytes_per_step": (s1["bytes_sent"] - stats0["bytes_sent"]) / steps,
-            "host_bytes_per_step": (s1["host_bytes"] - stats0["host_bytes"]) / steps,
-            "payload_source": "gradpress stats (bytes handed to collectives)",
-            "compress_s_per_step": (s1["compress_s"] - stats0["compress_s"]) / steps,
-            "comm_s_per_step": (s1["comm_s"] - stats0["comm_s"]) / steps,
-            "compressed_tensors": s1["compressed_tensors"], "dense_tensors": s1["dense_tensors"],
-            "strategy": gp.describe()["strategy"], "plan": _plan(gp),
-            # per strategy that handed them over (the plain allreduce of dense tensors: "uncompressed"), so that
-            # the report counts each at its own wire factor
-            "strategy_bytes_per_step": {name: (nbytes - stats0.get("strategy_bytes", {}).get(name, 0)) / steps
-                                        for name, nbytes in s1.get("strategy_bytes", {}).items()},
-        })
-        if "exchange_s" in s1 and "exposed_s" in s1:  # exchanges behind compute (comprex): their own clock
-            busy = s1["exchange_s"] - stats0["exchange_s"]
-            waited = min(s1["exposed_s"] - stats0["exposed_s"], busy)
-            result.update({"exchange_s_per_step": busy / steps, "exposed_s_per_step": waited / steps,
-                           "overlap": (busy - waited) / busy if busy > 0 else None})
+        result.update(step_counts(gp, stats0))
     else:
         result["payload_bytes_per_step"] = payload_bytes_per_step(model, cfg)
         result["payload_source"] = "computed from the parameter shapes"

@@ -46,6 +46,10 @@ leaves the hook unbound with that state still pending.
 Invariant: every bucket DDP hands over is queued, in DDP's order, with the
 keys of its parameters and the step of its backward (the step moves once per
 backward, at its last bucket); a bound state's keys never change.
+
+Modules of the hook state, one job each: this one (construction, the bucket
+path, the state dict, closing), its binding (:mod:`gradpress.ddp.hook_binding`),
+its read-only views and loss-scaler interface (:mod:`gradpress.ddp.hook_views`).
 """
 
 from __future__ import annotations
@@ -54,30 +58,26 @@ import functools
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 import gradpress.ddp.hook_state as hook_state
-from gradpress.ddp.buckets import SPARSE_BUCKET, Job, UnusedWatch, UsedTracker, param_layout, sparse_refusal
+from gradpress.ddp.buckets import SPARSE_BUCKET, Job, UnusedWatch, UsedTracker, param_layout
 from gradpress.ddp.comm_thread import CLOSE_WAIT_S, CommThread
-from gradpress.ddp.loss_scale import LossScale, check_attach, check_engine
-from gradpress.ddp.state_format import HOOK_FORMAT, strip_module
+from gradpress.ddp.hook_binding import Builder, HookBinding
+from gradpress.ddp.hook_views import HookViews
+from gradpress.ddp.loss_scale import LossScale
+from gradpress.ddp.state_format import HOOK_FORMAT
 from gradpress.exchange import Synchronizer
-from gradpress.exchange.feedback import Feedback
-from gradpress.exchange.planner import Plan
 from gradpress.transport.groups import EXIT_STEPS
 
 __all__ = ["GradpressHook", "gradpress_hook", "HOOK_FORMAT"]
 
-#: builds the engine for these (name, parameter) pairs, the hook following a loss scaler or not (part of what
-#: the ranks agree on); collective (own group, agreement, plan)
-Builder = Callable[[Sequence[tuple[str, torch.nn.Parameter]], bool], Synchronizer]
 
-
-class GradpressHook:
+class GradpressHook(HookBinding, HookViews):
     """State of the gradpress comm hook; returned by ``register`` and
     ``make_hook``.
 
@@ -113,154 +113,6 @@ class GradpressHook:
         _OPEN_HOOKS.add(self)
         if model is not None:
             self.bind(model)
-
-    # ------------------------------------------------------------- binding
-    @property
-    def bound(self) -> bool:
-        return self._engine is not None
-
-    @property
-    def engine(self) -> Synchronizer:
-        if self._engine is None:
-            raise RuntimeError("this gradpress hook state is not bound to a model yet: it binds at the first "
-                               "backward, or call state.bind(model) (the Lightning/Accelerate integrations do)")
-        return self._engine
-
-    def bind(self, model: torch.nn.Module) -> None:
-        """Build the engine for ``model``'s parameters (a DDP wrapper's
-        ``module.`` prefix is dropped). Collective: every rank calls it, before
-        the first backward. Binding again to the same parameters does nothing;
-        to others raises ``ValueError``. Given the DDP model, it reads
-        ``find_unused_parameters`` and ``static_graph`` (module doc)."""
-        track, is_ddp = False, isinstance(model, torch.nn.parallel.DistributedDataParallel)
-        if is_ddp:
-            track = bool(getattr(model, "find_unused_parameters", False) or getattr(model, "static_graph", False))
-            model = model.module
-        if not isinstance(model, torch.nn.Module):
-            raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if (refusal := sparse_refusal(model)) is not None:
-            raise ValueError(refusal)
-        pairs = list(model.named_parameters())
-        named = list(zip(strip_module([n for n, _ in pairs]), [p for _, p in pairs], strict=True))
-        if self._engine is not None:
-            if {id(p): n for n, p in named} != self._names:
-                raise ValueError("this gradpress hook state is already bound to another model's parameters; "
-                                 "make one state per model")
-        else:
-            self._bind_named(named)
-        if track and self._used is None:  # a parameter no rank used is then not sent (engine.sync's used=)
-            self._used = UsedTracker([p for _, p in named if p.requires_grad])
-        self._watch.start(None if is_ddp or self._used is not None else [p for _, p in named], self._step)
-
-    def _bind_named(self, named: Sequence[tuple[str, torch.nn.Parameter]]) -> None:
-        """Build the engine and restore the state loaded before binding into it, then bind. Any refusal
-        (the scaler's, or the pending state not loading on some rank: agreed, every rank raises alike)
-        leaves the hook unbound with its pending state, the built engine dropped."""
-        engine = self._build(named, self._scale.scaler is not None)  # the ranks agree on the scaler too
-        if self._scale.scaler is not None:
-            check_engine(engine)  # refused: the hook stays unbound
-        by_name = dict(named)
-        restored = hook_state.load_pending(engine, by_name, self._pending_state)  # collective, pending or not
-        self._engine, self._names, self._by_name = engine, {id(p): n for n, p in named}, by_name
-        self._pending_state = None
-        if restored is not None:
-            self._step, kept = restored
-            self._scale.restore(kept)
-
-    # --------------------------------------------------------------- views
-    compressor = property(lambda self: self.engine.compressor)
-    error_feedback = property(lambda self: self.engine.error_feedback)
-    strategy_name = property(lambda self: self.engine.strategy_name)
-    strategies = property(lambda self: self.engine.strategies)
-    cost_model = property(lambda self: self.engine.cost_model)
-    rank = property(lambda self: self.engine.rank)
-    world_size = property(lambda self: self.engine.world_size)
-    group = property(lambda self: self.engine.group)  # gradpress's own process group
-
-    @property
-    def nonfinite(self) -> str | None:
-        """The NaN/Inf mode (the engine's; before binding the one given at construction, None if none was)."""
-        return self._engine.nonfinite if self._engine is not None else self._nonfinite
-
-    @property
-    def memory(self) -> Feedback:
-        """The error-feedback store (every residual, by key)."""
-        return self.engine.feedback
-
-    @property
-    def plan(self) -> Plan:
-        return self.engine.plan
-
-    @property
-    def stats(self) -> dict[str, Any]:
-        """A plain mapping; see ``STATS_KEYS`` for every key."""
-        return self.engine.stats
-
-    @property
-    def last_step_skipped(self) -> bool:
-        """True when the last completed step was dropped on every rank
-        (``nonfinite='skip'``): do not call ``optimizer.step()`` then."""
-        return self.engine.last_step_skipped
-
-    @property
-    def step(self) -> int:
-        return self._step
-
-    @property
-    def coalescing(self) -> bool:
-        """Whether a step's buckets are averaged in one engine call (default:
-        for multi-round compressors, and when a strategy the plan uses
-        pipelines a call with the compressor, ``Strategy.pipelines``)."""
-        if self._coalesce is not None:
-            return self._coalesce
-        engine = self.engine
-        if engine.compressor.rounds > 1:
-            return True
-        used = {d.strategy for d in engine.plan.decisions.values() if d.compressed}
-        return any(engine.strategies[name].pipelines(engine.compressor) for name in used if name in engine.strategies)
-
-    def attach_scaler(self, scaler: Any) -> None:
-        """Follow ``scaler``'s loss scale (a ``torch.amp.GradScaler``, or any object with ``get_scale()``;
-        None detaches): once per step, before its first bucket is averaged, the scale is read and every
-        residual and compressor buffer in the gradient's units is multiplied by new/old, so a scale change
-        (growth, the back-off after an overflow) is not fed back off by that factor. Every rank attaches
-        its own scaler, before the hook binds (``make_hook(spec)``, then ``bind``; or give it to ``register``):
-        every rank or none, agreed at binding; after it, attaching or detaching raises ``ValueError``, as no
-        other rank could learn of it without a collective (replacing one scaler by another does not). Needs ``nonfinite='propagate'`` (``ValueError`` otherwise). A scale-free compressor's averages
-        (``scale_degree == 0``: signsgd, signum) are multiplied by the step's scale; error feedback on one is refused.
-        The scale is in every encode Context (``loss_scale``): ``threshold``'s ``tau`` and DGC's ``clip`` apply to the
-        unscaled gradient.
-        On CUDA the read (``get_scale()``) syncs the communication thread, not the training thread."""
-        check_attach(scaler, self._scale.scaler, self._started or self._engine is not None, self._engine,
-                     self.nonfinite)
-        self._scale.scaler = scaler
-
-    @property
-    def scaler(self) -> Any:
-        """The attached loss scaler (None: none)."""
-        return self._scale.scaler
-
-    @property
-    def loss_scale(self) -> float | None:
-        """The loss scale the residuals are kept in (that of the last step's backward; None before a step
-        with a scaler attached)."""
-        return self._scale.kept
-
-    def follow_scale(self, step: int) -> None:
-        """At the first bucket of ``step`` (the communication thread): bring the state into the scaler's
-        current scale (:class:`~gradpress.ddp.loss_scale.LossScale`). Nothing without a scaler."""
-        self._scale.follow(self.engine, step)
-
-    def replan(self, costs: Any = None) -> Plan:
-        """Measure the group (or use ``costs``) and rebuild the plan.
-        Collective: call on every rank, between steps (no bucket in flight)."""
-        return self.engine.replan(costs)
-
-    def config(self) -> dict[str, Any]:
-        return self.engine.config()
-
-    def memory_bytes(self) -> dict[str, int]:
-        return self.engine.memory_bytes()
 
     # ------------------------------------------------------------------ hook
     def submit(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -298,24 +150,6 @@ class GradpressHook:
         if job.used is None and (message := self._watch.check(job, self.engine.plan.decisions)) is not None:
             warnings.warn(message, stacklevel=2)
         self._comm.put(job)
-
-    def _bind_from_buckets(self) -> None:
-        jobs, self._unbound_jobs = self._unbound_jobs, []
-        named = [(f"param{i}", p) for i, p in enumerate(p for job in jobs for p in job.params)]
-        restoring = self._pending_state is not None
-        try:
-            self._bind_named(named)
-        except BaseException as exc:
-            for job in jobs[:-1]:
-                job.future.set_exception(exc)
-            raise
-        if restoring:  # this backward is the first step after the restored one
-            for job in jobs:
-                job.step = self._step
-            self._step += 1
-        self._watch.start([p for _, p in named], self._step)  # its later steps (this one: by None .grads)
-        for job in jobs:
-            self._enqueue(job)
 
     def _raise_deferred(self, last: torch.futures.Future[torch.Tensor]) -> None:
         """Re-raise a ``nonfinite='raise'`` error as the documented

@@ -12,7 +12,9 @@ Entry points:
   :class:`TrainConfig`.
 
 Modules, one job each: :mod:`~gradpress.train.config` (options, TOML,
-validation), :mod:`~gradpress.train.args` (flags), :mod:`~gradpress.train.flags` (errors named by
+the merge), :mod:`~gradpress.train.validate` (every field checked),
+:mod:`~gradpress.train.checks` (the rules every command's options share),
+:mod:`~gradpress.train.args` (flags), :mod:`~gradpress.train.flags` (errors named by
 flag), :mod:`~gradpress.train.launch`
 (local workers, process group), :mod:`~gradpress.train.algorithm` (what
 runs: ``ddp`` or ``gradpress.algorithms``), :mod:`~gradpress.train.optim`
