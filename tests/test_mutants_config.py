@@ -94,3 +94,14 @@ def test_python_before_3_11_reads_the_config_file_with_tomli(monkeypatch, tmp_pa
         assert config.load_toml(str(path)) == {"log_every": 3}
     assert used == ["tomli"]
     assert config.load_toml(str(path)) == {"log_every": 3} and used == ["tomli"]  # 3.11 and later: tomllib
+
+
+@pytest.mark.parametrize("seed,ok", [(0, True), (2**32 - 1, True), (2**32, False), (-1, False)])
+def test_the_seed_range_includes_both_ends(tmp_path, seed: int, ok: bool) -> None:
+    """``--seed`` takes 0 .. 2**32 - 1, both ends included (numpy's and torch's seed range): the upper
+    bound is inclusive in ``checks._int`` (``value > high`` refuses; ``>=`` would refuse 2**32 - 1)."""
+    if ok:
+        assert config.make_config(seed=seed, out=str(tmp_path / "r")).seed == seed
+    else:
+        with pytest.raises(ValueError, match=rf"^seed must be an integer from 0 to 4294967295, got {seed}$"):
+            config.make_config(seed=seed, out=str(tmp_path / "r"))
