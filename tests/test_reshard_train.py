@@ -168,3 +168,75 @@ def test_two_workers_resume_on_four(tmp_path):
     assert cli(["train", "--nproc", "4", "--epochs", "2", "--resume", "--reshard", *COMMON, "--out", str(out)]) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 8 + 4 and summary["reshards"] == [{"from": 2, "to": 4, "step": 8, "epoch": 1}]
+
+
+def _root_residuals(state):
+    """The root residuals (``root/<key>#ps``) of a saved rank's engine state."""
+    return {k: v for k, v in state["algorithm"]["feedback"]["residuals"].items() if k.startswith("root/")}
+
+
+def _check_ps_starts(saved, starts):
+    """Each new rank starts with the root residuals of the keys the round robin gives it (key i of the
+    saved ``roots`` on new rank i % M), each the saved root's tensor bitwise, and the float64 mean of the
+    saved ranks' own residuals."""
+    roots = saved["ranks"][0]["algorithm"]["strategies"]["ps"]["roots"]
+    n, m = len(saved["ranks"]), len(starts)
+    # one-bit with error feedback: the roots' re-encoding is lossy (top-k's is not: the root re-encodes at density
+    # ratio x N, which holds the whole sum of N top-k packets, so its root residuals are zero)
+    assert any(bool(t.abs().sum() > 0) for r in saved["ranks"] for t in _root_residuals(r).values())
+    own = [{k: v for k, v in r["algorithm"]["feedback"]["residuals"].items() if "/" not in k} for r in saved["ranks"]]
+    for rank, got in enumerate(starts):
+        want = {}
+        for i, key in enumerate(roots):
+            assert roots[key] == i % n  # the saved run's round robin
+            held = _root_residuals(saved["ranks"][i % n])
+            if i % m == rank and f"root/{key}#ps" in held:
+                want[f"root/{key}#ps"] = held[f"root/{key}#ps"]
+        assert want or rank >= len(roots)
+        assert {k for k in got["residuals"] if k.startswith("root/")} == set(want), rank
+        for key, t in want.items():
+            assert torch.equal(got["residuals"][key], t), (rank, key)
+        for key in own[0]:
+            assert torch.equal(got["residuals"][key], _mean64([o[key] for o in own]).to(own[0][key].dtype)), key
+    for key in starts[0]["after"]:  # the replicas are identical after the first step on the new roots
+        assert torch.equal(starts[0]["after"][key], starts[-1]["after"][key]), key
+
+
+def test_a_ps_checkpoint_resumes_on_more_workers_with_its_root_residuals_moved(tmp_path, capsys):
+    """ps, one-bit with error feedback, 2 workers -> 3: the roots of conv2, conv3, linear go from ranks 0, 1,
+    0 to 0, 1, 2, so linear's root residual moves from saved rank 0 to new rank 2 (not a mean: the server's
+    owed error, whole); the run completes and its next checkpoint has the new assignment."""
+    out = tmp_path / "ps"
+    args = [*COMMON, "--samples", "192", "--strategy", "ps", "--compressor", "onebit", "--out", str(out)]
+    assert cli(["train", "--nproc", "2", "--epochs", "1", *args]) == 0
+    saved = torch.load(out / "checkpoint.pt", weights_only=True)
+    starts = run_workers(_start, 3, str(out), {"compressor": "onebit", "strategy": "ps", "samples": 192})
+    _check_ps_starts(saved, starts)
+    capsys.readouterr()
+    assert cli(["train", "--nproc", "3", "--epochs", "2", "--resume", "--reshard", *args]) == 0
+    assert "resharded: the checkpoint of 2 worker(s) continued on 3 at step 6 (epoch 1)" in capsys.readouterr().out
+    after = torch.load(out / "checkpoint.pt", weights_only=True)
+    keys = list(saved["ranks"][0]["algorithm"]["strategies"]["ps"]["roots"])
+    for rank, r in enumerate(after["ranks"]):
+        assert r["algorithm"]["strategies"]["ps"]["roots"] == {k: i % 3 for i, k in enumerate(keys)}
+        assert {k for k in _root_residuals(r)} == {f"root/{k}#ps" for i, k in enumerate(keys) if i % 3 == rank}
+
+
+@pytest.mark.long
+def test_a_ps_checkpoint_goes_from_four_workers_to_two_and_back(tmp_path, capsys):
+    """4 -> 2 (the root residual of saved rank 2 goes to new rank 0, saved rank 3's, none, nowhere), then the
+    2-worker checkpoint back onto 4."""
+    out = tmp_path / "ps"
+    args = [*COMMON, "--strategy", "ps", "--compressor", "onebit", "--out", str(out)]
+    assert cli(["train", "--nproc", "4", "--epochs", "1", *args]) == 0
+    saved = torch.load(out / "checkpoint.pt", weights_only=True)
+    _check_ps_starts(saved, run_workers(_start, 2, str(out), {"compressor": "onebit", "strategy": "ps"}))
+    assert cli(["train", "--nproc", "2", "--epochs", "2", "--resume", "--reshard", *args]) == 0
+    saved = torch.load(out / "checkpoint.pt", weights_only=True)
+    assert len(saved["ranks"]) == 2 and saved["epoch"] == 2
+    _check_ps_starts(saved, run_workers(_start, 4, str(out), {"compressor": "onebit", "strategy": "ps",
+                                                             "epochs": 3}))
+    assert cli(["train", "--nproc", "4", "--epochs", "3", "--resume", "--reshard", *args]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert [(r["from"], r["to"]) for r in summary["reshards"]] == [(4, 2), (2, 4)]
+    assert summary["steps"] == 4 + 8 + 4
