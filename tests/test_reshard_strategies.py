@@ -141,7 +141,8 @@ def _hier_saved(n, per, seed=0, outer="collective"):
             compressor = {"momentum": {"w": torch.randn(4, generator=g)}, "q": {"v": torch.ones(2, 1)}}
         elif r == 1:
             residuals["host/w"], residuals["host/v"] = torch.full((4,), 1e6), torch.full((2, 2), 1e6)
-        saved.append(_engine(r, n, "hierarchical", residuals, compressor,
+        # the engine keys a strategy by its spec's parameters (strategy_key): found by its name's head
+        saved.append(_engine(r, n, f"hierarchical:workers_per_host={per}", residuals, compressor,
                              {"workers_per_host": per, "outer": outer}))
     return saved
 
@@ -157,7 +158,8 @@ def test_hierarchical_gives_every_new_rank_the_mean_of_the_saved_hosts(n, per, m
     want_mom = _mean64([saved[r]["compressor"]["momentum"]["w"] for r in leaders]).float()
     for r in range(m):
         out = fold(saved, r, m)
-        assert out["strategies"]["hierarchical"] == {"outer": "collective"}  # the new layout is the run's own
+        # the new layout is the run's own
+        assert out["strategies"] == {f"hierarchical:workers_per_host={per}": {"outer": "collective"}}
         assert out["config"]["world_size"] == m and out["rank"] == r
         for k, t in want.items():
             assert torch.equal(out["feedback"]["residuals"][k], t), k
@@ -177,7 +179,8 @@ def test_hierarchical_refuses_an_outer_ring_holding_hop_state_naming_the_layouts
     with pytest.raises(ValueError) as info:
         fold(saved, 0, 2)
     text = str(info.value)
-    assert "/strategies/hierarchical (strategy 'hierarchical'): its leaders' ring of 2 host(s) keeps per-hop" in text
+    assert ("/strategies/hierarchical:workers_per_host=2 (strategy 'hierarchical:workers_per_host=2'): its leaders' "
+            "ring of 2 host(s) keeps per-hop") in text
     assert "saved rank 2 holds residual 'ring/w'" in text
     assert "every host layout folds" in text and "a ring that holds no hop state" in text
     saved[2]["feedback"]["residuals"].pop("ring/w")  # a ring holding nothing folds
@@ -185,6 +188,6 @@ def test_hierarchical_refuses_an_outer_ring_holding_hop_state_naming_the_layouts
                        _mean64([saved[0]["feedback"]["residuals"]["host/w"],
                                 saved[2]["feedback"]["residuals"]["host/w"]]).float())
     bad = _hier_saved(4, 2)
-    bad[3]["strategies"]["hierarchical"]["workers_per_host"] = 4
+    bad[3]["strategies"]["hierarchical:workers_per_host=2"]["workers_per_host"] = 4
     with pytest.raises(ValueError, match=r"saved layouts \[2, 2, 2, 4\] \(workers_per_host\) do not cut"):
         fold(bad, 0, 2)

@@ -196,11 +196,11 @@ class Strategy:
     #: resuming on another world size (:mod:`gradpress.exchange.reshard`): ``reshard_refusal``, why a checkpoint
     #: that ran this strategy cannot be (None: it folds by the generic rule, or by ``reshard_fold``);
     #: ``reshard_held(state)``, what in a saved rank's engine state the refusal is about (None: nothing, and a
-    #: checkpoint whose every saved rank holds nothing folds; unset: always refused); ``reshard_fold(saved, at)``,
-    #: (the N saved engine states less what the strategy places itself, what it places on new rank ``at.rank``)
+    #: checkpoint whose every saved rank holds nothing folds; unset: always refused); ``reshard_fold(saved, at,
+    #: key)``: (the N saved engine states less what the strategy, ``strategies[key]``, places itself, what it places)
     reshard_refusal: ClassVar[str | None] = None
     reshard_held: ClassVar[Callable[[Mapping[str, Any]], str | None] | None] = None
-    reshard_fold: ClassVar[Callable[[list[Any], Any], tuple[list[Any], dict[str, Any]]] | None] = None
+    reshard_fold: ClassVar[Callable[[list[Any], Any, str], tuple[list[Any], dict[str, Any]]] | None] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

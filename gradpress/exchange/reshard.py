@@ -195,11 +195,11 @@ def fold_engine(vals: list[Any], at: Fold) -> dict[str, Any]:
     placed: list[dict[str, Any]] = []
     for name in sorted({n for v in vals for n in (v.get("strategies") or {})}):
         try:
-            cls = strategy_class(name)
+            cls = strategy_class(name.partition(":")[0])  # an engine names a strategy by its key (with parameters)
         except ValueError:
             continue
         if cls.reshard_fold is not None:  # the strategy takes out what it places itself; the rest goes on
-            vals, mine = cls.reshard_fold(vals, at)
+            vals, mine = cls.reshard_fold(vals, at, name)
             placed.append(mine)
             continue
         why = cls.reshard_refusal

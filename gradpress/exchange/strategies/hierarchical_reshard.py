@@ -43,16 +43,18 @@ FOLDS = ("every host layout folds (each new host starts from the mean of the sav
          "compressor, or error feedback off)")
 
 
-def fold_hosts(saved: list[Mapping[str, Any]], at: Fold) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def fold_hosts(saved: list[Mapping[str, Any]], at: Fold,
+               name: str = "hierarchical") -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """(the N saved engine states without the hosts' part, the hosts' part of new rank ``at.rank``): the
     ``host/`` residuals and the compressor state folded over the saved leaders, and the strategy state
-    without the saved ``workers_per_host`` (the new run's layout is its own). ValueError (:func:`refuse`) as
-    the module docstring says."""
+    without the saved ``workers_per_host`` (the new run's layout is its own). ``name``: the strategy's key in
+    the engine state (``hierarchical:workers_per_host=2``). ValueError (:func:`refuse`) as the module
+    docstring says."""
     from gradpress.exchange.strategies.hierarchical import HOST
     from gradpress.exchange.strategies.ring import Ring
 
-    where = at.at("strategies").at("hierarchical", "strategy 'hierarchical'")
-    own = [(v.get("strategies") or {}).get("hierarchical") or {} for v in saved]
+    where = at.at("strategies").at(name, f"strategy {name!r}")
+    own = [(v.get("strategies") or {}).get(name) or {} for v in saved]
     n, per = len(saved), own[0].get("workers_per_host")
     if any(st.get("workers_per_host") != per for st in own) or isinstance(per, bool) or not isinstance(per, int) \
             or per < 1 or n % per:
@@ -68,7 +70,7 @@ def fold_hosts(saved: list[Mapping[str, Any]], at: Fold) -> tuple[list[dict[str,
     hosts: list[dict[str, Any]] = []
     for v in saved:
         mine = dict(v)
-        mine["strategies"] = {k: s for k, s in (v.get("strategies") or {}).items() if k != "hierarchical"}
+        mine["strategies"] = {k: s for k, s in (v.get("strategies") or {}).items() if k != name}
         fb = v.get("feedback")
         if isinstance(fb, Mapping) and isinstance(fb.get("residuals"), Mapping):
             parts = {k: isinstance(k, str) and split_key(k)[0] == HOST for k in fb["residuals"]}
@@ -80,7 +82,7 @@ def fold_hosts(saved: list[Mapping[str, Any]], at: Fold) -> tuple[list[dict[str,
             mine["compressor"] = {}  # only the leaders' is folded (below)
         rest.append(mine)
     state = {k: val for k, val in own[0].items() if k != "workers_per_host"}
-    placed: dict[str, Any] = {"strategies": {"hierarchical": state}}
+    placed: dict[str, Any] = {"strategies": {name: state}}
     folded = fold_leaves([hosts[r] for r in leaders], at.at("feedback").at("residuals", "host residuals"))
     if folded:
         placed["feedback"] = {"residuals": folded}

@@ -62,15 +62,15 @@ def _put(tree: dict[str, Any], path: tuple[str, ...], key: str, value: Any) -> N
     tree[key] = value
 
 
-def fold_roots(saved: list[Mapping[str, Any]], at: Fold) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def fold_roots(saved: list[Mapping[str, Any]], at: Fold, name: str = "ps") -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """(the N saved engine states without the server's part, the server's part of new rank ``at.rank``):
     the new ``roots`` and ``next_root``, and the root residuals and root compressor state of the keys
     whose new root is ``at.rank``, each the saved root's own. ValueError (:func:`refuse`) as the module
     docstring says."""
     from gradpress.exchange.strategies.ps import ROOT
 
-    where = at.at("strategies").at("ps", "strategy 'ps'")
-    own = [(v.get("strategies") or {}).get("ps") or {} for v in saved]
+    where = at.at("strategies").at(name, f"strategy {name!r}")
+    own = [(v.get("strategies") or {}).get(name) or {} for v in saved]
     roots = dict(own[0].get("roots") or {})
     n = len(saved)
     for r, st in enumerate(own):
@@ -82,7 +82,7 @@ def fold_roots(saved: list[Mapping[str, Any]], at: Fold) -> tuple[list[dict[str,
         raise refuse(saved, where, f"key {bad[0]!r} has root {roots[bad[0]]!r}, not a rank of the saved {n}")
     order = list(roots)
     new_roots = {k: i % at.world for i, k in enumerate(order)}
-    placed: dict[str, Any] = {"strategies": {"ps": {"roots": new_roots,
+    placed: dict[str, Any] = {"strategies": {name: {"roots": new_roots,
                                                       "next_root": int(own[0].get("next_root", len(order)))}}}
 
     def owner(key: str, what: str, holders: list[int]) -> int:
@@ -100,7 +100,7 @@ def fold_roots(saved: list[Mapping[str, Any]], at: Fold) -> tuple[list[dict[str,
     for r, v in enumerate(saved):
         fb = v.get("feedback")
         mine = dict(v)
-        mine["strategies"] = {k: s for k, s in (v.get("strategies") or {}).items() if k != "ps"}
+        mine["strategies"] = {k: s for k, s in (v.get("strategies") or {}).items() if k != name}
         if isinstance(fb, Mapping) and isinstance(fb.get("residuals"), Mapping):
             keep = {}
             for k, t in fb["residuals"].items():
