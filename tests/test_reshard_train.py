@@ -18,9 +18,10 @@ saved leaders' host residuals, which the one host sends once in full. A
 checkpoint stopped inside an epoch (2 workers) continues on 3 over exactly
 the epoch's remaining samples. Without the ``long`` ones it starts 4
 workers once and 2 or 3 workers seven times: 19 s at load 8 on the shared
-2-core machine before the ps and mid-epoch tests, which add about 35 s
-each at a load of 5 to 10 (105 s at load 20; the 4-worker launch is most
-of it)."""
+2-core machine before the ps and mid-epoch tests, which add 20 s and 6 s
+at a lighter load (the ps one 37 s at load 8); 105 s at load 20 (the
+4-worker launch is most of it). The ``long`` ones: 4 -> 2 -> 4 of ps 38 s,
+hierarchical 14 s at that lighter load."""
 
 from __future__ import annotations
 
