@@ -31,9 +31,8 @@ from gradpress.exchange.feedback import Feedback
 
 __all__ = [
     "ExchangeResult", "Prelude", "Strategy", "aggregate", "aggregate_packets", "available", "bound_summand",
-    "canonical_strategy",
-    "check_strategy", "encode_local", "get_strategy", "parse_strategy", "register_strategy", "resolved_strategy",
-    "same_strategy", "strategy_class", "strategy_key", "strategy_names",
+    "canonical_strategy", "check_strategy", "encode_local", "get_strategy", "parse_strategy", "register_strategy",
+    "resolved_strategy", "same_strategy", "strategy_class", "strategy_key", "strategy_names",
 ]
 
 
@@ -194,12 +193,14 @@ class Strategy:
     #: snapshot copies only its containers (otherwise it deep-copies it). A subclass overriding ``state_dict``
     #: gets False unless it sets the flag in its own body
     state_dict_copies: ClassVar[bool] = False
-    #: why a checkpoint that ran this strategy cannot be resumed on another world size (None: its state and
-    #: residuals fold by the generic rule of :mod:`gradpress.exchange.reshard`)
+    #: resuming on another world size (:mod:`gradpress.exchange.reshard`): ``reshard_refusal``, why a checkpoint
+    #: that ran this strategy cannot be (None: it folds by the generic rule, or by ``reshard_fold``);
+    #: ``reshard_held(state)``, what in a saved rank's engine state the refusal is about (None: nothing, and a
+    #: checkpoint whose every saved rank holds nothing folds; unset: always refused); ``reshard_fold(saved, at,
+    #: key)``: (the N saved engine states less what the strategy, ``strategies[key]``, places itself, what it places)
     reshard_refusal: ClassVar[str | None] = None
-    #: ``held(state)``: what in a saved rank's engine state the refusal is about (None: nothing, and a checkpoint
-    #: whose every saved rank holds nothing folds); unset: always refused (:mod:`gradpress.exchange.reshard`)
     reshard_held: ClassVar[Callable[[Mapping[str, Any]], str | None] | None] = None
+    reshard_fold: ClassVar[Callable[[list[Any], Any, str], tuple[list[Any], dict[str, Any]]] | None] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -29,8 +29,13 @@ here; the DDP hook's and the algorithms' register theirs) rewrites what
 names the world (``config.world_size``, ``rank``), keeps rank 0's
 ``stats`` counters (accounting, not training state: bytes already sent stay
 counted once) and refuses the strategies whose state depends on the world
-size (``Strategy.reshard_refusal``: the ring's per-hop residuals, the
-parameter server's roots and their residuals, hierarchical's host layout);
+size (``Strategy.reshard_refusal``: the ring's per-hop residuals); a strategy
+that can fold what it keeps of the world size (``Strategy.reshard_fold``:
+the parameter server's roots and root residuals,
+:mod:`~gradpress.exchange.strategies.ps_reshard`; hierarchical's host
+residuals, :mod:`~gradpress.exchange.strategies.hierarchical_reshard`)
+takes that out of the saved states, places it on the new rank itself and
+leaves the rest to the generic rule;
 one that can tell what in a saved state it is about
 (``Strategy.reshard_held``: the ring's) is refused only when some saved rank
 holds some of it, decided by the checkpoint's content (the ring's own state,
@@ -57,7 +62,7 @@ import torch
 
 from gradpress.exchange.state import STATE_FORMAT
 
-__all__ = ["Fold", "fold", "fold_leaves", "rule", "fold_engine", "fold_config", "refuse", "ACTION"]
+__all__ = ["Fold", "fold", "fold_leaves", "rule", "fold_engine", "fold_config", "refuse", "merge", "ACTION"]
 
 #: what a refusal tells the user to do
 ACTION = ("resume on the checkpoint's {n} worker(s) without resharding, or start a fresh run on {m} worker(s) "
@@ -179,16 +184,23 @@ def fold_engine(vals: list[Any], at: Fold) -> dict[str, Any]:
     """The exchange engine's state (also the DDP hook's, which adds ``step``,
     ``layout`` and ``loss_scale``): ``config.world_size`` and ``rank`` set to
     the new world and rank, rank 0's ``stats``, the strategies' refusals
-    (``Strategy.reshard_refusal``), every other part by the generic rule
-    (the compressor's state named after the compressor)."""
+    (``Strategy.reshard_refusal``) and folds (``Strategy.reshard_fold``:
+    what it returns as placed is merged over the fold of the rest), every
+    other part by the generic rule (the compressor's state named after the
+    compressor)."""
     from gradpress.exchange.base import strategy_class
 
     config = vals[0].get("config", {})
     compressor = f"compressor {config.get('compressor')!r}" if isinstance(config, Mapping) else "compressor"
+    placed: list[dict[str, Any]] = []
     for name in sorted({n for v in vals for n in (v.get("strategies") or {})}):
         try:
-            cls = strategy_class(name)
+            cls = strategy_class(name.partition(":")[0])  # an engine names a strategy by its key (with parameters)
         except ValueError:
+            continue
+        if cls.reshard_fold is not None:  # the strategy takes out what it places itself; the rest goes on
+            vals, mine = cls.reshard_fold(vals, at, name)
+            placed.append(mine)
             continue
         why = cls.reshard_refusal
         if why and cls.reshard_held is not None:  # refused by what the saved ranks hold, if anything
@@ -212,7 +224,18 @@ def fold_engine(vals: list[Any], at: Fold) -> dict[str, Any]:
             if not all(key in v for v in vals):
                 raise refuse(vals, at.at(key), "present on some saved ranks only")
             out[key] = fold_leaves([v[key] for v in vals], at.at(key))
+    for mine in placed:
+        merge(out, mine)
     return out
+
+
+def merge(into: dict[str, Any], placed: Mapping[str, Any]) -> None:
+    """Put ``placed`` (nested dicts) into the folded state ``into``: dicts merged key by key, the rest set."""
+    for key, value in placed.items():
+        if isinstance(value, Mapping) and isinstance(into.get(key), dict):
+            merge(into[key], value)
+        else:
+            into[key] = dict(value) if isinstance(value, Mapping) else value
 
 
 def fold_config(vals: list[Any], at: Fold) -> dict[str, Any]:

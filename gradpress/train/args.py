@@ -63,7 +63,8 @@ def add_arguments(p: argparse.ArgumentParser, *, compare: bool = False) -> None:
         p.add_argument("--resume", action="store_true", default=S, help="continue from DIR/checkpoint.pt")
         p.add_argument("--reshard", action="store_true", default=S,
                        help="with --resume: continue a checkpoint of another number of workers, its per-rank state "
-                            "folded into this run's (at an epoch boundary, --split iid; docs/train.md)")
+                            "folded into this run's (--split iid; inside an epoch when the workers can share its rest evenly; "
+                            "docs/train.md)")
     p.add_argument("--device", default=S, metavar="cpu|cuda", help="cpu (gloo, default) or cuda (nccl)")
     p.add_argument("--log-every", dest="log_every", type=int, default=S, help="log every N steps (default 10)")
     p.add_argument("--eval-every", dest="eval_every", type=int, default=S,

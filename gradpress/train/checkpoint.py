@@ -21,8 +21,11 @@ file + rename) after every epoch and at the end (format ``gradpress-train/2``):
 * ``settings``: every setting of the run (:func:`gradpress.train.config.settings`; absent from checkpoints
   written before it existed), which ``gradpress compare --resume`` checks before resuming from it;
 * ``reshards``: every change of world size so far, ``{"from", "to", "step",
-  "epoch"}`` (``--resume --reshard``, :mod:`gradpress.train.reshard`; absent
-  in a checkpoint written before it existed: none).
+  "epoch"}``, inside an epoch also ``batch`` and ``left`` (``--resume
+  --reshard``, :mod:`gradpress.train.reshard`; absent in a checkpoint
+  written before it existed: none); ``steps_per_epoch``: the world's
+  batches per epoch (absent before mid-epoch reshards existed: such a
+  checkpoint reshards at an epoch boundary only).
 
 Everything is tensors, numbers, strings, lists and dicts, so the file loads
 with ``torch.load(..., weights_only=True)``. Checkpoints written before
@@ -235,12 +238,13 @@ def _atomic_save(obj: Any, path: Path) -> None:
 def save(path: Path, cfg: TrainConfig, world: int, rank: int, device: torch.device, model: torch.nn.Module,
          opt: torch.optim.Optimizer, algo: Any, nxt: tuple[int, int], step: int, step_times: list[float],
          history: list[dict[str, Any]], diverged_at: int | None = None,
-         reshards: list[dict[str, int]] | None = None) -> None:
+         reshards: list[dict[str, int]] | None = None, steps_per_epoch: int | None = None) -> None:
     """Gather every rank's algorithm and RNG state on rank 0 (and model and
     optimizer, unless the algorithm keeps replicas identical), which writes
     one file atomically. ``diverged_at``: the first step whose loss was not
     finite (None: none so far). ``reshards``: the run's changes of world size
-    (:mod:`gradpress.train.reshard`)."""
+    (:mod:`gradpress.train.reshard`). ``steps_per_epoch``: this world's (a
+    reshard inside the epoch shares out its remaining batches by it)."""
     mine: dict[str, Any] = {"algorithm": algo.state_dict(), "rng": rng_state(device)}
     if not getattr(algo, "replicated", False):
         mine["model"] = model.state_dict()
@@ -254,6 +258,7 @@ def save(path: Path, cfg: TrainConfig, world: int, rank: int, device: torch.devi
             "step_times": list(step_times), "history": list(history), "diverged_at_step": diverged_at,
             "settings": settings(cfg),
             "reshards": [dict(r) for r in reshards or []],
+            **({} if steps_per_epoch is None else {"steps_per_epoch": int(steps_per_epoch)}),
         }, path)
     dist.barrier()
 

@@ -49,8 +49,9 @@ def run_cli(args: argparse.Namespace) -> int:
     if rank0:
         print(summary_line(summary))
         for r in summary.get("reshards") or []:
+            inside = f", inside epoch {r['epoch'] + 1} after batch {r['batch']} of it" if r.get("left") else ""
             print(f"resharded: the checkpoint of {r['from']} worker(s) continued on {r['to']} at step {r['step']} "
-                  f"(epoch {r['epoch']})")
+                  f"(epoch {r['epoch']}{inside})")
         if summary.get("strategy") == "auto" and summary.get("plan"):
             from gradpress.exchange.planner import Plan
 

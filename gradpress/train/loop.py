@@ -7,7 +7,8 @@ training set drawn from (seed, epoch) alone; rank r trains on slice r of it
 (equal-sized, disjoint shards; the remainder of N // world is dropped). With
 a non-IID split (:mod:`gradpress.train.splits`) rank r keeps one fixed shard
 for the whole run and walks it in an order drawn from (seed, epoch, rank).
-Either way the position in the data is fully described by (epoch, batch).
+Either way the position in the data is fully described by (epoch, batch)
+(and the reshards inside that epoch: :func:`gradpress.train.reshard.epoch_rows`).
 """
 
 from __future__ import annotations
@@ -50,24 +51,31 @@ def steps_per_epoch(n: int, world: int, batch_size: int, workload: str = "the wo
 
 def shard_batches(x: torch.Tensor, y: torch.Tensor, *, seed: int, rank: int, world: int, batch_size: int,
                   epochs: int, start: tuple[int, int] = (0, 0), count: int | None = None,
-                  shard: torch.Tensor | None = None) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]:
+                  shard: torch.Tensor | None = None,
+                  resumed: tuple[torch.Tensor, int] | None = None) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]:
     """This rank's batches ``(epoch, batch, x, y)`` from position ``start``
     = (epoch, batch) on, at most ``count`` of them, until ``epochs`` ends.
     ``shard``: this rank's fixed sample indices under a non-IID split
-    (:func:`gradpress.train.splits.assign`; None: iid)."""
+    (:func:`gradpress.train.splits.assign`; None: iid). ``resumed``: this
+    rank's sample indices of epoch ``start[0]`` and the number of their first
+    batch, when a reshard inside that epoch dealt its rest anew
+    (:func:`gradpress.train.reshard.epoch_rows`)."""
     n = len(y)
     per_rank = n // world
     per_epoch = steps_per_epoch(n, world, batch_size, shard=None if shard is None else len(shard))
     done = 0
     for epoch in range(start[0], epochs):
-        if shard is None:
+        first = 0
+        if resumed is not None and epoch == start[0]:
+            order, first = resumed[0].to(x.device), resumed[1]
+        elif shard is None:
             order = epoch_order(n, seed, epoch)[rank * per_rank:(rank + 1) * per_rank].to(x.device)
         else:
             order = shard_order(shard, seed, epoch, rank).to(x.device)
         for b in range(start[1] if epoch == start[0] else 0, per_epoch):
             if count is not None and done >= count:
                 return
-            idx = order[b * batch_size:(b + 1) * batch_size]
+            idx = order[(b - first) * batch_size:(b - first + 1) * batch_size]
             done += 1
             yield epoch, b, x[idx], y[idx]
 

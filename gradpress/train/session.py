@@ -170,7 +170,7 @@ class _Logger:
         if epoch_end or last:
             nxt = (t.epoch + 1, 0) if epoch_end else (t.epoch, t.batch + 1)
             checkpoint.save(r.out / checkpoint.CHECKPOINT, cfg, r.world, r.rank, r.device, r.model, r.opt, r.algo,
-                            nxt, t.step, r.step_times, r.history, self.diverged_at, r.reshards)
+                            nxt, t.step, r.step_times, r.history, self.diverged_at, r.reshards, r.steps_per_epoch)
         return False
 
 
@@ -246,13 +246,16 @@ class _Run:
         horizon = cfg.epochs * self.steps_per_epoch  # the schedule's length; --steps only stops early
         shift = reshard.schedule_shift(self.reshards, self.steps_per_epoch)  # 0 unless resharded
         total = horizon - shift if cfg.steps is None else min(horizon - shift, cfg.steps)
-        start, step = ((state["epoch"], state["batch"]), state["step"]) if state is not None else ((0, 0), 0)
+        start, step = (reshard.start(state, self.world, self.steps_per_epoch), state["step"]) if state is not None \
+            else ((0, 0), 0)
+        # a reshard inside this epoch dealt its rest anew: this rank's share of it
+        rows = reshard.epoch_rows(len(y_train), cfg.seed, start[0], cfg.batch_size, self.reshards)
         self.metrics = report.MetricsLog(self.out, self.rank, step if state is not None else None)
         logger = _Logger(self, step, total)
         t_start = time.perf_counter()
         batches = shard_batches(x_train, y_train, seed=cfg.seed, rank=self.rank, world=self.world,
                                 batch_size=cfg.batch_size, epochs=cfg.epochs, start=start, count=max(total - step, 0),
-                                shard=shard)
+                                shard=shard, resumed=None if rows is None else (rows[0][self.rank], rows[1]))
         step = run_steps(self.algo, self.opt, self.wl.loss, batches, lr=cfg.lr, schedule=cfg.schedule,
                          horizon=horizon, step=step, device=self.device, after=logger, schedule_shift=shift)
         logger.close()

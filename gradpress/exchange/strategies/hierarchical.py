@@ -63,6 +63,8 @@ Host layout: ``workers_per_host`` (spec ``hierarchical:workers_per_host=2``),
 else the environment ``GRADPRESS_WORKERS_PER_HOST``, else ``LOCAL_WORLD_SIZE``
 (torchrun, ``gradpress cluster --workers-per-node``), else 1. It must divide
 the group's size; where ``LOCAL_RANK`` is set it must equal ``rank % L``.
+On another world size or layout (``--reshard``) every new host starts from
+the mean of the saved hosts' residuals (:mod:`.hierarchical_reshard`).
 """
 
 from __future__ import annotations
@@ -93,6 +95,7 @@ from gradpress.exchange.strategies.hierarchical_layout import (
     workers_per_host_from_env,
 )
 from gradpress.exchange.strategies.hierarchical_pipeline import pipelined
+from gradpress.exchange.strategies.hierarchical_reshard import fold_hosts
 from gradpress.transport.collectives import flat_by_dtype, fused_allreduce
 from gradpress.transport.groups import timeout_of
 from gradpress.transport.p2p import swap_bytes
@@ -113,7 +116,7 @@ class Hierarchical(Strategy):
 
     order = 4
     state_dict_copies = True  # numbers and a name
-    reshard_refusal = "its host layout and the leaders' host/ residuals belong to the hosts of the saved world"
+    reshard_fold = staticmethod(fold_hosts)  # host residuals onto another layout (hierarchical_reshard)
     planned = False
     PARAMS = (
         Param("workers_per_host", int, 0, "workers_per_host >= 0 (0: from the environment)", lambda v: v >= 0,

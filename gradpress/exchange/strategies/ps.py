@@ -24,7 +24,8 @@ partitions land on different ranks). Per call:
    bytes, so replicas are bit-identical.
 
 Estimates: ``decode(encode(x))`` of this rank's own packets (what the root
-received from it). Not for majority-vote compressors or multi-round protocols.
+received from it). On another world size (``--reshard``) the roots and root
+residuals fold by :mod:`~gradpress.exchange.strategies.ps_reshard`. Not for majority-vote compressors or multi-round protocols.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from gradpress.exchange.base import (
 from gradpress.exchange.costs import CostModel
 from gradpress.exchange.feedback import Feedback, namespace
 from gradpress.exchange.keys import root_key
+from gradpress.exchange.strategies.ps_reshard import fold_roots
 from gradpress.exchange.strategies.recompress import densified, recompress, template, unsupported_reason
 from gradpress.transport import wire
 from gradpress.transport.p2p import exchange_bytes, global_rank
@@ -65,7 +67,7 @@ class ParameterServer(Strategy):
 
     order = 3
     state_dict_copies = True  # a fresh dict of root ranks
-    reshard_refusal = "its roots are ranks of the saved world and its root residuals live on them"
+    reshard_fold = staticmethod(fold_roots)  # roots and root residuals onto another world size
 
     def __init__(self, group: Any) -> None:
         super().__init__(group)
