@@ -12,7 +12,7 @@ GROUPS: dict[str, tuple[list[str], list[str], int]] = {
                  ["tests/test_references.py", "tests/test_config_fields.py", "tests/test_mutants_feedback.py",
                   "tests/test_mutants_presence.py", "tests/test_residual_owner.py", "tests/test_key_escape.py",
                   "tests/test_key_upgrade.py", "tests/test_plants_feedback.py"], 6),
-    "engine": (["gradpress/exchange/engine.py", "gradpress/exchange/base.py"],
+    "engine": (["gradpress/exchange/engine.py", "gradpress/exchange/dispatch.py", "gradpress/exchange/base.py"],
                ["tests/test_references.py", "tests/test_accounting.py", "tests/test_config_fields.py",
                 "tests/test_mutants_engine.py", "tests/test_key_escape.py"], 4),
     "strategies": ([f"gradpress/exchange/strategies/{m}.py" for m in ("allreduce", "allgather", "ring", "ps",
