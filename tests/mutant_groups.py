@@ -34,7 +34,7 @@ GROUPS: dict[str, tuple[list[str], list[str], int]] = {
     "streaming": (["gradpress/algorithms/streaming.py"], ["tests/test_streaming_buffers.py", "tests/test_algorithms_outer.py"], 8),
     "localsgd": (["gradpress/algorithms/localsgd.py"], ["tests/test_algorithms.py", "tests/test_references.py"], 6),
     "gossip": ([f"gradpress/algorithms/{m}.py" for m in ("sgp", "choco", "gossip", "gossip_codec")],
-               ["tests/test_gossip.py", "tests/test_gossip_state.py"], 8),
+               ["tests/test_gossip.py", "tests/test_gossip_state.py", "tests/test_sgp_load_inflight.py"], 8),
     "adam": ([f"gradpress/algorithms/{m}.py" for m in ("onebit_adam", "zeroone_adam", "compressed_adam")],
              ["tests/test_compressed_adam.py"], 8),
     "comprex": ([f"gradpress/algorithms/{m}.py" for m in ("comprex", "comprex_lookahead", "comprex_optim",

@@ -235,6 +235,20 @@ class SGP(GossipAlgorithm):
                 "in_copy": {str(o): [c for c in cs if c is not None] for o, cs in self.in_copy.items()},
                 "inflight": inflight}
 
+    def _load_backup(self) -> dict[str, Any]:
+        """Before a load changes anything: finish this rank's sends of the rounds in flight, then the backup
+        (whose ``extra_state()`` receives those rounds). The load replaces the rounds in flight (a failed one
+        puts the backup's back, decoded), and with them the handles of their sends; gloo sends a buffer only
+        once the peer posts its receive (for variable-size messages, when the peer waits for the round), and a
+        send whose handle is dropped before that never arrives: the peer's wait for it fails at the p2p
+        timeout. A peer receives them in its own load (its backup) or when it absorbs the round, neither of
+        which waits for this rank, so this waits for no cycle; a dead peer fails here, at the timeout, with
+        nothing loaded."""
+        while self._pending_sends:
+            self._pending_sends[0].finish_sends()
+            self._pending_sends.popleft()
+        return super()._load_backup()
+
     def load_touches(self) -> list[torch.Tensor]:
         """The parameters: a load sets them to ``x / w`` (a failed one puts them back)."""
         return list(self.params)
@@ -253,7 +267,7 @@ class SGP(GossipAlgorithm):
                 for c, s in zip([c for c in cs if c is not None], saved[str(o)]):
                     c.copy_(s)
         self.inflight.clear()
-        self._pending_sends.clear()
+        self._pending_sends.clear()  # finished by _load_backup, before the load began
         for rec in state.get("inflight", []):
             rnd = _Round(int(rec["round"]), [int(o) for o in rec["offsets"]], None, [])
             rnd.decoded = {int(o): ([v.clone() for v in rec["values"][o]], rec["weights"][o].clone())
