@@ -254,8 +254,14 @@ class SGP(GossipAlgorithm):
         return list(self.params)
 
     def load_extra_state(self, state: Mapping[str, Any]) -> None:
+        """Load what :meth:`extra_state` wrote. A tensor of another shape than the one it replaces (``copy_``
+        would broadcast it), a list of another length, or a round in flight whose values, weights and offsets
+        disagree (a message would be absorbed in part: mass lost) raises ``ValueError`` naming it (the
+        algorithm's load then rolls back)."""
         if "x" not in state or len(state["x"]) != len(self.x):
             raise ValueError("sgp state: numerators x missing or of another model")
+        _like("x", state["x"], self.x)
+        _like("w", [state["w"]], [self.w])
         for x, s in zip(self.x, state["x"]):
             x.copy_(s)
         self.w.copy_(state["w"])
@@ -264,12 +270,20 @@ class SGP(GossipAlgorithm):
             if sorted(saved) != sorted(str(o) for o in mine):
                 raise ValueError(f"sgp state: {name} has offsets {sorted(saved)}, this run {sorted(mine)}")
             for o, cs in mine.items():
-                for c, s in zip([c for c in cs if c is not None], saved[str(o)]):
+                live = [c for c in cs if c is not None]
+                _like(f"{name}[{str(o)!r}]", saved[str(o)], live)
+                for c, s in zip(live, saved[str(o)]):
                     c.copy_(s)
         self.inflight.clear()
         self._pending_sends.clear()  # finished by _load_backup, before the load began
         for rec in state.get("inflight", []):
             rnd = _Round(int(rec["round"]), [int(o) for o in rec["offsets"]], None, [])
+            if not sorted(rec["values"]) == sorted(rec["weights"]) == sorted(str(o) for o in rnd.offsets):
+                raise ValueError(f"sgp state: inflight round {rnd.round}: offsets {rnd.offsets}, values of "
+                                 f"{sorted(rec['values'])}, weights of {sorted(rec['weights'])}; allowed: the same")
+            for o in rec["values"]:
+                _like(f"inflight round {rnd.round} values[{o!r}]", rec["values"][o], self.x)
+                _like(f"inflight round {rnd.round} weights[{o!r}]", [rec["weights"][o]], [self.w])
             rnd.decoded = {int(o): ([v.clone() for v in rec["values"][o]], rec["weights"][o].clone())
                            for o in rec["values"]}
             self.inflight.append(rnd)
@@ -282,3 +296,15 @@ class SGP(GossipAlgorithm):
         out = super().stats
         out["push_sum_weight"] = float(self.w)
         return out
+
+
+def _like(what: str, saved: Any, live: list[torch.Tensor]) -> None:
+    """``saved`` is a list of tensors of ``live``'s length, each of its counterpart's shape and dtype kind:
+    ValueError naming the first that is not (``copy_`` would broadcast a smaller one silently)."""
+    if not isinstance(saved, (list, tuple)) or len(saved) != len(live):
+        got = f"{len(saved)} entries" if isinstance(saved, (list, tuple)) else f"a {type(saved).__name__}"
+        raise ValueError(f"sgp state: {what}: {got}, expected {len(live)} tensors")
+    for i, (s, t) in enumerate(zip(saved, live)):
+        if not isinstance(s, torch.Tensor) or s.shape != t.shape or s.is_floating_point() != t.is_floating_point():
+            got = f"shape {tuple(s.shape)} {s.dtype}" if isinstance(s, torch.Tensor) else f"a {type(s).__name__}"
+            raise ValueError(f"sgp state: {what}[{i}]: {got}, expected shape {tuple(t.shape)} {t.dtype}")
