@@ -1,5 +1,5 @@
 """A state load refuses what the engine cannot use: residuals and compressor buffers under keys no tensor of
-the engine builds, or of the wrong shape or dtype; one process, a one-rank gloo group, about 10 s.
+the engine builds, or of the wrong shape or dtype; one process, a one-rank gloo group, about 15 s.
 
 ``exchange/state_check.py:check_contents`` runs before anything changes. Each case runs an engine ``a`` and its
 twin ``b`` (same parameters, gradients and seed) for 2 calls, ``a`` having saved its state (through
@@ -8,6 +8,8 @@ it into ``a``: ``ValueError`` naming the entry's key and what was found and expe
 dtype) and "nothing was loaded"; ``a``'s ``state_dict()`` is then bitwise the one before the load, and the
 next 2 calls of ``a`` and ``b`` average bit-identically and leave bit-identical states. The parameters are
 ``w`` (16 x 12, which PowerSGD of rank 2 compresses), ``enc/x`` (escaped ``enc%2Fx`` in every key) and ``b``.
+The DDP hook's load goes through the same check (after its keys and layout are upgraded): a DGC momentum one
+entry short is refused there too, the hook stays bound and steps as its twin.
 
 Before the checks these loaded: a residual under a foreign or typo'd key (``wx``, ``rnig/w``, an unescaped
 ``enc/x``) was kept and written into every later checkpoint; a worker residual of another shape (transposed,
@@ -17,7 +19,7 @@ next call mid-exchange (``key 'w' has a momentum buffer of 191 entries``). The l
 a worker residual in the gradient's half precision (mixed precision), a ring residual of a partition
 (``ring/w#1``, half the elements), a PowerSGD Q of a tensor it sends dense (no shape to hold it to).
 
-Planted (each alone): ``check_contents`` not called: every refusal case loads (13 fail); ``_check_residual``'s
+Planted (each alone): ``check_contents`` not called: every refusal case loads (13 fail, and the hook's); ``_check_residual``'s
 namespace check removed: ``namespace_typo`` and ``unescaped`` fail with "never exchanges" in place of the
 namespace, and the worker-shape check removed: ``worker_transposed`` and ``worker_flat`` load; the namespaced
 bound removed: ``ring_too_big`` loads; ``key_tail``'s tail grammar accepting any tail: ``root_bad_tail``
@@ -34,8 +36,11 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn as nn
 from distributed import one_rank_module
+from torch.nn.parallel import DistributedDataParallel as DDP
 
+import gradpress
 from gradpress.exchange.engine import Synchronizer
 
 group = one_rank_module  # the module's one-process gloo group
@@ -186,3 +191,47 @@ def test_a_legitimate_variant_still_loads(group, name: str) -> None:  # noqa: AN
     assert _diff(saved["feedback"], a.state_dict()["feedback"]) is None
     assert _diff(saved["compressor"], a.state_dict()["compressor"]) is None
     _call(a, 2)  # and it steps
+
+
+def _hook_step(ddp: DDP, opt: torch.optim.Optimizer, step: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(5, 6, generator=g, dtype=torch.float64)
+    opt.zero_grad(set_to_none=True)
+    ((ddp(x) - x[:, :3]) ** 2).mean().backward()
+    opt.step()
+    return [p.detach().clone() for p in ddp.parameters()]
+
+
+def test_the_hook_refuses_a_wrong_compressor_buffer_and_stays_bound_stepping_as_its_twin(group) -> None:  # noqa: ANN001
+    """Through ``GradpressHook.load_state_dict`` (``ddp/hook_state.py:load``: keys and layout upgraded first):
+    DGC's momentum of parameter ``0.weight`` (8 x 6) one entry short is refused naming it and both shapes;
+    the hook stays bound at its step and steps as its twin."""
+    objs = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        ddp = DDP(nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).to(torch.float64))
+        hook = gradpress.ddp.register(ddp, "dgc:ratio=0.3", min_numel=1)
+        objs.append((ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), hook))
+    (da, oa, a), (db, ob, b) = objs
+    saved = None
+    for step in range(2):
+        _hook_step(da, oa, step)
+        _hook_step(db, ob, step)
+        if step == 0:
+            saved = _roundtrip(a.state_dict())
+    assert saved is not None
+    momentums = saved["compressor"]["momentums"]
+    momentums["0.weight"] = momentums["0.weight"][:-1].clone()
+    before = _roundtrip(a.state_dict())
+    with pytest.raises(ValueError) as info:
+        a.load_state_dict(saved)
+    for fragment in ("compressor 'dgc'", "momentums['0.weight']", "shape (47,) float64", "expected shape (48,)",
+                     "nothing was loaded"):
+        assert fragment in str(info.value), (fragment, str(info.value))
+    assert a.bound and a.step == 2
+    assert _diff(before, a.state_dict(), "state") is None
+    for step in (2, 3):
+        assert _diff(_hook_step(da, oa, step), _hook_step(db, ob, step), f"parameters after step {step}") is None
+        assert _diff(a.state_dict(), b.state_dict(), f"state after step {step}", timing=False) is None
+    a.close()
+    b.close()
