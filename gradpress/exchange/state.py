@@ -1,5 +1,5 @@
 """The exchange engine's state: ``state_dict`` / ``load_state_dict``
-(validated fully before anything changes, rolled back on failure), the
+(validated fully before anything changes: :mod:`gradpress.exchange.state_check`; rolled back on failure), the
 per-step snapshot that ``nonfinite='skip'`` restores, and ``memory_bytes``.
 
 Format ``gradpress-exchange/2``: config, feedback (every residual, every
