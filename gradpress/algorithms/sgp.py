@@ -235,13 +235,33 @@ class SGP(GossipAlgorithm):
                 "in_copy": {str(o): [c for c in cs if c is not None] for o, cs in self.in_copy.items()},
                 "inflight": inflight}
 
+    def _load_backup(self) -> dict[str, Any]:
+        """Before a load changes anything: finish this rank's sends of the rounds in flight, then the backup
+        (whose ``extra_state()`` receives those rounds). The load replaces the rounds in flight (a failed one
+        puts the backup's back, decoded), and with them the handles of their sends; gloo sends a buffer only
+        once the peer posts its receive (for variable-size messages, when the peer waits for the round), and a
+        send whose handle is dropped before that never arrives: the peer's wait for it fails at the p2p
+        timeout. A peer receives them in its own load (its backup) or when it absorbs the round, neither of
+        which waits for this rank, so this waits for no cycle; a dead peer fails here, at the timeout, with
+        nothing loaded."""
+        while self._pending_sends:
+            self._pending_sends[0].finish_sends()
+            self._pending_sends.popleft()
+        return super()._load_backup()
+
     def load_touches(self) -> list[torch.Tensor]:
         """The parameters: a load sets them to ``x / w`` (a failed one puts them back)."""
         return list(self.params)
 
     def load_extra_state(self, state: Mapping[str, Any]) -> None:
+        """Load what :meth:`extra_state` wrote. A tensor of another shape than the one it replaces (``copy_``
+        would broadcast it), a list of another length, or a round in flight whose values, weights and offsets
+        disagree (a message would be absorbed in part: mass lost) raises ``ValueError`` naming it (the
+        algorithm's load then rolls back)."""
         if "x" not in state or len(state["x"]) != len(self.x):
             raise ValueError("sgp state: numerators x missing or of another model")
+        _like("x", state["x"], self.x)
+        _like("w", [state["w"]], [self.w])
         for x, s in zip(self.x, state["x"]):
             x.copy_(s)
         self.w.copy_(state["w"])
@@ -250,12 +270,20 @@ class SGP(GossipAlgorithm):
             if sorted(saved) != sorted(str(o) for o in mine):
                 raise ValueError(f"sgp state: {name} has offsets {sorted(saved)}, this run {sorted(mine)}")
             for o, cs in mine.items():
-                for c, s in zip([c for c in cs if c is not None], saved[str(o)]):
+                live = [c for c in cs if c is not None]
+                _like(f"{name}[{str(o)!r}]", saved[str(o)], live)
+                for c, s in zip(live, saved[str(o)]):
                     c.copy_(s)
         self.inflight.clear()
-        self._pending_sends.clear()
+        self._pending_sends.clear()  # finished by _load_backup, before the load began
         for rec in state.get("inflight", []):
             rnd = _Round(int(rec["round"]), [int(o) for o in rec["offsets"]], None, [])
+            if not sorted(rec["values"]) == sorted(rec["weights"]) == sorted(str(o) for o in rnd.offsets):
+                raise ValueError(f"sgp state: inflight round {rnd.round}: offsets {rnd.offsets}, values of "
+                                 f"{sorted(rec['values'])}, weights of {sorted(rec['weights'])}; allowed: the same")
+            for o in rec["values"]:
+                _like(f"inflight round {rnd.round} values[{o!r}]", rec["values"][o], self.x)
+                _like(f"inflight round {rnd.round} weights[{o!r}]", [rec["weights"][o]], [self.w])
             rnd.decoded = {int(o): ([v.clone() for v in rec["values"][o]], rec["weights"][o].clone())
                            for o in rec["values"]}
             self.inflight.append(rnd)
@@ -268,3 +296,15 @@ class SGP(GossipAlgorithm):
         out = super().stats
         out["push_sum_weight"] = float(self.w)
         return out
+
+
+def _like(what: str, saved: Any, live: list[torch.Tensor]) -> None:
+    """``saved`` is a list of tensors of ``live``'s length, each of its counterpart's shape and dtype kind:
+    ValueError naming the first that is not (``copy_`` would broadcast a smaller one silently)."""
+    if not isinstance(saved, (list, tuple)) or len(saved) != len(live):
+        got = f"{len(saved)} entries" if isinstance(saved, (list, tuple)) else f"a {type(saved).__name__}"
+        raise ValueError(f"sgp state: {what}: {got}, expected {len(live)} tensors")
+    for i, (s, t) in enumerate(zip(saved, live)):
+        if not isinstance(s, torch.Tensor) or s.shape != t.shape or s.is_floating_point() != t.is_floating_point():
+            got = f"shape {tuple(s.shape)} {s.dtype}" if isinstance(s, torch.Tensor) else f"a {type(s).__name__}"
+            raise ValueError(f"sgp state: {what}[{i}]: {got}, expected shape {tuple(t.shape)} {t.dtype}")

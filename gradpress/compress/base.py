@@ -30,6 +30,7 @@ wire (bit-packed where the method packs bits).
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Mapping
 from typing import Any, ClassVar, final
 
@@ -279,6 +280,13 @@ class Compressor:
         """Bytes of the tensors of :meth:`state_dict`, counted without copying them (``memory_bytes``). This
         default counts what ``state_dict`` returns; a class whose ``state_dict`` clones sums its live buffers."""
         return tensor_bytes(self.state_dict())
+
+    def state_shape(self, entry: str, shape: torch.Size) -> tuple[int, ...] | None:
+        """The shape of the per-tensor buffer of ``entry`` (an ``element_state`` or ``matrix_state`` name) that
+        this compressor keeps for a tensor of ``shape`` encoded whole; None when the shape alone does not fix
+        it. Element buffers are flat, ``(numel,)``; a ``matrix_state`` factor is the subclass's to give
+        (PowerSGD's Q). A state load refuses a buffer of another shape (the method would drop or reject it)."""
+        return (math.prod(shape),) if entry in self.element_state else None
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if state:

@@ -122,6 +122,9 @@ class Composed(Compressor):
     def state_dict(self) -> dict[str, Any]:
         return self.first.state_dict()
 
+    def state_shape(self, entry: str, shape: torch.Size) -> tuple[int, ...] | None:
+        return self.first.state_shape(entry, shape)
+
     def live_state(self) -> dict[str, Any] | None:
         return self.first.live_state()
 

@@ -183,5 +183,11 @@ class PowerSGD(Compressor):
     def live_state(self) -> dict[str, Any]:
         return {"q": dict(self.q)}
 
+    def state_shape(self, entry: str, shape: torch.Size) -> tuple[int, ...] | None:
+        """Q of a tensor of ``shape``: ``(m, min(rank, n, m))`` for the ``n x m`` matrix it compresses;
+        None for a shape it sends dense (no Q is kept for it, whatever the step)."""
+        dims = self._matrix_shape(shape) if entry == "q" else None
+        return None if dims is None else (dims[1], min(self.rank, *dims))
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.q = {k: v.clone() for k, v in state.get("q", {}).items()}

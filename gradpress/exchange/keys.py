@@ -27,8 +27,8 @@ import warnings
 from collections.abc import Collection, Mapping
 from typing import Any
 
-__all__ = ["KEYS_FORMAT", "WORKER", "escape", "unescape", "namespace", "store_key", "part_key", "root_key",
-           "hop_key", "split_key", "owner", "owner_among", "tensor_owner", "upgrade_keys"]
+__all__ = ["KEYS_FORMAT", "WORKER", "escape", "unescape", "namespace", "namespaces", "store_key", "part_key",
+           "root_key", "hop_key", "split_key", "owner", "owner_among", "tensor_owner", "key_tail", "upgrade_keys"]
 
 #: the ``keys`` entry of an engine state whose keys are built from escaped names
 KEYS_FORMAT = "escaped/1"
@@ -59,6 +59,13 @@ def namespace(name: str) -> str:
         raise ValueError(f"a residual namespace is a non-empty name without '%', '/' or '#', got {name!r}")
     _NAMESPACES.add(name)
     return name
+
+
+def namespaces() -> frozenset[str]:
+    """Every residual namespace a strategy declared (:func:`namespace`): ``ring``, ``root``, ``host``."""
+    from gradpress.exchange import strategies  # noqa: F401 - declares every strategy's namespace
+
+    return frozenset(_NAMESPACES)
 
 
 def store_key(space: str, key: str) -> str:
@@ -105,6 +112,25 @@ def tensor_owner(tensor_key: str, names: Collection[str]) -> str | None:
     context: ``<escaped>``, ``#k``, ``#ps``, ``#k#ps``) was built from, or None."""
     name = unescape(tensor_key.partition("#")[0])
     return name if name in names else None
+
+
+#: what follows a tensor's escaped name in an exchanged key: plan partitions and hierarchical pieces
+#: ``#k`` (any depth), then a PS root's ``#ps``, or in a compressor context a ring hop's ``#ring<c>``
+_STORE_TAIL = re.compile(r"(?:#[0-9]+)*(?:#ps)?")
+_CONTEXT_TAIL = re.compile(r"(?:#[0-9]+)*(?:#ps|#ring[0-9]+)?")
+
+
+def key_tail(key: str, names: Collection[str], context: bool = False) -> tuple[str, str] | None:
+    """``(name, tail)`` when the exchanged ``key`` (a store key's part after its namespace; a compressor
+    context key when ``context``) is one the exchange builds from the tensor ``name`` of ``names``: its
+    escaped name then ``tail`` (``""``: the whole tensor; else :func:`part_key`'s, :func:`root_key`'s,
+    :func:`hop_key`'s suffixes); None when no tensor of ``names`` builds it."""
+    head, sep, rest = key.partition("#")
+    name = unescape(head)
+    tail = sep + rest
+    if name not in names or escape(name) != head:
+        return None
+    return (name, tail) if (_CONTEXT_TAIL if context else _STORE_TAIL).fullmatch(tail) else None
 
 
 # ---------------------------------------------------------------- states written before the encoding

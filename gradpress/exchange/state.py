@@ -1,5 +1,5 @@
 """The exchange engine's state: ``state_dict`` / ``load_state_dict``
-(validated fully before anything changes, rolled back on failure), the
+(validated fully before anything changes: :mod:`gradpress.exchange.state_check`; rolled back on failure), the
 per-step snapshot that ``nonfinite='skip'`` restores, and ``memory_bytes``.
 
 Format ``gradpress-exchange/2``: config, feedback (every residual, every
@@ -27,6 +27,7 @@ from gradpress.compress import Context
 from gradpress.exchange.feedback import WORKER
 from gradpress.exchange.keys import KEYS_FORMAT, upgrade_keys
 from gradpress.exchange.rollback import Rollback
+from gradpress.exchange.state_check import check_contents, check_form
 
 __all__ = ["EngineState", "STATE_FORMAT"]
 
@@ -148,14 +149,15 @@ class EngineState:
             self.load_checked(state, rollback)
 
     def loadable_state(self, state: Mapping[str, Any]) -> Mapping[str, Any]:
-        """``state`` checked (format, shape, configuration, rank: ValueError,
-        nothing changed) and with today's keys; what :meth:`load_checked` loads."""
+        """``state`` checked (format, form, configuration, rank, and every residual and compressor buffer
+        one this engine uses: :mod:`gradpress.exchange.state_check`; ValueError, nothing changed) and with
+        today's keys; what :meth:`load_checked` loads."""
         from gradpress.exchange.agree import config_diff, same_config
 
         if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
             found = repr(state.get("format")) if isinstance(state, Mapping) else f"a {type(state).__name__}"
             raise ValueError(f"not a gradpress exchange state dict (format {found}; allowed: {STATE_FORMAT!r})")
-        _check_state(state)
+        check_form(state)
         theirs, mine = state["config"], self.config()
         if not same_config(theirs, mine):
             raise ValueError(f"gradpress state dict is from a different configuration ({config_diff(theirs, mine)})")
@@ -164,7 +166,9 @@ class EngineState:
                              "the compression state is per rank (residuals differ between ranks): save each rank's "
                              "state_dict() (e.g. to a file named with dist.get_rank()) and load its own on every "
                              "rank; nothing was loaded")
-        return upgrade_keys(state, [p[0] for p in self.params])  # one written before keys were escaped
+        state = upgrade_keys(state, [p[0] for p in self.params])  # one written before keys were escaped
+        check_contents(state, self.params, self.compressor)  # nothing kept that this engine cannot use
+        return state
 
     def load_checked(self, state: Mapping[str, Any], rollback: Rollback[Any], prefix: str = "") -> None:
         """Load a :meth:`loadable_state` part by part, naming each in ``rollback.part`` (after ``prefix``);
@@ -207,43 +211,6 @@ class EngineState:
         self.plan = backup["plan"]
         self.stats_counter.load_state_dict(backup["stats"])
         self.guard.dropped = backup["dropped_steps"]
-
-
-def _check_state(state: Mapping[str, Any]) -> None:
-    """The shape of a state dict (before anything is changed): ValueError
-    naming the first part that is missing or of the wrong type."""
-    def need(ok: bool, what: str, got: Any) -> None:
-        if not ok:
-            raise ValueError(f"gradpress state dict: {what}, got {type(got).__name__} {str(got)[:80]!r}; "
-                             "nothing was loaded")
-
-    for key in ("config", "feedback", "compressor"):
-        if key not in state:
-            raise ValueError(f"gradpress state dict: missing {key!r}; nothing was loaded")
-    need(isinstance(state["config"], Mapping), "'config' must be a dict", state["config"])
-    fb = state["feedback"]
-    need(isinstance(fb, Mapping), "'feedback' must be a dict", fb)
-    for key in ("beta", "gamma"):
-        if key in fb:
-            need(isinstance(fb[key], (int, float)) and not isinstance(fb[key], bool),
-                 f"feedback[{key!r}] must be a number", fb[key])
-    residuals = fb.get("residuals", {})
-    need(isinstance(residuals, Mapping), "feedback['residuals'] must be a dict of tensors", residuals)
-    for key, value in residuals.items():
-        need(isinstance(value, torch.Tensor), f"feedback['residuals'][{key!r}] must be a tensor", value)
-    need(isinstance(state["compressor"], Mapping), "'compressor' must be a dict", state["compressor"])
-    strategies = state.get("strategies", {})
-    need(isinstance(strategies, Mapping), "'strategies' must be a dict", strategies)
-    for name, value in strategies.items():
-        need(isinstance(value, Mapping), f"strategies[{name!r}] must be a dict", value)
-    plan = state.get("plan")
-    need(plan is None or isinstance(plan, Mapping), "'plan' must be a dict", plan)
-    stats = state.get("stats", {})
-    need(isinstance(stats, Mapping), "'stats' must be a dict", stats)
-    for key in ("rank", "dropped_steps"):
-        value = state.get(key, 0)
-        need(isinstance(value, int) and not isinstance(value, bool) and value >= 0, f"{key!r} must be an integer >= 0",
-             value)
 
 
 def _own(state: Any, copies: bool) -> Any:
