@@ -54,6 +54,7 @@ import torch
 from gradpress.algorithms.compressed_adam import BIAS_PARAM, CompressedAdam
 from gradpress.algorithms.registry import register
 from gradpress.compress.base import Param
+from gradpress.exchange.nonfinite import StepGuard
 
 PARAMS = (
     # >= 1: with no warm-up v stays 0, every momentum is masked (v == 0) and no parameter ever moves
@@ -78,15 +79,22 @@ class OneBitAdam(CompressedAdam):
 
     @torch.no_grad()
     def step(self) -> None:
-        skip = self.engine is not None and self.engine.nonfinite == "skip"
+        scale = self.loss_scale  # fp16 loss scaling: unscaled before anything reads the gradients
+        if scale is not None:
+            scale.unscale()
+        skip = self.engine is not None and self.engine.nonfinite == "skip" or scale is not None
         compressed = self.frozen
         saved = [m.clone() for m in self.exp_avg] if skip else None
         self._begin_step()
         grads = self.gradients()
         if not compressed:
             present = self._exact_average(grads)
-            if present is None:  # nonfinite='skip' and a NaN/Inf sum (the same on every rank)
+            if scale is not None:  # the exact sums carry an overflow to every rank: the same verdict everywhere
+                scale.agree(StepGuard.any_bad(grads) if grads else None)
+                present = None if scale.found_inf() else present
+            if present is None:  # nonfinite='skip' (or the scaler's overflow) and a NaN/Inf sum on every rank
                 self.t -= 1
+                self._scaled_end()
                 return
             self._moments(grads, update_v=True, present=present)
         else:
@@ -96,11 +104,15 @@ class OneBitAdam(CompressedAdam):
             kept = {i: self.exp_avg[i].clone() for i, ok in enumerate(mine) if not ok}
             self._moments(grads, update_v=False, present=[True] * len(mine))
             agreed = self._sync_agreeing(self.exp_avg, mine)
-            if agreed is None:  # nonfinite='skip': every rank drops the step
+            if scale is not None and self.engine is not None:  # the engine's verdict (propagate: NaN everywhere)
+                scale.agree(self.engine.guard.last_bad)
+                agreed = None if scale.found_inf() else agreed
+            if agreed is None:  # nonfinite='skip' (or the scaler's overflow): every rank drops the step
                 assert saved is not None
                 for m, s in zip(self.exp_avg, saved):
                     m.copy_(s)
                 self.t -= 1
+                self._scaled_end()
                 return
             present = agreed
             self._mask_unseen(self.exp_avg)
@@ -108,6 +120,13 @@ class OneBitAdam(CompressedAdam):
                 if not present[i]:
                     self.exp_avg[i].copy_(m)
         self._apply(present)
+        self._scaled_end()
+
+    def _scaled_end(self) -> None:
+        """``scaler.update()`` at the end of every step with a loss scaler: this class steps the parameters
+        itself (the scaler's ``step`` would run torch's Adam), so the skip above is the scaler's."""
+        if self.loss_scale is not None:
+            self.loss_scale.update()
 
     def phase_state(self) -> dict[str, Any]:
         return {"freeze_step": self.freeze_step}  # type: ignore[attr-defined]

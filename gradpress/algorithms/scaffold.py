@@ -96,6 +96,10 @@ CONTROL = "control:"
 @register
 class Scaffold(Algorithm):
     name = "scaffold"
+    #: module doc of gradpress.algorithms.loss_scale
+    scaler_refusal = ("its control variates divide a period's parameter change by the sum of the learning rates "
+                      "of its local steps, counted when the gradient is corrected, before the scaler decides: a "
+                      "local step the scaler skips on one rank would still count (use localsgd or diloco)")
     PARAMS = (
         Param("period", int, 8, "integer >= 1", lambda v: v >= 1, "local steps between averages (K)"),
         Param("global_lr", float, 1.0, "number > 0", lambda v: v > 0,

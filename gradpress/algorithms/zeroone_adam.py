@@ -73,6 +73,10 @@ _COUNTERS = ("var_interval", "var_counter", "local_interval", "local_counter")
 @register
 class ZeroOneAdam(CompressedAdam):
     name = "zeroone_adam"
+    #: module doc of gradpress.algorithms.loss_scale
+    scaler_refusal = ("it steps its own Adam with local steps between compressed synchronizations and variance "
+                      "updates at exponentially sparser steps; skipping an overflowed step on every rank is not "
+                      "wired into that schedule (onebit_adam takes a scaler)")
     PARAMS = PARAMS
     summary = ("0/1 Adam (Lu et al. 2022): variance updated at exponentially sparser steps with compressed "
                "gradients between, then frozen variance and compressed local steps")

@@ -1,0 +1,282 @@
+"""fp16 loss scaling in the algorithms layer: ``gradpress.algorithms.create(..., scaler=GradScaler)``
+(2 gloo workers, one launch, about 20 s; ``torch.amp.GradScaler("cpu")``, fp16 autocast over fp32 parameters).
+
+Every gradient is a fixed tensor G (the loss is ``sum(w * G)``: ``w.grad`` is G times the loss scale,
+exactly, the scales being powers of two), rank 1's holding an Inf at two chosen steps; the scaler has
+``growth_interval=2``, so the scale grows and backs off during the run. Each run's parameters are
+compared, step by step, with a float64 reference computed here by the algorithm's definition without any
+loss scaling, the overflowed step left out:
+
+* ``postlocalsgd`` (top-k with error feedback): an overflow in the synchronous phase skips the step on
+  every rank (the gradients' exchange carries it; every scaler skips and backs off), the residuals stay in
+  gradient units across the scale's changes; an overflow in the local phase skips that rank's own local
+  step only (the other rank steps; the scales then differ by rank, each following plain AMP's rule);
+* ``onebit_adam`` (its own Adam: exact warm-up, then the momentum exchanged): an overflow in either phase
+  skips the step on every rank (moments, counts and freeze schedule as in a run without that step);
+* the scaler's state is in the algorithm's ``state_dict``: a run resumed right after a back-off, with a
+  fresh scaler, continues bit-identically (parameters and scales);
+* ``scaler=`` is refused by name where it is not sound or not wired (SCAFFOLD, 0/1 Adam, Comprex, LGC), with
+  ``nonfinite='skip'``, and for an object that is not a scaler.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from typing import Any
+
+import pytest
+import torch
+from amp_helpers import Probe, close, cpu_scaler, run_scaler_workers
+from references import topk
+
+import gradpress.algorithms as algorithms
+
+WORLD = 2
+SHAPE = (16, 32)  # 512 entries: compressed (min_numel below)
+MIN_NUMEL = 64
+STEPS = 8
+RATIO = 0.05
+INIT_SCALE = 2.0 ** 10
+SWITCH, PERIOD = 4, 2  # postlocalsgd: steps 0-3 synchronous, then local SGD averaging every 2 steps
+OVERFLOWS = (1, 5)  # rank 1's gradient holds an Inf at these steps (1: synchronous phase / warm-up; 5: after)
+RESUME_AT = 2  # the run is saved after steps 0-1 (step 1 overflowed: the scale just backed off)
+SGD_LR = 0.1
+ADAM_LR, BETAS, EPS, FREEZE = 0.01, (0.9, 0.999), 1e-8, 3
+
+
+def _grad(rank: int, step: int) -> torch.Tensor:
+    g = torch.randn(SHAPE, generator=torch.Generator().manual_seed(1000 * step + rank))
+    if rank == 1 and step in OVERFLOWS:
+        g[3, 5] = math.inf
+    return g
+
+
+def _build(kind: str, scaler: Any, **options: Any) -> tuple[Probe, algorithms.Algorithm]:
+    model = Probe(SHAPE)
+    if kind == "postlocalsgd":
+        opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=SGD_LR)
+        algo = algorithms.create(f"postlocalsgd:switch={SWITCH},period={PERIOD}", model, opt,
+                                 compressor=f"topk:ratio={RATIO}", min_numel=MIN_NUMEL, scaler=scaler, **options)
+    else:
+        opt = torch.optim.Adam(model.parameters(), lr=ADAM_LR, betas=BETAS, eps=EPS)
+        algo = algorithms.create(f"onebit_adam:freeze_step={FREEZE}", model, opt, compressor="none",
+                                 min_numel=MIN_NUMEL, scaler=scaler, **options)
+    return model, algo
+
+
+def _train(rank: int, kind: str, start: int = 0, stop: int = STEPS, saved: bytes | None = None) -> dict:
+    """Steps ``start..stop-1`` under fp16 autocast with a fresh ``GradScaler`` (``saved``: the model's and
+    the algorithm's states to resume from; the algorithm's carries the scaler's); per step ``w`` after ``algo.step()`` (float64) and
+    the scale of the step's backward."""
+    scaler = cpu_scaler(INIT_SCALE)
+    model, algo = _build(kind, scaler)
+    if saved is not None:  # the model is the caller's to save (SGD without momentum: no optimizer state)
+        state = torch.load(io.BytesIO(saved), weights_only=True)
+        model.load_state_dict(state["model"])
+        algo.load_state_dict(state["algorithm"])
+    params, scales = [], []
+    for step in range(start, stop):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(_grad(rank, step))
+        scaler.scale(loss).backward()
+        scales.append(scaler.get_scale())
+        algo.step()
+        params.append(model.w.detach().double().clone())
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "algorithm": algo.state_dict()}, buf)
+    algo.close()
+    return {"params": params, "scales": scales, "state": buf.getvalue()}
+
+
+def _refusals() -> dict[str, str]:
+    out = {}
+    cases: list[tuple[str, str, Any, dict]] = [
+        (name, spec, cpu_scaler(INIT_SCALE), {}) for name, spec in (
+            ("scaffold", "scaffold:period=2"), ("zeroone_adam", "zeroone_adam"), ("comprex", "comprex"),
+            ("lgc", "lgc"))]
+    cases += [("skip", "localsgd:period=2", cpu_scaler(INIT_SCALE), {"nonfinite": "skip"}),
+              ("object", "localsgd:period=2", object(), {})]
+    for label, spec, scaler, kwargs in cases:
+        model = Probe(SHAPE)
+        opt = torch.optim.Adam(model.parameters(), lr=ADAM_LR)
+        try:
+            algorithms.create(spec, model, opt, scaler=scaler, **kwargs).close()
+            out[label] = "accepted"
+        except ValueError as exc:
+            out[label] = str(exc)
+    return out
+
+
+def _workers(rank: int, world: int) -> dict:
+    out: dict = {kind: _train(rank, kind) for kind in ("postlocalsgd", "onebit_adam")}
+    first = _train(rank, "postlocalsgd", stop=RESUME_AT)
+    out["resumed"] = _train(rank, "postlocalsgd", start=RESUME_AT, saved=first["state"])
+    out["first_state"] = first["state"]
+    out["refusals"] = _refusals()
+    return out
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    return run_scaler_workers(_workers, WORLD)
+
+
+# ----------------------------------------------------------------------------- float64 references
+
+def _g(rank: int, step: int) -> torch.Tensor:
+    return _grad(rank, step).double()
+
+
+def _overflowed(rank: int, step: int) -> bool:
+    return rank == 1 and step in OVERFLOWS
+
+
+def _amp_scales(skipped: list[bool]) -> list[float]:
+    """Plain AMP's scale per step (the scale of the step's backward): x0.5 after a skipped step, x2 after 2
+    good steps in a row (``growth_interval=2``), the count restarting after either."""
+    scale, good, out = INIT_SCALE, 0, []
+    for bad in skipped:
+        out.append(scale)
+        if bad:
+            scale, good = scale / 2, 0
+        else:
+            good += 1
+            if good == 2:
+                scale, good = scale * 2, 0
+    return out
+
+
+def _postlocalsgd_reference() -> tuple[list[list[torch.Tensor]], list[list[float]]]:
+    """Per rank, per step ``w`` and the scales, by the definition: synchronous steps average top-k with error
+    feedback of the gradients (residuals ``e_g``; a step with an overflow on any rank is left out on every
+    rank, every residual kept); local steps ``x -= lr G`` (a rank skips its own overflowed step); every
+    ``PERIOD`` local steps the deltas from the anchor are averaged by top-k with their own residuals ``e_d``."""
+    zeros = torch.zeros(SHAPE, dtype=torch.float64)
+    x = [zeros.clone() for _ in range(WORLD)]
+    e_g = [zeros.clone() for _ in range(WORLD)]
+    e_d = [zeros.clone() for _ in range(WORLD)]
+    anchor, since = zeros.clone(), 0
+    params: list[list[torch.Tensor]] = [[] for _ in range(WORLD)]
+    skipped: list[list[bool]] = [[] for _ in range(WORLD)]
+    for step in range(STEPS):
+        if step < SWITCH:
+            bad = any(_overflowed(r, step) for r in range(WORLD))
+            if not bad:
+                sent = []
+                for r in range(WORLD):
+                    p = e_g[r] + _g(r, step)
+                    sent.append(topk(p, RATIO))
+                    e_g[r] = p - sent[-1]
+                avg = sum(sent) / WORLD
+                x = [xr - SGD_LR * avg for xr in x]
+            for r in range(WORLD):
+                skipped[r].append(bad)
+            if step == SWITCH - 1:
+                anchor = x[0].clone()
+        else:
+            for r in range(WORLD):
+                bad = _overflowed(r, step)
+                skipped[r].append(bad)
+                if not bad:
+                    x[r] = x[r] - SGD_LR * _g(r, step)
+            since += 1
+            if since == PERIOD:
+                sent = []
+                for r in range(WORLD):
+                    p = e_d[r] + (x[r] - anchor)
+                    sent.append(topk(p, RATIO))
+                    e_d[r] = p - sent[-1]
+                anchor = anchor + sum(sent) / WORLD
+                x = [anchor.clone() for _ in range(WORLD)]
+                since = 0
+        for r in range(WORLD):
+            params[r].append(x[r].clone())
+    return params, [_amp_scales(s) for s in skipped]
+
+
+def _onebit_reference() -> tuple[list[torch.Tensor], list[float]]:
+    """1-bit Adam with an identity compressor by the definition: g the mean of the ranks' gradients;
+    warm-up (the first ``FREEZE`` steps taken): ``m, v`` updated; then ``v`` frozen and ``m`` the mean of
+    the ranks' ``b1 m + (1 - b1) G_r`` (= ``b1 m + (1 - b1) g``); the step ``lr m / bc1 / (sqrt(v / bc2) +
+    eps)`` with ``bc1`` over the steps taken and ``bc2`` over the variance updates. A step with an overflow
+    on any rank is left out on every rank (no count moves)."""
+    b1, b2 = BETAS
+    x = torch.zeros(SHAPE, dtype=torch.float64)
+    m, v = torch.zeros_like(x), torch.zeros_like(x)
+    taken = v_steps = 0
+    params, skipped = [], []
+    for step in range(STEPS):
+        bad = any(_overflowed(r, step) for r in range(WORLD))
+        skipped.append(bad)
+        if not bad:
+            g = sum(_g(r, step) for r in range(WORLD)) / WORLD
+            m = b1 * m + (1 - b1) * g
+            if taken < FREEZE:
+                v = b2 * v + (1 - b2) * g * g
+                v_steps += 1
+            taken += 1
+            denom = (v / (1 - b2 ** v_steps)).sqrt() + EPS
+            x = x - ADAM_LR / (1 - b1 ** taken) * m / denom
+        params.append(x.clone())
+    return params, _amp_scales(skipped)
+
+
+# ----------------------------------------------------------------------------- tests
+
+def test_postlocalsgd_under_a_changing_loss_scale_matches_the_unscaled_definition(results: list[dict]) -> None:
+    want, want_scales = _postlocalsgd_reference()
+    for rank, res in enumerate(results):
+        run = res["postlocalsgd"]
+        assert run["scales"] == want_scales[rank], (rank, run["scales"], want_scales[rank])
+        for step, (got, ref) in enumerate(zip(run["params"], want[rank])):
+            assert bool(torch.isfinite(got).all()), f"rank {rank} step {step}: the overflow reached w"
+            assert close(got, ref), (f"postlocalsgd rank {rank} step {step} (scale {run['scales'][step]}): w differs "
+                                     f"from the float64 definition by {float((got - ref).abs().max()):.3g}")
+
+
+def test_a_local_overflow_skips_only_that_ranks_step(results: list[dict]) -> None:
+    """After the local-phase overflow the ranks' scales differ (each rank's own AMP rule): rank 0's grew
+    after its second good step in a row, rank 1's backed off."""
+    step = OVERFLOWS[1]
+    assert step >= SWITCH
+    scales = [res["postlocalsgd"]["scales"] for res in results]
+    assert scales[0][step + 1] == 4 * scales[1][step + 1], scales
+
+
+def test_onebit_adam_under_a_changing_loss_scale_matches_the_unscaled_definition(results: list[dict]) -> None:
+    want, want_scales = _onebit_reference()
+    for rank, res in enumerate(results):
+        run = res["onebit_adam"]
+        assert run["scales"] == want_scales, (rank, run["scales"], want_scales)
+        for step, (got, ref) in enumerate(zip(run["params"], want)):
+            assert bool(torch.isfinite(got).all()), f"rank {rank} step {step}: the overflow reached w"
+            assert close(got, ref), (f"onebit_adam rank {rank} step {step}: w differs from the float64 "
+                                     f"definition by {float((got - ref).abs().max()):.3g}")
+
+
+def test_resume_right_after_a_back_off_is_bit_identical(results: list[dict]) -> None:
+    for rank, res in enumerate(results):
+        straight, resumed = res["postlocalsgd"], res["resumed"]
+        assert resumed["scales"] == straight["scales"][RESUME_AT:], (rank, resumed["scales"], straight["scales"])
+        for i, w in enumerate(resumed["params"]):
+            assert torch.equal(w, straight["params"][RESUME_AT + i]), f"rank {rank} step {RESUME_AT + i}"
+        saved = torch.load(io.BytesIO(res["first_state"]), weights_only=True)["algorithm"]["loss_scaler"]
+        assert saved["scale"] == straight["scales"][RESUME_AT], (saved, straight["scales"])  # the backed-off scale
+
+
+@pytest.mark.parametrize("name", ["scaffold", "zeroone_adam", "comprex", "lgc"])
+def test_scaler_is_refused_where_not_supported_naming_the_reason(results: list[dict], name: str) -> None:
+    cls = algorithms.get_class(name)
+    assert cls.scaler_refusal
+    for res in results:
+        message = res["refusals"][name]
+        assert f"algorithm {name!r}: scaler= is not supported: {cls.scaler_refusal}" in message, message
+
+
+def test_scaler_with_skip_or_a_non_scaler_is_refused(results: list[dict]) -> None:
+    for res in results:
+        skip, obj = res["refusals"]["skip"], res["refusals"]["object"]
+        assert "scaler= needs nonfinite='propagate', got nonfinite='skip'" in skip, skip
+        assert "scaler must be a torch.amp.GradScaler" in obj and "got object" in obj, obj
