@@ -1,5 +1,5 @@
 """fp16 loss scaling in the algorithms layer: ``gradpress.algorithms.create(..., scaler=GradScaler)``
-(2 gloo workers, one launch, about 20 s; ``torch.amp.GradScaler("cpu")``, fp16 autocast over fp32 parameters).
+(2 gloo workers, one launch, about 25 s; ``torch.amp.GradScaler("cpu")``, fp16 autocast over fp32 parameters).
 
 Every gradient is a fixed tensor G (the loss is ``sum(w * G)``: ``w.grad`` is G times the loss scale,
 exactly, the scales being powers of two), rank 1's holding an Inf at two chosen steps; the scaler has
@@ -15,7 +15,12 @@ loss scaling, the overflowed step left out:
   skips the step on every rank (moments, counts and freeze schedule as in a run without that step);
 * the scaler's state is in the algorithm's ``state_dict``: a run resumed right after a back-off, with a
   fresh scaler, continues bit-identically (parameters and scales);
-* ``scaler=`` is refused by name where it is not sound or not wired (SCAFFOLD, 0/1 Adam, Comprex, LGC), with
+* ``scaffold``: a local step the scaler skips adds nothing to the period's lr sum (its control variate is
+  the estimate from the steps taken), against its float64 definition;
+* local SGD, DiLoCo (with a synchronous start), Streaming DiLoCo, LSGD, D-PSGD, SGP and CHOCO step, bit for
+  bit, as the same algorithm without a scaler whose overflowed steps are zero gradients (plain SGD: no move);
+* a caller who unscales to clip before ``algo.step()`` is not unscaled twice (the same run bit for bit);
+* ``scaler=`` is refused by name where it is not sound or not wired (0/1 Adam, Comprex, LGC), with
   ``nonfinite='skip'``, and for an object that is not a scaler.
 """
 
@@ -58,6 +63,10 @@ def _build(kind: str, scaler: Any, **options: Any) -> tuple[Probe, algorithms.Al
         opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=SGD_LR)
         algo = algorithms.create(f"postlocalsgd:switch={SWITCH},period={PERIOD}", model, opt,
                                  compressor=f"topk:ratio={RATIO}", min_numel=MIN_NUMEL, scaler=scaler, **options)
+    elif kind == "scaffold":  # plain SGD: option II, the paper's
+        opt = torch.optim.SGD(model.parameters(), lr=SGD_LR)
+        algo = algorithms.create(f"scaffold:period={PERIOD}", model, opt, min_numel=MIN_NUMEL, scaler=scaler,
+                                 **options)
     else:
         opt = torch.optim.Adam(model.parameters(), lr=ADAM_LR, betas=BETAS, eps=EPS)
         algo = algorithms.create(f"onebit_adam:freeze_step={FREEZE}", model, opt, compressor="none",
@@ -65,10 +74,12 @@ def _build(kind: str, scaler: Any, **options: Any) -> tuple[Probe, algorithms.Al
     return model, algo
 
 
-def _train(rank: int, kind: str, start: int = 0, stop: int = STEPS, saved: bytes | None = None) -> dict:
+def _train(rank: int, kind: str, start: int = 0, stop: int = STEPS, saved: bytes | None = None,
+           clip: bool = False) -> dict:
     """Steps ``start..stop-1`` under fp16 autocast with a fresh ``GradScaler`` (``saved``: the model's and
     the algorithm's states to resume from; the algorithm's carries the scaler's); per step ``w`` after ``algo.step()`` (float64) and
-    the scale of the step's backward."""
+    the scale of the step's backward. ``clip``: the caller unscales and clips before ``algo.step()``
+    (a norm bound no finite gradient here reaches), as plain AMP's loop with clipping does."""
     scaler = cpu_scaler(INIT_SCALE)
     model, algo = _build(kind, scaler)
     if saved is not None:  # the model is the caller's to save (SGD without momentum: no optimizer state)
@@ -82,6 +93,9 @@ def _train(rank: int, kind: str, start: int = 0, stop: int = STEPS, saved: bytes
             loss = model(_grad(rank, step))
         scaler.scale(loss).backward()
         scales.append(scaler.get_scale())
+        if clip:
+            scaler.unscale_(algo.optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
         algo.step()
         params.append(model.w.detach().double().clone())
     buf = io.BytesIO()
@@ -90,11 +104,54 @@ def _train(rank: int, kind: str, start: int = 0, stop: int = STEPS, saved: bytes
     return {"params": params, "scales": scales, "state": buf.getvalue()}
 
 
+#: (spec, its synchronous steps) of the algorithms whose local steps are each rank's own, run against the same
+#: algorithm without a scaler (plain SGD, two parameters)
+EQUIVALENT = (
+    ("localsgd:period=2", 0),
+    (f"diloco:period=2,switch={SWITCH}", SWITCH),
+    ("streaming-diloco:period=4,fragments=2,overlap=1", 0),
+    ("lsgd:tau=2", 0),
+    ("dpsgd", 0),
+    ("sgp", 0),
+    ("choco", 0),
+)
+
+
+def _equivalent(rank: int, spec: str, switch: int) -> dict[str, list[torch.Tensor]]:
+    """Per step the parameters (float64, concatenated) of ``spec`` under fp16 autocast with a ``GradScaler``
+    (``scaled``), and of the same algorithm without loss scaling (``plain``) whose overflowed steps are
+    zero gradients instead, which plain SGD does not move: a step skipped on every rank in the synchronous
+    phase (``switch``), on rank 1 alone after it. LSGD is handed the same finite loss in both runs."""
+    out: dict[str, list[torch.Tensor]] = {}
+    for label in ("scaled", "plain"):
+        scaler = cpu_scaler(INIT_SCALE) if label == "scaled" else None
+        model = Probe(SHAPE, extra=1)
+        opt = torch.optim.SGD(model.parameters(), lr=SGD_LR)
+        algo = algorithms.create(spec, model, opt, min_numel=MIN_NUMEL, scaler=scaler)
+        params = []
+        for step in range(STEPS):
+            model.zero_grad(set_to_none=True)
+            g = _grad(rank, step)
+            if scaler is None and step in OVERFLOWS and (step < switch or rank == 1):
+                g = torch.zeros_like(g)
+            with torch.autocast("cpu", dtype=torch.float16, enabled=scaler is not None):
+                loss = model(g)
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+            if spec.startswith("lsgd"):
+                algo.step(torch.tensor(1.0 + rank))  # type: ignore[call-arg]
+            else:
+                algo.step()
+            params.append(torch.cat([p.detach().double().reshape(-1) for p in model.parameters()]))
+        algo.close()
+        out[label] = params
+    return out
+
+
 def _refusals() -> dict[str, str]:
     out = {}
     cases: list[tuple[str, str, Any, dict]] = [
         (name, spec, cpu_scaler(INIT_SCALE), {}) for name, spec in (
-            ("scaffold", "scaffold:period=2"), ("zeroone_adam", "zeroone_adam"), ("comprex", "comprex"),
+            ("zeroone_adam", "zeroone_adam"), ("comprex", "comprex"),
             ("lgc", "lgc"))]
     cases += [("skip", "localsgd:period=2", cpu_scaler(INIT_SCALE), {"nonfinite": "skip"}),
               ("object", "localsgd:period=2", object(), {})]
@@ -110,10 +167,12 @@ def _refusals() -> dict[str, str]:
 
 
 def _workers(rank: int, world: int) -> dict:
-    out: dict = {kind: _train(rank, kind) for kind in ("postlocalsgd", "onebit_adam")}
+    out: dict = {kind: _train(rank, kind) for kind in ("postlocalsgd", "onebit_adam", "scaffold")}
+    out["equivalent"] = {spec: _equivalent(rank, spec, switch) for spec, switch in EQUIVALENT}
     first = _train(rank, "postlocalsgd", stop=RESUME_AT)
     out["resumed"] = _train(rank, "postlocalsgd", start=RESUME_AT, saved=first["state"])
     out["first_state"] = first["state"]
+    out["clipped"] = _train(rank, "postlocalsgd", clip=True)
     out["refusals"] = _refusals()
     return out
 
@@ -223,6 +282,32 @@ def _onebit_reference() -> tuple[list[torch.Tensor], list[float]]:
     return params, _amp_scales(skipped)
 
 
+def _scaffold_reference() -> list[list[torch.Tensor]]:
+    """SCAFFOLD (option II, plain SGD, ``global_lr=1``, no compression) by the definition: from ``x`` each rank
+    steps ``y_i -= lr (G_i - c_i + c)``, a step its scaler skips left out (no lr counted); every ``PERIOD``
+    steps ``c_i+ = c_i - c + (x - y_i) / sum(lr)``, ``x += mean(y_i - x)``, ``c += mean(c_i+ - c_i)``."""
+    zeros = torch.zeros(SHAPE, dtype=torch.float64)
+    x, c = zeros.clone(), zeros.clone()
+    c_i = [zeros.clone() for _ in range(WORLD)]
+    y = [zeros.clone() for _ in range(WORLD)]
+    lrs = [0.0] * WORLD
+    params: list[list[torch.Tensor]] = [[] for _ in range(WORLD)]
+    for step in range(STEPS):
+        for r in range(WORLD):
+            if not _overflowed(r, step):
+                y[r] = y[r] - SGD_LR * (_g(r, step) - c_i[r] + c)
+                lrs[r] += SGD_LR
+        if (step + 1) % PERIOD == 0:
+            new_c = [c_i[r] - c + (x - y[r]) / lrs[r] for r in range(WORLD)]
+            x = x + sum(y[r] - x for r in range(WORLD)) / WORLD
+            c = c + sum(new_c[r] - c_i[r] for r in range(WORLD)) / WORLD
+            c_i, lrs = new_c, [0.0] * WORLD
+            y = [x.clone() for _ in range(WORLD)]
+        for r in range(WORLD):
+            params[r].append(y[r].clone())
+    return params
+
+
 # ----------------------------------------------------------------------------- tests
 
 def test_postlocalsgd_under_a_changing_loss_scale_matches_the_unscaled_definition(results: list[dict]) -> None:
@@ -256,6 +341,27 @@ def test_onebit_adam_under_a_changing_loss_scale_matches_the_unscaled_definition
                                      f"definition by {float((got - ref).abs().max()):.3g}")
 
 
+def test_scaffold_skips_an_overflowed_local_step_in_its_control_variates(results: list[dict]) -> None:
+    want = _scaffold_reference()
+    for rank, res in enumerate(results):
+        run = res["scaffold"]
+        for step, (got, ref) in enumerate(zip(run["params"], want[rank])):
+            assert bool(torch.isfinite(got).all()), f"rank {rank} step {step}: the overflow reached w"
+            assert close(got, ref), (f"scaffold rank {rank} step {step}: w differs from the float64 definition by "
+                                     f"{float((got - ref).abs().max()):.3g}")
+
+
+@pytest.mark.parametrize(("spec", "switch"), EQUIVALENT)
+def test_local_step_algorithms_under_a_scaler_step_as_without_one(results: list[dict], spec: str,
+                                                                  switch: int) -> None:
+    """Bit for bit: the scales are powers of two, so the unscaled gradient is exactly G."""
+    for rank, res in enumerate(results):
+        run = res["equivalent"][spec]
+        for step, (got, want) in enumerate(zip(run["scaled"], run["plain"])):
+            assert torch.equal(got, want), (f"{spec} rank {rank} step {step}: differs from the run without loss "
+                                            f"scaling by {float((got - want).abs().max()):.3g}")
+
+
 def test_resume_right_after_a_back_off_is_bit_identical(results: list[dict]) -> None:
     for rank, res in enumerate(results):
         straight, resumed = res["postlocalsgd"], res["resumed"]
@@ -266,7 +372,15 @@ def test_resume_right_after_a_back_off_is_bit_identical(results: list[dict]) -> 
         assert saved["scale"] == straight["scales"][RESUME_AT], (saved, straight["scales"])  # the backed-off scale
 
 
-@pytest.mark.parametrize("name", ["scaffold", "zeroone_adam", "comprex", "lgc"])
+def test_a_caller_who_unscaled_to_clip_is_not_unscaled_twice(results: list[dict]) -> None:
+    for rank, res in enumerate(results):
+        straight, clipped = res["postlocalsgd"], res["clipped"]
+        assert clipped["scales"] == straight["scales"], rank
+        for step, (got, want) in enumerate(zip(clipped["params"], straight["params"])):
+            assert torch.equal(got, want), f"rank {rank} step {step}"
+
+
+@pytest.mark.parametrize("name", ["zeroone_adam", "comprex", "lgc"])
 def test_scaler_is_refused_where_not_supported_naming_the_reason(results: list[dict], name: str) -> None:
     cls = algorithms.get_class(name)
     assert cls.scaler_refusal
