@@ -21,7 +21,7 @@ loss scaling, the overflowed step left out:
   bit, as the same algorithm without a scaler whose overflowed steps are zero gradients (plain SGD: no move);
 * a caller who unscales to clip before ``algo.step()`` is not unscaled twice (the same run bit for bit);
 * ``scaler=`` is refused by name where it is not sound or not wired (0/1 Adam, Comprex, LGC), with
-  ``nonfinite='skip'``, and for an object that is not a scaler.
+  ``nonfinite='skip'``, for an object that is not a scaler, and on every rank when only some ranks give one.
 """
 
 from __future__ import annotations
@@ -147,14 +147,15 @@ def _equivalent(rank: int, spec: str, switch: int) -> dict[str, list[torch.Tenso
     return out
 
 
-def _refusals() -> dict[str, str]:
+def _refusals(rank: int) -> dict[str, str]:
     out = {}
     cases: list[tuple[str, str, Any, dict]] = [
         (name, spec, cpu_scaler(INIT_SCALE), {}) for name, spec in (
             ("zeroone_adam", "zeroone_adam"), ("comprex", "comprex"),
             ("lgc", "lgc"))]
     cases += [("skip", "localsgd:period=2", cpu_scaler(INIT_SCALE), {"nonfinite": "skip"}),
-              ("object", "localsgd:period=2", object(), {})]
+              ("object", "localsgd:period=2", object(), {}),
+              ("ranks", "localsgd:period=2", cpu_scaler(INIT_SCALE) if rank == 0 else None, {})]
     for label, spec, scaler, kwargs in cases:
         model = Probe(SHAPE)
         opt = torch.optim.Adam(model.parameters(), lr=ADAM_LR)
@@ -173,7 +174,7 @@ def _workers(rank: int, world: int) -> dict:
     out["resumed"] = _train(rank, "postlocalsgd", start=RESUME_AT, saved=first["state"])
     out["first_state"] = first["state"]
     out["clipped"] = _train(rank, "postlocalsgd", clip=True)
-    out["refusals"] = _refusals()
+    out["refusals"] = _refusals(rank)
     return out
 
 
@@ -387,6 +388,13 @@ def test_scaler_is_refused_where_not_supported_naming_the_reason(results: list[d
     for res in results:
         message = res["refusals"][name]
         assert f"algorithm {name!r}: scaler= is not supported: {cls.scaler_refusal}" in message, message
+
+
+def test_ranks_that_disagree_on_a_scaler_fail_alike(results: list[dict]) -> None:
+    for res in results:
+        message = res["refusals"]["ranks"]
+        assert ("configuration differs between ranks" in message and "scaler=False" in message
+                and "every rank or on none" in message), message
 
 
 def test_scaler_with_skip_or_a_non_scaler_is_refused(results: list[dict]) -> None:

@@ -36,6 +36,12 @@ scale per partition, ``"topk:ratio=0.01"``...). The exchange
 itself, bias correction and the optimizer contract are described in
 :mod:`gradpress.algorithms.compressed_adam`.
 
+``scaler=`` (fp16 autocast, :mod:`gradpress.algorithms.loss_scale`): the gradients are unscaled first;
+an overflow on any rank reaches every rank (the warm-up's exact sums; the engine's ``propagate`` verdict
+after it, ``StepGuard.last_bad``) and skips the step there as ``nonfinite='skip'`` does (moments, counts
+and schedule as they were), then ``scaler.update()``: this class steps the parameters itself, so
+``scaler.step`` (torch's Adam) is never called (tests/test_review_ampalgo.py).
+
 Invariants (tests/test_compressed_adam.py): with an identity compressor and
 ``T`` past the end of the run this is distributed Adam (float64); with an
 identity compressor it is Adam whose variance stops at step ``T``; ``v``
