@@ -19,6 +19,7 @@ loss scaling, the overflowed step left out:
   the estimate from the steps taken), against its float64 definition;
 * local SGD, DiLoCo (with a synchronous start), Streaming DiLoCo, LSGD, D-PSGD, SGP and CHOCO step, bit for
   bit, as the same algorithm without a scaler whose overflowed steps are zero gradients (plain SGD: no move);
+* the ranks' differing scaler states fold into another world size (the smallest scale);
 * a caller who unscales to clip before ``algo.step()`` is not unscaled twice (the same run bit for bit);
 * ``scaler=`` is refused by name where it is not sound or not wired (0/1 Adam, Comprex, LGC), with
   ``nonfinite='skip'``, for an object that is not a scaler, and on every rank when only some ranks give one.
@@ -379,6 +380,22 @@ def test_a_caller_who_unscaled_to_clip_is_not_unscaled_twice(results: list[dict]
         assert clipped["scales"] == straight["scales"], rank
         for step, (got, want) in enumerate(zip(clipped["params"], straight["params"])):
             assert torch.equal(got, want), f"rank {rank} step {step}"
+
+
+def test_a_resume_on_another_world_size_takes_the_smallest_scale(results: list[dict]) -> None:
+    """The ranks' scales differ after rank 1's local overflow (and their growth counts: plain numbers with no
+    mean): folded into one rank, the scale is the smallest saved, its growth count restarted."""
+    from gradpress.exchange.reshard import fold
+
+    saved = [torch.load(io.BytesIO(res["postlocalsgd"]["state"]), weights_only=True)["algorithm"]["loss_scaler"]
+             for res in results]
+    assert saved[0]["scale"] != saved[1]["scale"], saved
+    states = [torch.load(io.BytesIO(res["postlocalsgd"]["state"]), weights_only=True)["algorithm"]
+              for res in results]
+    folded = fold(states, 0, 1)["loss_scaler"]
+    assert folded["scale"] == min(s["scale"] for s in saved), (folded, saved)
+    assert folded["_growth_tracker"] == 0, folded
+    assert folded["growth_interval"] == 2 and folded["backoff_factor"] == 0.5, folded
 
 
 @pytest.mark.parametrize("name", ["zeroone_adam", "comprex", "lgc"])

@@ -361,6 +361,21 @@ def _fold_state(vals: list[Any], at: Fold) -> dict[str, Any]:
             raise refuse(vals, at.at(key, owner), "present on some saved ranks only")
         if key == "config":
             out[key] = fold_config(vals, at)
+        elif key == "loss_scaler":
+            out[key] = _fold_scaler([v[key] for v in vals], at.at(key, owner))
         else:
             out[key] = fold_leaves([v[key] for v in vals], at.at(key, owner))
+    return out
+
+
+def _fold_scaler(vals: list[Any], at: Fold) -> dict[str, Any]:
+    """The saved ranks' ``GradScaler`` states on another world size: the smallest scale (the ranks' scales
+    differ after a local step that overflowed on some: the one that backed off is the safe one), its growth
+    count restarted; the factors and interval by the generic rule (the same on every rank)."""
+    if not all(isinstance(v, Mapping) and "scale" in v for v in vals):
+        raise refuse(vals, at, "not a GradScaler state (with 'scale') on every saved rank")
+    rest = fold_leaves([{k: x for k, x in v.items() if k not in ("scale", "_growth_tracker")} for v in vals], at)
+    out = {**rest, "scale": min(float(v["scale"]) for v in vals)}
+    if any("_growth_tracker" in v for v in vals):
+        out["_growth_tracker"] = 0
     return out
