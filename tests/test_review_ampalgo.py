@@ -19,6 +19,7 @@ loss scaling, the overflowed step left out:
   the estimate from the steps taken), against its float64 definition;
 * local SGD, DiLoCo (with a synchronous start), Streaming DiLoCo, LSGD, D-PSGD, SGP and CHOCO step, bit for
   bit, as the same algorithm without a scaler whose overflowed steps are zero gradients (plain SGD: no move);
+* a disabled scaler (``GradScaler(enabled=False)``) steps as no scaler, without failing;
 * the ranks' differing scaler states fold into another world size (the smallest scale);
 * a caller who unscales to clip before ``algo.step()`` is not unscaled twice (the same run bit for bit);
 * ``scaler=`` is refused by name where it is not sound or not wired (0/1 Adam, Comprex, LGC), with
@@ -76,12 +77,14 @@ def _build(kind: str, scaler: Any, **options: Any) -> tuple[Probe, algorithms.Al
 
 
 def _train(rank: int, kind: str, start: int = 0, stop: int = STEPS, saved: bytes | None = None,
-           clip: bool = False) -> dict:
+           clip: bool = False, enabled: bool = True) -> dict:
     """Steps ``start..stop-1`` under fp16 autocast with a fresh ``GradScaler`` (``saved``: the model's and
     the algorithm's states to resume from; the algorithm's carries the scaler's); per step ``w`` after ``algo.step()`` (float64) and
     the scale of the step's backward. ``clip``: the caller unscales and clips before ``algo.step()``
     (a norm bound no finite gradient here reaches), as plain AMP's loop with clipping does."""
     scaler = cpu_scaler(INIT_SCALE)
+    if not enabled:  # GradScaler(enabled=False), as a script with enabled=use_fp16 builds it
+        scaler = torch.amp.GradScaler("cpu", enabled=False)
     model, algo = _build(kind, scaler)
     if saved is not None:  # the model is the caller's to save (SGD without momentum: no optimizer state)
         state = torch.load(io.BytesIO(saved), weights_only=True)
@@ -175,6 +178,7 @@ def _workers(rank: int, world: int) -> dict:
     out["resumed"] = _train(rank, "postlocalsgd", start=RESUME_AT, saved=first["state"])
     out["first_state"] = first["state"]
     out["clipped"] = _train(rank, "postlocalsgd", clip=True)
+    out["disabled"] = {kind: _train(rank, kind, enabled=False) for kind in ("onebit_adam", "scaffold")}
     out["refusals"] = _refusals(rank)
     return out
 
@@ -396,6 +400,20 @@ def test_a_resume_on_another_world_size_takes_the_smallest_scale(results: list[d
     assert folded["scale"] == min(s["scale"] for s in saved), (folded, saved)
     assert folded["_growth_tracker"] == 0, folded
     assert folded["growth_interval"] == 2 and folded["backoff_factor"] == 0.5, folded
+
+
+@pytest.mark.parametrize("kind", ["onebit_adam", "scaffold"])
+def test_a_disabled_scaler_steps_as_no_scaler(results: list[dict], kind: str) -> None:
+    """``GradScaler(enabled=False)`` records no found-inf flag: nothing to agree on, every step taken. No
+    rank skips an overflowed step then (plain AMP with a disabled scaler does the same): the Inf reaches
+    ``w`` at the first overflow, and every step before it equals the scaled run."""
+    for rank, res in enumerate(results):
+        run, scaled = res["disabled"][kind], res[kind]
+        assert run["scales"] == [1.0] * STEPS, run["scales"]
+        first = OVERFLOWS[0]
+        for step in range(first):
+            assert torch.equal(run["params"][step], scaled["params"][step]), f"{kind} rank {rank} step {step}"
+        assert not bool(torch.isfinite(run["params"][-1]).all()), f"{kind} rank {rank}: the Inf was skipped"
 
 
 @pytest.mark.parametrize("name", ["zeroone_adam", "comprex", "lgc"])

@@ -68,6 +68,9 @@ class AlgorithmScale:
     def __init__(self, scaler: Any, optimizer: torch.optim.Optimizer) -> None:
         self.scaler = scaler
         self.optimizer = optimizer
+        #: ``GradScaler(enabled=False)`` (``enabled=use_fp16``): ``scale`` and ``unscale_`` do nothing, ``step``
+        #: is ``optimizer.step()``; no found-inf flag is recorded, so there is none to agree on
+        self.enabled = bool(getattr(scaler, "is_enabled", lambda: True)())
 
     def _opt_state(self) -> dict[str, Any]:
         states = getattr(self.scaler, "_per_optimizer_states", None)
@@ -78,6 +81,8 @@ class AlgorithmScale:
 
     def unscale(self) -> None:
         """``scaler.unscale_(optimizer)`` unless the caller already did (before clipping)."""
+        if not self.enabled:
+            return
         stage = self._opt_state().get("stage")
         if getattr(stage, "name", None) != "UNSCALED":
             self.scaler.unscale_(self.optimizer)
@@ -85,7 +90,7 @@ class AlgorithmScale:
     def agree(self, bad: torch.Tensor | None) -> None:
         """OR the step's verdict ``bad`` (a 0-d tensor, the same on every rank; None: nothing flagged) into
         the scaler's found-inf flags, after :meth:`unscale` (no host read)."""
-        if bad is None:
+        if bad is None or not self.enabled:
             return
         found = self._opt_state().get("found_inf_per_device")
         if not found:
@@ -95,6 +100,8 @@ class AlgorithmScale:
 
     def found_inf(self) -> bool:
         """Whether the scaler skips this step (after :meth:`unscale`; one host read)."""
+        if not self.enabled:
+            return False
         return any(bool(v) for v in self._opt_state()["found_inf_per_device"].values())
 
     def step(self) -> None:
