@@ -13,6 +13,8 @@ loss scaling, the overflowed step left out:
   step only (the other rank steps; the scales then differ by rank, each following plain AMP's rule);
 * ``onebit_adam`` (its own Adam: exact warm-up, then the momentum exchanged): an overflow in either phase
   skips the step on every rank (moments, counts and freeze schedule as in a run without that step);
+  ``zeroone_adam`` likewise in its variance phase (the engine's exchange), while an overflowed local step
+  is, on that rank alone, counted and moves nothing;
 * the scaler's state is in the algorithm's ``state_dict``: a run resumed right after a back-off, with a
   fresh scaler, continues bit-identically (parameters and scales);
 * ``scaffold``: a local step the scaler skips adds nothing to the period's lr sum (its control variate is
@@ -22,7 +24,7 @@ loss scaling, the overflowed step left out:
 * a disabled scaler (``GradScaler(enabled=False)``) steps as no scaler, without failing;
 * the ranks' differing scaler states fold into another world size (the smallest scale);
 * a caller who unscales to clip before ``algo.step()`` is not unscaled twice (the same run bit for bit);
-* ``scaler=`` is refused by name where it is not sound or not wired (0/1 Adam, Comprex, LGC), with
+* ``scaler=`` is refused by name where it is not sound or not wired (Comprex, LGC), with
   ``nonfinite='skip'``, for an object that is not a scaler, and on every rank when only some ranks give one.
 """
 
@@ -50,11 +52,15 @@ OVERFLOWS = (1, 5)  # rank 1's gradient holds an Inf at these steps (1: synchron
 RESUME_AT = 2  # the run is saved after steps 0-1 (step 1 overflowed: the scale just backed off)
 SGD_LR = 0.1
 ADAM_LR, BETAS, EPS, FREEZE = 0.01, (0.9, 0.999), 1e-8, 3
+#: 0/1 Adam: variance steps at t = 1, 2, 4 (the interval doubles after each), t = 3 through the engine; frozen
+#: from t = 4; local steps synchronized at t = 5, then every 2 steps (the interval doubles up to 2)
+ZO_SPEC = "zeroone_adam:var_update_scaler=1,var_freeze_step=4,local_step_scaler=1,local_step_clipper=2"
+ZO_OVERFLOWS = (2, 6)  # rank 1's Inf: at t = 3 (the engine's exchange; the step is retried), at a local step
 
 
-def _grad(rank: int, step: int) -> torch.Tensor:
+def _grad(rank: int, step: int, overflows: tuple[int, ...] = OVERFLOWS) -> torch.Tensor:
     g = torch.randn(SHAPE, generator=torch.Generator().manual_seed(1000 * step + rank))
-    if rank == 1 and step in OVERFLOWS:
+    if rank == 1 and step in overflows:
         g[3, 5] = math.inf
     return g
 
@@ -71,8 +77,8 @@ def _build(kind: str, scaler: Any, **options: Any) -> tuple[Probe, algorithms.Al
                                  **options)
     else:
         opt = torch.optim.Adam(model.parameters(), lr=ADAM_LR, betas=BETAS, eps=EPS)
-        algo = algorithms.create(f"onebit_adam:freeze_step={FREEZE}", model, opt, compressor="none",
-                                 min_numel=MIN_NUMEL, scaler=scaler, **options)
+        spec = ZO_SPEC if kind == "zeroone_adam" else f"onebit_adam:freeze_step={FREEZE}"
+        algo = algorithms.create(spec, model, opt, compressor="none", min_numel=MIN_NUMEL, scaler=scaler, **options)
     return model, algo
 
 
@@ -82,6 +88,7 @@ def _train(rank: int, kind: str, start: int = 0, stop: int = STEPS, saved: bytes
     the algorithm's states to resume from; the algorithm's carries the scaler's); per step ``w`` after ``algo.step()`` (float64) and
     the scale of the step's backward. ``clip``: the caller unscales and clips before ``algo.step()``
     (a norm bound no finite gradient here reaches), as plain AMP's loop with clipping does."""
+    overflows = ZO_OVERFLOWS if kind == "zeroone_adam" else OVERFLOWS
     scaler = cpu_scaler(INIT_SCALE)
     if not enabled:  # GradScaler(enabled=False), as a script with enabled=use_fp16 builds it
         scaler = torch.amp.GradScaler("cpu", enabled=False)
@@ -94,7 +101,7 @@ def _train(rank: int, kind: str, start: int = 0, stop: int = STEPS, saved: bytes
     for step in range(start, stop):
         model.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=torch.float16):
-            loss = model(_grad(rank, step))
+            loss = model(_grad(rank, step, overflows))
         scaler.scale(loss).backward()
         scales.append(scaler.get_scale())
         if clip:
@@ -155,7 +162,7 @@ def _refusals(rank: int) -> dict[str, str]:
     out = {}
     cases: list[tuple[str, str, Any, dict]] = [
         (name, spec, cpu_scaler(INIT_SCALE), {}) for name, spec in (
-            ("zeroone_adam", "zeroone_adam"), ("comprex", "comprex"),
+            ("comprex", "comprex"),
             ("lgc", "lgc"))]
     cases += [("skip", "localsgd:period=2", cpu_scaler(INIT_SCALE), {"nonfinite": "skip"}),
               ("object", "localsgd:period=2", object(), {}),
@@ -172,7 +179,7 @@ def _refusals(rank: int) -> dict[str, str]:
 
 
 def _workers(rank: int, world: int) -> dict:
-    out: dict = {kind: _train(rank, kind) for kind in ("postlocalsgd", "onebit_adam", "scaffold")}
+    out: dict = {kind: _train(rank, kind) for kind in ("postlocalsgd", "onebit_adam", "scaffold", "zeroone_adam")}
     out["equivalent"] = {spec: _equivalent(rank, spec, switch) for spec, switch in EQUIVALENT}
     first = _train(rank, "postlocalsgd", stop=RESUME_AT)
     out["resumed"] = _train(rank, "postlocalsgd", start=RESUME_AT, saved=first["state"])
@@ -190,8 +197,8 @@ def results() -> list[dict]:
 
 # ----------------------------------------------------------------------------- float64 references
 
-def _g(rank: int, step: int) -> torch.Tensor:
-    return _grad(rank, step).double()
+def _g(rank: int, step: int, overflows: tuple[int, ...] = OVERFLOWS) -> torch.Tensor:
+    return _grad(rank, step, overflows).double()
 
 
 def _overflowed(rank: int, step: int) -> bool:
@@ -288,6 +295,64 @@ def _onebit_reference() -> tuple[list[torch.Tensor], list[float]]:
     return params, _amp_scales(skipped)
 
 
+def _zeroone_reference() -> tuple[list[list[torch.Tensor]], list[list[float]]]:
+    """0/1 Adam with an identity compressor by the definition (``ZO_SPEC``), per rank: a variance-phase step
+    with an overflow on any rank is left out on every rank (no count moves); otherwise ``t += 1``, ``g`` the
+    mean gradient, at ``t % I == 0`` ``m`` and ``v`` updated (``I`` doubling after each such step), else ``m``
+    only; frozen from ``t = 4`` on. A local step: ``t += 1``, every rank counts the Adam step and the lr, a
+    rank whose gradient overflowed moves nothing (no ``m``, no ``x``); at ``t % H == 0`` (``H`` 1, then 2)
+    ``u = mean((x_r - anchor) * denom)``, ``m = -u bc1 / sum(lr)``, every ``x_r = anchor += u / denom``."""
+    b1, b2 = BETAS
+    zeros = torch.zeros(SHAPE, dtype=torch.float64)
+    x = [zeros.clone() for _ in range(WORLD)]
+    m = [zeros.clone() for _ in range(WORLD)]
+    v, anchor = zeros.clone(), zeros.clone()
+    t = taken = v_steps = 0
+    var_interval, local_interval, lrs = 1, 1, 0.0
+    params: list[list[torch.Tensor]] = [[] for _ in range(WORLD)]
+    skipped: list[list[bool]] = [[] for _ in range(WORLD)]
+
+    def denom() -> torch.Tensor:
+        return (v / (1 - b2 ** v_steps)).sqrt() + EPS
+
+    for step in range(STEPS):
+        bad = [r == 1 and step in ZO_OVERFLOWS for r in range(WORLD)]
+        if t < 4:  # the variance phase: every rank skips together
+            for r in range(WORLD):
+                skipped[r].append(any(bad))
+            if not any(bad):
+                t += 1
+                g = sum(_g(r, step, ZO_OVERFLOWS) for r in range(WORLD)) / WORLD
+                m = [b1 * m[0] + (1 - b1) * g] * WORLD
+                if t % var_interval == 0:
+                    v = b2 * v + (1 - b2) * g * g
+                    v_steps += 1
+                    var_interval *= 2
+                taken += 1
+                x = [x[0] - ADAM_LR / (1 - b1 ** taken) * m[0] / denom()] * WORLD
+                if t >= 4:
+                    anchor = x[0].clone()
+        else:
+            t += 1
+            taken += 1
+            for r in range(WORLD):
+                skipped[r].append(bad[r])
+                if not bad[r]:
+                    m[r] = b1 * m[r] + (1 - b1) * _g(r, step, ZO_OVERFLOWS)
+                    x[r] = x[r] - ADAM_LR / (1 - b1 ** taken) * m[r] / denom()
+            lrs += ADAM_LR
+            if t % local_interval == 0:
+                u = sum((x[r] - anchor) * denom() for r in range(WORLD)) / WORLD
+                m = [-u * (1 - b1 ** taken) / lrs] * WORLD
+                anchor = anchor + u / denom()
+                x = [anchor.clone() for _ in range(WORLD)]
+                lrs = 0.0
+            local_interval = min(2, local_interval * 2)
+        for r in range(WORLD):
+            params[r].append(x[r].clone())
+    return params, [_amp_scales(s) for s in skipped]
+
+
 def _scaffold_reference() -> list[list[torch.Tensor]]:
     """SCAFFOLD (option II, plain SGD, ``global_lr=1``, no compression) by the definition: from ``x`` each rank
     steps ``y_i -= lr (G_i - c_i + c)``, a step its scaler skips left out (no lr counted); every ``PERIOD``
@@ -344,6 +409,17 @@ def test_onebit_adam_under_a_changing_loss_scale_matches_the_unscaled_definition
         for step, (got, ref) in enumerate(zip(run["params"], want)):
             assert bool(torch.isfinite(got).all()), f"rank {rank} step {step}: the overflow reached w"
             assert close(got, ref), (f"onebit_adam rank {rank} step {step}: w differs from the float64 "
+                                     f"definition by {float((got - ref).abs().max()):.3g}")
+
+
+def test_zeroone_adam_under_a_changing_loss_scale_matches_the_unscaled_definition(results: list[dict]) -> None:
+    want, want_scales = _zeroone_reference()
+    for rank, res in enumerate(results):
+        run = res["zeroone_adam"]
+        assert run["scales"] == want_scales[rank], (rank, run["scales"], want_scales[rank])
+        for step, (got, ref) in enumerate(zip(run["params"], want[rank])):
+            assert bool(torch.isfinite(got).all()), f"rank {rank} step {step}: the overflow reached w"
+            assert close(got, ref), (f"zeroone_adam rank {rank} step {step}: w differs from the float64 "
                                      f"definition by {float((got - ref).abs().max()):.3g}")
 
 
@@ -416,7 +492,7 @@ def test_a_disabled_scaler_steps_as_no_scaler(results: list[dict], kind: str) ->
         assert not bool(torch.isfinite(run["params"][-1]).all()), f"{kind} rank {rank}: the Inf was skipped"
 
 
-@pytest.mark.parametrize("name", ["zeroone_adam", "comprex", "lgc"])
+@pytest.mark.parametrize("name", ["comprex", "lgc"])
 def test_scaler_is_refused_where_not_supported_naming_the_reason(results: list[dict], name: str) -> None:
     cls = algorithms.get_class(name)
     assert cls.scaler_refusal

@@ -95,9 +95,8 @@ class OneBitAdam(CompressedAdam):
         grads = self.gradients()
         if not compressed:
             present = self._exact_average(grads)
-            if scale is not None:  # the exact sums carry an overflow to every rank: the same verdict everywhere
-                scale.agree(StepGuard.any_bad(grads) if grads else None)
-                present = None if scale.found_inf() else present
+            if scale is not None and self._overflowed(StepGuard.any_bad(grads)):  # the exact sums carry it everywhere
+                present = None
             if present is None:  # nonfinite='skip' (or the scaler's overflow) and a NaN/Inf sum on every rank
                 self.t -= 1
                 self._scaled_end()
@@ -110,9 +109,8 @@ class OneBitAdam(CompressedAdam):
             kept = {i: self.exp_avg[i].clone() for i, ok in enumerate(mine) if not ok}
             self._moments(grads, update_v=False, present=[True] * len(mine))
             agreed = self._sync_agreeing(self.exp_avg, mine)
-            if scale is not None and self.engine is not None:  # the engine's verdict (propagate: NaN everywhere)
-                scale.agree(self.engine.guard.last_bad)
-                agreed = None if scale.found_inf() else agreed
+            if scale is not None and self.engine is not None and self._overflowed(self.engine.guard.last_bad):
+                agreed = None  # the engine's verdict (propagate: NaN on every rank)
             if agreed is None:  # nonfinite='skip' (or the scaler's overflow): every rank drops the step
                 assert saved is not None
                 for m, s in zip(self.exp_avg, saved):
@@ -127,12 +125,6 @@ class OneBitAdam(CompressedAdam):
                     self.exp_avg[i].copy_(m)
         self._apply(present)
         self._scaled_end()
-
-    def _scaled_end(self) -> None:
-        """``scaler.update()`` at the end of every step with a loss scaler: this class steps the parameters
-        itself (the scaler's ``step`` would run torch's Adam), so the skip above is the scaler's."""
-        if self.loss_scale is not None:
-            self.loss_scale.update()
 
     def phase_state(self) -> dict[str, Any]:
         return {"freeze_step": self.freeze_step}  # type: ignore[attr-defined]
