@@ -22,6 +22,7 @@ loss scaling, the overflowed step left out:
 * local SGD, DiLoCo (with a synchronous start), Streaming DiLoCo, LSGD, D-PSGD, SGP and CHOCO step, bit for
   bit, as the same algorithm without a scaler whose overflowed steps are zero gradients (plain SGD: no move);
 * a disabled scaler (``GradScaler(enabled=False)``) steps as no scaler, without failing;
+* an ``fp16`` wire beyond its range saturates as without a scaler (the exchanged gradient is unscaled);
 * the ranks' differing scaler states fold into another world size (the smallest scale);
 * a caller who unscales to clip before ``algo.step()`` is not unscaled twice (the same run bit for bit);
 * ``scaler=`` is refused by name where it is not sound or not wired (Comprex, LGC), with
@@ -158,6 +159,31 @@ def _equivalent(rank: int, spec: str, switch: int) -> dict[str, list[torch.Tenso
     return out
 
 
+def _wide_gradient(rank: int) -> dict:
+    """``postlocalsgd`` through the ``fp16`` codec in its synchronous phase, rank 1's gradient holding 2e5 at every
+    step (finite in fp32; its summand, 1e5 once divided by the world size, is beyond fp16's 65504): the scales
+    and ``w`` of 3 steps."""
+    scaler = cpu_scaler(INIT_SCALE)
+    model = Probe(SHAPE)
+    opt = torch.optim.SGD(model.parameters(), lr=SGD_LR)
+    algo = algorithms.create(f"postlocalsgd:switch={SWITCH},period={PERIOD}", model, opt, compressor="fp16",
+                             min_numel=MIN_NUMEL, scaler=scaler)
+    scales, params = [], []
+    for step in range(3):
+        model.zero_grad(set_to_none=True)
+        g = torch.randn(SHAPE, generator=torch.Generator().manual_seed(1000 * step + rank))
+        if rank == 1:
+            g[0, 0] = 2e5
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(g)
+        scaler.scale(loss).backward()
+        scales.append(scaler.get_scale())
+        algo.step()
+        params.append(model.w.detach().double().clone())
+    algo.close()
+    return {"scales": scales, "params": params}
+
+
 def _refusals(rank: int) -> dict[str, str]:
     out = {}
     cases: list[tuple[str, str, Any, dict]] = [
@@ -187,6 +213,7 @@ def _workers(rank: int, world: int) -> dict:
     out["clipped"] = _train(rank, "postlocalsgd", clip=True)
     out["disabled"] = {kind: _train(rank, kind, enabled=False) for kind in ("onebit_adam", "scaffold")}
     out["refusals"] = _refusals(rank)
+    out["wide"] = _wide_gradient(rank)
     return out
 
 
@@ -476,6 +503,17 @@ def test_a_resume_on_another_world_size_takes_the_smallest_scale(results: list[d
     assert folded["scale"] == min(s["scale"] for s in saved), (folded, saved)
     assert folded["_growth_tracker"] == 0, folded
     assert folded["growth_interval"] == 2 and folded["backoff_factor"] == 0.5, folded
+
+
+def test_an_fp16_wire_beyond_its_range_is_no_loss_scale_overflow(results: list[dict]) -> None:
+    """The exchanged gradient is unscaled: a value beyond the wire's range is not the loss scale's (lowering
+    the scale would not bring it back), so the codec keeps its saturating bound and the step is taken, the
+    scale growing as in a run without it (a scaler-attached wire's Inf made every step skip, the scale halve)."""
+    for rank, res in enumerate(results):
+        run = res["wide"]
+        assert run["scales"] == [INIT_SCALE, INIT_SCALE, 2 * INIT_SCALE], (rank, run["scales"])
+        for step, w in enumerate(run["params"]):
+            assert bool(torch.isfinite(w).all()) and float(w.abs().max()) > 0, f"rank {rank} step {step}"
 
 
 @pytest.mark.parametrize("kind", ["onebit_adam", "scaffold"])

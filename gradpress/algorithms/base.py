@@ -145,9 +145,10 @@ class Algorithm(ExchangeHelpers):
                 params=self.exchanged_params(), group=self.group, error_feedback=error_feedback,
                 strategy=strategy, min_numel=min_numel, seed=seed, nonfinite=nonfinite,
             )
-            if scaler is not None:  # an overflow restores the step's state and reaches the scaler as Inf
+            if scaler is not None:  # an overflowed step leaves no trace in the compressor's and strategies' state
+                # (engine.loss_scaler stays False: the exchanged gradient is unscaled, so a value beyond an fp16
+                # wire's range is no loss-scale overflow and the codec keeps its saturating bound)
                 self.engine.guard.keep_on_propagate = True
-                self.engine.loss_scaler = True
             self.setup()
         except Exception as exc:  # noqa: BLE001 - every rank must reach agree(), or the others hang
             error = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"

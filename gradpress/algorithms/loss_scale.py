@@ -9,17 +9,24 @@ The user's loop is plain AMP's without the scaler's own calls: ``scaler.scale(lo
   error-feedback residual and every compressor buffer is in gradient units: a change of the scale
   leaves them as they are (the DDP hook, which exchanges the *scaled* gradient, rescales its residuals
   instead: :mod:`gradpress.ddp.loss_scale`). A caller that already unscaled (to clip) is not unscaled twice.
+  For the same reason the engine's ``loss_scaler`` stays False: an ``fp16``/``bf16`` wire keeps its saturating
+  bound (a value beyond its range is no loss-scale overflow; lowering the scale would not bring it back).
 * where the step exchanges gradients (``postlocalsgd``'s and DiLoCo's synchronous phase,
-  :meth:`~gradpress.algorithms.base.Algorithm.ddp_step`; 1-bit Adam's exchanges), an overflow on one rank
+  :meth:`~gradpress.algorithms.base.Algorithm.ddp_step`; 1-bit Adam's exchanges, 0/1 Adam's variance phase),
+  an overflow on one rank
   skips the step on every rank: ``nonfinite='propagate'`` makes every rank's average NaN and the engine's
   :class:`~gradpress.exchange.nonfinite.StepGuard` puts back the residuals and compressor state
   (``keep_on_propagate``); its verdict of the step (``StepGuard.last_bad``, identical on every rank: no
   collective of its own) is OR-ed into the scaler's found-inf flag (:meth:`AlgorithmScale.agree`), so that
   ``scaler.step`` skips and ``scaler.update`` backs off on every rank, as plain AMP with DDP does.
-* a local step of a model-averaging or gossip algorithm (local SGD, DiLoCo, LSGD, D-PSGD, SGP, CHOCO) is each
-  rank's own: a rank whose gradient overflowed skips its local step and halves its own scale, the others
-  step; no agreement is needed, since what is exchanged (parameters, their deltas) is finite fp32 either
-  way, and each rank's scale may differ from the others' (each rank saves its own).
+* a local step of a model-averaging or gossip algorithm (local SGD, DiLoCo, Streaming DiLoCo, LSGD, SCAFFOLD,
+  D-PSGD, SGP, CHOCO; 0/1 Adam's local phase) is each rank's own: a rank whose gradient overflowed skips its
+  local step and halves its own scale, the others step; no agreement is needed, since what is exchanged
+  (parameters, their deltas, control variates) is finite fp32 either way and the synchronizations keep
+  their steps, and each rank's scale may differ from the others' (each rank saves its own; a resharded
+  resume takes the smallest: ``algorithms/base.py``'s fold).
+* refused, naming why (``Algorithm.scaler_refusal``): Comprex (step t's exchange is applied at t + s, after
+  the scaler had to decide), LGC (its latent exchange does not carry the agreement).
 
 The scaler's state (scale, growth tracker) is in the algorithm's ``state_dict`` (``loss_scaler``), so that
 a resume continues bit-identically without saving the scaler apart.

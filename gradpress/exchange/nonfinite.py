@@ -125,7 +125,8 @@ class StepGuard:
         #: the last ended step's verdict (0-d bool tensor, True: some rank saw a NaN/Inf; None: no call checked),
         #: the same on every rank: what an algorithm's loss scaler agrees on (gradpress.algorithms.loss_scale)
         self.last_bad: torch.Tensor | None = None
-        #: ``propagate`` also puts the state back (set by the DDP hook while a loss scaler is attached)
+        #: ``propagate`` also puts the state back (set by the DDP hook while a loss scaler is attached, and by an
+        #: algorithm given one: gradpress.algorithms.loss_scale)
         self.keep_on_propagate = False
         #: the steps dropped so far (``skip``, or ``propagate`` with ``keep_on_propagate``: the state put back, the
         #: step left no trace): the engine's Context step is the caller's step less these, so a random compressor
