@@ -21,7 +21,8 @@ loss scaling, the overflowed step left out:
   the estimate from the steps taken), against its float64 definition;
 * local SGD, DiLoCo (with a synchronous start), Streaming DiLoCo, LSGD, D-PSGD, SGP and CHOCO step, bit for
   bit, as the same algorithm without a scaler whose overflowed steps are zero gradients (plain SGD: no move);
-* a disabled scaler (``GradScaler(enabled=False)``) steps as no scaler, without failing;
+* a disabled scaler (``GradScaler(enabled=False)``) steps as no scaler, without failing, and its run's state
+  (no scaler state in it) loads; a saved scaler state is checked before anything loads;
 * an ``fp16`` wire beyond its range saturates as without a scaler (the exchanged gradient is unscaled);
 * the ranks' differing scaler states fold into another world size (the smallest scale);
 * a caller who unscales to clip before ``algo.step()`` is not unscaled twice (the same run bit for bit);
@@ -37,10 +38,11 @@ from typing import Any
 
 import pytest
 import torch
-from amp_helpers import Probe, close, cpu_scaler, run_scaler_workers
+from amp_helpers import HAS_CPU_SCALER, Probe, close, cpu_scaler, run_scaler_workers
 from references import topk
 
 import gradpress.algorithms as algorithms
+from gradpress.algorithms.loss_scale import AlgorithmScale
 
 WORLD = 2
 SHAPE = (16, 32)  # 512 entries: compressed (min_numel below)
@@ -212,6 +214,9 @@ def _workers(rank: int, world: int) -> dict:
     out["first_state"] = first["state"]
     out["clipped"] = _train(rank, "postlocalsgd", clip=True)
     out["disabled"] = {kind: _train(rank, kind, enabled=False) for kind in ("onebit_adam", "scaffold")}
+    # its state (no scaler state in it: a disabled scaler holds none) loads into a run with a disabled scaler
+    out["disabled_loaded"] = _train(rank, "scaffold", start=STEPS, saved=out["disabled"]["scaffold"]["state"],
+                                    enabled=False)["state"]
     out["refusals"] = _refusals(rank)
     out["wide"] = _wide_gradient(rank)
     return out
@@ -528,6 +533,28 @@ def test_a_disabled_scaler_steps_as_no_scaler(results: list[dict], kind: str) ->
         for step in range(first):
             assert torch.equal(run["params"][step], scaled["params"][step]), f"{kind} rank {rank} step {step}"
         assert not bool(torch.isfinite(run["params"][-1]).all()), f"{kind} rank {rank}: the Inf was skipped"
+        state = torch.load(io.BytesIO(run["state"]), weights_only=True)["algorithm"]
+        assert "loss_scaler" not in state, state["loss_scaler"]
+        loaded = torch.load(io.BytesIO(res["disabled_loaded"]), weights_only=True)["algorithm"]
+        assert loaded["steps"] == STEPS, loaded["steps"]
+
+
+@pytest.mark.parametrize(("bad", "why"), [
+    ({"scale": 0.0}, "finite 'scale' > 0"), ({"scale": math.inf}, "finite 'scale' > 0"),
+    ({"scale": True}, "finite 'scale' > 0"), ([1024.0], "finite 'scale' > 0"),
+    ({"scale": 1024.0, "growth_factor": 2.0}, "lacks '_growth_tracker', 'backoff_factor', 'growth_interval'"),
+])
+def test_a_saved_scaler_state_is_checked_before_anything_loads(bad: object, why: str) -> None:
+    """What ``scaler.load_state_dict`` would fail on part-way (a ``KeyError`` after the algorithm's own state
+    had loaded) or take silently (a scale of 0 or Inf) is refused first, naming ``loss_scaler``."""
+    if not HAS_CPU_SCALER:
+        pytest.skip("this torch has no torch.amp.GradScaler for CPU")
+    model = Probe(SHAPE)
+    scale = AlgorithmScale(cpu_scaler(INIT_SCALE), torch.optim.SGD(model.parameters(), lr=SGD_LR))
+    with pytest.raises(ValueError, match="'loss_scaler'") as exc:
+        scale.check_state(bad)
+    assert why in str(exc.value) and "nothing was loaded" in str(exc.value), str(exc.value)
+    scale.check_state(scale.state_dict())  # its own state passes
 
 
 @pytest.mark.parametrize("name", ["comprex", "lgc"])

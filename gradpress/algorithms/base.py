@@ -274,7 +274,7 @@ class Algorithm(ExchangeHelpers):
             "format": STATE_FORMAT, "config": self.config(), "steps": self._steps, "exchanges": self._exchanges,
             "exchange": self.engine.state_dict(), "extra": self.extra_state(),
         }
-        if self.loss_scale is not None:  # the scale and growth tracker: a resume steps and skips as this run
+        if self.loss_scale is not None and self.loss_scale.enabled:  # a resume steps and skips as this run
             out["loss_scaler"] = self.loss_scale.state_dict()
         return out
 
@@ -292,9 +292,11 @@ class Algorithm(ExchangeHelpers):
             raise ValueError(f"algorithm state dict is from a different configuration "
                              f"({config_diff(state['config'], self.config())})")
         exchange = self.engine.loadable_state(state["exchange"])  # checked before anything changes
-        scaled = state.get("loss_scaler") if self.loss_scale is not None else None  # without a scaler: unused
-        if scaled is not None:
-            AlgorithmScale.check_state(scaled)
+        # without a scaler (or a disabled one, which holds no scale) the saved scaler state is not used
+        scale = self.loss_scale if self.loss_scale is not None and self.loss_scale.enabled else None
+        scaled = state.get("loss_scaler") if scale is not None else None
+        if scale is not None and scaled is not None:
+            scale.check_state(scaled)
         with Rollback(self._load_backup, self._restore_backup, "algorithm state dict") as rollback:
             self.engine.load_checked(exchange, rollback, prefix="exchange: ")
             rollback.part = "steps"
@@ -302,8 +304,8 @@ class Algorithm(ExchangeHelpers):
             self._exchanges = int(state["exchanges"])
             rollback.part = "extra"
             self.load_extra_state(state.get("extra", {}))
-        if scaled is not None and self.loss_scale is not None:  # last: nothing after it can fail
-            self.loss_scale.load_state_dict(scaled)
+        if scale is not None and scaled is not None:  # last: checked above, nothing after it can fail
+            scale.load_state_dict(scaled)
 
     def load_touches(self) -> list[torch.Tensor]:
         """Tensors outside :meth:`extra_state` that :meth:`load_extra_state` writes (SGP's parameters, set

@@ -125,13 +125,19 @@ class AlgorithmScale:
         """The scaler's own (plain numbers: scale, factors, interval, growth tracker)."""
         return dict(self.scaler.state_dict())
 
-    @staticmethod
-    def check_state(state: Any) -> None:
-        """``ValueError`` unless ``state`` is a scaler state with a finite scale > 0."""
+    def check_state(self, state: Any) -> None:
+        """``ValueError`` unless ``state`` is a state of this scaler (every key its own ``state_dict`` has)
+        with a finite scale > 0: checked before anything loads, as ``scaler.load_state_dict`` would fail
+        part-way (``KeyError``) after the algorithm's own state had loaded."""
         scale = state.get("scale") if isinstance(state, Mapping) else None
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (math.isfinite(scale) and scale > 0):
             raise ValueError(f"algorithm state dict: 'loss_scaler' must be a GradScaler state with a finite 'scale' "
                              f"> 0, got {state!r}; nothing was loaded")
+        missing = sorted(set(self.scaler.state_dict()) - set(state))
+        if missing:
+            raise ValueError(f"algorithm state dict: 'loss_scaler' lacks {', '.join(map(repr, missing))} (a "
+                             f"GradScaler state has {', '.join(map(repr, sorted(self.scaler.state_dict())))}), got "
+                             f"{state!r}; nothing was loaded")
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.scaler.load_state_dict(dict(state))
