@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from gradpress.algorithms.exchange_helpers import ExchangeHelpers
+from gradpress.algorithms.loss_scale import AlgorithmScale, check_scaler
 from gradpress.compress import Compressor, create
 from gradpress.compress.base import Param
 from gradpress.compress.spec import close_to, coerce_params
@@ -49,7 +50,8 @@ from gradpress.transport.groups import own_group
 __all__ = ["Algorithm", "Preflight", "STATE_FORMAT", "OPTIONS"]
 
 #: the keyword options every algorithm takes besides its ``PARAMS`` (the keywords of :meth:`Algorithm.__init__`)
-OPTIONS = ("compressor", "error_feedback", "strategy", "min_numel", "seed", "nonfinite", "process_group", "timeout")
+OPTIONS = ("compressor", "error_feedback", "strategy", "min_numel", "seed", "nonfinite", "process_group", "timeout",
+           "scaler")
 
 STATE_FORMAT = "gradpress-algorithm/1"
 
@@ -77,7 +79,9 @@ class Algorithm(ExchangeHelpers):
     compressor's default), ``strategy`` (default ``collective``: every
     eligible tensor compressed as asked; ``auto`` measures the group and
     plans per tensor, as the DDP hook does), ``min_numel``, ``seed``,
-    ``nonfinite``, ``process_group`` (default: the world), ``timeout``.
+    ``nonfinite``, ``process_group`` (default: the world), ``timeout``,
+    ``scaler`` (a ``torch.amp.GradScaler`` for fp16 autocast, every rank or none; refused with the reason
+    where :attr:`scaler_refusal` says: :mod:`gradpress.algorithms.loss_scale`).
 
     The helpers a subclass's :meth:`step` calls (``local_step``, ``gradients``,
     ``sync``, ``average_plain``, ``ddp_step``, ``broadcast_model``,
@@ -92,6 +96,8 @@ class Algorithm(ExchangeHelpers):
     #: why a checkpoint of this algorithm cannot be resumed on another world size (None: its state folds by
     #: the generic rule of :mod:`gradpress.exchange.reshard`: replicated kept, per-rank floating state averaged)
     reshard_refusal: ClassVar[str | None] = None
+    #: why ``scaler=`` (fp16 loss scaling) is refused (None: taken; :mod:`gradpress.algorithms.loss_scale`)
+    scaler_refusal: ClassVar[str | None] = None
 
     def __init__(
         self,
@@ -106,6 +112,7 @@ class Algorithm(ExchangeHelpers):
         nonfinite: str = "propagate",
         process_group: dist.ProcessGroup | None = None,
         timeout: float | datetime.timedelta | None = None,
+        scaler: Any = None,
         **params: Any,
     ) -> None:
         self.model = model
@@ -118,11 +125,15 @@ class Algorithm(ExchangeHelpers):
         self._last = {"bytes": 0, "host": 0}
         self._consensus: torch.nn.Module | None = None
         self.engine: Synchronizer | None = None
+        #: the loss scaler (``scaler=``, fp16 autocast) this algorithm unscales, agrees and steps; None: none
+        self.loss_scale = AlgorithmScale(scaler, optimizer) if scaler is not None else None
         try:  # everything a rank can get wrong alone, before the agreement every rank reaches
             if error is not None:
                 raise ValueError(error)
             self._check_inputs(model, optimizer)
             self._set_params(params)
+            if scaler is not None:
+                check_scaler(self.name, scaler, nonfinite, self.scaler_refusal)
             self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
             if not self.named:
                 raise ValueError(f"algorithm {self.name!r}: the model has no trainable parameter (none with "
@@ -134,11 +145,17 @@ class Algorithm(ExchangeHelpers):
                 params=self.exchanged_params(), group=self.group, error_feedback=error_feedback,
                 strategy=strategy, min_numel=min_numel, seed=seed, nonfinite=nonfinite,
             )
+            if scaler is not None:  # an overflowed step leaves no trace in the compressor's and strategies' state
+                # (engine.loss_scaler stays False: the exchanged gradient is unscaled, so a value beyond an fp16
+                # wire's range is no loss-scale overflow and the codec keeps its saturating bound)
+                self.engine.guard.keep_on_propagate = True
             self.setup()
         except Exception as exc:  # noqa: BLE001 - every rank must reach agree(), or the others hang
             error = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
-        agree(self.config() if error is None else None, error, self.group, what=f"algorithm {self.name!r}",
-              stage="construction")
+        # whether a scaler is given is agreed here, not in config() (a checkpoint's: it resumes with or without)
+        agree({**self.config(), "scaler": scaler is not None} if error is None else None, error, self.group,
+              what=f"algorithm {self.name!r}", stage="construction",
+              hints={"scaler": "give scaler= on every rank or on none (an overflow must skip the step everywhere)"})
         assert self.engine is not None
         if self.engine.strategy_name == "auto":
             self.engine.replan()  # collective: every rank measures together, rank 0 fits
@@ -253,10 +270,13 @@ class Algorithm(ExchangeHelpers):
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         assert self.engine is not None
-        return {
+        out = {
             "format": STATE_FORMAT, "config": self.config(), "steps": self._steps, "exchanges": self._exchanges,
             "exchange": self.engine.state_dict(), "extra": self.extra_state(),
         }
+        if self.loss_scale is not None and self.loss_scale.enabled:  # a resume steps and skips as this run
+            out["loss_scaler"] = self.loss_scale.state_dict()
+        return out
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore from :meth:`state_dict`; refuses another configuration. All or nothing
@@ -272,6 +292,11 @@ class Algorithm(ExchangeHelpers):
             raise ValueError(f"algorithm state dict is from a different configuration "
                              f"({config_diff(state['config'], self.config())})")
         exchange = self.engine.loadable_state(state["exchange"])  # checked before anything changes
+        # without a scaler (or a disabled one, which holds no scale) the saved scaler state is not used
+        scale = self.loss_scale if self.loss_scale is not None and self.loss_scale.enabled else None
+        scaled = state.get("loss_scaler") if scale is not None else None
+        if scale is not None and scaled is not None:
+            scale.check_state(scaled)
         with Rollback(self._load_backup, self._restore_backup, "algorithm state dict") as rollback:
             self.engine.load_checked(exchange, rollback, prefix="exchange: ")
             rollback.part = "steps"
@@ -279,6 +304,8 @@ class Algorithm(ExchangeHelpers):
             self._exchanges = int(state["exchanges"])
             rollback.part = "extra"
             self.load_extra_state(state.get("extra", {}))
+        if scale is not None and scaled is not None:  # last: checked above, nothing after it can fail
+            scale.load_state_dict(scaled)
 
     def load_touches(self) -> list[torch.Tensor]:
         """Tensors outside :meth:`extra_state` that :meth:`load_extra_state` writes (SGP's parameters, set
@@ -337,6 +364,21 @@ def _fold_state(vals: list[Any], at: Fold) -> dict[str, Any]:
             raise refuse(vals, at.at(key, owner), "present on some saved ranks only")
         if key == "config":
             out[key] = fold_config(vals, at)
+        elif key == "loss_scaler":
+            out[key] = _fold_scaler([v[key] for v in vals], at.at(key, owner))
         else:
             out[key] = fold_leaves([v[key] for v in vals], at.at(key, owner))
+    return out
+
+
+def _fold_scaler(vals: list[Any], at: Fold) -> dict[str, Any]:
+    """The saved ranks' ``GradScaler`` states on another world size: the smallest scale (the ranks' scales
+    differ after a local step that overflowed on some: the one that backed off is the safe one), its growth
+    count restarted; the factors and interval by the generic rule (the same on every rank)."""
+    if not all(isinstance(v, Mapping) and "scale" in v for v in vals):
+        raise refuse(vals, at, "not a GradScaler state (with 'scale') on every saved rank")
+    rest = fold_leaves([{k: x for k, x in v.items() if k not in ("scale", "_growth_tracker")} for v in vals], at)
+    out = {**rest, "scale": min(float(v["scale"]) for v in vals)}
+    if any("_growth_tracker" in v for v in vals):
+        out["_growth_tracker"] = 0
     return out

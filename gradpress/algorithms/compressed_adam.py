@@ -266,6 +266,21 @@ class CompressedAdam(Algorithm):
         self._steps += 1
         self._reset_last()
 
+    def _overflowed(self, bad: torch.Tensor | None) -> bool:
+        """With a loss scaler (:mod:`gradpress.algorithms.loss_scale`): ``bad``, an exchange's verdict (the
+        same on every rank: the exact sums', or the engine's ``StepGuard.last_bad``), becomes the scaler's
+        found-inf flag; whether every rank skips the step. False without a scaler."""
+        if self.loss_scale is None:
+            return False
+        self.loss_scale.agree(bad)
+        return self.loss_scale.found_inf()
+
+    def _scaled_end(self) -> None:
+        """``scaler.update()`` at the end of every step with a loss scaler: these classes step the parameters
+        themselves (the scaler's ``step`` would run torch's Adam), so their skips are the scaler's."""
+        if self.loss_scale is not None:
+            self.loss_scale.update()
+
     # ------------------------------------------------------------ reporting
     @property
     def stats(self) -> dict[str, Any]:

@@ -110,6 +110,10 @@ EXTRA_STATS: dict[str, str] = {
 class Comprex(Algorithm):
     name = "comprex"
     default_compressor = "topk:ratio=0.01"
+    #: module doc of gradpress.algorithms.loss_scale
+    scaler_refusal = ("the gradient exchange of step t is applied at step t + s, in the background: the scaler "
+                      "must decide at step t whether the step is skipped, and an overflow on one rank reaches the "
+                      "others only s steps later")
     summary = ("Comprex: the compressed exchange of step t runs in the background and is applied at step t + s; "
                "Comprex optimizer: norm clipping, momentum before compression, ratio schedule, re-broadcast; "
                "gradients at the look-ahead weights the stale update will meet")

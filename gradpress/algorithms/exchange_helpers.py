@@ -38,6 +38,7 @@ from gradpress.transport.p2p import global_rank
 
 if TYPE_CHECKING:
     from gradpress.algorithms.alarm import StateAlarm
+    from gradpress.algorithms.loss_scale import AlgorithmScale
     from gradpress.algorithms.restart import LocalCopy
 
 __all__ = ["HELPER_PREFIX", "ExchangeHelpers"]
@@ -61,6 +62,7 @@ class ExchangeHelpers:
     _exchanges: int
     _last: dict[str, int]
     _consensus: torch.nn.Module | None
+    loss_scale: AlgorithmScale | None = None
     #: ``nonfinite='skip'``: this rank's copy of the optimizer state and buffers at the last agreed point
     #: (:mod:`gradpress.algorithms.restart`; the model-averaging algorithms set it), which :meth:`ddp_step`
     #: also keeps for the buffers
@@ -70,8 +72,13 @@ class ExchangeHelpers:
     alarm: StateAlarm | None = None
 
     def local_step(self) -> None:
-        """The local optimizer step, counted as a step of plain DDP's traffic."""
-        self.optimizer.step()
+        """The local optimizer step, counted as a step of plain DDP's traffic. With a loss scaler
+        (:mod:`gradpress.algorithms.loss_scale`) plain AMP's ``scaler.step`` (skipped when this rank's
+        gradient overflowed, or, after :meth:`ddp_step`'s agreement, some rank's) and ``scaler.update``."""
+        if self.loss_scale is not None:
+            self.loss_scale.step()
+        else:
+            self.optimizer.step()
         self._steps += 1
         self._reset_last()
 
@@ -108,7 +115,14 @@ class ExchangeHelpers:
         or the dropped step's statistics, to every rank); a step that goes
         through refreshes the copy (one copy of the buffers per step). With
         :attr:`alarm` (``nonfinite='raise'``) such a buffer makes every rank
-        raise, before the buffers are averaged."""
+        raise, before the buffers are averaged.
+
+        With a loss scaler the gradients are unscaled first (the engine and its residuals work in gradient
+        units) and the engine's verdict of the exchange (``nonfinite='propagate'``: an overflow on one rank
+        is NaN on every rank) is the scaler's found-inf flag on every rank, so every rank skips the step
+        and backs off (:meth:`~gradpress.algorithms.loss_scale.AlgorithmScale.agree`)."""
+        if self.loss_scale is not None:
+            self.loss_scale.unscale()
         grads = self.gradients()
         self._last["bytes"] = self._last["host"] = 0
         # nonfinite: a buffer newly non-finite on this rank drops (skip) or fails (raise) the step on every rank;
@@ -116,6 +130,9 @@ class ExchangeHelpers:
         guard = SyncGuard.before(self, grads, idx=[], buffers=True)
         present = sync_agreeing(self, grads, [p.grad is not None for _, p in self.named], keys, guard.extra)
         guard.check(f"step {self._steps + 1}")
+        if self.loss_scale is not None:
+            assert self.engine is not None
+            self.loss_scale.agree(self.engine.guard.last_bad)
         for (_, p), g, some in zip(self.named, grads, present or []):
             if p.grad is None and some:
                 p.grad = g

@@ -74,6 +74,9 @@ from gradpress.exchange.feedback import Feedback
 @register
 class LGC(Algorithm):
     name = "lgc"
+    #: module doc of gradpress.algorithms.loss_scale
+    scaler_refusal = ("its compressed phase exchanges autoencoder latents of accumulated gradients and trains the "
+                      "autoencoder on them; an overflowed step's agreement is not wired into that exchange")
     PARAMS = (
         Param("dense_steps", int, 200, "integer >= 0", lambda v: v >= 0, "phase 1: synchronous steps first"),
         Param("ae_steps", int, 200, "integer >= 1", lambda v: v >= 1,

@@ -36,6 +36,12 @@ scale per partition, ``"topk:ratio=0.01"``...). The exchange
 itself, bias correction and the optimizer contract are described in
 :mod:`gradpress.algorithms.compressed_adam`.
 
+``scaler=`` (fp16 autocast, :mod:`gradpress.algorithms.loss_scale`): the gradients are unscaled first;
+an overflow on any rank reaches every rank (the warm-up's exact sums; the engine's ``propagate`` verdict
+after it, ``StepGuard.last_bad``) and skips the step there as ``nonfinite='skip'`` does (moments, counts
+and schedule as they were), then ``scaler.update()``: this class steps the parameters itself, so
+``scaler.step`` (torch's Adam) is never called (tests/test_review_ampalgo.py).
+
 Invariants (tests/test_compressed_adam.py): with an identity compressor and
 ``T`` past the end of the run this is distributed Adam (float64); with an
 identity compressor it is Adam whose variance stops at step ``T``; ``v``
@@ -54,6 +60,7 @@ import torch
 from gradpress.algorithms.compressed_adam import BIAS_PARAM, CompressedAdam
 from gradpress.algorithms.registry import register
 from gradpress.compress.base import Param
+from gradpress.exchange.nonfinite import StepGuard
 
 PARAMS = (
     # >= 1: with no warm-up v stays 0, every momentum is masked (v == 0) and no parameter ever moves
@@ -78,15 +85,21 @@ class OneBitAdam(CompressedAdam):
 
     @torch.no_grad()
     def step(self) -> None:
-        skip = self.engine is not None and self.engine.nonfinite == "skip"
+        scale = self.loss_scale  # fp16 loss scaling: unscaled before anything reads the gradients
+        if scale is not None:
+            scale.unscale()
+        skip = self.engine is not None and self.engine.nonfinite == "skip" or scale is not None
         compressed = self.frozen
         saved = [m.clone() for m in self.exp_avg] if skip else None
         self._begin_step()
         grads = self.gradients()
         if not compressed:
             present = self._exact_average(grads)
-            if present is None:  # nonfinite='skip' and a NaN/Inf sum (the same on every rank)
+            if scale is not None and self._overflowed(StepGuard.any_bad(grads)):  # the exact sums carry it everywhere
+                present = None
+            if present is None:  # nonfinite='skip' (or the scaler's overflow) and a NaN/Inf sum on every rank
                 self.t -= 1
+                self._scaled_end()
                 return
             self._moments(grads, update_v=True, present=present)
         else:
@@ -96,11 +109,14 @@ class OneBitAdam(CompressedAdam):
             kept = {i: self.exp_avg[i].clone() for i, ok in enumerate(mine) if not ok}
             self._moments(grads, update_v=False, present=[True] * len(mine))
             agreed = self._sync_agreeing(self.exp_avg, mine)
-            if agreed is None:  # nonfinite='skip': every rank drops the step
+            if scale is not None and self.engine is not None and self._overflowed(self.engine.guard.last_bad):
+                agreed = None  # the engine's verdict (propagate: NaN on every rank)
+            if agreed is None:  # nonfinite='skip' (or the scaler's overflow): every rank drops the step
                 assert saved is not None
                 for m, s in zip(self.exp_avg, saved):
                     m.copy_(s)
                 self.t -= 1
+                self._scaled_end()
                 return
             present = agreed
             self._mask_unseen(self.exp_avg)
@@ -108,6 +124,7 @@ class OneBitAdam(CompressedAdam):
                 if not present[i]:
                     self.exp_avg[i].copy_(m)
         self._apply(present)
+        self._scaled_end()
 
     def phase_state(self) -> dict[str, Any]:
         return {"freeze_step": self.freeze_step}  # type: ignore[attr-defined]

@@ -67,6 +67,11 @@ restores each rank's optimizer state and buffers from ``x``
 (:mod:`gradpress.algorithms.restart`); ``raise`` raises on every rank,
 naming the tensor (:mod:`gradpress.algorithms.alarm`).
 
+``scaler=`` (fp16 autocast with ``GradScaler``, :mod:`gradpress.algorithms.loss_scale`): the gradient is
+unscaled before it is corrected (``c`` and ``c_i`` are in gradient units); a local step this rank's scaler
+skips (its gradient overflowed) adds nothing to the period's lr and gradient sums, so ``c_i+`` is the
+estimate from the steps taken (one host read of the scaler's flag per step, as ``scaler.step`` makes).
+
 Invariants (tests/test_scaffold.py, float64 references computed there):
 after every synchronization all replicas hold bit-identical parameters and
 ``c``; with K = 1 and zero control variates the first period is one step of
@@ -149,7 +154,13 @@ class Scaffold(Algorithm):
         self.alarm = StateAlarm.for_raise(self)
 
     def step(self) -> None:
-        self.correct_gradients()
+        scale = self.loss_scale  # fp16 loss scaling: the correction and the sums are in gradient units
+        if scale is not None:
+            scale.unscale()
+        # a local step this rank's scaler skips (its gradient overflowed) is no step: no lr, no gradient in the
+        # period's sums (the period still ends at the same step on every rank: ``since`` counts it)
+        if scale is None or not scale.found_inf():
+            self.correct_gradients()
         self.local_step()
         self.since += 1
         if self.since >= warmed_period(self.period, self.warmup, self._steps):

@@ -38,6 +38,11 @@ Bias correction and the exchange: :mod:`gradpress.algorithms.compressed_adam`
 synchronizations the replicas differ; :meth:`eval_model` is then their
 average (a plain allreduce, not counted).
 
+``scaler=`` (fp16 autocast, :mod:`gradpress.algorithms.loss_scale`): the gradients are unscaled first;
+in the variance phase an overflow on any rank skips the step on every rank, as in 1-bit Adam; a local step
+that overflowed on one rank is, on that rank, a step without any gradient (counted, nothing moved: the
+schedule and the summed lr stay the same on every rank), and its scaler backs off alone.
+
 Invariants (tests/test_compressed_adam.py): with an identity compressor,
 kappa past the run and no freeze, it is distributed Adam (float64); ``v``
 never changes after ``var_freeze_step`` nor between T_v steps; replicas are
@@ -54,6 +59,7 @@ import torch
 from gradpress.algorithms.compressed_adam import BIAS_PARAM, CompressedAdam
 from gradpress.algorithms.registry import register
 from gradpress.compress.base import Param
+from gradpress.exchange.nonfinite import StepGuard
 
 PARAMS = (
     # >= 1: the anchor of the local steps and the variance they divide by come from the variance phase
@@ -96,6 +102,8 @@ class ZeroOneAdam(CompressedAdam):
 
     @torch.no_grad()
     def step(self) -> None:
+        if self.loss_scale is not None:  # fp16 loss scaling: unscaled before anything reads the gradients
+            self.loss_scale.unscale()
         if self.frozen:
             self._local_step()
             return
@@ -103,8 +111,11 @@ class ZeroOneAdam(CompressedAdam):
         grads = self.gradients()
         if self.t % self.var_interval == 0:
             present = self._exact_average(grads)
-            if present is None:  # nonfinite='skip' and a NaN/Inf sum (the same on every rank)
+            if self.loss_scale is not None and self._overflowed(StepGuard.any_bad(grads)):  # the exact sums
+                present = None
+            if present is None:  # nonfinite='skip' (or a scaler's overflow) and a NaN/Inf sum on every rank
                 self.t -= 1
+                self._scaled_end()
                 return
             self._moments(grads, update_v=True, present=present)
             self.var_counter += 1
@@ -112,8 +123,12 @@ class ZeroOneAdam(CompressedAdam):
                 self.var_counter, self.var_interval = 0, self.var_interval * 2
         else:
             agreed = self._sync_agreeing(grads, [p.grad is not None for _, p in self.named])
-            if agreed is None:  # nonfinite='skip': every rank drops it
+            if self.loss_scale is not None and self.engine is not None and self._overflowed(
+                    self.engine.guard.last_bad):
+                agreed = None  # a scaler's: the engine's verdict (propagate: NaN on every rank)
+            if agreed is None:  # nonfinite='skip' (or a scaler's overflow): every rank drops it
                 self.t -= 1
+                self._scaled_end()
                 return
             present = agreed
             self._mask_unseen(grads)
@@ -123,15 +138,19 @@ class ZeroOneAdam(CompressedAdam):
             self.engine.feedback.residuals.clear()  # type: ignore[union-attr]
             self.anchor = [p.detach().clone() for _, p in self.named]
             self.stepped = [False] * len(self.named)
+        self._scaled_end()
 
     @torch.no_grad()
     def _local_step(self) -> None:
         """A local Adam step: a parameter without a gradient on this rank
         stays (torch's skip, on this rank alone: nothing is exchanged to
         agree on), while every rank counts the step, so that the bias
-        corrections stay equal on every rank."""
+        corrections stay equal on every rank. A step this rank's loss scaler
+        skips (its gradient overflowed) is such a step for every parameter:
+        counted (schedule, bias correction, summed lr), nothing moved."""
         self._begin_step()
-        mine = [p.grad is not None for _, p in self.named]
+        skipped = self.loss_scale is not None and self.loss_scale.found_inf()
+        mine = [p.grad is not None and not skipped for _, p in self.named]
         self._moments(self.gradients(), update_v=False, present=mine)
         self._apply(mine, count=[True] * len(self.named))
         self.stepped = [a or b for a, b in zip(self.stepped, mine)]
@@ -144,6 +163,7 @@ class ZeroOneAdam(CompressedAdam):
         if self.local_counter == self.local_step_scaler:  # type: ignore[attr-defined]
             self.local_counter = 0
             self.local_interval = min(self.local_step_clipper, self.local_interval * 2)  # type: ignore[attr-defined]
+        self._scaled_end()
 
     def _synchronize(self) -> None:
         """Average ``u * denom`` compressed (``u = x - anchor``, this

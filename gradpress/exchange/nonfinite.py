@@ -122,7 +122,11 @@ class StepGuard:
         # OR over the calls of the step in flight: did any rank see a NaN/Inf? (tensor: no host sync)
         self._step_bad: torch.Tensor | None = None
         self._last_skipped: torch.Tensor | None = None
-        #: ``propagate`` also puts the state back (set by the DDP hook while a loss scaler is attached)
+        #: the last ended step's verdict (0-d bool tensor, True: some rank saw a NaN/Inf; None: no call checked),
+        #: the same on every rank: what an algorithm's loss scaler agrees on (gradpress.algorithms.loss_scale)
+        self.last_bad: torch.Tensor | None = None
+        #: ``propagate`` also puts the state back (set by the DDP hook while a loss scaler is attached, and by an
+        #: algorithm given one: gradpress.algorithms.loss_scale)
         self.keep_on_propagate = False
         #: the steps dropped so far (``skip``, or ``propagate`` with ``keep_on_propagate``: the state put back, the
         #: step left no trace): the engine's Context step is the caller's step less these, so a random compressor
@@ -216,6 +220,7 @@ class StepGuard:
         """Commit the step's staged residuals unless some rank saw a NaN/Inf;
         then also put back the state the step's calls advanced (when a copy was taken)."""
         bad, self._step_bad = self._step_bad, None
+        self.last_bad = bad
         self._started = False
         snapshot, self._snapshot = self._snapshot, None
         if snapshot is not None and bad is not None and bool(bad):
