@@ -171,6 +171,41 @@ def test_an_unknown_name_points_at_plugins():
         algorithm_registry.parse("mine")
 
 
+@pytest.mark.parametrize("argv", [["train", "--algorithm", "mine", "--nproc", "2"],
+                                  ["compare", "--algorithms", "ddp;mine", "--nproc", "2"]])
+def test_the_commands_unknown_algorithm_points_at_plugins(plugin_dir, monkeypatch, capsys, argv):
+    """`gradpress train --algorithm` and `compare --algorithms` check the name themselves (`ddp` is no registered
+    algorithm): their refusal said only "unknown algorithm 'mine'; allowed: ddp, ...", not where a researcher's
+    own algorithm comes from, which the registry's own refusal (above) says."""
+    from gradpress.train import launch
+
+    forbid(monkeypatch, "a launch", (launch, "_launch"), (launch, "run"))
+    rc = cli([*argv, "--out", str(plugin_dir / "run")])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "unknown algorithm 'mine'; allowed: ddp, " in err, err
+    assert "(one of your own: load its module with --plugin MODULE or GRADPRESS_PLUGINS=MODULE, docs/authoring.md)" \
+        in err, err
+
+
+def test_a_plugin_named_before_the_command_is_loaded(plugin_dir, capsys):
+    """`gradpress --plugin M COMMAND` as well as `gradpress COMMAND --plugin M`: before, argparse took M for the
+    command and failed with "invalid choice: 'myplug'", which did not say where --plugin goes."""
+    assert cli(["--plugin", "myplug", "algorithms"]) == 0
+    assert "plug-every" in capsys.readouterr().out
+    assert os.environ[plugins.ENV] == "myplug"
+    # both places at once: each module loaded
+    (plugin_dir / "other_plug.py").write_text(PLUGIN.replace('"plughalf"', '"otherhalf"').replace(
+        '"plug-every"', '"other-every"'))
+    try:
+        assert cli(["--plugin", "myplug", "compressors", "--plugin", "other_plug"]) == 0
+        out = capsys.readouterr().out
+        assert "plughalf" in out and "otherhalf" in out, out
+        assert os.environ[plugins.ENV] == "myplug,other_plug"
+    finally:
+        sys.modules.pop("other_plug", None)
+
+
 def _run(cmd: list[str], plugin_dir: Path, marks: Path, env: dict[str, str] | None = None) -> tuple[int, str, int]:
     from distributed import free_port
 
