@@ -82,6 +82,12 @@ PLUGIN = textwrap.dedent('''
             if self.since == self.period:
                 self.sync([p for _, p in self.named])
                 self.since = 0
+
+        def extra_state(self):
+            return {"since": self.since}
+
+        def load_extra_state(self, state):
+            self.since = int(state["since"])
 ''')
 
 
@@ -311,3 +317,16 @@ def test_the_documented_generic_test_commands_select_a_plugin(plugin_dir, doc, s
             elif path != "tests/test_unbiased.py":
                 mine = [i for i in ids if i.startswith(path + "::") and ours in i]
                 assert mine, f"{path} selects no case of the plugin {ours!r} under {plugins.ENV}"
+
+
+def test_the_algorithm_fuzz_takes_a_plugin_algorithm(plugin_dir, monkeypatch):
+    """tests/test_algorithm_fuzz.py's `check_algorithm_specs`, what docs/authoring-algorithms.md gives a plugin
+    author in place of adding specs to its hand-kept `ALGORITHMS`: the plugin's specs with drawn compressors
+    (the plugin's own among them), strategies and optimizers on 2 gloo workers that load the plugin from
+    GRADPRESS_PLUGINS, resumed mid-period from a weights_only checkpoint (about 20 s). plug-every keeps its
+    step counter in extra_state: without it a resume mid-period moves the averages, which the fuzz names
+    ("the resumed run differs")."""
+    from test_algorithm_fuzz import check_algorithm_specs
+
+    monkeypatch.setenv(plugins.ENV, "myplug")
+    check_algorithm_specs(["plug-every:period=2", "plug-every:period=3"], 2, range(9))
