@@ -104,7 +104,7 @@ def plugin_dir(tmp_path, monkeypatch):
     compressor_registry._REGISTRY.load()
     algorithm_registry._REGISTRY.load()
     saved = (dict(compressor_registry._REGISTRY.classes), dict(algorithm_registry._REGISTRY.classes),
-             set(plugins._LOADED))
+             set(plugins._LOADED), dict(plugins._DIGESTS))
     yield where
     compressor_registry._REGISTRY.classes.clear()
     compressor_registry._REGISTRY.classes.update(saved[0])
@@ -112,6 +112,8 @@ def plugin_dir(tmp_path, monkeypatch):
     algorithm_registry._REGISTRY.classes.update(saved[1])
     plugins._LOADED.clear()
     plugins._LOADED.update(saved[2])
+    plugins._DIGESTS.clear()
+    plugins._DIGESTS.update(saved[3])
     plugins._DONE[0] = None
     for name in [m for m in sys.modules if m == "myplug" or m.startswith("broken")]:
         del sys.modules[name]
@@ -163,13 +165,24 @@ def test_a_plugin_that_cannot_be_loaded_is_refused_before_anything_runs(plugin_d
 
 def test_record_names_each_plugin_module_and_its_file(plugin_dir, monkeypatch):
     """What summary.json and compare.json record: every module of GRADPRESS_PLUGINS (or loaded by
-    plugins.load) with the file it was imported from, found before it is imported too."""
+    plugins.load) with the file it was imported from, found before it is imported too, and the SHA-256 of
+    that file's bytes (hashlib here) as imported: an edit after the import does not change it (the record
+    had only the path, so two runs of a plugin edited in between looked the same)."""
     assert plugins.record() == []
     monkeypatch.setenv(plugins.ENV, "myplug")
-    want = [{"module": "myplug", "file": str(plugin_dir / "myplug.py")}]
+    want = [{"module": "myplug", "file": str(plugin_dir / "myplug.py"), "sha256": _sha256(plugin_dir / "myplug.py")}]
     assert plugins.record() == want  # not imported yet: where the import would find it
     plugins.load()
     assert plugins.record() == want
+    # edited after the import: the record keeps the digest of the code that was imported (and runs)
+    (plugin_dir / "myplug.py").write_text(PLUGIN + "# edited\n")
+    assert plugins.record() == want
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def test_an_unknown_name_points_at_plugins():
@@ -246,10 +259,12 @@ def test_compare_runs_a_plugin_compressor_in_two_workers(plugin_dir, tmp_path):
     assert [(r["compressor"], r["status"], r["world_size"]) for r in runs] == [
         ("none", "finished", 2), ("plughalf:scale=4", "finished", 2)]
     # each run records the plugins it loaded (module and file), as does the compare: reproducible
-    recorded = [{"module": "myplug", "file": str(plugin_dir / "myplug.py")}]
+    recorded = [{"module": "myplug", "file": str(plugin_dir / "myplug.py"), "sha256": _sha256(plugin_dir / "myplug.py")}]
     assert [r["plugins"] for r in runs] == [recorded, recorded]
     assert json.loads((out / "compare-stats.json").read_text())["plugins"] == recorded
     assert json.loads((out / "0-none" / "summary.json").read_text())["plugins"] == recorded
+    header = f"Plugins: `myplug` ({plugin_dir / 'myplug.py'}, sha256 {_sha256(plugin_dir / 'myplug.py')[:12]})."
+    assert header in (out / "compare.md").read_text()
     encoders = {int(p.name.split("-")[1]) for p in marks.glob("encode-*")}
     assert len(encoders) == 2 and launcher not in encoders, encoders  # both workers, not the launcher
     # the plugin as the workers loaded it: x * 4 rounded to float16, / 4 (a float64 reference)
@@ -271,7 +286,8 @@ def test_train_runs_a_plugin_algorithm_from_the_environment(plugin_dir, tmp_path
     assert rc == 0, text
     summary = json.loads((out / "summary.json").read_text())
     assert (summary["algorithm"], summary["compressor"], summary["steps"]) == ("plug-every:period=2", "plughalf:scale=1.0", 3)
-    assert summary["plugins"] == [{"module": "myplug", "file": str(plugin_dir / "myplug.py")}]
+    assert summary["plugins"] == [{"module": "myplug", "file": str(plugin_dir / "myplug.py"),
+                                   "sha256": _sha256(plugin_dir / "myplug.py")}]
     stepped = {int(p.name.split("-")[1]): p.read_text() for p in marks.glob("algorithm-*")}
     assert len(stepped) == 2 and launcher not in stepped and set(stepped.values()) == {"xxx"}, stepped
     assert len(list(marks.glob("encode-*"))) == 2  # the period-2 synchronization, on each worker
