@@ -314,12 +314,25 @@ def test_the_documented_generic_test_commands_select_a_plugin(plugin_dir, doc, s
     they are), collected as written with this file's plugin in place of the page's name: each `-k NAME` file
     selects cases of the plugin (tests/test_unbiased.py only for a method declared unbiased, which plughalf
     is not), each node id is there. Collection only (30-90 s on 2 busy cores); running them on a plugin found
-    a real fp64 overflow in a researcher's declaration."""
-    commands = [c for c in _documented_pytest_commands(doc, start) if any(a.startswith("tests/") for a in c)]
-    assert commands, f"docs/{doc}: no `python -m pytest ... tests/...` line after {start!r}"
-    env = {**{k: v for k, v in os.environ.items() if k != plugins.ENV}, plugins.ENV: "myplug",
-           "PYTHONPATH": os.pathsep.join([str(plugin_dir), str(ROOT), str(ROOT / "tests")])}
+    a real fp64 overflow in a researcher's declaration. The algorithm page's command for the author's own
+    test file (outside tests/) is run on a file of this test's that checks what the page says the two
+    options give it: tests/conftest.py's GRADPRESS_COMPILE=0 (not inherited here: removed from the
+    environment) and the suite's markers (importing test_algorithm_fuzz warned of `pytest.mark.long`)."""
+    commands = _documented_pytest_commands(doc, start)
+    assert any(a.startswith("tests/") for c in commands for a in c), f"docs/{doc}: no pytest line after {start!r}"
+    env = {**{k: v for k, v in os.environ.items() if k not in (plugins.ENV, "GRADPRESS_COMPILE")},
+           plugins.ENV: "myplug", "PYTHONPATH": os.pathsep.join([str(plugin_dir), str(ROOT), str(ROOT / "tests")])}
     for args in commands:
+        own = [a for a in args if a.endswith(".py") and not a.startswith("tests/")]
+        if own:  # the author's own file: this one in its place, run
+            (plugin_dir / "test_own.py").write_text(OWN_TEST)
+            args = [str(plugin_dir / "test_own.py") if a in own else a for a in args]
+            proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args], cwd=ROOT,
+                                  env=env, capture_output=True, text=True, timeout=300)
+            out = proc.stdout + proc.stderr
+            assert proc.returncode == 0 and "1 passed" in out, out[-3000:]
+            assert "PytestUnknownMarkWarning" not in out, out[-3000:]
+            continue
         if "-k" in args:
             assert args[args.index("-k") + 1] == name, args
             args = [*args[:args.index("-k")], "-k", ours, *args[args.index("-k") + 2:]]
@@ -333,6 +346,21 @@ def test_the_documented_generic_test_commands_select_a_plugin(plugin_dir, doc, s
             elif path != "tests/test_unbiased.py":
                 mine = [i for i in ids if i.startswith(path + "::") and ours in i]
                 assert mine, f"{path} selects no case of the plugin {ours!r} under {plugins.ENV}"
+
+
+#: an author's own test file, outside tests/: the checkout's helpers import, the suite's settings apply
+OWN_TEST = """
+import os
+
+import gradpress.algorithms
+from distributed import run_workers  # noqa: F401
+from test_algorithm_fuzz import check_algorithm_specs  # noqa: F401
+
+
+def test_the_suite_settings_apply():
+    assert os.environ.get("GRADPRESS_COMPILE") == "0"
+    assert "plug-every" in gradpress.algorithms.names()
+"""
 
 
 def test_the_algorithm_fuzz_takes_a_plugin_algorithm(plugin_dir, monkeypatch):
