@@ -370,7 +370,11 @@ def test_the_algorithm_fuzz_takes_a_plugin_algorithm(plugin_dir, monkeypatch):
     GRADPRESS_PLUGINS, resumed mid-period from a weights_only checkpoint (about 20 s). plug-every keeps its
     step counter in extra_state: without it a resume mid-period moves the averages, which the fuzz names
     ("the resumed run differs")."""
+    from distributed import _START_FORKSERVER
     from test_algorithm_fuzz import check_algorithm_specs
 
+    # the session's fork server keeps the environment it starts with: started here under GRADPRESS_PLUGINS,
+    # every later worker of the session (whose sys.path lacks this tmp directory) failed to import myplug
+    _START_FORKSERVER()
     monkeypatch.setenv(plugins.ENV, "myplug")
     check_algorithm_specs(["plug-every:period=2", "plug-every:period=3"], 2, range(9))
