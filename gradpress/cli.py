@@ -24,6 +24,10 @@ def build_parser() -> argparse.ArgumentParser:
     from gradpress import __version__
 
     parser.add_argument("--version", action="version", version=f"gradpress {__version__}")
+    # also before the command (`gradpress --plugin M compare ...`): argparse otherwise took M for the command
+    # ("invalid choice: 'M'"); its own dest, since a command's default (None) would overwrite a shared one
+    parser.add_argument("--plugin", action="append", dest="leading_plugins", default=None, metavar="MODULE",
+                        help="as each command's --plugin (import MODULE here and in every worker); repeatable")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for mod in sorted(pkgutil.iter_modules(commands_pkg.__path__), key=lambda m: m.name):
         module = importlib.import_module(f"gradpress.commands.{mod.name}")
@@ -40,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        plugins.add(getattr(args, "plugins", None) or [])  # and those of $GRADPRESS_PLUGINS
+        plugins.add([*(args.leading_plugins or []), *(getattr(args, "plugins", None) or [])])  # and $GRADPRESS_PLUGINS
         return int(args.func(args) or 0)
     except ValueError as exc:
         print(f"{command_name(args)}: error: {exc}", file=sys.stderr)

@@ -199,7 +199,9 @@ def markdown(result: list[dict[str, Any]], groups: list[dict[str, Any]], target:
         f"Target {s0['metric']}: {'-' if tgt is None else f'{tgt:.4f}'} ({rule}).",
     ]
     if plugins:
-        md.append("Plugins: " + ", ".join(f"`{p['module']}` ({p['file'] or 'no file'})" for p in plugins) + ".")
+        md.append("Plugins: " + ", ".join(f"`{p['module']}` ({p['file'] or 'no file'}"
+                                          + (f", sha256 {p['sha256'][:12]}" if p.get("sha256") else "") + ")"
+                                          for p in plugins) + ".")
     md.append("")
     if multi:
         rank_name, rule = ("wall-clock time to target", compare_stats.TIME_RANK_RULE) if rank_by == "time" else (

@@ -20,7 +20,9 @@ The suite runs 2 x 24 seeded cases; ``-m long`` runs 400 more.
 
 from __future__ import annotations
 
+import functools
 import random
+from collections.abc import Iterable
 
 import pytest
 import torch
@@ -65,10 +67,16 @@ class Net(torch.nn.Module):
         return self.c(torch.tanh(self.b(torch.relu(self.bn(self.a(x))))))
 
 
-def draw_case(seed: int) -> dict:
+def draw_case(seed: int, only: list[str] | None = None) -> dict:
+    """A case of ``seed``; with ``only``, its algorithm spec is one of those (:func:`check_algorithm_specs`)."""
     rnd = random.Random(seed)
-    name = rnd.choice(sorted(ALGORITHMS))
-    return {"seed": seed, "spec": f"{name}:{rnd.choice(ALGORITHMS[name])}",
+    if only is None:
+        name = rnd.choice(sorted(ALGORITHMS))
+        spec = f"{name}:{rnd.choice(ALGORITHMS[name])}"
+    else:
+        spec = rnd.choice(only)
+        name = spec.split(":")[0]
+    return {"seed": seed, "spec": spec,
             "compressor": rnd.choice([None, None, *[spec_for(n) for n in registry.names()]]),
             "strategy": rnd.choice(STRATEGIES), "min_numel": rnd.choice([0, 64, 1024]),
             "optimizer": "adam" if name.endswith("adam") else rnd.choice(["sgd", "momentum", "adam"])}
@@ -101,7 +109,7 @@ def train(rank: int, model, opt, algo, start: int, stop: int, seed: int) -> torc
                      + [b.detach().reshape(-1).double() for b in model.buffers()])
 
 
-def _worker(rank: int, world: int, seeds: list[int]) -> list[dict]:
+def _worker(rank: int, world: int, seeds: list[int], only: list[str] | None = None) -> list[dict]:
     def run(case: dict, res: dict) -> None:
         seed = case["seed"]
         try:
@@ -118,7 +126,7 @@ def _worker(rank: int, world: int, seeds: list[int]) -> list[dict]:
         res["again"] = train(rank, model, opt, algo, CUT, STEPS, seed)
         algo.close()
 
-    return run_cases(seeds, draw_case, run)
+    return run_cases(seeds, functools.partial(draw_case, only=only), run)
 
 
 def problems(per_rank: list[dict]) -> list[str]:
@@ -137,8 +145,18 @@ def problems(per_rank: list[dict]) -> list[str]:
     return found
 
 
-def _check(world: int, seeds: list[int]) -> None:
-    check_cases(_worker, problems, world, seeds, least=len(seeds) // 3, accepted=lambda r: "refused" not in r)
+def _check(world: int, seeds: list[int], only: list[str] | None = None) -> None:
+    check_cases(functools.partial(_worker, only=only), problems, world, seeds, least=len(seeds) // 3,
+                accepted=lambda r: "refused" not in r)
+
+
+def check_algorithm_specs(specs: list[str], world: int, seeds: Iterable[int]) -> None:
+    """This fuzz on algorithm specs of your own (a plugin's, docs/authoring-algorithms.md): each case one of
+    ``specs`` with a drawn compressor, strategy, ``min_numel`` and optimizer, on ``world`` gloo workers, held
+    to :func:`problems` (built or refused on every rank, finite, resumed bit-identically mid-run). A plugin
+    algorithm needs ``$GRADPRESS_PLUGINS`` naming its module when this is called: the workers load it from
+    there (tests/test_plugins.py runs this on its plugin)."""
+    _check(world, list(seeds), list(specs))
 
 
 @pytest.mark.parametrize("world,seeds", [(2, range(0, 24)), (3, range(1000, 1024))])

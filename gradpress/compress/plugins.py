@@ -14,14 +14,18 @@ command imports them at its start (an error there: exit 2). The module must
 be importable there: on ``sys.path``, e.g. through ``PYTHONPATH`` or an
 installed package.
 
-:func:`record` lists the plugin modules with their files: every run's
+:func:`record` lists the plugin modules with their files and the SHA-256 of
+each file's bytes as this process imported them: every run's
 ``summary.json`` and ``gradpress compare``'s ``compare.json`` and
-``compare-stats.json`` keep it (``plugins``), so a run says what it ran.
+``compare-stats.json`` keep it (``plugins``), so a run says what it ran, and
+a plugin edited between two runs (or during a compare, whose runs each
+import it afresh) shows as another digest.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib
 import importlib.util
 import os
@@ -40,6 +44,8 @@ _LOADED: set[str] = set()
 _SOURCE = "--plugin/GRADPRESS_PLUGINS"
 #: the value of ``$GRADPRESS_PLUGINS`` whose modules are all imported (a lookup then costs one comparison)
 _DONE: list[str | None] = [None]
+#: the SHA-256 of each module's file as :func:`load` imported it (None: no file)
+_DIGESTS: dict[str, str | None] = {}
 
 
 def requested(value: str | None = None) -> list[str]:
@@ -73,7 +79,9 @@ def load(modules: Iterable[str] | None = None) -> None:
             continue
         _LOADED.add(name)  # also while importing: a registration inside it looks the registry up again
         try:
+            digest = _digest(_file(name))  # the bytes about to be imported (an edit after this is not what ran)
             importlib.import_module(name)
+            _DIGESTS[name] = digest
         except ModuleNotFoundError as exc:
             _LOADED.discard(name)
             missing = exc.name or ""
@@ -105,17 +113,32 @@ def _file(name: str) -> str | None:
     return os.path.abspath(path) if path else None
 
 
+def _digest(path: str | None) -> str | None:
+    """The SHA-256 (hex) of the file at ``path``; None without one or where it cannot be read."""
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+    except OSError:
+        return None
+
+
 def record() -> list[dict[str, str | None]]:
     """The plugin modules of this process: those of ``$GRADPRESS_PLUGINS`` (a
     name that is not a module name skipped: :func:`load` refuses it) and any
-    other :func:`load` imported, in order, each ``{"module": name, "file": path}``
-    (``file`` None where it has none)."""
+    other :func:`load` imported, in order, each ``{"module": name, "file": path,
+    "sha256": hex}`` (``file`` and ``sha256`` None where it has no file; ``sha256``
+    of the bytes :func:`load` imported, else of the file now). The module's own
+    file only: what it imports in turn is not hashed."""
     try:
         names = requested()
     except ValueError:
         names = []
     names += sorted(m for m in _LOADED if m not in names)
-    return [{"module": name, "file": _file(name)} for name in names]
+    return [{"module": name, "file": _file(name),
+             "sha256": _DIGESTS[name] if name in _LOADED and name in _DIGESTS else _digest(_file(name))}
+            for name in names]
 
 
 def add(modules: Iterable[str]) -> None:

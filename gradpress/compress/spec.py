@@ -121,9 +121,13 @@ class Registry(Generic[T]):
         if name not in self.classes:
             raise ValueError(f"unknown {self.kind} {name!r}{spelled_as(name, self.classes)}"
                              + f"; allowed: {', '.join(sorted(self.classes))}"
-                             + (" (one of your own: load its module with --plugin MODULE or GRADPRESS_PLUGINS=MODULE, "
-                                "docs/authoring.md)" if self.plugins else ""))
+                             + (PLUGIN_HINT if self.plugins else ""))
         return self.classes[name]
+
+
+#: what an unknown compressor or algorithm name adds to its error: where a name of one's own comes from
+PLUGIN_HINT = (" (one of your own: load its module with --plugin MODULE or GRADPRESS_PLUGINS=MODULE, "
+               "docs/authoring.md)")
 
 
 def _folded(name: str) -> str:

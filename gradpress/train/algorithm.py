@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 import torch
 
-from gradpress.compress.spec import spelled_as, without_defaults
+from gradpress.compress.spec import PLUGIN_HINT, spelled_as, without_defaults
 from gradpress.torch_compat import ddp_kwargs
 
 __all__ = ["Algorithm", "DDPAlgorithm", "create", "check_spec", "default_compressor", "names", "describe",
@@ -76,7 +76,8 @@ def check_spec(spec: Any) -> str:
             raise ValueError(f"algorithm 'ddp' takes no parameters, got {params!r}; allowed: ddp")
         return "ddp"
     if name not in names():
-        raise ValueError(f"unknown algorithm {name!r}{spelled_as(name, names())}; allowed: {', '.join(names())}")
+        raise ValueError(f"unknown algorithm {name!r}{spelled_as(name, names())}; allowed: {', '.join(names())}"
+                         + PLUGIN_HINT)
     cls, values = _registry().parse(spec.strip())  # checks the parameters
     full = {p.name: values.get(p.name, p.default) for p in cls.PARAMS}
     return cls.name + (":" + ",".join(f"{k}={v}" for k, v in full.items()) if full else "")
