@@ -95,7 +95,7 @@ GROUPS: dict[str, tuple[list[str], list[str], int]] = {
                "tests/test_train.py", "tests/test_algorithms.py",
                # the reshard modules: the fold without workers, and one end-to-end 4 -> 2 resume (not the long ones)
                "tests/test_reshard.py", "tests/test_reshard_train.py::test_four_workers_resume_on_two",
-               "tests/test_reshard_strategies.py", "tests/test_reshard_midepoch.py"], 24),
+               "tests/test_reshard_strategies.py", "tests/test_reshard_midepoch.py", "tests/test_reshard_load.py"], 24),
     "numerics": ([f"gradpress/compress/{m}.py" for m in ("numerics", "sampling", "_density")],
                  ["tests/test_mutants_numerics.py", "tests/test_efsignsgd_chunk.py", "tests/test_summand_bound.py",
                   "tests/test_extreme.py", "tests/test_estimators.py"], 20),
