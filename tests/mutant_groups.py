@@ -110,7 +110,7 @@ GROUPS: dict[str, tuple[list[str], list[str], int]] = {
                   "tests/test_review_sync_skip.py", "tests/test_algorithms_lsgd.py", "tests/test_algorithms_models.py",
                   "tests/test_algorithms_models_lsgd_sgp_adam.py", "tests/test_review_adam_presence.py", "tests/test_algorithms_models2.py",
                   "tests/test_skip_restart.py", "tests/test_skip_keep_residual.py", "tests/test_sync_guard.py",
-                  "tests/test_sync_keys.py", "tests/test_review_ampalgo.py"], 32),
+                  "tests/test_sync_keys.py", "tests/test_review_ampalgo.py", "tests/test_scaler_load.py"], 32),
     "compiler": (["gradpress/compress/kit/compiler.py", "gradpress/compress/spans.py", "gradpress/compress/params.py"],
                  ["tests/test_mutants_compiler.py", "tests/test_kit_compile.py", "tests/test_review_kit.py",
                   "tests/test_kit_fused.py::test_each_signature_compiles_apart_and_past_its_recompile_limit_only_new_"

@@ -1,0 +1,125 @@
+"""An algorithm's load with ``scaler=`` is all or nothing across its two parts, the engine's state and the
+scaler's (``loss_scaler``): one process, a one-rank gloo group, about 5 s.
+
+``postlocalsgd`` (top-k with error feedback, so the engine holds residuals) under ``torch.amp.GradScaler("cpu")``
+(``growth_interval=2``, so the scale and the growth tracker move) is saved after step 1 and stepped on to
+step 3; the step-1 state, broken in one place, is loaded into it:
+
+* a scaler field of the wrong kind (``_growth_tracker`` a string or negative, ``growth_factor`` a string or
+  <= 1, ``backoff_factor`` >= 1, ``growth_interval`` 0 or a float) is refused with ``ValueError`` naming
+  ``loss_scaler``, the field and its value, "nothing was loaded"; the algorithm's and the scaler's states are
+  then those before the load, and the algorithm steps as its twin that never saw the load;
+* an exchange state the engine refuses (a residual under a key no parameter builds) leaves the scaler as it
+  was (its scale, growth tracker), though the state's ``loss_scaler`` differs;
+* the unbroken state loads (steps, residuals and scale back to step 1's).
+
+Planted: ``AlgorithmScale.check_state`` without the per-field checks (as merged): ``_growth_tracker='x'`` raised
+``TypeError`` (``fill_`` of a str) from ``scaler.load_state_dict``, which runs after the algorithm's part has
+loaded; ``growth_factor='2'``, ``growth_interval=0`` and the
+factors out of range loaded without a word (a string factor then fails the next ``scaler.update``).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+import pytest
+import torch
+from amp_helpers import HAS_CPU_SCALER, Probe, cpu_scaler
+from distributed import one_rank_module
+
+import gradpress.algorithms as algorithms
+
+group = one_rank_module
+SHAPE = (16, 32)
+pytestmark = pytest.mark.skipif(not HAS_CPU_SCALER, reason="this torch has no torch.amp.GradScaler for CPU")
+
+
+def _grad(step: int) -> torch.Tensor:
+    return torch.randn(SHAPE, generator=torch.Generator().manual_seed(100 + step))
+
+
+def _build() -> tuple[Probe, algorithms.Algorithm, Any]:
+    model = Probe(SHAPE)
+    scaler = cpu_scaler(2.0 ** 10)
+    algo = algorithms.create("postlocalsgd:switch=8,period=2", model, torch.optim.SGD(model.parameters(), lr=0.1),
+                             compressor="topk:ratio=0.05", min_numel=64, scaler=scaler)
+    return model, algo, scaler
+
+
+def _step(model: Probe, algo: algorithms.Algorithm, scaler: Any, step: int) -> torch.Tensor:
+    model.zero_grad(set_to_none=True)
+    scaler.scale(model(_grad(step))).backward()
+    algo.step()
+    return model.w.detach().clone()
+
+
+def _equal(a: Any, b: Any, path: str = "") -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), path
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), (path, sorted(map(str, a)), sorted(map(str, b)))
+        for k in a:
+            if k not in ("compress_s", "comm_s"):  # wall-clock seconds
+                _equal(a[k], b[k], f"{path}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _equal(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, (path, a, b)
+
+
+def _twins() -> tuple[tuple[Probe, algorithms.Algorithm, Any], tuple[Probe, algorithms.Algorithm, Any], dict]:
+    a, b = _build(), _build()
+    saved = None
+    for step in range(4):
+        _step(*a, step)
+        _step(*b, step)
+        if step == 1:
+            saved = copy.deepcopy(a[1].state_dict())
+    assert saved is not None
+    return a, b, saved
+
+
+@pytest.mark.parametrize(("field", "value", "allowed"), [
+    ("_growth_tracker", "x", "an integer >= 0"), ("_growth_tracker", -1, "an integer >= 0"),
+    ("growth_factor", "2", "a finite number > 1"), ("growth_factor", 1.0, "a finite number > 1"),
+    ("growth_factor", math.inf, "a finite number > 1"), ("backoff_factor", 1.0, "a number in (0, 1)"),
+    ("growth_interval", 0, "an integer > 0"), ("growth_interval", 2.0, "an integer > 0"),
+])
+def test_a_bad_scaler_field_is_refused_before_anything_loads(group, field: str, value: Any,  # noqa: ANN001
+                                                             allowed: str) -> None:
+    (ma, a, sa), (mb, b, sb), saved = _twins()
+    before, scaler_before = copy.deepcopy(a.state_dict()), dict(sa.state_dict())
+    assert saved["steps"] != before["steps"] and saved["loss_scaler"] != scaler_before, "no test: nothing moved"
+    saved["loss_scaler"][field] = value
+    with pytest.raises(ValueError) as info:
+        a.load_state_dict(saved)
+    message = str(info.value)
+    for fragment in (f"'loss_scaler'[{field!r}]", allowed, repr(value), "nothing was loaded"):
+        assert fragment in message, (fragment, message)
+    _equal(before, a.state_dict(), "algorithm")
+    assert sa.state_dict() == scaler_before
+    for step in (4, 5):
+        assert torch.equal(_step(ma, a, sa, step), _step(mb, b, sb, step)), step
+        assert sa.state_dict() == sb.state_dict()
+
+
+def test_a_refused_exchange_state_leaves_the_scaler_as_it_was(group) -> None:  # noqa: ANN001
+    (_, a, sa), _, saved = _twins()
+    scaler_before = dict(sa.state_dict())
+    assert saved["loss_scaler"] != scaler_before
+    saved["exchange"]["feedback"]["residuals"]["wx"] = torch.zeros(SHAPE)
+    with pytest.raises(ValueError, match=r"\['wx'\].*never exchanges.*nothing was loaded"):
+        a.load_state_dict(saved)
+    assert sa.state_dict() == scaler_before
+
+
+def test_the_unbroken_state_loads_whole(group) -> None:  # noqa: ANN001
+    (_, a, sa), _, saved = _twins()
+    a.load_state_dict(saved)
+    assert sa.state_dict() == saved["loss_scaler"]
+    _equal(saved, a.state_dict())
