@@ -38,6 +38,7 @@ import pytest
 import torch
 import torch.nn as nn
 from distributed import one_rank_module
+from state_diff import diff as _diff
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradpress
@@ -47,8 +48,6 @@ group = one_rank_module  # the module's one-process gloo group
 F32 = torch.float32
 PARAMS = [("w", (16, 12), F32), ("enc/x", (6, 5), F32), ("b", (12,), F32)]
 KEYS = [k for k, _, _ in PARAMS]
-#: the stats that are wall-clock seconds: a twin's differ
-TIMING = ("compress_s", "comm_s")
 
 
 def _grads(step: int) -> list[torch.Tensor]:
@@ -69,29 +68,6 @@ def _roundtrip(state: dict[str, Any]) -> dict[str, Any]:
     return torch.load(buf, weights_only=True)
 
 
-def _diff(a: Any, b: Any, path: str = "", timing: bool = True) -> str | None:
-    """Where ``a`` and ``b`` differ (tensors: dtype, shape and every bit), or None."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
-            return f"{path}: {type(a).__name__} vs {type(b).__name__}"
-        if a.dtype != b.dtype or a.shape != b.shape:
-            return f"{path}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
-        return None if torch.equal(a, b) else f"{path}: values differ"
-    if isinstance(a, dict) and isinstance(b, dict):
-        if set(a) != set(b):
-            return f"{path}: keys {sorted(map(str, a))} vs {sorted(map(str, b))}"
-        for k in a:
-            if (timing or k not in TIMING) and (d := _diff(a[k], b[k], f"{path}[{k!r}]", timing)) is not None:
-                return d
-        return None
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        if len(a) != len(b):
-            return f"{path}: {len(a)} vs {len(b)} items"
-        for i, (x, y) in enumerate(zip(a, b)):
-            if (d := _diff(x, y, f"{path}[{i}]", timing)) is not None:
-                return d
-        return None
-    return None if a == b else f"{path}: {a!r} vs {b!r}"
 
 
 def _residuals(s: dict) -> dict:

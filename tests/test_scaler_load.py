@@ -29,6 +29,7 @@ import pytest
 import torch
 from amp_helpers import HAS_CPU_SCALER, Probe, cpu_scaler
 from distributed import one_rank_module
+from state_diff import diff
 
 import gradpress.algorithms as algorithms
 
@@ -54,22 +55,6 @@ def _step(model: Probe, algo: algorithms.Algorithm, scaler: Any, step: int) -> t
     scaler.scale(model(_grad(step))).backward()
     algo.step()
     return model.w.detach().clone()
-
-
-def _equal(a: Any, b: Any, path: str = "") -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), path
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and set(a) == set(b), (path, sorted(map(str, a)), sorted(map(str, b)))
-        for k in a:
-            if k not in ("compress_s", "comm_s"):  # wall-clock seconds
-                _equal(a[k], b[k], f"{path}[{k!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert isinstance(b, (list, tuple)) and len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
-            _equal(x, y, f"{path}[{i}]")
-    else:
-        assert a == b, (path, a, b)
 
 
 def _twins() -> tuple[tuple[Probe, algorithms.Algorithm, Any], tuple[Probe, algorithms.Algorithm, Any], dict]:
@@ -101,7 +86,7 @@ def test_a_bad_scaler_field_is_refused_before_anything_loads(group, field: str, 
     message = str(info.value)
     for fragment in (f"'loss_scaler'[{field!r}]", allowed, repr(value), "nothing was loaded"):
         assert fragment in message, (fragment, message)
-    _equal(before, a.state_dict(), "algorithm")
+    assert diff(before, a.state_dict(), "algorithm") is None
     assert sa.state_dict() == scaler_before
     for step in (4, 5):
         assert torch.equal(_step(ma, a, sa, step), _step(mb, b, sb, step)), step
@@ -122,4 +107,4 @@ def test_the_unbroken_state_loads_whole(group) -> None:  # noqa: ANN001
     (_, a, sa), _, saved = _twins()
     a.load_state_dict(saved)
     assert sa.state_dict() == saved["loss_scaler"]
-    _equal(saved, a.state_dict())
+    assert diff(saved, a.state_dict(), timing=False) is None
