@@ -23,7 +23,8 @@ Planted (each alone): ``check_contents`` not called: every refusal case loads (1
 namespace check removed: ``namespace_typo`` and ``unescaped`` fail with "never exchanges" in place of the
 namespace, and the worker-shape check removed: ``worker_transposed`` and ``worker_flat`` load; the namespaced
 bound removed: ``ring_too_big`` loads; ``key_tail``'s tail grammar accepting any tail: ``root_bad_tail``
-loads; the element buffers' 1-D check removed: ``dgc_velocity_2d`` loads; ``PowerSGD.state_shape`` returning
+loads; ``namespace_tail``'s check removed (each namespace's suffix): ``root_without_ps``, ``ring_with_ps`` and
+``host_with_ps`` load; the element buffers' 1-D check removed: ``dgc_velocity_2d`` loads; ``PowerSGD.state_shape`` returning
 None: ``powersgd_q_rank`` loads; ``Compressor.state_shape`` returning None: ``dgc_momentum_size`` and
 ``signum_momentum_size`` load.
 """
@@ -105,6 +106,12 @@ REFUSED: dict[str, tuple[str, Callable[[dict], None], tuple[str, ...]]] = {
     "ring_too_big": (TOPK, _set(_residuals, "ring/w", lambda r: torch.zeros(193)),
                      ("['ring/w']", "shape (193,) float32", "at most 192")),
     "root_bad_tail": (TOPK, _set(_residuals, "root/w#sp", lambda r: torch.zeros(4)), ("['root/w#sp']", "never exchanges")),
+    "root_without_ps": (TOPK, _set(_residuals, "root/w", lambda r: torch.zeros(4)),
+                        ("['root/w']", "not the key of a root residual", "then '#ps'")),
+    "ring_with_ps": (TOPK, _set(_residuals, "ring/w#1#ps", lambda r: torch.zeros(4)),
+                     ("['ring/w#1#ps']", "not the key of a ring residual", "then nothing")),
+    "host_with_ps": (TOPK, _set(_residuals, "host/enc%2Fx#ps", lambda r: torch.zeros(4)),
+                     ("['host/enc%2Fx#ps']", "not the key of a host residual")),
     "dgc_momentum_size": ("dgc:ratio=0.3", _set(_comp("momentums"), "w", lambda m: m["w"][:-1].clone()),
                           ("compressor 'dgc'", "momentums['w']", "shape (191,) float32", "expected shape (192,)")),
     "dgc_velocity_2d": ("dgc:ratio=0.3", _set(_comp("velocities"), "w", lambda m: m["w"].reshape(16, 12)),
