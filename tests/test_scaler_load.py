@@ -12,11 +12,16 @@ step 3; the step-1 state, broken in one place, is loaded into it:
 * an exchange state the engine refuses (a residual under a key no parameter builds) leaves the scaler as it
   was (its scale, growth tracker), though the state's ``loss_scaler`` differs;
 * the unbroken state loads (steps, residuals and scale back to step 1's).
+* two saved ranks' scaler states that differ (scale, growth count), folded onto one rank by the algorithm's
+  reshard rule, pass the checks and load: the smallest scale, the growth count restarted, the engine's
+  state the fold's; the next step goes on from there.
 
 Planted: ``AlgorithmScale.check_state`` without the per-field checks (as merged): ``_growth_tracker='x'`` raised
 ``TypeError`` (``fill_`` of a str) from ``scaler.load_state_dict``, which runs after the algorithm's part has
 loaded; ``growth_factor='2'``, ``growth_interval=0`` and the
 factors out of range loaded without a word (a string factor then fails the next ``scaler.update``).
+Planted in ``algorithms/base.py:_fold_scaler``: the largest scale in place of the smallest: the fold case failed
+on the loaded scaler's state.
 """
 
 from __future__ import annotations
@@ -108,3 +113,24 @@ def test_the_unbroken_state_loads_whole(group) -> None:  # noqa: ANN001
     a.load_state_dict(saved)
     assert sa.state_dict() == saved["loss_scaler"]
     assert diff(saved, a.state_dict(), timing=False) is None
+
+
+def test_ranks_scaler_states_folded_onto_another_world_load_with_the_smallest_scale(group) -> None:  # noqa: ANN001
+    """Two saved ranks whose scales and growth counts differ (a local overflow on one), folded onto one rank
+    (``gradpress.exchange.reshard.fold``, the algorithm's rule): the fold passes the load's checks and the
+    scaler takes the smallest saved scale with its growth count restarted; the engine's state is the fold's."""
+    from gradpress.exchange.reshard import fold
+
+    (_, a, sa), _, saved = _twins()
+    other = copy.deepcopy(saved)
+    other["loss_scaler"]["scale"] = saved["loss_scaler"]["scale"] / 2
+    other["loss_scaler"]["_growth_tracker"] = 1
+    folded = fold([saved, other], 0, 1)
+    (mb, b, sb) = _build()
+    b.load_state_dict(folded)
+    want = {**saved["loss_scaler"], "scale": saved["loss_scaler"]["scale"] / 2, "_growth_tracker": 0}
+    assert sb.state_dict() == want, (sb.state_dict(), want)
+    assert diff(folded["exchange"]["feedback"], b.state_dict()["exchange"]["feedback"]) is None
+    _step(mb, b, sb, 4)
+    assert sb.get_scale() == want["scale"]  # a finite step, one of growth_interval=2: stepped on from the fold
+    assert sb.state_dict()["_growth_tracker"] == 1
