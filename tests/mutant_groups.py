@@ -29,7 +29,7 @@ GROUPS: dict[str, tuple[list[str], list[str], int]] = {
                ["tests/test_diloco_switch.py", "tests/test_diloco_keep_switch.py", "tests/test_diloco_residual_decay.py",
                 "tests/test_algorithms_outer.py", "tests/test_references.py"], 10),
     "lsgd": ([f"gradpress/algorithms/{m}.py" for m in ("lsgd", "lsgd_election", "lsgd_pull")],
-             ["tests/test_algorithms_lsgd.py", "tests/test_lsgd_average.py"], 10),
+             ["tests/test_algorithms_lsgd.py", "tests/test_lsgd_average.py", "tests/test_scaler_load.py"], 10),
     "support": ([f"gradpress/exchange/strategies/{m}.py" for m in ("union", "cyclic", "support")],
                 ["tests/test_union.py", "tests/test_cyclic.py"], 10),
     "streaming": (["gradpress/algorithms/streaming.py"], ["tests/test_streaming_buffers.py", "tests/test_algorithms_outer.py"], 8),

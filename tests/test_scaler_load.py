@@ -15,6 +15,8 @@ step 3; the step-1 state, broken in one place, is loaded into it:
 * two saved ranks' scaler states that differ (scale, growth count), folded onto one rank by the algorithm's
   reshard rule, pass the checks and load: the smallest scale, the growth count restarted, the engine's
   state the fold's; the next step goes on from there.
+* LSGD, which captures the training loss from ``backward()``, elects on the unscaled loss under a scaler
+  (the root of ``scaler.scale(loss).backward()`` divided by its scale).
 
 Planted: ``AlgorithmScale.check_state`` without the per-field checks (as merged): ``_growth_tracker='x'`` raised
 ``TypeError`` (``fill_`` of a str) from ``scaler.load_state_dict``, which runs after the algorithm's part has
@@ -134,3 +136,28 @@ def test_ranks_scaler_states_folded_onto_another_world_load_with_the_smallest_sc
     _step(mb, b, sb, 4)
     assert sb.get_scale() == want["scale"]  # a finite step, one of growth_interval=2: stepped on from the fold
     assert sb.state_dict()["_growth_tracker"] == 1
+
+
+def test_lsgd_elects_on_the_unscaled_loss_it_captures_from_backward(group) -> None:  # noqa: ANN001
+    """LSGD captures the training loss from ``backward()`` (``gradpress train`` calls ``step()`` without it);
+    under a scaler the loop's backward is ``scaler.scale(loss).backward()``, whose root is the *scaled* loss.
+    The running loss it elects on is the loss itself: after 2 steps (``tau=2``) the gathered loss is the
+    float64 mean of the 2 steps' losses, whatever the scale (ranks whose scales differ after a local overflow
+    compare the same quantity). Planted (as merged): the captured root taken as it is: 1024 times the mean."""
+    model = Probe(SHAPE)
+    with torch.no_grad():
+        model.w.fill_(0.5)
+    scaler = cpu_scaler(2.0 ** 10)
+    algo = algorithms.create("lsgd:tau=2", model, torch.optim.SGD(model.parameters(), lr=0.1), min_numel=64,
+                             scaler=scaler)
+    losses = []
+    for step in range(2):
+        model.zero_grad(set_to_none=True)
+        loss = model(_grad(step))
+        losses.append(float(loss.detach().double()))
+        scaler.scale(loss).backward()
+        algo.step()
+    want = (losses[0] + losses[1]) / 2
+    got = float(algo.last_losses[0])
+    assert abs(got - want) <= 1e-6 * abs(want), (got, want, scaler.get_scale())
+    algo.close()

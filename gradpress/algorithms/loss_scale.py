@@ -129,6 +129,14 @@ class AlgorithmScale:
             return False
         return any(bool(v) for v in self._opt_state()["found_inf_per_device"].values())
 
+    def unscaled_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` divided by the current scale: what the loop passed to ``scaler.scale`` when ``loss`` is
+        the root of its ``scaler.scale(loss).backward()`` (the scale is updated only in ``algo.step()``, after
+        the backward). A disabled scaler scales nothing: ``loss`` as it is. One host read."""
+        if not self.enabled:
+            return loss
+        return loss.detach() / self.scaler.get_scale()
+
     def step(self) -> None:
         """Plain AMP's end of a step: ``scaler.step(optimizer)`` (skipped on an overflow), ``scaler.update()``."""
         self.scaler.step(self.optimizer)
