@@ -29,7 +29,7 @@ GROUPS: dict[str, tuple[list[str], list[str], int]] = {
                ["tests/test_diloco_switch.py", "tests/test_diloco_keep_switch.py", "tests/test_diloco_residual_decay.py",
                 "tests/test_algorithms_outer.py", "tests/test_references.py"], 10),
     "lsgd": ([f"gradpress/algorithms/{m}.py" for m in ("lsgd", "lsgd_election", "lsgd_pull")],
-             ["tests/test_algorithms_lsgd.py", "tests/test_lsgd_average.py"], 10),
+             ["tests/test_algorithms_lsgd.py", "tests/test_lsgd_average.py", "tests/test_scaler_load.py"], 10),
     "support": ([f"gradpress/exchange/strategies/{m}.py" for m in ("union", "cyclic", "support")],
                 ["tests/test_union.py", "tests/test_cyclic.py"], 10),
     "streaming": (["gradpress/algorithms/streaming.py"], ["tests/test_streaming_buffers.py", "tests/test_algorithms_outer.py"], 8),
@@ -95,7 +95,7 @@ GROUPS: dict[str, tuple[list[str], list[str], int]] = {
                "tests/test_train.py", "tests/test_algorithms.py",
                # the reshard modules: the fold without workers, and one end-to-end 4 -> 2 resume (not the long ones)
                "tests/test_reshard.py", "tests/test_reshard_train.py::test_four_workers_resume_on_two",
-               "tests/test_reshard_strategies.py", "tests/test_reshard_midepoch.py"], 24),
+               "tests/test_reshard_strategies.py", "tests/test_reshard_midepoch.py", "tests/test_reshard_load.py"], 24),
     "numerics": ([f"gradpress/compress/{m}.py" for m in ("numerics", "sampling", "_density")],
                  ["tests/test_mutants_numerics.py", "tests/test_efsignsgd_chunk.py", "tests/test_summand_bound.py",
                   "tests/test_extreme.py", "tests/test_estimators.py"], 20),
@@ -110,7 +110,7 @@ GROUPS: dict[str, tuple[list[str], list[str], int]] = {
                   "tests/test_review_sync_skip.py", "tests/test_algorithms_lsgd.py", "tests/test_algorithms_models.py",
                   "tests/test_algorithms_models_lsgd_sgp_adam.py", "tests/test_review_adam_presence.py", "tests/test_algorithms_models2.py",
                   "tests/test_skip_restart.py", "tests/test_skip_keep_residual.py", "tests/test_sync_guard.py",
-                  "tests/test_sync_keys.py", "tests/test_review_ampalgo.py"], 32),
+                  "tests/test_sync_keys.py", "tests/test_review_ampalgo.py", "tests/test_scaler_load.py"], 32),
     "compiler": (["gradpress/compress/kit/compiler.py", "gradpress/compress/spans.py", "gradpress/compress/params.py"],
                  ["tests/test_mutants_compiler.py", "tests/test_kit_compile.py", "tests/test_review_kit.py",
                   "tests/test_kit_fused.py::test_each_signature_compiles_apart_and_past_its_recompile_limit_only_new_"

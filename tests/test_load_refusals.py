@@ -23,7 +23,8 @@ Planted (each alone): ``check_contents`` not called: every refusal case loads (1
 namespace check removed: ``namespace_typo`` and ``unescaped`` fail with "never exchanges" in place of the
 namespace, and the worker-shape check removed: ``worker_transposed`` and ``worker_flat`` load; the namespaced
 bound removed: ``ring_too_big`` loads; ``key_tail``'s tail grammar accepting any tail: ``root_bad_tail``
-loads; the element buffers' 1-D check removed: ``dgc_velocity_2d`` loads; ``PowerSGD.state_shape`` returning
+loads; ``namespace_tail``'s check removed (each namespace's suffix): ``root_without_ps``, ``ring_with_ps`` and
+``host_with_ps`` load; the element buffers' 1-D check removed: ``dgc_velocity_2d`` loads; ``PowerSGD.state_shape`` returning
 None: ``powersgd_q_rank`` loads; ``Compressor.state_shape`` returning None: ``dgc_momentum_size`` and
 ``signum_momentum_size`` load.
 """
@@ -38,6 +39,7 @@ import pytest
 import torch
 import torch.nn as nn
 from distributed import one_rank_module
+from state_diff import diff as _diff
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradpress
@@ -47,8 +49,6 @@ group = one_rank_module  # the module's one-process gloo group
 F32 = torch.float32
 PARAMS = [("w", (16, 12), F32), ("enc/x", (6, 5), F32), ("b", (12,), F32)]
 KEYS = [k for k, _, _ in PARAMS]
-#: the stats that are wall-clock seconds: a twin's differ
-TIMING = ("compress_s", "comm_s")
 
 
 def _grads(step: int) -> list[torch.Tensor]:
@@ -69,29 +69,6 @@ def _roundtrip(state: dict[str, Any]) -> dict[str, Any]:
     return torch.load(buf, weights_only=True)
 
 
-def _diff(a: Any, b: Any, path: str = "", timing: bool = True) -> str | None:
-    """Where ``a`` and ``b`` differ (tensors: dtype, shape and every bit), or None."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
-            return f"{path}: {type(a).__name__} vs {type(b).__name__}"
-        if a.dtype != b.dtype or a.shape != b.shape:
-            return f"{path}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
-        return None if torch.equal(a, b) else f"{path}: values differ"
-    if isinstance(a, dict) and isinstance(b, dict):
-        if set(a) != set(b):
-            return f"{path}: keys {sorted(map(str, a))} vs {sorted(map(str, b))}"
-        for k in a:
-            if (timing or k not in TIMING) and (d := _diff(a[k], b[k], f"{path}[{k!r}]", timing)) is not None:
-                return d
-        return None
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        if len(a) != len(b):
-            return f"{path}: {len(a)} vs {len(b)} items"
-        for i, (x, y) in enumerate(zip(a, b)):
-            if (d := _diff(x, y, f"{path}[{i}]", timing)) is not None:
-                return d
-        return None
-    return None if a == b else f"{path}: {a!r} vs {b!r}"
 
 
 def _residuals(s: dict) -> dict:
@@ -129,6 +106,12 @@ REFUSED: dict[str, tuple[str, Callable[[dict], None], tuple[str, ...]]] = {
     "ring_too_big": (TOPK, _set(_residuals, "ring/w", lambda r: torch.zeros(193)),
                      ("['ring/w']", "shape (193,) float32", "at most 192")),
     "root_bad_tail": (TOPK, _set(_residuals, "root/w#sp", lambda r: torch.zeros(4)), ("['root/w#sp']", "never exchanges")),
+    "root_without_ps": (TOPK, _set(_residuals, "root/w", lambda r: torch.zeros(4)),
+                        ("['root/w']", "not the key of a root residual", "then '#ps'")),
+    "ring_with_ps": (TOPK, _set(_residuals, "ring/w#1#ps", lambda r: torch.zeros(4)),
+                     ("['ring/w#1#ps']", "not the key of a ring residual", "then nothing")),
+    "host_with_ps": (TOPK, _set(_residuals, "host/enc%2Fx#ps", lambda r: torch.zeros(4)),
+                     ("['host/enc%2Fx#ps']", "not the key of a host residual")),
     "dgc_momentum_size": ("dgc:ratio=0.3", _set(_comp("momentums"), "w", lambda m: m["w"][:-1].clone()),
                           ("compressor 'dgc'", "momentums['w']", "shape (191,) float32", "expected shape (192,)")),
     "dgc_velocity_2d": ("dgc:ratio=0.3", _set(_comp("velocities"), "w", lambda m: m["w"].reshape(16, 12)),

@@ -43,6 +43,7 @@ import pytest
 import torch
 import torch.nn as nn
 from distributed import checkpoint, run_workers
+from state_diff import diff as _diff
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradpress
@@ -68,34 +69,8 @@ def _params(model: nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
-#: the stats that are wall-clock seconds: a twin's differ (compared only in the state before and after a load)
-TIMING = ("compress_s", "comm_s")
 
 
-def _diff(a: Any, b: Any, path: str = "", timing: bool = True) -> str | None:
-    """Where ``a`` and ``b`` differ (tensors: dtype, shape and every bit), or None; ``timing``: compare
-    the :data:`TIMING` stats too."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
-            return f"{path}: {type(a).__name__} vs {type(b).__name__}"
-        if a.dtype != b.dtype or a.shape != b.shape:
-            return f"{path}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
-        return None if torch.equal(a, b) else f"{path}: values differ"
-    if isinstance(a, dict) and isinstance(b, dict):
-        if set(a) != set(b):
-            return f"{path}: keys {sorted(map(str, a))} vs {sorted(map(str, b))}"
-        for k in a:
-            if (timing or k not in TIMING) and (d := _diff(a[k], b[k], f"{path}[{k!r}]", timing)) is not None:
-                return d
-        return None
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        if len(a) != len(b):
-            return f"{path}: {len(a)} vs {len(b)} items"
-        for i, (x, y) in enumerate(zip(a, b)):
-            if (d := _diff(x, y, f"{path}[{i}]", timing)) is not None:
-                return d
-        return None
-    return None if a == b else f"{path}: {a!r} vs {b!r}"
 
 
 def _broken_load(obj: Any, saved: dict, corrupt: Callable[[dict], None], model: nn.Module) -> dict[str, Any]:

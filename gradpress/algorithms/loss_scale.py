@@ -69,6 +69,24 @@ def check_scaler(name: str, scaler: Any, nonfinite: str, refusal: str | None) ->
                          "by design")
 
 
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+#: a GradScaler state's fields besides its scale: (the test, what is allowed), as ``torch.amp.GradScaler``'s
+#: constructor requires them (growth > 1, backoff < 1, a positive interval) and its tracker counts
+FIELDS: dict[str, tuple[Any, str]] = {
+    "growth_factor": (lambda x: _number(x) and math.isfinite(x) and x > 1, "a finite number > 1"),
+    "backoff_factor": (lambda x: _number(x) and 0 < x < 1, "a number in (0, 1)"),
+    "growth_interval": (lambda x: _count(x) and x > 0, "an integer > 0"),
+    "_growth_tracker": (lambda x: _count(x) and x >= 0, "an integer >= 0"),
+}
+
+
 class AlgorithmScale:
     """The loss scaler of an algorithm and its optimizer (module doc)."""
 
@@ -111,6 +129,14 @@ class AlgorithmScale:
             return False
         return any(bool(v) for v in self._opt_state()["found_inf_per_device"].values())
 
+    def unscaled_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` divided by the current scale: what the loop passed to ``scaler.scale`` when ``loss`` is
+        the root of its ``scaler.scale(loss).backward()`` (the scale is updated only in ``algo.step()``, after
+        the backward). A disabled scaler scales nothing: ``loss`` as it is. One host read."""
+        if not self.enabled:
+            return loss
+        return loss.detach() / self.scaler.get_scale()
+
     def step(self) -> None:
         """Plain AMP's end of a step: ``scaler.step(optimizer)`` (skipped on an overflow), ``scaler.update()``."""
         self.scaler.step(self.optimizer)
@@ -127,17 +153,24 @@ class AlgorithmScale:
 
     def check_state(self, state: Any) -> None:
         """``ValueError`` unless ``state`` is a state of this scaler (every key its own ``state_dict`` has)
-        with a finite scale > 0: checked before anything loads, as ``scaler.load_state_dict`` would fail
-        part-way (``KeyError``) after the algorithm's own state had loaded."""
+        with a finite scale > 0 and every other field of the kind ``torch.amp.GradScaler`` takes
+        (:data:`FIELDS`): checked before anything loads, as ``scaler.load_state_dict`` would fail part-way
+        (``KeyError``; ``TypeError`` filling its growth tracker) after the algorithm's own state had loaded,
+        or take a field that fails the next ``update`` (a factor given as a string)."""
         scale = state.get("scale") if isinstance(state, Mapping) else None
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (math.isfinite(scale) and scale > 0):
+        if not _number(scale) or not (math.isfinite(scale) and scale > 0):
             raise ValueError(f"algorithm state dict: 'loss_scaler' must be a GradScaler state with a finite 'scale' "
                              f"> 0, got {state!r}; nothing was loaded")
-        missing = sorted(set(self.scaler.state_dict()) - set(state))
+        own = self.scaler.state_dict()
+        missing = sorted(set(own) - set(state))
         if missing:
             raise ValueError(f"algorithm state dict: 'loss_scaler' lacks {', '.join(map(repr, missing))} (a "
-                             f"GradScaler state has {', '.join(map(repr, sorted(self.scaler.state_dict())))}), got "
+                             f"GradScaler state has {', '.join(map(repr, sorted(own)))}), got "
                              f"{state!r}; nothing was loaded")
+        for key, (ok, allowed) in FIELDS.items():
+            if key in own and not ok(state[key]):
+                raise ValueError(f"algorithm state dict: 'loss_scaler'[{key!r}] must be {allowed}, got "
+                                 f"{state[key]!r}; nothing was loaded")
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.scaler.load_state_dict(dict(state))

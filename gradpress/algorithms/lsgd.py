@@ -154,7 +154,7 @@ class LSGD(Pulls, Algorithm):
                                  self.world_size))
         groups = self.groups
         self.compressed = not self.compressor.identity
-        self._probe = probe_class(self.observe)
+        self._probe = probe_class(self.observe_backward)
         #: losses seen in this step (sum, count) and step means since the election (sum, count);
         #: sums stay on the loss's device (no host sync per step)
         self._seen: list[Any] = [None, 0]

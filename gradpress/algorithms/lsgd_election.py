@@ -9,7 +9,8 @@ state so that each module stays short. Its :meth:`Election._count` records
 the bytes every LSGD collective sends.
 
 The training loss reaches :meth:`Election.observe` from ``step(loss)`` or,
-when the loop calls ``step()`` without it, from ``loss.backward()``: the
+when the loop calls ``step()`` without it, from ``loss.backward()``
+(:meth:`Election.observe_backward`: unscaled under a loss scaler): the
 forward hook :meth:`Election._tag` tags the model's output in training mode
 (a ``torch.Tensor`` subclass, values and autograd unchanged) so that the
 scalar computed from it reports itself when ``backward()`` is called on it.
@@ -23,12 +24,15 @@ rank decides from the same vector.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from gradpress.exchange import Synchronizer
+
+if TYPE_CHECKING:
+    from gradpress.algorithms.loss_scale import AlgorithmScale
 from gradpress.transport.groups import device_of
 
 
@@ -51,12 +55,19 @@ class Election:
     last_losses: torch.Tensor
     engine: Synchronizer | None
     _last: dict[str, int]
+    loss_scale: AlgorithmScale | None
 
     # ------------------------------------------------------------------ loss
     def _tag(self, module: torch.nn.Module, inputs: Any, output: Any) -> Any:
         if module.training and torch.is_grad_enabled() and type(output) is torch.Tensor:
             return output.as_subclass(self._probe)
         return None
+
+    def observe_backward(self, loss: torch.Tensor) -> None:
+        """A loss captured from ``backward()`` (the probe's sink): under a loss scaler (``scaler=``) the root of
+        the loop's ``scaler.scale(loss).backward()`` is the scaled loss, so it is unscaled first; ranks whose
+        scales differ (a local overflow backs off one rank's) then elect on the same quantity."""
+        self.observe(loss if self.loss_scale is None else self.loss_scale.unscaled_loss(loss))
 
     def observe(self, loss: torch.Tensor) -> None:
         """Count one training loss of this step (gradient accumulation: several)."""

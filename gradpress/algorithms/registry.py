@@ -62,7 +62,7 @@ def create(spec: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, 
     """Build an algorithm: ``create("localsgd:period=8", model, optimizer,
     compressor="topk:ratio=0.01")``. ``options`` are the shared keywords of
     :class:`Algorithm` (compressor, error_feedback, strategy, min_numel,
-    seed, nonfinite, process_group, timeout) and algorithm parameters.
+    seed, nonfinite, process_group, timeout, scaler) and algorithm parameters.
     Collective: every rank calls it with the same arguments."""
     cls, params = parse(spec)
     overlap = sorted(set(params) & set(options))

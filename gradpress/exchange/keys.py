@@ -28,13 +28,14 @@ from collections.abc import Collection, Mapping
 from typing import Any
 
 __all__ = ["KEYS_FORMAT", "WORKER", "escape", "unescape", "namespace", "namespaces", "store_key", "part_key",
-           "root_key", "hop_key", "split_key", "owner", "owner_among", "tensor_owner", "key_tail", "upgrade_keys"]
+           "root_key", "hop_key", "split_key", "owner", "owner_among", "tensor_owner", "key_tail", "namespace_tail", "upgrade_keys"]
 
 #: the ``keys`` entry of an engine state whose keys are built from escaped names
 KEYS_FORMAT = "escaped/1"
 #: the worker's own residuals: keyed by the tensor key itself
 WORKER = ""
-_NAMESPACES: set[str] = set()
+#: each declared namespace and the suffix every key of it ends with (None: not declared: any store tail)
+_NAMESPACES: dict[str, str | None] = {}
 _ESCAPES = {"%": "%25", "/": "%2F", "#": "%23"}
 _RESERVED = re.compile(r"[%/#]")
 _ESCAPED = re.compile(r"%(25|2F|23)")
@@ -52,13 +53,29 @@ def unescape(key: str) -> str:
     return _ESCAPED.sub(lambda m: chr(int(m.group(1), 16)), key)
 
 
-def namespace(name: str) -> str:
+def namespace(name: str, suffix: str | None = None) -> str:
     """Declare a strategy's residual namespace (``"ring"``, ``"root"``) and
-    return it; its keys are ``name/key``."""
+    return it; its keys are ``name/key``. ``suffix``: what every exchanged
+    key of the namespace ends with after the tensor's partitions and pieces
+    (``"#ps"`` for the PS roots', ``""`` for the ring's and the hosts', which
+    never end with ``#ps``); None: any tail :func:`key_tail` accepts."""
     if not name or _RESERVED.search(name):
         raise ValueError(f"a residual namespace is a non-empty name without '%', '/' or '#', got {name!r}")
-    _NAMESPACES.add(name)
+    _NAMESPACES[name] = suffix
     return name
+
+
+def namespace_tail(space: str, tail: str) -> str | None:
+    """None when ``tail`` (what :func:`key_tail` found after a tensor's name) is one that a residual of
+    namespace ``space`` has (the suffix it declared, after any ``#k`` partitions and pieces); else the form
+    its keys have, in words."""
+    suffix = _NAMESPACES.get(space)
+    if suffix is None:
+        return None
+    body = tail[: len(tail) - len(suffix)] if suffix else tail
+    if tail.endswith(suffix) and _PARTS.fullmatch(body):
+        return None
+    return "the parameter's name, its #k partitions and pieces, then " + (repr(suffix) if suffix else "nothing")
 
 
 def namespaces() -> frozenset[str]:
@@ -116,6 +133,7 @@ def tensor_owner(tensor_key: str, names: Collection[str]) -> str | None:
 
 #: what follows a tensor's escaped name in an exchanged key: plan partitions and hierarchical pieces
 #: ``#k`` (any depth), then a PS root's ``#ps``, or in a compressor context a ring hop's ``#ring<c>``
+_PARTS = re.compile(r"(?:#[0-9]+)*")
 _STORE_TAIL = re.compile(r"(?:#[0-9]+)*(?:#ps)?")
 _CONTEXT_TAIL = re.compile(r"(?:#[0-9]+)*(?:#ps|#ring[0-9]+)?")
 

@@ -19,7 +19,8 @@ What is knowable at load time, and checked (``params``: the engine's ``(key, sha
 * a worker residual is keyed by a parameter's escaped name and has that parameter's shape exactly (the
   engine stages it reshaped to the tensor it averaged, even when the plan partitions it);
 * a strategy's residual is in a declared namespace (``ring/``, ``root/``, ``host/``), keyed by a
-  parameter's escaped name and a well-formed tail (``#k`` partitions and pieces, ``#ps``), and holds at
+  parameter's escaped name and a well-formed tail (``#k`` partitions and pieces, then the suffix its
+  namespace declares: ``#ps`` for a root's, none for a ring's or a host's), and holds at
   most the parameter's elements (a partition, a piece or a chunk of it: its exact size depends on the plan
   and the layout, so only the bound is certain);
 * a compressor's per-tensor buffer (``Compressor.element_state``, ``matrix_state``) is keyed like a
@@ -39,7 +40,7 @@ from typing import Any
 import torch
 
 from gradpress.compress import Compressor
-from gradpress.exchange.keys import WORKER, key_tail, namespaces, split_key
+from gradpress.exchange.keys import WORKER, key_tail, namespace_tail, namespaces, split_key
 from gradpress.exchange.rollback import NOTHING_LOADED
 
 __all__ = ["check_form", "check_contents"]
@@ -126,7 +127,11 @@ def _check_residual(key: str, value: torch.Tensor, shapes: Mapping[str, tuple[in
         what = "a parameter's name" if space == WORKER else "a parameter's name with its partition/#ps suffix"
         raise ValueError(f"{where}: a residual of a tensor this engine never exchanges (allowed: {what}; this "
                          f"engine's parameters: {_params_named(shapes)}); {NOTHING_LOADED}")
-    name, _ = parsed
+    name, tail = parsed
+    ends = namespace_tail(space, tail) if space != WORKER else None
+    if ends is not None:
+        raise ValueError(f"{where}: not the key of a {space} residual (allowed: {ends}; no strategy builds this "
+                         f"one, so it would be kept and never read); {NOTHING_LOADED}")
     expected = shapes[name]
     if not value.is_floating_point():
         raise ValueError(f"{where}: {_found(value)}, allowed: a floating-point tensor (the residual of parameter "

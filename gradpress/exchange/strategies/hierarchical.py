@@ -103,7 +103,7 @@ from gradpress.transport.p2p import swap_bytes
 __all__ = ["Hierarchical", "HOST", "OUTER", "workers_per_host_from_env", "check_divides"]
 
 #: the leaders' residuals of the host sums in the engine's feedback store
-HOST = namespace("host")
+HOST = namespace("host", suffix="")
 #: default piece size of the pipelined exchange (entries; 1 MB of fp32): 2^18, 2^19, 2^20 and 2^21
 #: measured within 4% of each other on 2 hosts x 2 workers (docs/results/e2e-hierarchical-2x2.md)
 CHUNK = 1 << 18

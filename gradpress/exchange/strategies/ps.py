@@ -58,7 +58,7 @@ from gradpress.transport.p2p import exchange_bytes, global_rank
 __all__ = ["ParameterServer"]
 
 #: where the roots' re-compression residuals live in the engine's feedback store
-ROOT = namespace("root")
+ROOT = namespace("root", suffix="#ps")
 
 
 @register_strategy("ps")

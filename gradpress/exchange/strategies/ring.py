@@ -60,7 +60,7 @@ from gradpress.transport.p2p import exchange_bytes
 __all__ = ["Ring", "chunk_bounds"]
 
 #: where the hop residuals live in the engine's feedback store
-RING = namespace("ring")
+RING = namespace("ring", suffix="")
 
 
 #: a hop's exchanged key (:func:`~gradpress.exchange.keys.hop_key`; a tensor's escaped key holds no '#')
