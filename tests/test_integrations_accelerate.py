@@ -1,9 +1,9 @@
 """gradpress from Hugging Face Accelerate and the Transformers Trainer, 2 CPU
-processes under ``torchrun`` (gloo).
+processes under ``torchrun`` (gloo), one launch per framework.
 
-* Accelerate: a script trains 4 steps with top-k registered by
+* Accelerate: a run trains 4 steps with top-k registered by
   ``gradpress.accelerate.register`` (bytes per step asserted against the
-  compressor's own packet sizes), ``accelerator.save_state``; a second run
+  compressor's own packet sizes), ``accelerator.save_state``; a later run
   ``load_state``s it: each rank's compression state is restored equal to what
   it saved, and the next 4 steps equal those of a run that never stopped
   (losses, parameters and residuals, bit for bit). The stats reach Accelerate's
@@ -16,7 +16,19 @@ processes under ``torchrun`` (gloo).
   holds every rank's compression state, and a run resumed from it starts
   with that state.
 
-This file is also the worker script (``torchrun ... this_file MODE OUT STEPS [RESUME]``).
+The runs of one framework share one launch (a torchrun and its two workers
+cost seconds of imports each; suitespeed session), each run with a fresh
+``Accelerator`` or ``Trainer``, model, optimizer and hook, in this order:
+Accelerate: 4 steps and ``save_state``, the 8 uninterrupted steps, then the
+resume from the 4-step state; Trainer: 4 steps, then the resume from
+``checkpoint-4`` to step 6. What a resumed run starts with is compared with
+what the earlier run saved, and between the Accelerate save and its resume
+the uninterrupted run trained further, so state kept in the process rather
+than loaded from the checkpoint would show as a mismatch, not pass.
+``accelerator.end_training()`` (which destroys the process group) ends the
+last run only.
+
+This file is also the worker script (``torchrun ... this_file MODE OUT``).
 """
 
 from __future__ import annotations
@@ -48,7 +60,8 @@ def _gpt2():  # noqa: ANN202
     return GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2))
 
 
-def _accelerate_worker(out: str, steps: int, resume: str | None) -> None:
+def _accelerate_run(out: str, steps: int, resume: str | None, last: bool) -> None:
+    """One Accelerate run of ``steps`` steps (resumed from the state folder ``resume``)."""
     import torch
     import torch.nn.functional as F
     from accelerate import Accelerator
@@ -86,10 +99,24 @@ def _accelerate_worker(out: str, steps: int, resume: str | None) -> None:
                 "params": [p.detach().clone() for p in model.parameters()]},
                os.path.join(out, f"acc-end-{steps}-rank{rank}.pt"))
     accelerator.save_state(os.path.join(out, f"acc-state-{steps}"))
-    accelerator.end_training()
+    if last:
+        accelerator.end_training()
+    else:  # the next run of this launch needs the process group: only the trackers end
+        for tracker in accelerator.trackers:
+            tracker.finish()
 
 
-def _trainer_worker(out: str, steps: int, resume: str | None) -> None:
+def _accelerate_worker(out: str) -> None:
+    """The three Accelerate runs of the test, in one launch (see the module docstring for the order)."""
+    straight = os.path.join(out, "straight")
+    os.makedirs(straight, exist_ok=True)
+    _accelerate_run(out, 4, None, last=False)
+    _accelerate_run(straight, 8, None, last=False)
+    _accelerate_run(out, 8, os.path.join(out, "acc-state-4"), last=True)
+
+
+def _trainer_run(out: str, steps: int, resume: str | None) -> None:
+    """One Trainer run of ``steps`` steps (resumed from the checkpoint folder ``resume``)."""
     import torch
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
@@ -125,6 +152,16 @@ def _trainer_worker(out: str, steps: int, resume: str | None) -> None:
                os.path.join(out, f"hf-{steps}-rank{rank}.pt"))
 
 
+def _trainer_worker(out: str) -> None:
+    """The two Trainer runs of the test, in one launch: 4 steps, then the resume from ``checkpoint-4`` to 6."""
+    import torch
+
+    _trainer_run(out, 4, None)
+    if torch.distributed.get_rank() == 0 and os.path.isdir(os.path.join(out, "runs")):  # rank 0 writes TensorBoard
+        os.rename(os.path.join(out, "runs"), os.path.join(out, "runs-4"))  # the test reads the first run's alone
+    _trainer_run(out, 6, os.path.join(out, "checkpoint-4"))
+
+
 # --------------------------------------------------------------------------- the tests
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not HAVE, reason="Accelerate, Transformers or TensorBoard is not installed "
@@ -155,7 +192,7 @@ def test_accelerate_trains_compresses_and_resumes_with_its_compression_state(tmp
     import torch
     from integration_helpers import expected_step_bytes, scalar_tags
 
-    _torchrun("accelerate", str(tmp_path), "4")
+    _torchrun("accelerate", str(tmp_path))
     sent, dense = expected_step_bytes(_model_layers(), SPEC, MIN_NUMEL)
     first = [torch.load(tmp_path / f"acc-end-4-rank{r}.pt", weights_only=True) for r in range(2)]
     for r in range(2):
@@ -165,7 +202,6 @@ def test_accelerate_trains_compresses_and_resumes_with_its_compression_state(tmp
     custom = torch.load(tmp_path / "acc-state-4" / "custom_checkpoint_0.pkl", weights_only=True)  # no pickle needed
     assert custom["world_size"] == 2 and len(custom["ranks"]) == 2
 
-    _torchrun("accelerate", str(tmp_path), "8", str(tmp_path / "acc-state-4"))
     for r in range(2):
         _assert_restored(first[r]["state"], torch.load(tmp_path / f"acc-start-8-rank{r}.pt", weights_only=True))
         end = torch.load(tmp_path / f"acc-end-8-rank{r}.pt", weights_only=True)
@@ -174,8 +210,6 @@ def test_accelerate_trains_compresses_and_resumes_with_its_compression_state(tmp
     assert any(not torch.equal(r0[k], r1[k]) for k in r0)  # each rank got its own residuals back
     # resuming gives the same next steps as not stopping (4 steps are one epoch here: the data restarts alike)
     straight = tmp_path / "straight"
-    straight.mkdir()
-    _torchrun("accelerate", str(straight), "8")
     for r in range(2):
         end, ref = (torch.load(d / f"acc-end-8-rank{r}.pt", weights_only=True) for d in (tmp_path, straight))
         assert end["losses"] == ref["losses"][4:]
@@ -203,7 +237,7 @@ def test_trainer_callback_registers_logs_and_checkpoints_the_compression_state(t
     import torch
     from integration_helpers import expected_step_bytes, scalar_tags
 
-    _torchrun("trainer", str(tmp_path), "4")
+    _torchrun("trainer", str(tmp_path))
     runs = [torch.load(tmp_path / f"hf-4-rank{r}.pt", weights_only=True) for r in range(2)]
     model = _gpt2()
     sent, dense = expected_step_bytes(model, SPEC, MIN_NUMEL)
@@ -222,11 +256,10 @@ def test_trainer_callback_registers_logs_and_checkpoints_the_compression_state(t
     assert saved["world_size"] == 2
     for r in range(2):
         _assert_restored(runs[r]["state"], saved["ranks"][r])
-    tags = scalar_tags(tmp_path / "runs")
+    tags = scalar_tags(tmp_path / "runs-4")
     assert any(t.endswith("gradpress/bytes_per_step") for t in tags) and any(
         t.endswith("gradpress/compression_ratio") for t in tags), sorted(tags)
 
-    _torchrun("trainer", str(tmp_path), "6", str(tmp_path / "checkpoint-4"))
     for r in range(2):
         resumed = torch.load(tmp_path / f"hf-6-rank{r}.pt", weights_only=True)
         _assert_restored(runs[r]["state"], resumed["start"])
@@ -234,8 +267,7 @@ def test_trainer_callback_registers_logs_and_checkpoints_the_compression_state(t
 
 
 if __name__ == "__main__":
-    worker = {"accelerate": _accelerate_worker, "trainer": _trainer_worker}[sys.argv[1]]
-    worker(sys.argv[2], int(sys.argv[3]), sys.argv[4] if len(sys.argv) > 4 else None)
+    {"accelerate": _accelerate_worker, "trainer": _trainer_worker}[sys.argv[1]](sys.argv[2])
     from integration_helpers import leave
 
     leave()

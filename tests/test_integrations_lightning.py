@@ -9,6 +9,13 @@ reach Lightning's TensorBoard logger at every step (``log_every_n_steps=1``:
 tags, steps and values read back from the event files, against the bytes the
 test computes).
 
+Both runs share one launch (each process imports Lightning, about 7 s of
+CPU; suitespeed session), each with a fresh ``Trainer``, strategy, model and
+hook: the second ``fit`` finds ``LOCAL_RANK`` set by Lightning's launcher on
+rank 0 (``LightningEnvironment.creates_processes_externally``) and the
+process group up, so it starts no process and restores the compression state
+from the checkpoint file only (gradpress keeps no state outside the hook).
+
 This file is also the worker script: Lightning's launcher starts it again
 for rank 1 with the same arguments.
 """
@@ -33,8 +40,8 @@ def _model_layers():  # noqa: ANN202
     return nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 4))
 
 
-def _worker(out: str, max_steps: int, ckpt: str | None) -> None:
-    """One Lightning fit on 2 CPU processes (Lightning launches rank 1)."""
+def _fit_once(out: str, max_steps: int, ckpt: str | None) -> None:
+    """One Lightning fit on 2 CPU processes (Lightning launches rank 1 at the first)."""
     import lightning as L
     import torch
     import torch.nn.functional as F
@@ -85,24 +92,29 @@ def _worker(out: str, max_steps: int, ckpt: str | None) -> None:
     trainer.save_checkpoint(os.path.join(out, f"steps{max_steps}.ckpt"))
 
 
+def _worker(out: str) -> None:
+    """The test's two fits: 4 steps, then 8 resumed from the 4-step checkpoint."""
+    _fit_once(out, 4, None)
+    _fit_once(out, 8, os.path.join(out, "steps4.ckpt"))
+
+
 # --------------------------------------------------------------------------- the test
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not LIGHTNING, reason="PyTorch Lightning or TensorBoard is not "
                                  "installed (pip install 'gradpress[lightning,tensorboard]')")]
 
 
-def _fit(out, max_steps: int, ckpt=None) -> None:  # noqa: ANN001
+def _fit(out) -> None:  # noqa: ANN001
     from integration_helpers import run_command
 
-    cmd = [sys.executable, __file__, str(out), str(max_steps)] + ([str(ckpt)] if ckpt else [])
-    run_command(cmd, timeout=150)
+    run_command([sys.executable, __file__, str(out)], timeout=200)
 
 
 def test_lightning_trains_compresses_and_resumes_with_its_compression_state(tmp_path) -> None:
     import torch
     from integration_helpers import expected_step_bytes, scalar_events
 
-    _fit(tmp_path, 4)
+    _fit(tmp_path)
     first = [torch.load(tmp_path / f"end-4-rank{r}.pt", weights_only=True) for r in range(2)]
     for r in range(2):
         stats = first[r]["stats"]
@@ -114,7 +126,6 @@ def test_lightning_trains_compresses_and_resumes_with_its_compression_state(tmp_
     ckpt = torch.load(tmp_path / "steps4.ckpt", weights_only=True)  # loads without pickle
     assert ckpt["gradpress"]["world_size"] == 2 and len(ckpt["gradpress"]["ranks"]) == 2
 
-    _fit(tmp_path, 8, tmp_path / "steps4.ckpt")
     for r in range(2):
         saved, restored = first[r]["state"], torch.load(tmp_path / f"start-8-rank{r}.pt", weights_only=True)
         assert restored["step"] == 4
@@ -166,7 +177,7 @@ def test_callback_refuses_another_strategy_a_foreign_world_size_and_warns_withou
 
 
 if __name__ == "__main__":
-    _worker(sys.argv[1], int(sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 else None)
+    _worker(sys.argv[1])
     from integration_helpers import leave
 
     leave()
