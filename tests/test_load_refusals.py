@@ -218,3 +218,19 @@ def test_the_hook_refuses_a_wrong_compressor_buffer_and_stays_bound_stepping_as_
         assert _diff(a.state_dict(), b.state_dict(), f"state after step {step}", timing=False) is None
     a.close()
     b.close()
+
+
+def test_naming_a_declared_namespace_again_keeps_its_suffix() -> None:
+    """A module that names ``root`` or ``ring`` again to read their residuals (tests/test_mutants_feedback.py does:
+    ``namespace("root")``) keeps the suffix the strategy declared: before, it reset ``root``'s ``#ps`` to "any
+    tail", and the full suite, which imports that module first, loaded ``root/w`` (no ``#ps``) and ``ring/w#ps``
+    that this file refuses when run alone. Another suffix is refused by name."""
+    from gradpress.exchange import keys
+    from gradpress.exchange.strategies import ps, ring  # noqa: F401 - their declarations
+
+    assert keys.namespace("root") == "root" and keys.namespace("ring") == "ring"
+    assert keys.namespace_tail("root", "") is not None  # root/w: its #ps is missing
+    assert keys.namespace_tail("root", "#ps") is None
+    assert keys.namespace_tail("ring", "#ps") is not None
+    with pytest.raises(ValueError, match=r"^residual namespace 'root' is declared with the key suffix '#ps', got ''"):
+        keys.namespace("root", suffix="")

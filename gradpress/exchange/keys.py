@@ -58,10 +58,20 @@ def namespace(name: str, suffix: str | None = None) -> str:
     return it; its keys are ``name/key``. ``suffix``: what every exchanged
     key of the namespace ends with after the tensor's partitions and pieces
     (``"#ps"`` for the PS roots', ``""`` for the ring's and the hosts', which
-    never end with ``#ps``); None: any tail :func:`key_tail` accepts."""
+    never end with ``#ps``); None: any tail :func:`key_tail` accepts, or, for a
+    namespace already declared, the suffix it was declared with (naming it again
+    to read its residuals changes nothing). Another suffix than the declared one:
+    ValueError."""
     if not name or _RESERVED.search(name):
         raise ValueError(f"a residual namespace is a non-empty name without '%', '/' or '#', got {name!r}")
-    _NAMESPACES[name] = suffix
+    declared = _NAMESPACES.get(name)
+    if suffix is None:
+        _NAMESPACES.setdefault(name, None)
+    elif declared is None or declared == suffix:
+        _NAMESPACES[name] = suffix
+    else:
+        raise ValueError(f"residual namespace {name!r} is declared with the key suffix {declared!r}, "
+                         f"got {suffix!r}: one namespace per strategy; choose another name")
     return name
 
 
