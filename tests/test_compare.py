@@ -215,6 +215,13 @@ def test_a_parameter_after_a_spec_without_parameters_is_named():
         assert msg.startswith("compressors: ") and f"{first!r} has no parameter list" in msg, msg
     assert compare.split_specs("qsgd:levels=4,bucket=512,fp16") == ["qsgd:levels=4,bucket=512", "fp16"]
     assert compare.split_specs("topk:ratio=0.1>natural:x=1,y=2") == ["topk:ratio=0.1>natural:x=1,y=2"]
+    # a value without its key (a researcher's slip): it was read as a spec, "unknown compressor '0.2'"
+    for bad, first, value in (("none,topk:ratio=0.1,0.2", "topk:ratio=0.1", "0.2"), ("dgc:ratio=0.01,1e-3", "dgc:ratio=0.01", "1e-3")):
+        with pytest.raises(ValueError) as exc:
+            compare.split_specs(bad)
+        assert str(exc.value) == (f"compressors: {value!r} in {bad!r} is neither a NAME[:key=value,...] spec nor a "
+                                  f"key=value parameter of {first!r}; a parameter after a comma is key=value "
+                                  f"({first},KEY={value}), and ';' separates specs")
     from gradpress.bench.specs import parse_compressors
 
     with pytest.raises(ValueError, match="--compressors: .*'fp16' has no parameter list"):

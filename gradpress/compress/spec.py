@@ -175,15 +175,28 @@ def append_piece(specs: list[str], piece: str, what: str, text: str) -> None:
     continues the parameter list of the spec before it, so that
     ``qsgd:levels=4,bucket=512,topk`` is two specs; anything else starts a
     spec. ValueError naming ``what`` for a parameter after a spec (or last
-    stage) with no parameter list (``fp16,ratio=0.1``)."""
+    stage) with no parameter list (``fp16,ratio=0.1``) and for a piece that
+    is neither (``topk:ratio=0.1,0.2``: a value without its key)."""
     head = piece.split(">", 1)[0]
     if specs and "=" in head and ":" not in head:
         if ":" not in specs[-1].rsplit(">", 1)[-1]:
             raise ValueError(f"{what}: {piece!r} in {text!r} is a parameter, but {specs[-1]!r} has no parameter "
                              "list; allowed: NAME:key=value,key=value")
         specs[-1] += "," + piece
+    elif specs and _is_number(piece):  # 'topk:ratio=0.1,0.2': a value without its key, not a name
+        raise ValueError(f"{what}: {piece!r} in {text!r} is neither a NAME[:key=value,...] spec nor a key=value "
+                         f"parameter of {specs[-1]!r}; a parameter after a comma is key=value "
+                         f"({specs[-1]},KEY={piece}), and ';' separates specs")
     else:
         specs.append(piece)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def parse_stage(text: str, kind: str = "compressor") -> tuple[str, dict[str, str]]:
