@@ -162,22 +162,36 @@ class DDPAlgorithm:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, compressor: str | None = None, *,
                  error_feedback: bool | None = None, strategy: str = "collective", min_numel: int = 1024, seed: int = 0,
                  nonfinite: str = "propagate", ddp_options: Mapping[str, Any] | None = None,
-                 plan_costs: str | None = None, timeout: float | None = None) -> None:
+                 plan_costs: str | None = None, timeout: float | None = None, scaler: Any = None) -> None:
         import gradpress.ddp
 
         device = next(model.parameters()).device
         self.module = model
         self.optimizer = optimizer
         self.compressor = compressor if compressor is not None else self.default_compressor
+        #: fp16's ``torch.amp.GradScaler`` (None: none): the hook follows its scale; :meth:`step` steps through it
+        self.scaler = scaler
         self.model = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[device] if device.type == "cuda" else None, **ddp_kwargs(ddp_options))
         self.hook = gradpress.ddp.register(self.model, self.compressor, error_feedback=error_feedback,
                                            strategy=strategy, min_numel=min_numel, seed=seed, nonfinite=nonfinite,
-                                           plan_costs=plan_costs, timeout=timeout)
+                                           plan_costs=plan_costs, timeout=timeout, scaler=scaler)
 
     def step(self) -> None:
-        if not self.hook.last_step_skipped:
+        if self.scaler is not None:  # plain AMP's end of a step: skipped on an overflow (every rank's: propagate)
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        elif not self.hook.last_step_skipped:
             self.optimizer.step()
+
+    def scaler_state(self) -> dict[str, Any] | None:
+        """The scaler's own state (scale, growth tracker; the hook's state holds only the scale its residuals
+        are kept in), which a checkpoint keeps beside :meth:`state_dict`; None without a scaler."""
+        return None if self.scaler is None else dict(self.scaler.state_dict())
+
+    def load_scaler_state(self, state: Mapping[str, Any]) -> None:
+        assert self.scaler is not None
+        self.scaler.load_state_dict(dict(state))
 
     def eval_model(self) -> torch.nn.Module:
         return self.module
@@ -204,19 +218,23 @@ class DDPAlgorithm:
 def create(spec: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, compressor: str | None = None,
            error_feedback: bool | None = None, strategy: str = "collective", min_numel: int = 1024, seed: int = 0,
            nonfinite: str = "propagate", ddp_options: Mapping[str, Any] | None = None,
-           plan_costs: str | None = None, timeout: float | None = None) -> Algorithm:
+           plan_costs: str | None = None, timeout: float | None = None, scaler: Any = None) -> Algorithm:
     """Build the algorithm ``spec`` around ``model`` and ``optimizer`` (an
     optimizer over ``model.parameters()``). ``compressor`` None: the
     algorithm's default. ``ddp_options``: keywords for DistributedDataParallel
     (``ddp`` only). ``timeout``: seconds a collective of the exchange may wait
-    (None: the process group's)."""
+    (None: the process group's). ``scaler``: fp16's ``torch.amp.GradScaler`` (None: none;
+    :mod:`gradpress.train.precision`)."""
     spec = check_spec(spec)
     common = {"error_feedback": error_feedback, "strategy": strategy, "min_numel": min_numel, "seed": seed,
               "nonfinite": nonfinite, "timeout": timeout}
     if spec == "ddp":
-        return DDPAlgorithm(model, optimizer, compressor, ddp_options=ddp_options, plan_costs=plan_costs, **common)
+        return DDPAlgorithm(model, optimizer, compressor, ddp_options=ddp_options, plan_costs=plan_costs,
+                            scaler=scaler, **common)
     if plan_costs is not None:
         raise ValueError(f"plan_costs applies to algorithm 'ddp' only, not {spec!r}")
     if ddp_options:
         raise ValueError(f"ddp_options apply to algorithm 'ddp' only, not {spec!r}")
+    if scaler is not None:
+        common["scaler"] = scaler
     return _registry().create(spec, model, optimizer, compressor=compressor, **common)

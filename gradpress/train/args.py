@@ -44,6 +44,9 @@ def add_arguments(p: argparse.ArgumentParser, *, compare: bool = False) -> None:
                    help="residual error feedback (auto: the compressor's default)")
     p.add_argument("--nonfinite", default=S, metavar="propagate|skip|raise",
                    help="a NaN/Inf gradient on some rank: propagate it (default), skip the step on every rank, or fail")
+    p.add_argument("--precision", default=S, metavar="fp32|bf16|fp16",
+                   help="forward pass under autocast: fp32 (default: none), bf16, or fp16 with a torch.amp.GradScaler "
+                        "given to the algorithm or hook; parameters stay fp32 (docs/train.md)")
     p.add_argument("--epochs", type=int, default=S, help="epochs (default: the workload's)")
     p.add_argument("--steps", type=int, default=S, help="cap on the total number of steps")
     p.add_argument("--batch-size", dest="batch_size", type=int, default=S, help="batch size per worker")

@@ -60,7 +60,7 @@ _LEGACY = "gradpress-train/1"
 #: what a ``gradpress-train/1`` checkpoint ran, for settings it does not record
 _LEGACY_DEFAULTS = {"algorithm": "ddp", "nonfinite": "propagate"}
 #: settings added after a checkpoint format, and what a checkpoint without them ran
-_ADDED_DEFAULTS = {"split": "iid"}
+_ADDED_DEFAULTS = {"split": "iid", "precision": "fp32"}
 
 
 def compat(cfg: TrainConfig, world: int) -> dict[str, Any]:
@@ -246,6 +246,9 @@ def save(path: Path, cfg: TrainConfig, world: int, rank: int, device: torch.devi
     (:mod:`gradpress.train.reshard`). ``steps_per_epoch``: this world's (a
     reshard inside the epoch shares out its remaining batches by it)."""
     mine: dict[str, Any] = {"algorithm": algo.state_dict(), "rng": rng_state(device)}
+    scaler = getattr(algo, "scaler_state", lambda: None)()
+    if scaler is not None:  # ddp under fp16: the GradScaler's state (an algorithm's is in its own state)
+        mine["loss_scaler"] = scaler
     if not getattr(algo, "replicated", False):
         mine["model"] = model.state_dict()
         mine["optimizer"] = opt.state_dict()

@@ -76,13 +76,14 @@ class TrainConfig:
     allow_divergence: bool = False
     tensorboard: str | None = None
     split: str = "iid"
+    precision: str = "fp32"
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig))
 #: changing these between a checkpoint and --resume would not continue the same run
 RESUME_FIXED = ("workload", "data", "hidden", "params", "samples", "text_bytes", "algorithm", "compressor",
                 "strategy", "error_feedback", "optimizer", "schedule", "batch_size", "seed", "min_numel", "nonfinite",
-                "plan_costs", "split")
+                "plan_costs", "split", "precision")
 #: options that change no figure of a run (where it writes, whether it resumed, what it prints or logs, how
 #: long it waits for a peer): left out of the settings a run records (:func:`settings`)
 UNRECORDED = ("out", "resume", "reshard", "progress", "timeout", "tensorboard", "log_every")

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from gradpress.train.optim import set_lr
+from gradpress.train.precision import Precision
 from gradpress.train.splits import shard_order
 
 __all__ = ["epoch_order", "steps_per_epoch", "shard_batches", "train_step", "Tick", "run_steps"]
@@ -81,12 +82,21 @@ def shard_batches(x: torch.Tensor, y: torch.Tensor, *, seed: int, rank: int, wor
 
 
 def train_step(algo: Any, optimizer: torch.optim.Optimizer, loss_fn: Callable[..., torch.Tensor],
-               x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+               x: torch.Tensor, y: torch.Tensor, precision: Precision | None = None) -> torch.Tensor:
     """zero_grad, forward and backward through ``algo.model``, then
-    ``algo.step()`` (the optimizer step and the algorithm's exchange)."""
+    ``algo.step()`` (the optimizer step and the algorithm's exchange).
+    ``precision`` (:mod:`gradpress.train.precision`; None: fp32): the forward
+    and the loss under its autocast, the backward through its loss scaler
+    (which ``algo`` was given, and which unscales, steps and updates in
+    ``algo.step()``). The loss returned is unscaled."""
     optimizer.zero_grad(set_to_none=True)
-    loss = loss_fn(algo.model(x), y)
-    loss.backward()
+    if precision is None:
+        loss = loss_fn(algo.model(x), y)
+        loss.backward()
+    else:
+        with precision.autocast():
+            loss = loss_fn(algo.model(x), y)
+        precision.backward(loss)
     algo.step()
     return loss
 
@@ -105,17 +115,18 @@ class Tick:
 def run_steps(algo: Any, optimizer: torch.optim.Optimizer, loss_fn: Callable[..., torch.Tensor],
               batches: Iterable[tuple[int, int, torch.Tensor, torch.Tensor]], *, lr: float, schedule: str,
               horizon: int, step: int = 0, device: torch.device | None = None,
-              after: Callable[[Tick], bool | None] | None = None, schedule_shift: int = 0) -> int:
+              after: Callable[[Tick], bool | None] | None = None, schedule_shift: int = 0,
+              precision: Precision | None = None) -> int:
     """The training loop: for each batch, set the scheduled learning rate, run
     :func:`train_step`, time it (on CUDA after a device synchronization),
     then call ``after(tick)`` outside the timed region; it returns True to
     stop. ``step``: steps already done (the schedule's position, plus
     ``schedule_shift`` after a change of world size: :mod:`gradpress.train.reshard`).
-    Returns the number of steps done."""
+    ``precision``: :func:`train_step`'s. Returns the number of steps done."""
     for epoch, b, x, y in batches:
         t0 = time.perf_counter()
         set_lr(optimizer, lr, schedule, step + schedule_shift, horizon)
-        loss = train_step(algo, optimizer, loss_fn, x, y)
+        loss = train_step(algo, optimizer, loss_fn, x, y, precision)
         if device is not None and device.type == "cuda":
             torch.cuda.synchronize(device)
         dt = time.perf_counter() - t0

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from gradpress import workloads
 from gradpress.torch_compat import destroy_process_group
-from gradpress.train import algorithm, checkpoint, report, reshard, splits
+from gradpress.train import algorithm, checkpoint, precision, report, reshard, splits
 from gradpress.train.config import TrainConfig
 from gradpress.train.evaluate import evaluate
 from gradpress.train.launch import init_group
@@ -214,10 +214,12 @@ class _Run:
         if state is not None:
             self.model.load_state_dict(checkpoint.rank_state(state, self.rank, "model", mine))
         self.opt = make_optimizer(cfg.optimizer, self.model.parameters(), cfg.lr)
+        self.precision = precision.make(cfg.precision, device)
         self.algo = algorithm.create(cfg.algorithm, self.model, self.opt, compressor=cfg.compressor,
                                      error_feedback=_EF[cfg.error_feedback], strategy=cfg.strategy,
                                      min_numel=cfg.min_numel, seed=cfg.seed, nonfinite=cfg.nonfinite,
-                                     plan_costs=cfg.plan_costs, timeout=cfg.timeout)
+                                     plan_costs=cfg.plan_costs, timeout=cfg.timeout,
+                                     scaler=None if self.precision is None else self.precision.scaler)
         if state is not None and mine is not None:
             if "model" in mine:  # replicas differ: building took rank 0's parameters
                 self.model.load_state_dict(mine["model"])
@@ -225,6 +227,8 @@ class _Run:
             for group in self.opt.param_groups:  # lr may be changed on resume
                 group["lr"] = cfg.lr
             self.algo.load_state_dict(mine["algorithm"])
+            if "loss_scaler" in mine and getattr(self.algo, "scaler", None) is not None:
+                self.algo.load_scaler_state(mine["loss_scaler"])  # ddp under fp16 (precision is fixed on resume)
             if resharded:
                 reshard.seed_fresh(cfg.seed, state["step"])
             else:
@@ -257,7 +261,8 @@ class _Run:
                                 batch_size=cfg.batch_size, epochs=cfg.epochs, start=start, count=max(total - step, 0),
                                 shard=shard, resumed=None if rows is None else (rows[0][self.rank], rows[1]))
         step = run_steps(self.algo, self.opt, self.wl.loss, batches, lr=cfg.lr, schedule=cfg.schedule,
-                         horizon=horizon, step=step, device=self.device, after=logger, schedule_shift=shift)
+                         horizon=horizon, step=step, device=self.device, after=logger, schedule_shift=shift,
+                         precision=self.precision)
         logger.close()
         summary = report.summarize(
             cfg=cfg, described=self.algo.describe(), stats=self.algo.stats, world=self.world, steps=step,

@@ -2,8 +2,8 @@
 and completed (:func:`validate`, which :func:`~gradpress.train.config.make_config`
 calls on the merged options): the workload and its defaults, the numbers,
 the exchange (algorithm, compressor resolved to the algorithm's default,
-strategy, host layout, error feedback, NaN/Inf mode, plan costs), then the
-device, flags, output, data split, TensorBoard directory and data file.
+strategy, host layout, error feedback, NaN/Inf mode, plan costs), the precision
+(:mod:`gradpress.train.precision`), then the device, flags, output, data split, TensorBoard directory and data file.
 
 Invariant: whatever a worker would refuse is refused here, before any
 worker starts, with a ``ValueError`` that names the field, the value and
@@ -168,7 +168,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         parse_count(cfg.params)
         cfg.params = str(cfg.params)
     _validate_exchange(cfg)
-    from gradpress.train import splits
+    from gradpress.train import precision, splits
+
+    precision.check(cfg)  # after the exchange: fp16's scaler needs nonfinite propagate and an algorithm taking it
 
     split = splits.parse_split(cfg.split)  # bad kinds and values: refused here, naming the field
     splits.check_workload(split, cfg.workload, workloads.get(cfg.workload).labels)
