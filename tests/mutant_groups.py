@@ -129,9 +129,10 @@ GROUPS: dict[str, tuple[list[str], list[str], int]] = {
     "workloads": ([f"gradpress/workloads/{m}.py" for m in ("base", "mnist1d", "wide", "digits", "charlm", "userdata")],
                   ["tests/test_mutants_workloads.py", "tests/test_workloads.py", "tests/test_review_workloads.py",
                    "tests/test_train_hardening.py::test_truncated_cache_file_is_regenerated"], 15),
-    "train": ([f"gradpress/train/{m}.py" for m in ("loop", "session", "evaluate", "algorithm", "report", "splits")],
+    "train": ([f"gradpress/train/{m}.py" for m in ("loop", "session", "evaluate", "algorithm", "report", "splits",
+                                                    "precision")],
               ["tests/test_mutants_train.py", "tests/test_mutants_train_session.py", "tests/test_plants_train.py",
-               "tests/test_splits.py",
+               "tests/test_splits.py", "tests/test_train_precision.py",
                "tests/test_tensorboard.py::test_a_resumed_run_purges_the_events_the_interrupted_run_wrote_past_its_"
                "checkpoint",
                "tests/test_train.py::test_data_order_is_sharded_and_deterministic",
