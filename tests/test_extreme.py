@@ -281,6 +281,8 @@ def nonzero_expected(spec: str, comp: Compressor, x: torch.Tensor) -> bool:
     amax = float(x.double().abs().max())
     if name in ("fp16", "bf16") or name == "threshold":
         return False  # checked against the exact documented cast / keep rule instead
+    if comp.scale_degree is None:
+        return False  # not homogeneous: an absolute scale (a plugin's fixed threshold, TBQ's tau) may send nothing
     if (name == "natural" or second == "natural") and amax < 2.0**-126:
         return False  # rounded to 0 or 2^-126 unbiasedly: checked by the statistical test
     if name == "randomk" and second == "natural":  # random-k may drop every entry >= 2^-126 (then as above)

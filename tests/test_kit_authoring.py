@@ -3,7 +3,9 @@ runs as written: the declaration block is executed, the compressor is built
 from a spec string, checked against TBQ's formula computed here in float64
 (sign(x) tau where |x| >= tau, else 0), its derived layout and traits are
 the ones the page shows, and it runs through the error-feedback exchange of
-two ranks like any registered compressor."""
+two ranks like any registered compressor. It also passes what the page's
+"The generic tests on your plugin" runs on it as a plugin: its declared
+scale degree and the extreme inputs."""
 
 from __future__ import annotations
 
@@ -85,3 +87,19 @@ def test_tbq_trains_through_error_feedback_like_any_compressor(tbq) -> None:
         sent += out
     assert float((sent - 200 * g).abs().max()) < 0.25 + 1e-6  # the residual stays below tau
     assert float(sent.abs().max()) > 0
+
+
+def test_the_worked_example_passes_the_generic_extreme_and_degree_checks(tbq) -> None:
+    """What docs/authoring.md's "The generic tests on your plugin" runs on this
+    declaration as a plugin holds: its declared ``scale_degree`` by its
+    definition (decode(encode(s g)) against s**d decode(encode(g)) in float64,
+    tests/test_compressor_traits.py) and the extreme inputs of every dtype
+    (tests/test_extreme.py). A fixed tau is not homogeneous: declared with the
+    default 1, or with tiny inputs required to decode nonzero, both failed."""
+    from test_compressor_traits import test_declared_scale_degree_holds_by_its_definition
+    from test_extreme import check_family
+
+    assert create("tbq").scale_degree is None
+    test_declared_scale_degree_holds_by_its_definition("tbq:tau=0.01")
+    for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+        check_family("tbq:tau=0.01", dtype)

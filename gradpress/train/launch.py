@@ -124,7 +124,28 @@ def _worker_entry(cfg_dict: dict[str, Any], env: dict[str, dict[str, str]] | Non
     try:
         return {"ok": train(TrainConfig(**cfg_dict))}
     except ValueError as exc:
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # the group may already be destroyed here
+            # one rank's refusal (its own checkpoint entry, say): the others may already wait in a
+            # collective it never joins, and a returned value would wait for them (the launcher then
+            # reported their timeout, --timeout later, and lost this message): fail so they are stopped
+            raise RankValueError(str(exc)) from None
         return {"value_error": str(exc)}
+
+
+class RankValueError(Exception):
+    """A ``ValueError`` raised on a rank of several: the worker fails with it, the launcher
+    stops the other workers at once and raises it as a ``ValueError`` again (:func:`rank_value_error`)."""
+
+
+def rank_value_error(failures: Mapping[int, Any]) -> str | None:
+    """The earliest :class:`RankValueError`'s message among the launcher's failures, else None."""
+    prefix = f"{RankValueError.__name__}: "
+    found = []
+    for failure in failures.values():
+        message = failure.message.get("message", "") if isinstance(failure.message, Mapping) else failure.message
+        if isinstance(message, str) and message.startswith(prefix):
+            found.append((failure.timestamp, message[len(prefix):]))
+    return min(found)[1] if found else None
 
 
 def _launcher_environ(base: Mapping[str, str], now: Mapping[str, str]) -> None:
@@ -275,6 +296,9 @@ def _launch(cfg: TrainConfig) -> dict[str, Any]:
             {"base": _FORKSERVER_ENV, "now": dict(os.environ)}
         results = elastic_launch(launch, _worker_entry)(dataclasses.asdict(cfg), env)
     except ChildFailedError as exc:
+        refused = rank_value_error(exc.failures)
+        if refused is not None:
+            raise ValueError(refused) from None
         raise WorkerFailed(describe_failures(exc.failures, cfg.nproc, cfg.timeout, _exit_codes(exc))) from None
     except SignalException as exc:
         if exc.sigval == signal.SIGINT:
