@@ -103,3 +103,18 @@ def test_the_worked_example_passes_the_generic_extreme_and_degree_checks(tbq) ->
     test_declared_scale_degree_holds_by_its_definition("tbq:tau=0.01")
     for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
         check_family("tbq:tau=0.01", dtype)
+
+
+def test_a_loss_scaler_is_refused_for_the_worked_example(tbq) -> None:
+    """Under the DDP hook with a ``GradScaler`` the compressor sees the scaled gradient: TBQ's fixed tau
+    (``scale_degree = None``) would then select by the scale, not by the gradient. Refused by name when the
+    hook is made (and when it binds: the same ``check_feedback``); ``threshold``, whose tau is compared with
+    |x| / ctx.loss_scale (degree 1), is accepted."""
+    import gradpress.ddp
+
+    if not hasattr(torch, "amp") or not hasattr(torch.amp, "GradScaler"):
+        pytest.skip("this torch has no torch.amp.GradScaler")
+    with pytest.raises(ValueError, match=r"^scaler: compressor 'tbq:tau=0.01' declares scale_degree=None "):
+        gradpress.ddp.make_hook("tbq:tau=0.01", scaler=torch.amp.GradScaler("cpu"))
+    state, _ = gradpress.ddp.make_hook("threshold:tau=0.01", scaler=torch.amp.GradScaler("cpu"))
+    state.close()

@@ -84,7 +84,16 @@ def check_mode(nonfinite: str) -> None:
 
 def check_feedback(compressor: Any, error_feedback: bool) -> None:
     """``ValueError`` when error feedback is on for a compressor whose output is scale-free
-    (``scale_degree == 0``): under a loss scale its residual ``p - decode`` mixes the scaled ``p`` with +-1."""
+    (``scale_degree == 0``): under a loss scale its residual ``p - decode`` mixes the scaled ``p`` with +-1;
+    and for a compressor of no scale degree (``None``: a constant it does not relate to ``ctx.loss_scale``,
+    such as docs/authoring.md's TBQ with a fixed tau), whose average the loss scale would change by more
+    than the scale, whatever the error feedback."""
+    if getattr(compressor, "scale_degree", 1) is None:
+        raise ValueError(
+            f"scaler: compressor {compressor.spec()!r} declares scale_degree=None (decode(encode(s x)) is not "
+            "s**k decode(encode(x)): a constant of it applies to the scaled gradient), so a loss scaler would "
+            "change what it sends; allowed with a scaler: a compressor of scale_degree 0 or 1 (one that compares "
+            "its constants with |x| / ctx.loss_scale declares 1, as threshold does), or no scaler (bf16 autocast)")
     if error_feedback and getattr(compressor, "scale_degree", 1) == 0:
         raise ValueError(
             f"scaler: compressor {compressor.spec()!r} decodes to a scale-free output (scale_degree=0: +-1 whatever "
