@@ -126,7 +126,9 @@ def run_steps(algo: Any, optimizer: torch.optim.Optimizer, loss_fn: Callable[...
     for epoch, b, x, y in batches:
         t0 = time.perf_counter()
         set_lr(optimizer, lr, schedule, step + schedule_shift, horizon)
-        loss = train_step(algo, optimizer, loss_fn, x, y, precision)
+        # fp32 calls train_step as before mixed precision existed (a wrapper of it with that signature keeps working)
+        loss = train_step(algo, optimizer, loss_fn, x, y) if precision is None else \
+            train_step(algo, optimizer, loss_fn, x, y, precision=precision)
         if device is not None and device.type == "cuda":
             torch.cuda.synchronize(device)
         dt = time.perf_counter() - t0
