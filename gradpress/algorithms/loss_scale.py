@@ -44,6 +44,8 @@ from typing import Any
 
 import torch
 
+from gradpress.exchange.nonfinite import SCALER_NEEDS_PROPAGATE
+
 __all__ = ["AlgorithmScale", "SCALER_METHODS", "check_scaler"]
 
 #: what ``scaler=`` must provide (``torch.amp.GradScaler`` does)
@@ -64,9 +66,7 @@ def check_scaler(name: str, scaler: Any, nonfinite: str, refusal: str | None) ->
                          f"(no {missing[0]})")
     if nonfinite != "propagate":
         raise ValueError(f"algorithm {name!r}: scaler= needs nonfinite='propagate', got nonfinite={nonfinite!r}: "
-                         "'skip' zeroes an overflowed step's gradients, so the scaler never sees the overflow and "
-                         "never lowers the scale; 'raise' fails on the overflows that dynamic loss scaling causes "
-                         "by design")
+                         + SCALER_NEEDS_PROPAGATE)
 
 
 def _number(x: Any) -> bool:

@@ -45,6 +45,8 @@ import math
 import warnings
 from typing import Any, Protocol
 
+from gradpress.exchange.nonfinite import SCALER_NEEDS_PROPAGATE
+
 __all__ = ["LossScale", "check_scaler", "check_mode", "check_kept", "check_feedback", "check_engine", "check_attach",
            "EVERY_RANK", "framework_scaler"]
 
@@ -77,9 +79,8 @@ def check_mode(nonfinite: str) -> None:
     """``ValueError`` unless ``nonfinite`` lets a scaler see overflows (``propagate``)."""
     if nonfinite != "propagate":
         raise ValueError(
-            f"scaler: a loss scaler needs nonfinite='propagate', got nonfinite={nonfinite!r}: 'skip' zeroes an "
-            "overflowed step's gradients, so the scaler never sees the overflow and never lowers the scale; "
-            "'raise' fails on the overflows that dynamic loss scaling causes by design")
+            f"scaler: a loss scaler needs nonfinite='propagate', got nonfinite={nonfinite!r}: "
+            + SCALER_NEEDS_PROPAGATE)
 
 
 def check_feedback(compressor: Any, error_feedback: bool) -> None:

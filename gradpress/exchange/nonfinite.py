@@ -72,7 +72,13 @@ from gradpress.compress.base import all_finite
 from gradpress.exchange.feedback import Feedback
 from gradpress.exchange.stats import ExchangeStats
 
-__all__ = ["NONFINITE_MODES", "StepGuard", "local_flags", "nonfinite_gradient_error"]
+__all__ = ["NONFINITE_MODES", "SCALER_NEEDS_PROPAGATE", "StepGuard", "local_flags", "nonfinite_gradient_error"]
+
+#: why a loss scaler needs ``nonfinite='propagate'`` (the DDP hook's, the algorithms' and ``--precision fp16``'s
+#: refusals of another mode end with it)
+SCALER_NEEDS_PROPAGATE = ("'skip' zeroes an overflowed step's gradients, so the scaler never sees the overflow and "
+                          "never lowers the scale; 'raise' fails on the overflows that dynamic loss scaling causes "
+                          "by design")
 
 NONFINITE_MODES = ("propagate", "skip", "raise")
 

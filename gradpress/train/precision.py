@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from gradpress.exchange.nonfinite import SCALER_NEEDS_PROPAGATE
+
 if TYPE_CHECKING:
     from gradpress.train.config import TrainConfig
 
@@ -44,10 +46,8 @@ def check(cfg: TrainConfig) -> None:
     if cfg.precision != "fp16":
         return
     if cfg.nonfinite != "propagate":
-        raise ValueError(f"precision 'fp16' needs nonfinite 'propagate', got nonfinite {cfg.nonfinite!r}: 'skip' "
-                         "zeroes an overflowed step's gradients, so the GradScaler never sees the overflow and never "
-                         "lowers the scale; 'raise' fails on the overflows dynamic loss scaling causes by design; "
-                         "allowed: --nonfinite propagate, or --precision bf16")
+        raise ValueError(f"precision 'fp16' needs nonfinite 'propagate', got nonfinite {cfg.nonfinite!r}: "
+                         f"{SCALER_NEEDS_PROPAGATE}; allowed: --nonfinite propagate, or --precision bf16")
     name = cfg.algorithm.partition(":")[0]
     if name != "ddp":
         from gradpress.algorithms.registry import get_class
